@@ -1,0 +1,43 @@
+// CPU reference attention. The primitive is attention over gathered rows: the caller (dense
+// or a sparse selection) gathers the K/V rows a query may read into contiguous scratch and
+// this computes exact softmax(q.k * scale) . v over exactly those rows. No masks over dense
+// scores: the only limit is causality (row r sees the first limit[r] gathered keys).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "kv/kv_pool.h"
+
+namespace spade::cpu {
+
+// Reused buffers; they grow to the largest size seen and are never shrunk, so steady-state
+// decode allocates nothing.
+struct AttentionScratch {
+  std::vector<float> q, k, v, s, o;
+  std::vector<int64_t> limit;
+  template <typename T>
+  static T* ensure(std::vector<T>& b, size_t n) {
+    if (b.size() < n) b.resize(n);
+    return b.data();
+  }
+};
+
+// O[M,D] = softmax_rows(Q[M,D] K[0:limit[r],D]^T * scale) V[0:limit[r],D].
+// limit[r] in [1, L]. s is scratch of M*L floats.
+void attend_gathered(const float* Q, const float* K, const float* V, const int64_t* limit,
+                     int64_t M, int64_t L, int64_t D, float scale, float* s, float* O);
+
+// Dense causal attention for T new tokens of one sequence at positions [p0, p0+T) (their
+// K/V already written to the cache), query heads [T, Hq, D] -> out [T, Hq, D].
+void attention_dense(const KVPool& kv, int layer, const PageTable& pt, const float* q,
+                     int64_t p0, int64_t T, int Hq, float scale, float* out,
+                     AttentionScratch& scratch);
+
+// Gathers rows `positions[0..n)` of one KV head into K[n,D], V[n,D].
+void gather_kv(const KVPool& kv, int layer, const PageTable& pt, int head,
+               const int32_t* positions, int64_t n, float* K, float* V);
+// Gathers rows [0, n) of one KV head.
+void gather_kv_prefix(const KVPool& kv, int layer, const PageTable& pt, int head, int64_t n,
+                      float* K, float* V);
+
+}  // namespace spade::cpu
