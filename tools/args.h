@@ -19,7 +19,7 @@ class Args {
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       // Options start with "--"; single-dash names count only when declared (e.g. "-n").
-      const bool declared_short = a[0] == '-' && a.size() >= 2 && a[1] != '-' &&
+      const bool declared_short = a.size() >= 2 && a[0] == '-' && a[1] != '-' &&
                                   (flags.count(a) || with_value.count(a));
       if (only_pos || a.size() < 2 || a[0] != '-' || (a[1] != '-' && !declared_short)) {
         positional_.push_back(a);

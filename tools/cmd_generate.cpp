@@ -1,8 +1,10 @@
 // `spade generate`: load a model, tokenize the prompt, stream the generated text to stdout.
-// Statistics (load time, prefill and decode speed) go to stderr only.
+// Statistics (load time, prefill and decode speed; with a sparse method, per-step density and
+// recall) go to stderr only.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "args.h"
@@ -10,6 +12,11 @@
 #include "core/thread_pool.h"
 #include "engine/generator.h"
 #include "model/loader.h"
+#if defined(SPADE_HAVE_CUDA)
+#include "model/cuda_model.h"
+#endif
+#include "sparse/registry.h"
+#include "sparse/session.h"
 #include "tokenizer/tokenizer.h"
 
 namespace spade::cli {
@@ -32,8 +39,43 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   --threads N           CPU threads (default: all cores)
   --page-size N         KV cache page size in tokens (default 16)
   --prefill-chunk N     prompt tokens per forward pass (default 1024)
-  --stats               print token counts and speeds to stderr
+  --stats               print token counts and speeds to stderr; with a sparse method also
+                        each decode step's density (and recall with --recall)
+  --device cpu|cuda     where the model runs (default cpu; cuda: bf16 weights on the GPU,
+                        full attention only)
+  --synthetic NAME      no weights: random weights of NAME's shapes on the GPU (llama3-8b,
+                        qwen3-8b, or a config.json path); the prompt is --prompt-len random
+                        token ids and the output is token ids (speed measurements)
+  --prompt-len N        prompt tokens for --synthetic (default 128)
+
+sparse attention (prefill is dense; decode steps read only the selected tokens):
+  --sparse NAME         method (default full): )" "%METHODS%" R"(
+  --budget N            tokens attended per KV head in sparse layers (method option budget)
+  --sparse-opt K=V      method option; repeatable, or a comma list K=V,K=V
+  --sparse-config F     JSON file: {"method": "quest", "budget": 2048, "recall": true, ...}
+                        (command-line options override it)
+  --recall              measure attention recall against full attention (slower)
+
+methods and options (defaults from the papers; docs/sparse.md):
 )";
+
+// Every value of a repeatable option (Args keeps only the last one).
+std::vector<std::string> all_values(int argc, char** argv, const std::string& name) {
+  std::vector<std::string> out;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--") break;
+    if (a == name && i + 1 < argc) out.push_back(argv[++i]);
+    else if (a.rfind(name + "=", 0) == 0) out.push_back(a.substr(name.size() + 1));
+  }
+  return out;
+}
+
+std::string help_text() {
+  std::string h = kHelp;
+  h.replace(h.find("%METHODS%"), 9, sparse::method_names());
+  return h + sparse::methods_help();
+}
 
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -43,16 +85,75 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// --synthetic: random weights with a real model's shapes on the GPU; random prompt ids.
+int run_synthetic(const Args& a) {
+#if defined(SPADE_HAVE_CUDA)
+  ModelConfig cfg = synthetic_config(a.str("--synthetic"));
+  long long n = a.has("-n") ? a.integer("-n", 128) : a.integer("--max-tokens", 128);
+  const int64_t plen = a.integer("--prompt-len", 128);
+  SPADE_CHECK(plen > 0 && n >= 0, "--prompt-len must be positive and --max-tokens >= 0");
+  GenerateOptions opt;
+  opt.max_new_tokens = n;
+  opt.prefill_chunk = std::min<long long>(a.integer("--prefill-chunk", 1024), 8192);
+  opt.sampling.temperature = float(a.number("--temperature", 0));
+  opt.sampling.top_k = int(a.integer("--top-k", 0));
+  opt.sampling.top_p = float(a.number("--top-p", 1));
+  opt.sampling.min_p = float(a.number("--min-p", 0));
+  opt.sampling.seed = uint64_t(a.integer("--seed", 0));
+  CudaModelOptions copt;
+  copt.page_size = int(a.integer("--page-size", 16));
+  copt.max_tokens = std::min<int64_t>(plen + n, cfg.max_context);
+  copt.max_batch = 1;
+  copt.max_step_tokens = opt.prefill_chunk;
+  CudaModel model(cfg, copt, uint64_t(a.integer("--seed", 0)) + 1);
+  std::mt19937 rng(uint32_t(a.integer("--seed", 0)));
+  std::vector<int32_t> prompt(static_cast<size_t>(plen));
+  for (auto& t : prompt) t = int32_t(rng() % uint32_t(cfg.vocab));
+  PageTable pt;
+  GenerateStats st = generate_cuda(model, pt, prompt, opt, [&](int32_t id) {
+    std::printf("%d ", id);
+    std::fflush(stdout);
+    return true;
+  });
+  std::fputc('\n', stdout);
+  if (a.has("--stats"))
+    std::fprintf(stderr,
+                 "[spade] synthetic %s on %s | prompt %lld tokens, %.1f tok/s | generated %lld "
+                 "tokens, %.2f ms/token\n",
+                 a.str("--synthetic").c_str(), cuda::device_summary().c_str(),
+                 (long long)st.prompt_tokens, st.prompt_tokens / std::max(1e-9, st.prefill_seconds),
+                 (long long)st.generated_tokens,
+                 1e3 * st.decode_seconds / double(std::max<int64_t>(1, st.generated_tokens - 1)));
+  return 0;
+#else
+  fail("--synthetic needs the CUDA backend (this build has none)");
+#endif
+}
+
 int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--prompt", "--prompt-file", "--system", "-n", "--max-tokens",
           "--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed",
-          "--threads", "--page-size", "--prefill-chunk"},
-         {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats"});
+          "--threads", "--page-size", "--prefill-chunk", "--sparse", "--budget", "--sparse-opt",
+          "--sparse-config", "--device", "--synthetic", "--prompt-len"},
+         {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats", "--recall"});
   if (a.has("--help")) {
-    std::fputs(kHelp, stdout);
+    std::fputs(help_text().c_str(), stdout);
     return 0;
   }
+  // Sparse configuration: JSON file, then flags.
+  sparse::SparseConfig scfg;
+  if (a.has("--sparse-config")) scfg.merge_json_file(a.str("--sparse-config"));
+  if (a.has("--sparse")) scfg.method = a.str("--sparse");
+  if (a.has("--budget")) scfg.set("budget", std::to_string(a.integer("--budget", 0)));
+  for (const auto& o : all_values(argc, argv, "--sparse-opt")) scfg.set_options(o);
+  if (a.has("--recall")) scfg.measure_recall = true;
+  sparse::find_method(scfg.method);  // unknown names fail before the model loads
+  const std::string device = a.str("--device", a.has("--synthetic") ? "cuda" : "cpu");
+  SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda");
+  SPADE_CHECK(device == "cpu" || scfg.method == "full",
+              "--device cuda runs full attention only (sparse methods are CPU-only for now)");
+  if (a.has("--synthetic")) return run_synthetic(a);
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   SPADE_CHECK(a.has("--prompt") != a.has("--prompt-file"),
               "give exactly one of --prompt and --prompt-file");
@@ -99,18 +200,63 @@ int run(int argc, char** argv) {
   KVPool kv(layout, (tokens + layout.page_size - 1) / layout.page_size);
   CpuModel model(*weights, kv);
   PageTable pt;
+  auto method = sparse::make_method(scfg, cfg);
+  sparse::SparseSession session(method, cfg, kv, {scfg.measure_recall, false});
+  session.reserve(tokens);
+  const bool stats = a.has("--stats");
+  if (stats) {
+    std::fprintf(stderr, "[spade] attention: %s%s\n", method->describe().c_str(),
+                 scfg.measure_recall ? " (measuring recall)" : "");
+    session.on_step = [&](const sparse::StepStats& s) {
+      std::fprintf(stderr, "[spade] step %lld L=%lld tokens/head %.1f density %.4f (sparse layers %.4f)",
+                   (long long)s.step, (long long)s.length, s.tokens_per_head(), s.density(),
+                   s.sparse_density());
+      if (s.has_recall())
+        std::fprintf(stderr, " recall %.4f (sparse layers %.4f, min %.4f)", s.mean_recall(),
+                     s.sparse_recall(), s.min_recall());
+      std::fputc('\n', stderr);
+    };
+  }
+  opt.attention = &session.attention();
   StreamDecoder dec(*tok);
-  GenerateStats st = generate(model, pt, prompt, opt, [&](int32_t id) {
+  auto emit = [&](int32_t id) {
     if (tok->is_special(id)) return true;  // end markers are not text
     std::string s = dec.push(id);
     std::fwrite(s.data(), 1, s.size(), stdout);
     std::fflush(stdout);
     return true;
-  });
+  };
+  GenerateStats st;
+  if (device == "cuda") {
+#if defined(SPADE_HAVE_CUDA)
+    CudaModelOptions copt;
+    copt.page_size = layout.page_size;
+    copt.max_tokens = tokens;
+    copt.max_batch = 1;
+    copt.max_step_tokens = std::min<int64_t>(opt.prefill_chunk, 8192);
+    opt.prefill_chunk = copt.max_step_tokens;
+    opt.attention = nullptr;
+    CudaModel gpu(*weights, copt);
+    st = generate_cuda(gpu, pt, prompt, opt, emit);
+#else
+    fail("--device cuda: this build has no CUDA backend");
+#endif
+  } else {
+    st = generate(model, pt, prompt, opt, emit);
+  }
   std::string rest = dec.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
   std::fputc('\n', stdout);
-  if (a.has("--stats")) {
+  if (stats) {
+    const sparse::SessionTotals& t = session.totals();
+    std::fprintf(stderr, "[spade] %s: %lld decode steps, mean density %.4f (sparse layers %.4f), "
+                 "tokens/head %.1f",
+                 method->name().c_str(), (long long)t.steps, t.mean_density(),
+                 t.mean_sparse_density(), t.mean_tokens_per_head());
+    if (scfg.measure_recall)
+      std::fprintf(stderr, ", mean recall %.4f (sparse layers %.4f, min %.4f)", t.mean_recall(),
+                   t.mean_sparse_recall(), t.min_recall);
+    std::fputc('\n', stderr);
     std::fprintf(stderr,
                  "[spade] model load %.2f s | prompt %lld tokens, %.1f tok/s | generated %lld "
                  "tokens, %.1f tok/s | threads %d\n",

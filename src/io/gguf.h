@@ -11,6 +11,7 @@
 
 #include "core/dtype.h"
 #include "core/mmap_file.h"
+#include "core/tensor.h"
 
 namespace spade {
 
@@ -39,13 +40,16 @@ struct GgufValue {
 
 struct GgufTensorInfo {
   std::string name;
-  DType dtype = DType::F32;
+  DType dtype = DType::F32;     // meaningful only when dtype_known
   uint32_t ggml_type = 0;       // raw ggml type id as stored
+  bool dtype_known = false;     // spade can dequantize this ggml type
   std::vector<int64_t> ne;      // ggml order: ne[0] is the contiguous (innermost) dim
   uint64_t offset = 0;          // relative to the data section
   const uint8_t* data = nullptr;
-  size_t nbytes = 0;
+  size_t nbytes = 0;             // 0 (and data null) for ggml type ids unknown to spade
   int64_t numel() const;
+  std::string type_name() const;           // "q4_1", "ggml_type_99"
+  std::vector<int64_t> shape() const;      // row-major order (reversed ne): [rows, cols]
 };
 
 class GgufFile {
@@ -69,12 +73,27 @@ class GgufFile {
   std::optional<int64_t> get_int_opt(const std::string& key) const;
   std::optional<double> get_float_opt(const std::string& key) const;
   std::optional<std::string> get_string_opt(const std::string& key) const;
+  // Length of an array value (vocabularies); throws when missing or not an array.
+  size_t get_array_size(const std::string& key) const;
+
+  // The tensor's data as a row-major view (shape = reversed ne). Throws spade::Error naming
+  // the tensor and its ggml type when spade cannot read that type.
+  TensorView view(const GgufTensorInfo& t) const;
+  TensorView view(const std::string& name) const;  // throws when the tensor is missing
+
+  uint32_t alignment() const { return alignment_; }
+  uint64_t data_offset() const { return data_offset_; }  // start of the tensor data section
+  size_t file_size() const { return size_; }
 
  private:
   GgufFile() = default;
+  void parse_image(const uint8_t* data, size_t size);
   MappedFile file_;
   std::string path_;
   uint32_t version_ = 0;
+  uint32_t alignment_ = 32;
+  uint64_t data_offset_ = 0;
+  size_t size_ = 0;
   std::map<std::string, GgufValue> kv_;
   std::vector<GgufTensorInfo> tensors_;
   std::map<std::string, size_t> tensor_index_;

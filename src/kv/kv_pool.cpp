@@ -1,6 +1,7 @@
 #include "kv/kv_pool.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace spade {
@@ -14,9 +15,33 @@ KVPool::KVPool(const KVLayout& layout, int64_t n_pages) : layout_(layout), n_pag
   size_t floats = size_t(layout.n_layers) * size_t(n_pages) * size_t(layout.page_floats());
   k_.assign(floats, 0.f);
   v_.assign(floats, 0.f);
+  if (layout.page_minmax) {
+    size_t meta = size_t(layout.n_layers) * size_t(n_pages) * size_t(layout.n_kv_heads) *
+                  size_t(layout.head_dim);
+    kmin_.assign(meta, INFINITY);
+    kmax_.assign(meta, -INFINITY);
+  }
+  refs_.assign(size_t(n_pages), 0);
   free_.resize(size_t(n_pages));
   // Free list used as a stack: lowest ids are handed out first.
   for (int64_t i = 0; i < n_pages; ++i) free_[size_t(i)] = int32_t(n_pages - 1 - i);
+}
+
+void KVPool::reset_meta(int32_t page) {
+  if (!layout_.page_minmax) return;
+  const size_t n = size_t(layout_.n_kv_heads) * size_t(layout_.head_dim);
+  for (int l = 0; l < layout_.n_layers; ++l) {
+    std::fill_n(kmin_.begin() + meta_offset(l, page, 0), n, INFINITY);
+    std::fill_n(kmax_.begin() + meta_offset(l, page, 0), n, -INFINITY);
+  }
+}
+
+int32_t KVPool::take_page() {
+  int32_t p = free_.back();
+  free_.pop_back();
+  refs_[size_t(p)] = 1;
+  reset_meta(p);
+  return p;
 }
 
 void KVPool::reserve(PageTable& pt, int64_t new_length) {
@@ -25,25 +50,71 @@ void KVPool::reserve(PageTable& pt, int64_t new_length) {
   SPADE_CHECK(need <= free_pages(), "KV cache full: need ", need, " more pages of ",
               layout_.page_size, " tokens for a sequence of ", new_length, " tokens, ",
               free_pages(), " of ", n_pages_, " pages free (raise --kv-pages)");
-  for (int64_t i = 0; i < need; ++i) {
-    pt.pages.push_back(free_.back());
-    free_.pop_back();
-  }
+  for (int64_t i = 0; i < need; ++i) pt.pages.push_back(take_page());
 }
 
 void KVPool::release(PageTable& pt) {
-  for (int32_t p : pt.pages) free_.push_back(p);
+  for (int32_t p : pt.pages) {
+    SPADE_CHECK(refs_[size_t(p)] > 0, "KV pool: page ", p, " released twice");
+    if (--refs_[size_t(p)] == 0) free_.push_back(p);
+  }
   pt.pages.clear();
   pt.length = 0;
 }
 
+PageTable KVPool::fork(const PageTable& src) {
+  const int64_t P = layout_.page_size;
+  PageTable out;
+  out.length = src.length;
+  const int64_t used = (src.length + P - 1) / P;  // pages holding tokens
+  const bool partial = src.length % P != 0;
+  SPADE_CHECK(!partial || free_pages() > 0, "KV cache full: no free page to fork a sequence of ",
+              src.length, " tokens (raise --kv-pages)");
+  out.pages.reserve(size_t(used));
+  for (int64_t i = 0; i < used; ++i) {
+    int32_t p = src.pages[size_t(i)];
+    if (partial && i == used - 1) {
+      int32_t q = take_page();
+      const size_t n = size_t(layout_.page_floats());
+      for (int l = 0; l < layout_.n_layers; ++l) {
+        std::memcpy(k_page(l, q), k_page(l, p), n * sizeof(float));
+        std::memcpy(v_page(l, q), v_page(l, p), n * sizeof(float));
+        if (layout_.page_minmax) {
+          const size_t m = size_t(layout_.n_kv_heads) * size_t(layout_.head_dim);
+          std::memcpy(kmin_.data() + meta_offset(l, q, 0), kmin_.data() + meta_offset(l, p, 0),
+                      m * sizeof(float));
+          std::memcpy(kmax_.data() + meta_offset(l, q, 0), kmax_.data() + meta_offset(l, p, 0),
+                      m * sizeof(float));
+        }
+      }
+      out.pages.push_back(q);
+    } else {
+      ++refs_[size_t(p)];
+      out.pages.push_back(p);
+    }
+  }
+  return out;
+}
+
 void KVPool::write(int layer, const PageTable& pt, int64_t pos, const float* k, const float* v) {
   const int D = layout_.head_dim;
-  float* kp = k_page(layer, pt.pages[size_t(pos / layout_.page_size)]);
-  float* vp = v_page(layer, pt.pages[size_t(pos / layout_.page_size)]);
+  const int32_t page = pt.pages[size_t(pos / layout_.page_size)];
+  SPADE_CHECK(refs_[size_t(page)] == 1, "KV pool: write into page ", page, " shared by ",
+              refs_[size_t(page)], " sequences (a forked prefix is read-only)");
+  float* kp = k_page(layer, page);
+  float* vp = v_page(layer, page);
   for (int h = 0; h < layout_.n_kv_heads; ++h) {
-    std::memcpy(kp + row_offset(pos, h), k + int64_t(h) * D, sizeof(float) * size_t(D));
+    const float* kh = k + int64_t(h) * D;
+    std::memcpy(kp + row_offset(pos, h), kh, sizeof(float) * size_t(D));
     std::memcpy(vp + row_offset(pos, h), v + int64_t(h) * D, sizeof(float) * size_t(D));
+    if (layout_.page_minmax) {
+      float* mn = kmin_.data() + meta_offset(layer, page, h);
+      float* mx = kmax_.data() + meta_offset(layer, page, h);
+      for (int d = 0; d < D; ++d) {
+        mn[d] = std::min(mn[d], kh[d]);
+        mx[d] = std::max(mx[d], kh[d]);
+      }
+    }
   }
 }
 

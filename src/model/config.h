@@ -20,6 +20,10 @@ struct RopeScaling {
   int original_max_position = 8192;
   // type "linear": positions divided by factor.
   bool linear = false;
+  // Per-frequency divisors of inv_freq (inv_freq[i] /= freq_factors[i], i < head_dim/2),
+  // as stored in GGUF's `rope_freqs.weight` (llama.cpp's encoding of llama3 scaling).
+  // Empty unless the file has them; when set, the llama3 fields above are not used.
+  std::vector<float> freq_factors;
 };
 
 struct ModelConfig {
@@ -45,6 +49,9 @@ struct ModelConfig {
 
   int group_size() const { return n_heads / n_kv_heads; }
   std::string summary() const;  // one line per field, for `spade inspect`
+  // Throws spade::Error naming `source` when a field is out of range or inconsistent
+  // (non-positive sizes, heads not a multiple of kv heads, odd head_dim, ...).
+  void validate(const std::string& source) const;
 };
 
 }  // namespace spade

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kv/kv_pool.h"
+#include "sparse/selection.h"
 
 namespace spade::cpu {
 
@@ -39,5 +40,28 @@ void gather_kv(const KVPool& kv, int layer, const PageTable& pt, int head,
 // Gathers rows [0, n) of one KV head.
 void gather_kv_prefix(const KVPool& kv, int layer, const PageTable& pt, int head, int64_t n,
                       float* K, float* V);
+
+// ---- Decode attention over a sparse selection (docs/sparse.md) ----
+
+// Gathers rows `positions[0..n)` of one KV head like gather_kv, copying each run of
+// consecutive positions inside one page with a single memcpy (pages, windows).
+void gather_kv_runs(const KVPool& kv, int layer, const PageTable& pt, int head,
+                    const int32_t* positions, int64_t n, float* K, float* V);
+
+// Attention of one decode token (query heads q [Hq, D], its K/V already in the cache) over
+// exactly the rows `sel` names: for each KV head h its rows are gathered once and all G
+// query heads of h attend them with exact softmax (attend_gathered). out [Hq, D].
+// A Dense selection runs the same arithmetic as attention_dense for T = 1 (bit-identical).
+// `logits` (optional, only for a uniform selection of n rows per head): receives the
+// scaled scores q.k*scale [Hq, n] before the softmax, column j = j-th selected row.
+void attention_selected(const KVPool& kv, int layer, const PageTable& pt, const float* q, int Hq,
+                        float scale, const sparse::Selection& sel, float* out,
+                        AttentionScratch& scratch, float* logits = nullptr);
+
+// Measurement, not attention: the true full-attention softmax weights w [Hq, L] of one
+// decode query over every cached position [0, L) of `pt`. Used by the oracle methods and
+// recall counters only when asked; independent of the attention that produces outputs.
+void attention_weights_full(const KVPool& kv, int layer, const PageTable& pt, const float* q,
+                            int Hq, float scale, int64_t L, float* w, AttentionScratch& scratch);
 
 }  // namespace spade::cpu
