@@ -1,0 +1,181 @@
+// Attention kernel benchmark: spade's paged decode (split-KV) and causal prefill kernels on
+// Llama-3-8B attention shapes (Hq=32, Hkv=8, D=128, bf16, page 16). Writes JSON lines.
+//
+// Decode bytes counted: K + V of every context token (B*L*Hkv*D*2 bytes each) + q + out.
+// Inputs: random bf16 (never zeros), page ids shuffled, and enough independent caches in
+// rotation that consecutive calls never hit L2 (>= 4x the 50 MB L2 in total). Timing: CUDA
+// events around a batch of calls cycling through the caches, 30 batches, median per call.
+// Prefill: FLOPs counted as 4*Hq*D*sum_t(t+1) (causal, QK^T and PV), median of 15.
+//
+// Build (bench/run_gpu.sh does this): nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a
+//   -Isrc bench/bench_attention.cu build/libspade_cuda.a -lcublasLt -lcublas -o bench_attention
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/ops.h"
+
+using namespace spade;
+using namespace spade::cuda;
+
+namespace {
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() {
+    SPADE_CUDA(cudaEventCreate(&a));
+    SPADE_CUDA(cudaEventCreate(&b));
+  }
+  ~Timer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+};
+
+const int Hq = 32, Hkv = 8, D = 128, P = 16;
+
+void bench_decode(FILE* out, int L, int B, int force_split) {
+  const size_t page_elems = size_t(Hkv) * P * D;
+  const int64_t pages_per_seq = (L + P - 1) / P;
+  const size_t cache_bytes = size_t(B) * pages_per_seq * page_elems * 2 * 2;  // K + V
+  size_t free_b = 0, total_b = 0;
+  SPADE_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  const size_t budget = free_b > (6ull << 30) ? free_b - (6ull << 30) : 0;
+  if (cache_bytes > budget) {
+    std::fprintf(stderr, "decode L=%d B=%d: %.1f GB does not fit, skipped\n", L, B, cache_bytes / 1e9);
+    return;
+  }
+  int nbuf = int(std::max<size_t>(1, (400ull << 20) / cache_bytes + 1));
+  nbuf = int(std::min<size_t>(nbuf, budget / cache_bytes));
+  nbuf = std::max(1, nbuf);
+  const int64_t n_pages = int64_t(B) * pages_per_seq;
+  DeviceArena arena(size_t(nbuf) * cache_bytes + (512ull << 20));
+  std::vector<bf16*> kb(nbuf), vb(nbuf);
+  for (int i = 0; i < nbuf; ++i) {
+    kb[i] = arena.alloc_n<bf16>(size_t(n_pages) * page_elems, "K");
+    vb[i] = arena.alloc_n<bf16>(size_t(n_pages) * page_elems, "V");
+    fill_random_bf16(kb[i], int64_t(n_pages * page_elems), 100 + i, 1.f, 0.f, 0);
+    fill_random_bf16(vb[i], int64_t(n_pages * page_elems), 200 + i, 1.f, 0.f, 0);
+  }
+  bf16* q = arena.alloc_n<bf16>(size_t(B) * Hq * D, "q");
+  bf16* o = arena.alloc_n<bf16>(size_t(B) * Hq * D, "out");
+  fill_random_bf16(q, int64_t(B) * Hq * D, 7, 1.f, 0.f, 0);
+  AttnLimits lim;
+  lim.max_batch = B;
+  lim.max_q_tokens = B;
+  lim.max_pages = n_pages;
+  AttentionWorkspace ws(arena, lim, Hq, Hkv, D, P);
+  std::vector<int32_t> perm(n_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937 rng(1);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<AttnSeq> batch(B);
+  for (int b = 0; b < B; ++b)
+    batch[b] = {perm.data() + b * pages_per_seq, int(pages_per_seq), L, 1};
+  ws.plan(batch, 0, force_split);
+  const float scale = 1.f / std::sqrt(float(D));
+  for (int i = 0; i < 3 * nbuf; ++i) ws.run(q, kb[i % nbuf], vb[i % nbuf], o, scale, 0);
+  SPADE_CUDA(cudaDeviceSynchronize());
+  const int calls = std::max(nbuf, 8) / nbuf * nbuf;
+  Timer t;
+  std::vector<float> per;
+  for (int rep = 0; rep < 30; ++rep) {
+    SPADE_CUDA(cudaEventRecord(t.a));
+    for (int i = 0; i < calls; ++i) ws.run(q, kb[i % nbuf], vb[i % nbuf], o, scale, 0);
+    SPADE_CUDA(cudaEventRecord(t.b));
+    SPADE_CUDA(cudaEventSynchronize(t.b));
+    float ms = 0;
+    SPADE_CUDA(cudaEventElapsedTime(&ms, t.a, t.b));
+    per.push_back(ms * 1000.f / calls);
+  }
+  const double us = median(per);
+  const double kv_bytes = double(B) * L * Hkv * D * 2 * 2;
+  const double bytes = kv_bytes + 2.0 * B * Hq * D * 2;
+  std::fprintf(out,
+               "{\"kind\":\"decode\",\"impl\":\"spade\",\"L\":%d,\"B\":%d,\"Hq\":%d,\"Hkv\":%d,"
+               "\"D\":%d,\"page\":%d,\"splits\":%d,\"buffers\":%d,\"us\":%.3f,\"us_min\":%.3f,"
+               "\"bytes\":%.0f,\"GBps\":%.1f}\n",
+               L, B, Hq, Hkv, D, P, ws.n_split(), nbuf, us, *std::min_element(per.begin(), per.end()),
+               bytes, bytes / us * 1e-3);
+  std::fflush(out);
+}
+
+void bench_prefill(FILE* out, int L) {
+  const int B = 1;
+  const int64_t pages = (L + P - 1) / P;
+  const size_t page_elems = size_t(Hkv) * P * D;
+  DeviceArena arena(size_t(pages) * page_elems * 4 + size_t(L) * Hq * D * 4 + (512ull << 20));
+  bf16* k = arena.alloc_n<bf16>(size_t(pages) * page_elems, "K");
+  bf16* v = arena.alloc_n<bf16>(size_t(pages) * page_elems, "V");
+  bf16* q = arena.alloc_n<bf16>(size_t(L) * Hq * D, "q");
+  bf16* o = arena.alloc_n<bf16>(size_t(L) * Hq * D, "out");
+  fill_random_bf16(k, int64_t(pages * page_elems), 1, 1.f, 0.f, 0);
+  fill_random_bf16(v, int64_t(pages * page_elems), 2, 1.f, 0.f, 0);
+  fill_random_bf16(q, int64_t(L) * Hq * D, 3, 1.f, 0.f, 0);
+  AttnLimits lim;
+  lim.max_batch = 1;
+  lim.max_q_tokens = L;
+  lim.max_pages = pages;
+  AttentionWorkspace ws(arena, lim, Hq, Hkv, D, P);
+  std::vector<int32_t> perm(pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937 rng(2);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  ws.plan({{perm.data(), int(pages), L, L}}, 0);
+  const float scale = 1.f / std::sqrt(float(D));
+  for (int i = 0; i < 2; ++i) ws.run(q, k, v, o, scale, 0);
+  SPADE_CUDA(cudaDeviceSynchronize());
+  Timer t;
+  std::vector<float> per;
+  for (int rep = 0; rep < 15; ++rep) {
+    SPADE_CUDA(cudaEventRecord(t.a));
+    ws.run(q, k, v, o, scale, 0);
+    SPADE_CUDA(cudaEventRecord(t.b));
+    SPADE_CUDA(cudaEventSynchronize(t.b));
+    float ms = 0;
+    SPADE_CUDA(cudaEventElapsedTime(&ms, t.a, t.b));
+    per.push_back(ms);
+  }
+  const double ms = median(per);
+  const double flops = 4.0 * Hq * D * (double(L) * (L + 1) / 2) * B;
+  std::fprintf(out,
+               "{\"kind\":\"prefill\",\"impl\":\"spade\",\"L\":%d,\"B\":%d,\"Hq\":%d,\"Hkv\":%d,"
+               "\"D\":%d,\"page\":%d,\"causal\":true,\"ms\":%.4f,\"flops\":%.0f,\"TFLOPs\":%.1f}\n",
+               L, B, Hq, Hkv, D, P, ms, flops, flops / ms * 1e-9);
+  std::fflush(out);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::string mode = argc > 1 ? argv[1] : "all";
+    FILE* out = stdout;
+    if (argc > 2) out = std::fopen(argv[2], "w");
+    std::fprintf(stderr, "device: %s\n", device_summary().c_str());
+    if (mode == "decode" || mode == "all") {
+      for (int L : {8192, 32768, 131072})
+        for (int B : {1, 8, 32}) bench_decode(out, L, B, 0);
+    }
+    if (mode == "prefill" || mode == "all") {
+      for (int L : {8192, 32768}) bench_prefill(out, L);
+    }
+    if (out != stdout) std::fclose(out);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_attention: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,632 @@
+// Paged full attention, decode and prefill (see attention.h for the API).
+//
+// Layout read: q bf16 [T, Hq, D]; K/V bf16 pages [page][Hkv][P][D] (one page of one head is
+// P*D*2 contiguous bytes: 4 KB at P=16, D=128); page table int32 per sequence.
+// Layout written: out bf16 [T, Hq, D]; for split decode, partials fp32 [split][T*Hq][D] and
+// log2-sum-exp [split][T*Hq], combined by a second kernel.
+//
+// Work: a CTA = (work item, KV head). An item is (sequence, first packed row, split). Rows
+// of the tile are packed (token, group head) pairs: row p -> token p / G, head kvh*G + p % G,
+// so the group's query heads share every K/V tile read from HBM.
+//   decode : 1 warp-row of 16 rows (G <= 16 heads of one token), 4 warps split each 64-token
+//            tile 4 ways (independent online softmax per warp, merged in shared memory at
+//            the end), 3-stage cp.async pipeline (96 KB smem at D=128, 2 CTAs / SM);
+//            split-KV count chosen so (batch x Hkv x splits) fills one wave of CTAs.
+//   prefill: 4 warps x 32 rows (two m16 tiles per warp reuse each K/V fragment), 64-token
+//            tiles, 2 stages; causal mask only on the diagonal tiles.
+// Napkin math (Llama-3-8B shapes Hq=32, Hkv=8, D=128): decode at 32K reads
+// 32768*8*128*2*2 = 134 MB of K/V per sequence and layer -> 45 us at 3.0 TB/s; FLOPs are
+// 4*32*32768*128 = 0.54 GFLOP, nothing for the tensor cores (16-row tiles pad G=4 to 16).
+// Prefill 8K causal: 4*8192^2/2*128*32 = 550 GFLOP -> ~1.4 ms at 400 TFLOP/s.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cuda/attention.h"
+
+namespace spade::cuda {
+namespace {
+
+struct AttnArgs {
+  const bf16* q;
+  bf16* out;
+  const bf16* k;
+  const bf16* v;
+  const int32_t* page_table;
+  const int32_t* page_off;
+  const int32_t* kv_len;
+  const int32_t* q_off;
+  const int4* items;
+  float* part_o;
+  float* part_lse;
+  int Hq, Hkv, G, P, nsplit;
+  int64_t total_rows;  // T * Hq
+  float scale_log2;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                        const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                          uint32_t& r3, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Swizzled [rows][D] bf16 tile: 16-byte chunk c of row r lives at chunk c ^ (r & 7), so the
+// 8 rows an ldmatrix reads hit 8 different bank groups.
+template <int D>
+__device__ __forceinline__ int swz(int r, int col) {
+  return r * D + ((((col >> 3) ^ (r & 7))) << 3) + (col & 7);
+}
+
+template <int D, int WM, int WN, int MT, int BN, int STAGES>
+struct Cfg {
+  static constexpr int kThreads = WM * WN * 32;
+  static constexpr int BM = 16 * MT * WM;  // rows per CTA
+  static constexpr int SN = BN / WN;       // tokens per warp per tile
+  static constexpr int kTileElems = BN * D;
+  static constexpr size_t kSmem =
+      size_t(BM * D + 2 * STAGES * kTileElems) * sizeof(bf16) + 2 * (BN + 1) * sizeof(int);
+  static constexpr size_t kMergeSmem = size_t(WM * WN * 16 * MT * (D + 2)) * sizeof(float);
+  static constexpr size_t kSmemTotal = kSmem > kMergeSmem ? kSmem : kMergeSmem;
+  static_assert(SN % 16 == 0, "warp token slice must be a multiple of 16");
+};
+
+template <int D, int WM, int WN, int MT, int BN, int STAGES>
+__global__ void __launch_bounds__(WM* WN * 32)
+    attn_kernel(const AttnArgs a) {
+  using C = Cfg<D, WM, WN, MT, BN, STAGES>;
+  constexpr int BM = C::BM, SN = C::SN, NT = C::kThreads, CH = D / 8;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+  bf16* sK = sQ + BM * D;
+  bf16* sV = sK + STAGES * C::kTileElems;
+  int* sPg = reinterpret_cast<int*>(sV + STAGES * C::kTileElems);  // [2][BN + 1] page ids
+
+  const int4 item = a.items[blockIdx.x];
+  const int seq = item.x, row0 = item.y, split = item.z;
+  const int kvh = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wm = warp / WN, wn = warp % WN;
+  const int G = a.G;
+
+  const int q0 = a.q_off[seq], Tq = a.q_off[seq + 1] - q0;
+  const int L = a.kv_len[seq];
+  const int* pt = a.page_table + a.page_off[seq];
+  const int n_rows = Tq * G;
+  // Keys the CTA may need: up to the last valid row's position.
+  const int t_last = min((row0 + BM - 1) / G, Tq - 1);
+  const int t_first = row0 / G;
+  const int n_keys = L - Tq + t_last + 1;
+  const int min_limit = L - Tq + t_first + 1;  // keys visible to every row of the CTA
+  const int n_tiles_all = (n_keys + BN - 1) / BN;
+  const int per = (n_tiles_all + a.nsplit - 1) / a.nsplit;
+  const int tile_begin = split * per;
+  const int tile_end = min(n_tiles_all, tile_begin + per);
+  const int n_tiles = max(0, tile_end - tile_begin);
+
+  const int64_t head_stride = int64_t(a.P) * D;         // one head of one page
+  const int64_t page_stride = int64_t(a.Hkv) * head_stride;
+
+  // Q tile: BM packed rows -> sQ (zero rows beyond the sequence).
+  for (int idx = tid; idx < BM * CH; idx += NT) {
+    const int r = idx / CH, c = idx % CH;
+    const int p = row0 + r;
+    const bool valid = p < n_rows;
+    const int t = valid ? p / G : 0, g = valid ? p % G : 0;
+    const bf16* src = a.q + (int64_t(q0 + t) * a.Hq + kvh * G + g) * D + c * 8;
+    cp_async16(sQ + swz<D>(r, c * 8), valid ? src : a.q, valid);
+  }
+  // Page ids: a tile's ids are read from global memory one iteration before the tile's
+  // loads are issued (held in a register across the compute), then parked in a 2-slot
+  // shared ring, so no cp.async waits on a dependent page-table load.
+  const int P = a.P;
+  const int p_shift = (P & (P - 1)) == 0 ? __ffs(P) - 1 : -1;
+  auto pdiv = [&](int j) { return p_shift >= 0 ? j >> p_shift : j / P; };
+  auto pmod = [&](int j) { return p_shift >= 0 ? j & (P - 1) : j % P; };
+  auto tile_pages = [&](int tile, int& first) {
+    const int kv0 = tile * BN;
+    first = pdiv(kv0);
+    return pdiv(min(kv0 + BN, n_keys) - 1) - first + 1;
+  };
+  auto load_tile = [&](int tile, int stage, const int* ids) {  // ids: null -> global table
+    const int kv0 = tile * BN;
+    const int first = pdiv(kv0);
+    bf16* dk = sK + stage * C::kTileElems;
+    bf16* dv = sV + stage * C::kTileElems;
+    for (int idx = tid; idx < BN * CH; idx += NT) {
+      const int r = idx / CH, c = idx % CH;
+      const int j = kv0 + r;
+      const bool valid = j < n_keys;
+      int64_t off = 0;
+      if (valid) {
+        const int pg = ids ? ids[pdiv(j) - first] : pt[pdiv(j)];
+        off = pg * page_stride + kvh * head_stride + int64_t(pmod(j)) * D + c * 8;
+      }
+      cp_async16(dk + swz<D>(r, c * 8), a.k + off, valid);
+      cp_async16(dv + swz<D>(r, c * 8), a.v + off, valid);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) load_tile(tile_begin + s, s, nullptr);
+    cp_async_commit();
+  }
+  if (STAGES - 1 < n_tiles) {
+    int first;
+    const int np = tile_pages(tile_begin + STAGES - 1, first);
+    for (int i = tid; i < np; i += NT) sPg[((STAGES - 1) & 1) * (BN + 1) + i] = pt[first + i];
+  }
+  __syncthreads();
+
+  float o[MT][D / 8][4];
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) m[mt][i] = -INFINITY, l[mt][i] = 0.f;
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][nd][e] = 0.f;
+  }
+  const int g8 = lane >> 2, t4 = lane & 3;
+  // Per-thread row limits (keys visible), for the 2 rows of each m16 tile it holds.
+  int lim[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = (wm * MT + mt) * 16 + g8 + 8 * i;
+      const int t = min((row0 + r) / G, Tq - 1);
+      lim[mt][i] = L - Tq + t + 1;
+    }
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int pre = it + STAGES - 1;
+    if (pre < n_tiles) load_tile(tile_begin + pre, pre % STAGES, sPg + (pre & 1) * (BN + 1));
+    cp_async_commit();
+    // Prefetch the page ids of tile it + STAGES (parked in the ring after the compute).
+    const int nxt = it + STAGES;
+    int pf_first = 0, pf_np = 0, pf_id = 0;
+    if (nxt < n_tiles) {
+      pf_np = tile_pages(tile_begin + nxt, pf_first);
+      if (tid < pf_np) pf_id = pt[pf_first + tid];
+    }
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+    const int stage = it % STAGES;
+    const bf16* tK = sK + stage * C::kTileElems;
+    const bf16* tV = sV + stage * C::kTileElems;
+    const int kv0 = (tile_begin + it) * BN;
+    const int tb = wn * SN;  // this warp's token slice within the tile
+
+    float s[MT][SN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nb = 0; nb < SN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nb][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t qa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int mi = lane >> 3;
+        const int r = (wm * MT + mt) * 16 + (lane & 7) + ((mi & 1) ? 8 : 0);
+        const int col = kk * 16 + ((mi & 2) ? 8 : 0);
+        ldsm_x4(qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], sQ + swz<D>(r, col));
+      }
+#pragma unroll
+      for (int np = 0; np < SN / 16; ++np) {
+        const int mi = lane >> 3;
+        const int r = tb + np * 16 + (lane & 7) + ((mi & 2) ? 8 : 0);
+        const int col = kk * 16 + ((mi & 1) ? 8 : 0);
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(b0, b1, b2, b3, tK + swz<D>(r, col));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816(s[mt][2 * np], qa[mt], b0, b1);
+          mma16816(s[mt][2 * np + 1], qa[mt], b2, b3);
+        }
+      }
+    }
+    // Mask (only tiles that reach past the keys every row may see) and online softmax.
+    const bool need_mask = kv0 + tb + SN > min_limit;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nb = 0; nb < SN / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = s[mt][nb][2 * i + e] * a.scale_log2;
+            if (need_mask) {
+              const int j = kv0 + tb + nb * 8 + 2 * t4 + e;
+              if (j >= lim[mt][i]) x = -INFINITY;
+            }
+            s[mt][nb][2 * i + e] = x;
+            mx = fmaxf(mx, x);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[mt][i], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = exp2f(m[mt][i] - m_use);
+        float rs = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < SN / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = exp2f(s[mt][nb][2 * i + e] - m_use);
+            s[mt][nb][2 * i + e] = p;
+            rs += p;
+          }
+        l[mt][i] = l[mt][i] * alpha + rs;
+        m[mt][i] = m_new;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          o[mt][nd][2 * i] *= alpha;
+          o[mt][nd][2 * i + 1] *= alpha;
+        }
+      }
+    }
+    // O += P V over this warp's token slice.
+#pragma unroll
+    for (int k2 = 0; k2 < SN / 16; ++k2) {
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = pack_bf16(s[mt][2 * k2][0], s[mt][2 * k2][1]);
+        pa[mt][1] = pack_bf16(s[mt][2 * k2][2], s[mt][2 * k2][3]);
+        pa[mt][2] = pack_bf16(s[mt][2 * k2 + 1][0], s[mt][2 * k2 + 1][1]);
+        pa[mt][3] = pack_bf16(s[mt][2 * k2 + 1][2], s[mt][2 * k2 + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int mi = lane >> 3;
+        const int r = tb + k2 * 16 + (lane & 7) + ((mi & 1) ? 8 : 0);
+        const int col = dp * 16 + ((mi & 2) ? 8 : 0);
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(b0, b1, b2, b3, tV + swz<D>(r, col));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816(o[mt][2 * dp], pa[mt], b0, b1);
+          mma16816(o[mt][2 * dp + 1], pa[mt], b2, b3);
+        }
+      }
+    }
+    if (tid < pf_np) sPg[(nxt & 1) * (BN + 1) + tid] = pf_id;
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  // Row sums across the quad.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      l[mt][i] += __shfl_xor_sync(0xffffffffu, l[mt][i], 1);
+      l[mt][i] += __shfl_xor_sync(0xffffffffu, l[mt][i], 2);
+    }
+
+  auto emit = [&](int r, int d, float val_over_l, float lse2, bool write_lse) {
+    // r: CTA row, d: column; val already normalized.
+    const int p = row0 + r;
+    if (p >= n_rows) return;
+    const int t = p / G, g = p % G;
+    const int64_t gr = int64_t(q0 + t) * a.Hq + kvh * G + g;
+    if (a.nsplit == 1) {
+      a.out[gr * D + d] = __float2bfloat16(val_over_l);
+    } else {
+      a.part_o[(int64_t(split) * a.total_rows + gr) * D + d] = val_over_l;
+      if (write_lse) a.part_lse[int64_t(split) * a.total_rows + gr] = lse2;
+    }
+  };
+
+  if constexpr (WN == 1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = (wm * MT + mt) * 16 + g8 + 8 * i;
+        const float inv = l[mt][i] > 0.f ? 1.f / l[mt][i] : 0.f;
+        const float lse2 = l[mt][i] > 0.f ? m[mt][i] + log2f(l[mt][i]) : -INFINITY;
+        const int p = row0 + r;
+        if (p >= n_rows) continue;
+        const int t = p / G, g = p % G;
+        const int64_t gr = int64_t(q0 + t) * a.Hq + kvh * G + g;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          const int d = nd * 8 + 2 * t4;
+          const float v0 = o[mt][nd][2 * i] * inv, v1 = o[mt][nd][2 * i + 1] * inv;
+          if (a.nsplit == 1) {
+            *reinterpret_cast<__nv_bfloat162*>(a.out + gr * D + d) = __floats2bfloat162_rn(v0, v1);
+          } else {
+            float* dst = a.part_o + (int64_t(split) * a.total_rows + gr) * D + d;
+            dst[0] = v0;
+            dst[1] = v1;
+          }
+        }
+        if (a.nsplit > 1 && t4 == 0) a.part_lse[int64_t(split) * a.total_rows + gr] = lse2;
+      }
+  } else {
+    // Merge the WN warps of each row group through shared memory (tiles are no longer read).
+    constexpr int RW = 16 * MT;  // rows per warp
+    float* sm = reinterpret_cast<float*>(smem_raw);
+    float* sO = sm;                            // [warps][RW][D]
+    float* sM = sO + WM * WN * RW * D;         // [warps][RW]
+    float* sL = sM + WM * WN * RW;             // [warps][RW]
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int rr = mt * 16 + g8 + 8 * i;
+        float* dst = sO + (warp * RW + rr) * D;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          dst[nd * 8 + 2 * t4] = o[mt][nd][2 * i];
+          dst[nd * 8 + 2 * t4 + 1] = o[mt][nd][2 * i + 1];
+        }
+        if (t4 == 0) {
+          sM[warp * RW + rr] = m[mt][i];
+          sL[warp * RW + rr] = l[mt][i];
+        }
+      }
+    __syncthreads();
+    for (int idx = tid; idx < WM * RW * D; idx += NT) {
+      const int d = idx % D, rw = idx / D;  // rw: row within the CTA
+      const int wmi = rw / RW, rr = rw % RW;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < WN; ++w) mx = fmaxf(mx, sM[(wmi * WN + w) * RW + rr]);
+      const float mu = mx == -INFINITY ? 0.f : mx;
+      float num = 0.f, den = 0.f;
+#pragma unroll
+      for (int w = 0; w < WN; ++w) {
+        const int wi = wmi * WN + w;
+        const float sc = exp2f(sM[wi * RW + rr] - mu);
+        num += sc * sO[(wi * RW + rr) * D + d];
+        den += sc * sL[wi * RW + rr];
+      }
+      const float val = den > 0.f ? num / den : 0.f;
+      const float lse2 = den > 0.f ? mu + log2f(den) : -INFINITY;
+      emit(rw, d, val, lse2, d == 0);
+    }
+  }
+}
+
+// out[gr, :] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)
+template <int D>
+__global__ void combine_kernel(const float* part_o, const float* part_lse, bf16* out,
+                               int nsplit, int64_t total_rows) {
+  const int64_t gr = blockIdx.x;
+  float mx = -INFINITY;
+  for (int s = 0; s < nsplit; ++s) mx = fmaxf(mx, part_lse[s * total_rows + gr]);
+  const float mu = mx == -INFINITY ? 0.f : mx;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < nsplit; ++s) {
+      const float w = exp2f(part_lse[s * total_rows + gr] - mu);
+      num += w * part_o[(s * total_rows + gr) * D + d];
+      den += w;
+    }
+    out[gr * D + d] = __float2bfloat16(den > 0.f ? num / den : 0.f);
+  }
+}
+
+// Kernel configurations: decode and prefill for D = 64 and 128.
+template <int D> using DecodeCfg = Cfg<D, 1, 4, 1, 64, 3>;
+// D=128 prefill uses 32-token tiles: with 64 the score registers push ptxas into spills.
+template <int D> using PrefillCfg = Cfg<D, 4, 1, 2, (D == 128 ? 32 : 64), (D == 128 ? 3 : 2)>;
+template <int D>
+constexpr auto decode_kernel = attn_kernel<D, 1, 4, 1, 64, 3>;
+template <int D>
+constexpr auto prefill_kernel = attn_kernel<D, 4, 1, 2, (D == 128 ? 32 : 64), (D == 128 ? 3 : 2)>;
+
+template <typename K>
+void set_smem(K kernel, size_t bytes) {
+  SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+template <int D>
+int decode_occupancy() {
+  set_smem(decode_kernel<D>, DecodeCfg<D>::kSmemTotal);
+  int n = 0;
+  SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &n, decode_kernel<D>, DecodeCfg<D>::kThreads, DecodeCfg<D>::kSmemTotal));
+  return std::max(1, n);
+}
+
+}  // namespace
+
+AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim, int Hq,
+                                       int Hkv, int D, int P)
+    : Hq_(Hq), Hkv_(Hkv), D_(D), P_(P), lim_(lim) {
+  SPADE_CHECK(D == 64 || D == 128, "CUDA attention: head_dim ", D,
+              " is not supported (64 and 128 are)");
+  SPADE_CHECK(Hkv > 0 && Hq % Hkv == 0, "CUDA attention: ", Hq, " query heads are not a multiple of ",
+              Hkv, " KV heads");
+  SPADE_CHECK(Hq / Hkv <= 16, "CUDA attention: GQA group ", Hq / Hkv, " > 16 is not supported");
+  // Work items: decode uses B * max_split; prefill uses sum over seqs of ceil(q*G/BM) <=
+  // max_q_tokens*G/BM + B.
+  const int64_t max_items = std::max<int64_t>(
+      int64_t(lim.max_batch) * lim.max_split,
+      lim.max_q_tokens * (Hq / Hkv) / 16 + lim.max_batch);
+  off_page_table_ = 0;
+  off_page_off_ = align_up(size_t(lim.max_pages), 4);
+  off_kv_len_ = off_page_off_ + align_up(size_t(lim.max_batch), 4);
+  off_q_off_ = off_kv_len_ + align_up(size_t(lim.max_batch), 4);
+  off_items_ = off_q_off_ + align_up(size_t(lim.max_batch + 1), 4);
+  meta_cap_ = size_t(off_items_ + 4 * max_items);
+  meta_dev_ = arena.alloc_n<int32_t>(meta_cap_, "attention metadata");
+  SPADE_CUDA(cudaMallocHost(&meta_host_, meta_cap_ * sizeof(int32_t)));
+  const int64_t rows = lim.max_q_tokens * Hq;
+  // Split partials exist only for decode steps (q_len == 1): rows <= max_batch * Hq.
+  const int64_t split_rows = int64_t(lim.max_batch) * Hq;
+  (void)rows;
+  part_o_ = arena.alloc_n<float>(size_t(lim.max_split) * split_rows * D, "attention split partials");
+  part_lse_ = arena.alloc_n<float>(size_t(lim.max_split) * split_rows, "attention split lse");
+  decode_occupancy_ = D == 64 ? decode_occupancy<64>() : decode_occupancy<128>();
+  if (D == 64) set_smem(prefill_kernel<64>, PrefillCfg<64>::kSmemTotal);
+  else set_smem(prefill_kernel<128>, PrefillCfg<128>::kSmemTotal);
+}
+
+AttentionWorkspace::~AttentionWorkspace() {
+  if (meta_host_) cudaFreeHost(meta_host_);
+}
+
+int AttentionWorkspace::choose_split(int B, int max_kv) const {
+  const int slots = sm_count() * decode_occupancy_;
+  const int base = B * Hkv_;
+  const int tiles = (max_kv + 63) / 64;
+  int ns = base >= slots ? 1 : slots / base;
+  ns = std::min({ns, lim_.max_split, std::max(1, tiles / 2)});
+  return std::max(1, ns);
+}
+
+void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
+                              int force_split) {
+  const int B = int(batch.size());
+  SPADE_CHECK(B > 0 && B <= lim_.max_batch, "attention plan: batch of ", B, " (limit ",
+              lim_.max_batch, ")");
+  const int G = Hq_ / Hkv_;
+  int64_t pages = 0;
+  int total_q = 0, max_kv = 0;
+  bool decode = true;
+  for (const AttnSeq& q : batch) {
+    SPADE_CHECK(q.q_len > 0 && q.q_len <= q.kv_len && int64_t(q.kv_len) <= int64_t(q.n_pages) * P_,
+                "attention plan: bad sequence (q_len ", q.q_len, ", kv_len ", q.kv_len, ", pages ",
+                q.n_pages, ")");
+    pages += q.n_pages;
+    total_q += q.q_len;
+    max_kv = std::max(max_kv, q.kv_len);
+    decode = decode && q.q_len == 1;
+  }
+  SPADE_CHECK(pages <= lim_.max_pages && total_q <= lim_.max_q_tokens,
+              "attention plan: batch exceeds the workspace (", pages, " pages, ", total_q,
+              " query tokens)");
+  int32_t* h = meta_host_;
+  int64_t po = 0;
+  int qo = 0;
+  for (int b = 0; b < B; ++b) {
+    std::memcpy(h + off_page_table_ + po, batch[b].pages, sizeof(int32_t) * batch[b].n_pages);
+    h[off_page_off_ + b] = int32_t(po);
+    h[off_kv_len_ + b] = batch[b].kv_len;
+    h[off_q_off_ + b] = qo;
+    po += batch[b].n_pages;
+    qo += batch[b].q_len;
+  }
+  h[off_q_off_ + B] = qo;
+  int ns = 1;
+  if (decode) ns = force_split > 0 ? std::min(force_split, lim_.max_split) : choose_split(B, max_kv);
+  int n = 0;
+  int32_t* it = h + off_items_;
+  if (decode && G <= 16) {
+    for (int sp = 0; sp < ns; ++sp)
+      for (int b = 0; b < B; ++b) {
+        it[4 * n] = b; it[4 * n + 1] = 0; it[4 * n + 2] = sp; it[4 * n + 3] = 0;
+        ++n;
+      }
+  } else {
+    ns = 1;
+    const int BM = (D_ == 64 ? PrefillCfg<64>::BM : PrefillCfg<128>::BM);
+    // Heaviest tiles (last rows: most keys) first for a shorter tail.
+    for (int b = 0; b < B; ++b) {
+      const int rows = batch[b].q_len * G;
+      for (int r = ((rows - 1) / BM) * BM; r >= 0; r -= BM) {
+        it[4 * n] = b; it[4 * n + 1] = r; it[4 * n + 2] = 0; it[4 * n + 3] = 0;
+        ++n;
+      }
+    }
+    decode = false;
+  }
+  SPADE_CHECK(off_items_ + 4 * n <= int64_t(meta_cap_), "attention plan: too many work items");
+  SPADE_CUDA(cudaMemcpyAsync(meta_dev_, h, sizeof(int32_t) * size_t(off_items_ + 4 * n),
+                             cudaMemcpyHostToDevice, s));
+  // The pinned staging buffer is reused by the next plan(): make sure this copy is done.
+  SPADE_CUDA(cudaStreamSynchronize(s));
+  B_ = B;
+  n_items_ = n;
+  n_split_ = ns;
+  total_q_ = total_q;
+  decode_ = decode;
+}
+
+void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out,
+                             float scale, cudaStream_t s) const {
+  AttnArgs a;
+  a.q = q;
+  a.out = out;
+  a.k = k_cache;
+  a.v = v_cache;
+  a.page_table = meta_dev_ + off_page_table_;
+  a.page_off = meta_dev_ + off_page_off_;
+  a.kv_len = meta_dev_ + off_kv_len_;
+  a.q_off = meta_dev_ + off_q_off_;
+  a.items = reinterpret_cast<const int4*>(meta_dev_ + off_items_);
+  a.part_o = part_o_;
+  a.part_lse = part_lse_;
+  a.Hq = Hq_;
+  a.Hkv = Hkv_;
+  a.G = Hq_ / Hkv_;
+  a.P = P_;
+  a.nsplit = n_split_;
+  a.total_rows = int64_t(total_q_) * Hq_;
+  a.scale_log2 = scale * 1.4426950408889634f;
+  dim3 grid(n_items_, Hkv_);
+  if (decode_) {
+    if (D_ == 64)
+      decode_kernel<64><<<grid, DecodeCfg<64>::kThreads, DecodeCfg<64>::kSmemTotal, s>>>(a);
+    else
+      decode_kernel<128><<<grid, DecodeCfg<128>::kThreads, DecodeCfg<128>::kSmemTotal, s>>>(a);
+    SPADE_CUDA_LAUNCH();
+    if (n_split_ > 1) {
+      if (D_ == 64)
+        combine_kernel<64><<<unsigned(a.total_rows), 64, 0, s>>>(part_o_, part_lse_, out, n_split_, a.total_rows);
+      else
+        combine_kernel<128><<<unsigned(a.total_rows), 128, 0, s>>>(part_o_, part_lse_, out, n_split_, a.total_rows);
+      SPADE_CUDA_LAUNCH();
+    }
+  } else {
+    if (D_ == 64)
+      prefill_kernel<64><<<grid, PrefillCfg<64>::kThreads, PrefillCfg<64>::kSmemTotal, s>>>(a);
+    else
+      prefill_kernel<128><<<grid, PrefillCfg<128>::kThreads, PrefillCfg<128>::kSmemTotal, s>>>(a);
+    SPADE_CUDA_LAUNCH();
+  }
+}
+
+}  // namespace spade::cuda

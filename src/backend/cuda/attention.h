@@ -1,0 +1,69 @@
+// Full attention over the paged bf16 KV cache: decode (split-KV + log-sum-exp combine) and
+// chunked causal prefill, one tensor-core kernel family (mma.sync m16n8k16, bf16 in, fp32
+// accumulate), GQA-aware: a CTA owns one KV head and packs the G = Hq/Hkv query heads of
+// that head (times the query tokens) into the rows of its tile, so each K/V row is read
+// once per KV head for the whole group.
+//
+// Usage: AttentionWorkspace (buffers from the arena, sized at start-up) -> plan(...) on the
+// host for a batch (uploads page tables, lengths, work items; picks the split count) ->
+// run(...) per layer. plan() is done once per step and reused by all layers.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "backend/cuda/cuda_common.h"
+
+namespace spade::cuda {
+
+struct AttnSeq {
+  const int32_t* pages = nullptr;  // host page ids in token order
+  int n_pages = 0;
+  int kv_len = 0;  // tokens in the cache, including this step's new tokens
+  int q_len = 0;   // new tokens (queries) of this step; positions kv_len-q_len .. kv_len-1
+};
+
+struct AttnLimits {
+  int max_batch = 256;
+  int64_t max_q_tokens = 8192;   // query rows per step (sum of q_len)
+  int64_t max_pages = 1 << 20;   // sum of n_pages over the batch
+  int max_split = 64;
+};
+
+class AttentionWorkspace {
+ public:
+  AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim, int Hq, int Hkv, int D, int P);
+  ~AttentionWorkspace();
+
+  // Host-side planning for one step: copies metadata into pinned memory and one async
+  // upload on `s`. `force_split` > 0 fixes the split count (CUDA graphs, benchmarks);
+  // splits are used only when every sequence has q_len == 1 (pure decode).
+  void plan(const std::vector<AttnSeq>& batch, cudaStream_t s, int force_split = 0);
+  // out[T, Hq, D] = attention(q[T, Hq, D]) over this layer's cache (k, v: [page][Hkv][P][D]).
+  void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out, float scale,
+           cudaStream_t s) const;
+
+  int n_split() const { return n_split_; }
+  bool decode() const { return decode_; }
+  int n_items() const { return n_items_; }
+  // Split count the planner would choose for a decode batch of `B` sequences whose longest
+  // holds `max_kv` tokens.
+  int choose_split(int B, int max_kv) const;
+
+ private:
+  int Hq_, Hkv_, D_, P_;
+  AttnLimits lim_;
+  // Device metadata (one contiguous int32 region so the upload is one copy).
+  int32_t* meta_dev_ = nullptr;
+  int32_t* meta_host_ = nullptr;  // pinned
+  size_t meta_cap_ = 0;
+  float* part_o_ = nullptr;    // [max_split][max_q_tokens * Hq][D]
+  float* part_lse_ = nullptr;  // [max_split][max_q_tokens * Hq]
+  // Offsets (in int32) of each array inside meta.
+  int64_t off_page_table_ = 0, off_page_off_ = 0, off_kv_len_ = 0, off_q_off_ = 0,
+          off_items_ = 0;
+  int B_ = 0, n_items_ = 0, n_split_ = 1, total_q_ = 0;
+  bool decode_ = false;
+  int decode_occupancy_ = 1;
+};
+
+}  // namespace spade::cuda

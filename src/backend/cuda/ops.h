@@ -1,0 +1,52 @@
+// Element-wise and row ops of the CUDA backend (the attention kernels live in attention.h,
+// GEMMs in gemm.h, sampling in sampling.h). Activations: the residual stream is fp32,
+// GEMM inputs are bf16, GEMM outputs fp32; norm weights and RoPE frequencies are fp32.
+// Every function launches on `stream` and checks the launch.
+#pragma once
+#include <cstdint>
+
+#include "backend/cuda/cuda_common.h"
+
+namespace spade::cuda {
+
+// x[t,:] = float(table[ids[t],:]);  table bf16 [vocab, H]. Ids outside [0,vocab) give a
+// row of NaN (checked on the host before upload by the model runner).
+void embedding(const bf16* table, const int32_t* ids, float* x, int T, int H, int vocab,
+               cudaStream_t s);
+
+// y[r,:] = bf16(x[src,:] * rsqrt(mean(x[src,:]^2) + eps) * w), src = rows ? rows[r] : r.
+void rmsnorm(const float* x, const int32_t* rows, const float* w, float eps, bf16* y, int R,
+             int H, cudaStream_t s);
+
+// Post-QKV-projection: one pass over qkv fp32 [T, (Hq + 2 Hkv) * D] that adds the bias
+// (Qwen2), applies q/k RMSNorm over D (Qwen3), rotates q and k (RoPE, rotate-halves,
+// angle = float(pos) * inv_freq[i] in fp32), writes q as bf16 [T, Hq, D] and appends k, v
+// (bf16) to the paged cache at slot (page[t], pos[t] % P), layout [page][Hkv][P][D].
+struct QkvPostArgs {
+  const float* qkv = nullptr;
+  const float* bias = nullptr;     // nullable, [(Hq + 2Hkv) * D]
+  const float* q_norm = nullptr;   // nullable, [D]
+  const float* k_norm = nullptr;   // nullable, [D]
+  const float* inv_freq = nullptr; // [D/2]
+  const int32_t* pos = nullptr;    // [T]
+  const int32_t* page = nullptr;   // [T]: page id holding token t's slot
+  bf16* q_out = nullptr;           // [T, Hq, D]
+  bf16* k_cache = nullptr;         // this layer's K pages
+  bf16* v_cache = nullptr;
+  int T = 0, Hq = 0, Hkv = 0, D = 0, P = 16;
+  float eps = 1e-5f;
+};
+void qkv_post(const QkvPostArgs& a, cudaStream_t s);
+
+// out[t, i] = bf16(silu(gu[t, i]) * gu[t, F + i]);  gu fp32 [T, 2F] (gate | up).
+void swiglu(const float* gu, bf16* out, int T, int F, cudaStream_t s);
+
+// Conversions (weights at load time, tests).
+void f32_to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t s);
+void bf16_to_f32(const bf16* x, float* y, int64_t n, cudaStream_t s);
+// Fills bf16 / fp32 buffers with N(0, scale^2) + mean from a counter-based hash (synthetic
+// weights, benchmark inputs): deterministic for a given seed, no host traffic.
+void fill_random_bf16(bf16* y, int64_t n, uint64_t seed, float scale, float mean, cudaStream_t s);
+void fill_random_f32(float* y, int64_t n, uint64_t seed, float scale, float mean, cudaStream_t s);
+
+}  // namespace spade::cuda

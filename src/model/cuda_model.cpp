@@ -1,0 +1,541 @@
+// See cuda_model.h. Per layer and step (T new tokens, bf16 weights W_*):
+//   xn = rmsnorm(x)                      | qkv = xn Wqkv^T (fp32)
+//   q, K/V append = qkv_post(qkv)        | att = attention(q, paged K/V)
+//   x += att Wo^T  (GEMM epilogue)       | xn = rmsnorm(x)
+//   gu = xn Wgu^T (gate|up, fp32)        | h = silu(gate) * up (bf16)
+//   x += h Wdown^T (GEMM epilogue)
+// Decode bytes per step (batch 1): all weights once (2 bytes/param) + K/V of the context;
+// that sum over the measured HBM bandwidth is the floor the TPOT benchmark compares with.
+#if defined(SPADE_HAVE_CUDA)
+#include "model/cuda_model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cpu/ops.h"
+#include "backend/cuda/attention.h"
+#include "backend/cuda/cuda_common.h"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/ops.h"
+#include "backend/cuda/sampling.h"
+#include "core/half.h"
+#include "io/hf_config.h"
+
+namespace spade {
+
+using cuda::bf16;
+
+struct CudaModel::Layer {
+  float* attn_norm = nullptr;
+  float* ffn_norm = nullptr;
+  float* q_norm = nullptr;
+  float* k_norm = nullptr;
+  float* bqkv = nullptr;
+  bf16* wqkv = nullptr;  // [(Hq + 2Hkv) D, H]
+  bf16* wo = nullptr;    // [H, Hq D]
+  bf16* wgu = nullptr;   // [2F, H]
+  bf16* wdown = nullptr; // [H, F]
+};
+
+namespace {
+
+cudaStream_t S_(void* p) { return static_cast<cudaStream_t>(p); }
+
+void upload_bf16(bf16* dst, const float* src, size_t n) {
+  std::vector<uint16_t> tmp(n);
+  for (size_t i = 0; i < n; ++i) tmp[i] = f32_to_bf16(src[i]);
+  SPADE_CUDA(cudaMemcpy(dst, tmp.data(), n * 2, cudaMemcpyHostToDevice));
+}
+void upload_f32(float* dst, const float* src, size_t n) {
+  SPADE_CUDA(cudaMemcpy(dst, src, n * 4, cudaMemcpyHostToDevice));
+}
+
+}  // namespace
+
+ModelConfig synthetic_config(const std::string& name) {
+  // config.json values of the published models (weights are random in synthetic mode).
+  if (name == "llama3-8b" || name == "llama3.1-8b")
+    return parse_hf_config(R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+      "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+      "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+      "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+      "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": 128001})",
+                           "synthetic llama3-8b");
+  if (name == "qwen3-8b")
+    return parse_hf_config(R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+      "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+      "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+      "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+      "rope_theta": 1000000.0, "tie_word_embeddings": false, "attention_bias": false,
+      "bos_token_id": 151643, "eos_token_id": 151645})",
+                           "synthetic qwen3-8b");
+  return load_hf_config(name);
+}
+
+void CudaModel::fill_kv_random(PageTable& pt, int64_t length, uint64_t seed) {
+  SPADE_CHECK(pt.length == 0, "fill_kv_random: the page table must be empty");
+  reserve(pt, length);
+  const size_t page_elems = size_t(cfg_.n_kv_heads) * opt_.page_size * cfg_.head_dim;
+  const size_t layer_elems = size_t(n_pages_) * page_elems;
+  // Random values in the whole pool (cheap next to anything it is used to measure).
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    cuda::fill_random_bf16(static_cast<bf16*>(k_cache_) + l * layer_elems, int64_t(layer_elems),
+                           seed + 2 * uint64_t(l), 1.f, 0.f, S_(stream_));
+    cuda::fill_random_bf16(static_cast<bf16*>(v_cache_) + l * layer_elems, int64_t(layer_elems),
+                           seed + 2 * uint64_t(l) + 1, 1.f, 0.f, S_(stream_));
+  }
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  pt.length = length;
+}
+
+CudaModel::CudaModel(const ModelWeights& w, const CudaModelOptions& opt)
+    : cfg_(w.config), opt_(opt) {
+  init(&w, 0);
+}
+
+CudaModel::CudaModel(const ModelConfig& c, const CudaModelOptions& opt, uint64_t seed)
+    : cfg_(c), opt_(opt) {
+  init(nullptr, seed);
+}
+
+CudaModel::~CudaModel() {
+  for (auto& [k, g] : graphs_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g));
+  if (ev0_) cudaEventDestroy(static_cast<cudaEvent_t>(ev0_));
+  if (ev1_) cudaEventDestroy(static_cast<cudaEvent_t>(ev1_));
+  if (tok_host_) cudaFreeHost(tok_host_);
+  if (sampled_host_) cudaFreeHost(sampled_host_);
+  attn_.reset();
+  gemm_.reset();
+  arena_.reset();
+  if (stream_) cudaStreamDestroy(S_(stream_));
+}
+
+size_t CudaModel::arena_bytes() const { return arena_ ? arena_->capacity() : 0; }
+
+void CudaModel::init(const ModelWeights* w, uint64_t seed) {
+  const ModelConfig& c = cfg_;
+  SPADE_CHECK(cuda::device_available(), "--device cuda: no CUDA device is available");
+  SPADE_CHECK(c.head_dim == 64 || c.head_dim == 128, "CUDA backend: head_dim ", c.head_dim,
+              " is not supported (64 and 128 are)");
+  const int64_t H = c.hidden, D = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads, F = c.ffn,
+                V = c.vocab, NL = c.n_layers;
+  const int64_t NQKV = (Hq + 2 * Hkv) * D;
+  const int P = opt_.page_size;
+  SPADE_CHECK(P > 0, "page size must be positive");
+  n_pages_ = opt_.kv_pages > 0 ? opt_.kv_pages
+                               : (opt_.max_tokens + P - 1) / P + int64_t(opt_.max_batch);
+  max_rows_ = opt_.max_logit_rows > 0 ? opt_.max_logit_rows
+                                      : std::max<int64_t>(opt_.max_batch, 64);
+  const int64_t S = opt_.max_step_tokens;
+  // --- Sizes (bytes) of everything the arena will hold.
+  const bool tied = w ? w->lm_head.numel() == 0 : c.tie_embeddings;
+  size_t wb = 0;
+  wb += size_t(V * H) * 2 * (tied ? 1 : 2);
+  wb += size_t(NL) * (size_t(NQKV * H + H * Hq * D + 2 * F * H + H * F) * 2);
+  size_t small = size_t(NL) * (size_t(2 * H + 2 * D + NQKV) * 4 + 6 * 256) + size_t(H + D) * 4 + 4096;
+  weight_bytes_ = wb;
+  const size_t kv_bytes = size_t(NL) * size_t(n_pages_) * size_t(Hkv * P * D) * 2 * 2;
+  const size_t ws_bytes =
+      size_t(S) * (H * 4 + std::max(H, F) * 2 + NQKV * 4 + 2 * Hq * D * 2 + 2 * F * 4 + F * 2) +
+      size_t(max_rows_) * V * 4 + size_t(4 * S + 4 * max_rows_ + 64) * 4 + (32u << 20) +
+      size_t(64) * opt_.max_batch * Hq * (D + 1) * 4 + size_t(n_pages_ + 8 * S + 64 * opt_.max_batch) * 4 * 6 +
+      (1u << 20) * 8;
+  const size_t total = wb + small + kv_bytes + ws_bytes;
+  {
+    size_t free_b = 0, total_b = 0;
+    SPADE_CUDA(cudaMemGetInfo(&free_b, &total_b));
+    SPADE_CHECK(total <= free_b, "GPU memory: the model needs ", double(wb) / 1e9,
+                " GB of bf16 weights + ", double(kv_bytes) / 1e9, " GB of KV cache (",
+                n_pages_, " pages of ", P, " tokens) + ", double(ws_bytes) / 1e9,
+                " GB of workspaces = ", double(total) / 1e9, " GB, but the device has ",
+                double(free_b) / 1e9, " GB free of ", double(total_b) / 1e9,
+                " GB. Lower --kv-pages / the context, or the batch.");
+  }
+  arena_ = std::make_unique<cuda::DeviceArena>(total);
+  cudaStream_t st;
+  SPADE_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  stream_ = st;
+  cudaEvent_t e0, e1;
+  SPADE_CUDA(cudaEventCreate(&e0));
+  SPADE_CUDA(cudaEventCreate(&e1));
+  ev0_ = e0;
+  ev1_ = e1;
+  auto& A = *arena_;
+  // --- Weights.
+  embed_ = A.alloc_n<bf16>(size_t(V * H), "token embeddings");
+  lm_head_ = tied ? embed_ : A.alloc_n<bf16>(size_t(V * H), "lm_head");
+  final_norm_ = A.alloc_n<float>(size_t(H), "final norm");
+  inv_freq_ = A.alloc_n<float>(size_t(D / 2), "rope inv_freq");
+  layers_.resize(size_t(NL));
+  for (auto& L : layers_) {
+    L.attn_norm = A.alloc_n<float>(size_t(H), "attn_norm");
+    L.ffn_norm = A.alloc_n<float>(size_t(H), "ffn_norm");
+    if (c.qk_norm) {
+      L.q_norm = A.alloc_n<float>(size_t(D), "q_norm");
+      L.k_norm = A.alloc_n<float>(size_t(D), "k_norm");
+    }
+    if (c.qkv_bias) L.bqkv = A.alloc_n<float>(size_t(NQKV), "qkv bias");
+    L.wqkv = A.alloc_n<bf16>(size_t(NQKV * H), "wqkv");
+    L.wo = A.alloc_n<bf16>(size_t(H * Hq * D), "wo");
+    L.wgu = A.alloc_n<bf16>(size_t(2 * F * H), "w_gate|w_up");
+    L.wdown = A.alloc_n<bf16>(size_t(H * F), "w_down");
+  }
+  std::vector<float> inv(size_t(D / 2));
+  cpu::rope_inv_freq(c, inv.data());
+  upload_f32(inv_freq_, inv.data(), inv.size());
+  if (w) {
+    upload_bf16(static_cast<bf16*>(embed_), w->tok_embeddings.data(), size_t(V * H));
+    if (!tied) upload_bf16(static_cast<bf16*>(lm_head_), w->lm_head.data(), size_t(V * H));
+    upload_f32(final_norm_, w->final_norm.data(), size_t(H));
+    for (int64_t l = 0; l < NL; ++l) {
+      const LayerWeights& src = w->layers[size_t(l)];
+      Layer& L = layers_[size_t(l)];
+      upload_f32(L.attn_norm, src.attn_norm.data(), size_t(H));
+      upload_f32(L.ffn_norm, src.ffn_norm.data(), size_t(H));
+      if (c.qk_norm) {
+        upload_f32(L.q_norm, src.q_norm.data(), size_t(D));
+        upload_f32(L.k_norm, src.k_norm.data(), size_t(D));
+      }
+      if (c.qkv_bias) {
+        upload_f32(L.bqkv, src.bq.data(), size_t(Hq * D));
+        upload_f32(L.bqkv + Hq * D, src.bk.data(), size_t(Hkv * D));
+        upload_f32(L.bqkv + (Hq + Hkv) * D, src.bv.data(), size_t(Hkv * D));
+      }
+      upload_bf16(L.wqkv, src.wq.data(), size_t(Hq * D * H));
+      upload_bf16(L.wqkv + Hq * D * H, src.wk.data(), size_t(Hkv * D * H));
+      upload_bf16(L.wqkv + (Hq + Hkv) * D * H, src.wv.data(), size_t(Hkv * D * H));
+      upload_bf16(L.wo, src.wo.data(), size_t(H * Hq * D));
+      upload_bf16(L.wgu, src.w_gate.data(), size_t(F * H));
+      upload_bf16(L.wgu + F * H, src.w_up.data(), size_t(F * H));
+      upload_bf16(L.wdown, src.w_down.data(), size_t(H * F));
+    }
+  } else {
+    // Synthetic: scaled so activations stay O(1) through the layers.
+    auto rnd = [&](bf16* p, int64_t n, float scale, float mean = 0.f) {
+      cuda::fill_random_bf16(p, n, seed++, scale, mean, st);
+    };
+    auto rndf = [&](float* p, int64_t n, float scale, float mean) {
+      cuda::fill_random_f32(p, n, seed++, scale, mean, st);
+    };
+    const float s = 1.f / std::sqrt(float(H));
+    rnd(static_cast<bf16*>(embed_), V * H, 1.f);
+    if (!tied) rnd(static_cast<bf16*>(lm_head_), V * H, s);
+    rndf(final_norm_, H, 0.1f, 1.f);
+    for (auto& L : layers_) {
+      rndf(L.attn_norm, H, 0.1f, 1.f);
+      rndf(L.ffn_norm, H, 0.1f, 1.f);
+      if (c.qk_norm) rndf(L.q_norm, D, 0.1f, 1.f), rndf(L.k_norm, D, 0.1f, 1.f);
+      if (c.qkv_bias) rndf(L.bqkv, NQKV, 0.1f, 0.f);
+      rnd(L.wqkv, NQKV * H, 2 * s);
+      rnd(L.wo, H * Hq * D, 1.f / std::sqrt(float(Hq * D)));
+      rnd(L.wgu, 2 * F * H, s);
+      rnd(L.wdown, H * F, 1.f / std::sqrt(float(F)));
+    }
+    SPADE_CUDA(cudaStreamSynchronize(st));
+  }
+  // --- KV pool.
+  const size_t kv_elems = size_t(NL) * size_t(n_pages_) * size_t(Hkv * P * D);
+  k_cache_ = A.alloc_n<bf16>(kv_elems, "KV cache (K)");
+  v_cache_ = A.alloc_n<bf16>(kv_elems, "KV cache (V)");
+  free_.resize(size_t(n_pages_));
+  for (int64_t i = 0; i < n_pages_; ++i) free_[size_t(i)] = int32_t(n_pages_ - 1 - i);
+  // --- Workspaces.
+  x_ = A.alloc_n<float>(size_t(S * H), "residual");
+  xn_ = A.alloc_n<bf16>(size_t(S * std::max(H, F)), "normed activations");
+  qkv_ = A.alloc_n<float>(size_t(S * NQKV), "qkv");
+  q_ = A.alloc_n<bf16>(size_t(S * Hq * D), "q");
+  att_ = A.alloc_n<bf16>(size_t(S * Hq * D), "attention out");
+  gu_ = A.alloc_n<float>(size_t(S * 2 * F), "gate|up");
+  h_ = A.alloc_n<bf16>(size_t(S * F), "mlp hidden");
+  logits_ = A.alloc_n<float>(size_t(max_rows_ * V), "logits");
+  step_off_ = (3 * S + max_rows_ + 1) / 2 * 2;
+  tok_in_ = A.alloc_n<int32_t>(size_t(step_off_ + 4), "step inputs");
+  sampled_ = A.alloc_n<int32_t>(size_t(std::max<int64_t>(opt_.max_batch, max_rows_)), "sampled ids");
+  SPADE_CUDA(cudaMallocHost(&tok_host_, sizeof(int32_t) * size_t(step_off_ + 4)));
+  SPADE_CUDA(cudaMallocHost(&sampled_host_, sizeof(int32_t) * size_t(std::max<int64_t>(opt_.max_batch, max_rows_))));
+  gemm_ = std::make_unique<cuda::Gemm>(A);
+  cuda::AttnLimits lim;
+  lim.max_batch = opt_.max_batch;
+  lim.max_q_tokens = S;
+  lim.max_pages = n_pages_;
+  lim.max_split = 64;
+  attn_ = std::make_unique<cuda::AttentionWorkspace>(A, lim, int(Hq), int(Hkv), int(D), P);
+}
+
+void CudaModel::reserve(PageTable& pt, int64_t new_length) {
+  const int P = opt_.page_size;
+  int64_t need = (new_length + P - 1) / P - int64_t(pt.pages.size());
+  if (need <= 0) return;
+  SPADE_CHECK(need <= free_pages(), "GPU KV cache full: need ", need, " more pages of ", P,
+              " tokens for a sequence of ", new_length, " tokens, ", free_pages(), " of ",
+              n_pages_, " pages free (raise --kv-pages)");
+  for (int64_t i = 0; i < need; ++i) {
+    pt.pages.push_back(free_.back());
+    free_.pop_back();
+  }
+}
+
+void CudaModel::release(PageTable& pt) {
+  for (int32_t p : pt.pages) free_.push_back(p);
+  pt.pages.clear();
+  pt.length = 0;
+}
+
+void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>& row_of,
+                        bool sample) {
+  const ModelConfig& c = cfg_;
+  const int P = opt_.page_size;
+  SPADE_CHECK(!batch.empty() && int(batch.size()) <= opt_.max_batch, "CUDA forward: batch of ",
+              batch.size(), " sequences (limit ", opt_.max_batch, ")");
+  int64_t T = 0, R = 0;
+  for (const SeqInput& s : batch) {
+    SPADE_CHECK(s.n_tokens > 0 && s.pages, "forward: empty sequence input");
+    SPADE_CHECK(!s.attention, "CUDA forward: custom attention functions are CPU-only");
+    SPADE_CHECK(s.pages->length + s.n_tokens <= c.max_context, "sequence of ",
+                s.pages->length + s.n_tokens, " tokens exceeds the model's context of ",
+                c.max_context, " tokens");
+    T += s.n_tokens;
+    R += (s.all_logits && !sample) ? s.n_tokens : 1;
+  }
+  SPADE_CHECK(T <= opt_.max_step_tokens, "CUDA forward: ", T, " tokens in one step (limit ",
+              opt_.max_step_tokens, "; prefill in chunks)");
+  SPADE_CHECK(R <= max_rows_, "CUDA forward: ", R, " logit rows (limit ", max_rows_, ")");
+  // Reserve pages first; undo on failure.
+  {
+    std::vector<size_t> before;
+    try {
+      for (const SeqInput& s : batch) {
+        before.push_back(s.pages->pages.size());
+        reserve(*s.pages, s.pages->length + s.n_tokens);
+      }
+    } catch (...) {
+      for (size_t i = 0; i < before.size(); ++i) {
+        PageTable& pt = *batch[i].pages;
+        for (size_t j = before[i]; j < pt.pages.size(); ++j) free_.push_back(pt.pages[j]);
+        pt.pages.resize(before[i]);
+      }
+      throw;
+    }
+  }
+  const int64_t S = opt_.max_step_tokens;
+  int32_t* ids = tok_host_;
+  int32_t* pos = tok_host_ + S;
+  int32_t* page = tok_host_ + 2 * S;
+  int32_t* rows = tok_host_ + 3 * S;
+  row_of.assign(batch.size(), 0);
+  std::vector<cuda::AttnSeq> aseq(batch.size());
+  int64_t t = 0, r = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const SeqInput& s = batch[i];
+    const int64_t p0 = s.pages->length;
+    for (int64_t j = 0; j < s.n_tokens; ++j) {
+      const int32_t id = s.tokens[j];
+      SPADE_CHECK(id >= 0 && id < c.vocab, "token id ", id, " outside the vocabulary (",
+                  c.vocab, " tokens)");
+      ids[t + j] = id;
+      pos[t + j] = int32_t(p0 + j);
+      page[t + j] = s.pages->pages[size_t((p0 + j) / P)];
+    }
+    row_of[i] = r;
+    if (s.all_logits && !sample) {
+      for (int64_t j = 0; j < s.n_tokens; ++j) rows[r++] = int32_t(t + j);
+    } else {
+      rows[r++] = int32_t(t + s.n_tokens - 1);
+    }
+    aseq[i] = {s.pages->pages.data(), int(s.pages->pages.size()), int(p0 + s.n_tokens),
+               int(s.n_tokens)};
+    t += s.n_tokens;
+  }
+  T_ = int(T);
+  R_ = int(R);
+  cudaStream_t st = S_(stream_);
+  SPADE_CUDA(cudaMemcpyAsync(tok_in_, ids, sizeof(int32_t) * size_t(T), cudaMemcpyHostToDevice, st));
+  SPADE_CUDA(cudaMemcpyAsync(tok_in_ + S, pos, sizeof(int32_t) * size_t(T), cudaMemcpyHostToDevice, st));
+  SPADE_CUDA(cudaMemcpyAsync(tok_in_ + 2 * S, page, sizeof(int32_t) * size_t(T), cudaMemcpyHostToDevice, st));
+  SPADE_CUDA(cudaMemcpyAsync(tok_in_ + 3 * S, rows, sizeof(int32_t) * size_t(R), cudaMemcpyHostToDevice, st));
+  attn_->plan(aseq, st);  // uploads and waits, so the pinned inputs above are consumed too
+  for (const SeqInput& s : batch) s.pages->length += s.n_tokens;
+}
+
+void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step) {
+  const ModelConfig& c = cfg_;
+  const int H = c.hidden, D = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads, F = c.ffn,
+            V = c.vocab;
+  const int NQKV = (Hq + 2 * Hkv) * D;
+  const int64_t S = opt_.max_step_tokens;
+  const int T = T_, R = R_;
+  cudaStream_t st = S_(stream_);
+  (void)step;
+  bf16* xn = static_cast<bf16*>(xn_);
+  bf16* q = static_cast<bf16*>(q_);
+  bf16* att = static_cast<bf16*>(att_);
+  bf16* h = static_cast<bf16*>(h_);
+  const size_t layer_kv = size_t(n_pages_) * size_t(Hkv) * opt_.page_size * D;
+  const float scale = 1.f / std::sqrt(float(D));
+  cuda::embedding(static_cast<const bf16*>(embed_), tok_in_, x_, T, H, V, st);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
+    bf16* kc = static_cast<bf16*>(k_cache_) + l * layer_kv;
+    bf16* vc = static_cast<bf16*>(v_cache_) + l * layer_kv;
+    cuda::rmsnorm(x_, nullptr, L.attn_norm, c.rms_eps, xn, T, H, st);
+    gemm_->run_f32(xn, L.wqkv, qkv_, T, NQKV, H, 0.f, st);
+    cuda::QkvPostArgs a;
+    a.qkv = qkv_;
+    a.bias = L.bqkv;
+    a.q_norm = L.q_norm;
+    a.k_norm = L.k_norm;
+    a.inv_freq = inv_freq_;
+    a.pos = tok_in_ + S;
+    a.page = tok_in_ + 2 * S;
+    a.q_out = q;
+    a.k_cache = kc;
+    a.v_cache = vc;
+    a.T = T, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.P = opt_.page_size, a.eps = c.rms_eps;
+    cuda::qkv_post(a, st);
+    attn_->run(q, kc, vc, att, scale, st);
+    gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, 1.f, st);
+    cuda::rmsnorm(x_, nullptr, L.ffn_norm, c.rms_eps, xn, T, H, st);
+    gemm_->run_f32(xn, L.wgu, gu_, T, 2 * F, H, 0.f, st);
+    cuda::swiglu(gu_, h, T, F, st);
+    gemm_->run_f32(h, L.wdown, x_, T, H, F, 1.f, st);
+  }
+  cuda::rmsnorm(x_, tok_in_ + 3 * S, final_norm_, c.rms_eps, xn, R, H, st);
+  gemm_->run_f32(xn, static_cast<const bf16*>(lm_head_), logits_, R, V, H, 0.f, st);
+  if (sample)
+    cuda::sample(logits_, R, V, *sp, 0, sampled_, st,
+                 reinterpret_cast<const uint64_t*>(tok_in_ + step_off_));
+}
+
+void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) {
+  cudaStream_t st = S_(stream_);
+  if (sample) {
+    uint64_t* sh = reinterpret_cast<uint64_t*>(tok_host_ + step_off_);
+    *sh = step;
+    SPADE_CUDA(cudaMemcpyAsync(tok_in_ + step_off_, sh, 8,
+                               cudaMemcpyHostToDevice, st));
+  }
+  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev0_), st));
+  const bool graphable = opt_.cuda_graphs && attn_->decode();
+  if (graphable) {
+    // Key: batch size, split count, and whether the step samples (with which parameters).
+    int mode = sample ? 1 : 0;
+    auto key = std::make_pair(T_ * 4 + mode, attn_->n_split());
+    auto it = graphs_.find(key);
+    if (it == graphs_.end() || (sample && std::memcmp(&graph_sampling_, sp, sizeof(*sp)) != 0)) {
+      if (it != graphs_.end()) {
+        cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(it->second));
+        graphs_.erase(it);
+      }
+      // First use: run eagerly (plans GEMM algorithms outside any capture), then capture.
+      enqueue(sample, sp, step);
+      SPADE_CUDA(cudaStreamSynchronize(st));
+      cudaGraph_t g;
+      SPADE_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      enqueue(sample, sp, step);
+      SPADE_CUDA(cudaStreamEndCapture(st, &g));
+      cudaGraphExec_t ge;
+      SPADE_CUDA(cudaGraphInstantiate(&ge, g, 0));
+      SPADE_CUDA(cudaGraphDestroy(g));
+      graphs_[key] = ge;
+      if (sample) graph_sampling_ = *sp;
+      // The eager run already did this step's work (the KV append is idempotent: the
+      // replay below rewrites the same slots with the same values).
+    }
+    SPADE_CUDA(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graphs_[key]), st));
+  } else {
+    enqueue(sample, sp, step);
+  }
+  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev1_), st));
+}
+
+const std::vector<float>& CudaModel::forward(const std::vector<SeqInput>& batch,
+                                             std::vector<int64_t>& row_of) {
+  prepare(batch, row_of, false);
+  launch(false, nullptr, 0);
+  logits_host_.resize(size_t(R_) * cfg_.vocab);
+  SPADE_CUDA(cudaMemcpyAsync(logits_host_.data(), logits_, sizeof(float) * logits_host_.size(),
+                             cudaMemcpyDeviceToHost, S_(stream_)));
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
+                                  static_cast<cudaEvent_t>(ev1_)));
+  return logits_host_;
+}
+
+std::vector<int32_t> CudaModel::forward_sample(const std::vector<SeqInput>& batch,
+                                               const cuda::GpuSampling& sp, uint64_t step) {
+  std::vector<int64_t> row_of;
+  prepare(batch, row_of, true);
+  launch(true, &sp, step);
+  SPADE_CUDA(cudaMemcpyAsync(sampled_host_, sampled_, sizeof(int32_t) * size_t(R_),
+                             cudaMemcpyDeviceToHost, S_(stream_)));
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
+                                  static_cast<cudaEvent_t>(ev1_)));
+  return std::vector<int32_t>(sampled_host_, sampled_host_ + R_);
+}
+
+GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<int32_t>& prompt,
+                            const GenerateOptions& opt,
+                            const std::function<bool(int32_t)>& on_token) {
+  using clock = std::chrono::steady_clock;
+  const ModelConfig& c = model.config();
+  GenerateStats st;
+  SPADE_CHECK(!prompt.empty(), "the prompt is empty (no tokens)");
+  SPADE_CHECK(!opt.attention, "--device cuda: sparse attention functions are CPU-only");
+  SPADE_CHECK(pt.length + int64_t(prompt.size()) <= c.max_context, "the prompt has ",
+              prompt.size(), " tokens, more than the model's context of ", c.max_context,
+              " tokens");
+  st.prompt_tokens = int64_t(prompt.size());
+  const bool host_sampling = opt.sampling.repetition_penalty != 1.f;
+  Sampler sampler(opt.sampling);
+  cuda::GpuSampling gs;
+  gs.temperature = opt.sampling.temperature;
+  gs.top_k = opt.sampling.top_k;
+  gs.top_p = opt.sampling.top_p;
+  gs.min_p = opt.sampling.min_p;
+  gs.seed = opt.sampling.seed;
+  std::vector<int32_t> history(prompt);
+  std::vector<int64_t> row_of;
+  uint64_t step = 0;
+  auto run = [&](const int32_t* toks, int64_t n) -> int32_t {
+    std::vector<SeqInput> b(1);
+    b[0].pages = &pt;
+    b[0].tokens = toks;
+    b[0].n_tokens = n;
+    if (host_sampling) {
+      const auto& lg = model.forward(b, row_of);
+      return sampler.sample(lg.data() + row_of[0] * c.vocab, c.vocab, history);
+    }
+    return model.forward_sample(b, gs, step++)[0];
+  };
+  auto t0 = clock::now();
+  const int64_t chunk = std::max<int64_t>(1, opt.prefill_chunk);
+  int32_t tok = 0;
+  for (size_t off = 0; off < prompt.size(); off += size_t(chunk)) {
+    const int64_t n = std::min<int64_t>(chunk, int64_t(prompt.size() - off));
+    tok = run(prompt.data() + off, n);
+  }
+  auto t1 = clock::now();
+  st.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+  for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
+    history.push_back(tok);
+    ++st.generated_tokens;
+    bool is_stop = std::find(opt.stop_ids.begin(), opt.stop_ids.end(), tok) != opt.stop_ids.end();
+    if (!on_token(tok)) break;
+    if (is_stop) {
+      st.stopped_by_stop_id = true;
+      break;
+    }
+    if (i + 1 == opt.max_new_tokens || pt.length + 1 > c.max_context) break;
+    tok = run(&history.back(), 1);
+  }
+  st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+  return st;
+}
+
+}  // namespace spade
+#endif  // SPADE_HAVE_CUDA

@@ -1,0 +1,139 @@
+// The layer loop of CpuModel on the GPU (CUDA backend): bf16 weights, fp32 residual stream,
+// cuBLASLt GEMMs (QKV and gate|up fused into one GEMM each; o- and down-projections add
+// into the residual in the GEMM epilogue), fused bias/qk-norm/RoPE/KV-append, paged bf16 KV
+// cache, split-KV decode and tensor-core prefill attention, GPU sampling, and CUDA graphs for
+// decode steps (one graph per batch size and split count, captured on first use).
+//
+// Memory: everything lives in one DeviceArena sized up front from the config and options
+// (weights + KV pool + workspaces); the constructor throws a clear error when it does not
+// fit, and forward() never allocates device memory.
+#pragma once
+#if defined(SPADE_HAVE_CUDA)
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/cuda/sampling.h"
+#include "engine/generator.h"
+#include "kv/kv_pool.h"
+#include "model/cpu_model.h"
+#include "model/weights.h"
+
+namespace spade {
+
+namespace cuda {
+class DeviceArena;
+class Gemm;
+class AttentionWorkspace;
+}  // namespace cuda
+
+struct CudaModelOptions {
+  int64_t kv_pages = 0;          // pages in the KV pool (0: enough for max_tokens)
+  int64_t max_tokens = 4096;     // context tokens to provision when kv_pages == 0
+  int page_size = 16;
+  int max_batch = 32;            // sequences per step
+  int64_t max_step_tokens = 2048;  // new tokens per forward() (prefill chunk cap)
+  int64_t max_logit_rows = 0;    // 0: max(max_batch, 64)
+  bool cuda_graphs = true;       // decode steps (all q_len == 1) replay a captured graph
+};
+
+// Configs for synthetic-weight runs: "llama3-8b" (Llama-3.1-8B: 128K context, llama3 RoPE
+// scaling), "qwen3-8b" (Qwen3-8B), or the path of any config.json / model directory.
+ModelConfig synthetic_config(const std::string& name_or_path);
+
+class CudaModel {
+ public:
+  // Real weights: fp32 host tensors are converted to bf16 and uploaded.
+  CudaModel(const ModelWeights& w, const CudaModelOptions& opt);
+  // Synthetic weights: random values with the config's shapes, generated on the GPU
+  // (speed measurements of models whose weights we do not have).
+  CudaModel(const ModelConfig& c, const CudaModelOptions& opt, uint64_t seed);
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  // KV pool (page ids only; the pages live on the device).
+  void reserve(PageTable& pt, int64_t new_length);
+  void release(PageTable& pt);
+  int64_t free_pages() const { return int64_t(free_.size()); }
+
+  // Same contract as CpuModel::forward (SeqInput::attention must be null): logits rows on
+  // the host, row_of[i] = first row of sequence i.
+  const std::vector<float>& forward(const std::vector<SeqInput>& batch,
+                                    std::vector<int64_t>& row_of);
+  // One step that samples on the GPU: returns one token per sequence (its last position).
+  std::vector<int32_t> forward_sample(const std::vector<SeqInput>& batch,
+                                      const cuda::GpuSampling& sp, uint64_t step);
+
+  // Benchmarks: gives `pt` pages for `length` tokens whose K/V hold random bf16 values (as
+  // if a prompt of that length had been prefilled), without running the prefill.
+  void fill_kv_random(PageTable& pt, int64_t length, uint64_t seed);
+
+  // Bytes of weights and of one layer's KV per token (for byte-floor estimates).
+  size_t weight_bytes() const { return weight_bytes_; }
+  size_t arena_bytes() const;
+  // Time of the last forward*() on the device (ms, CUDA events around the step).
+  float last_step_ms() const { return last_ms_; }
+  int graphs_captured() const { return int(graphs_.size()); }
+
+ private:
+  struct Layer;
+  void init(const ModelWeights* w, uint64_t seed);
+  // Runs the whole step on stream_; logits end in d_logits_ (rows R_).
+  void prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>& row_of, bool sample);
+  void enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step);
+  void launch(bool sample, const cuda::GpuSampling* sp, uint64_t step);
+
+  ModelConfig cfg_;
+  CudaModelOptions opt_;
+  std::unique_ptr<cuda::DeviceArena> arena_;
+  std::unique_ptr<cuda::Gemm> gemm_;
+  std::unique_ptr<cuda::AttentionWorkspace> attn_;
+  void* stream_ = nullptr;  // cudaStream_t
+  void* ev0_ = nullptr;
+  void* ev1_ = nullptr;
+  std::vector<Layer> layers_;
+  void* embed_ = nullptr;    // bf16 [V, H]
+  void* lm_head_ = nullptr;  // bf16 [V, H] (aliases embed_ when tied)
+  float* final_norm_ = nullptr;
+  float* inv_freq_ = nullptr;
+  void* k_cache_ = nullptr;  // bf16 [L][pages][Hkv][P][D]
+  void* v_cache_ = nullptr;
+  size_t weight_bytes_ = 0;
+  // Workspaces.
+  float* x_ = nullptr;       // [T, H] residual
+  void* xn_ = nullptr;       // bf16 [T, max(H, ...)]
+  float* qkv_ = nullptr;     // [T, (Hq + 2Hkv) D]
+  void* q_ = nullptr;        // bf16 [T, Hq D]
+  void* att_ = nullptr;      // bf16 [T, Hq D]
+  float* gu_ = nullptr;      // [T, 2F]
+  void* h_ = nullptr;        // bf16 [T, F]
+  float* logits_ = nullptr;  // [R, V]
+  int32_t* tok_in_ = nullptr;  // device: ids | pos | page | rows  (4 arrays of max_step_tokens)
+  int32_t* tok_host_ = nullptr;  // pinned mirror
+  int32_t* sampled_ = nullptr;   // device [max_batch]
+  int32_t* sampled_host_ = nullptr;
+  int64_t max_rows_ = 0;
+  std::vector<int32_t> free_;
+  int64_t n_pages_ = 0;
+  // Current step.
+  int T_ = 0, R_ = 0;
+  std::vector<float> logits_host_;
+  float last_ms_ = 0.f;
+  std::map<std::pair<int, int>, void*> graphs_;  // (batch*4+mode, splits) -> cudaGraphExec_t
+  cuda::GpuSampling graph_sampling_;             // parameters baked into sampling graphs
+  int64_t step_off_ = 0;                         // int32 offset of the uint64 step counter
+};
+
+// engine/generator.h's generate() on the GPU: chunked prefill, then one token per step,
+// sampled on the GPU (the host sampler is used only for a repetition penalty).
+GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<int32_t>& prompt,
+                            const GenerateOptions& opt,
+                            const std::function<bool(int32_t)>& on_token);
+
+}  // namespace spade
+#endif  // SPADE_HAVE_CUDA

@@ -1,0 +1,119 @@
+// CUDA paged attention (decode split-KV and chunked causal prefill) vs the CPU reference
+// cpu::attention_dense over the same pages: odd lengths, page boundaries, mixed batches,
+// shuffled page ids, forced split counts. K/V/Q are bf16-rounded on both sides.
+#include <algorithm>
+#include <numeric>
+
+#include "backend/cpu/attention.h"
+#include "backend/cuda/attention.h"
+#include "gpu_util.h"
+
+namespace spade::test {
+namespace {
+
+using cuda::bf16;
+
+struct Seq {
+  int kv_len, q_len;
+};
+
+void run_case(int Hq, int Hkv, int D, int P, const std::vector<Seq>& seqs, int force_split,
+              uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << "Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << " P=" << P
+                                  << " split=" << force_split);
+  std::mt19937 rng(seed);
+  int64_t pages_needed = 0, total_q = 0;
+  for (auto& s : seqs) pages_needed += (s.kv_len + P - 1) / P, total_q += s.q_len;
+  KVLayout lay{1, Hkv, D, P};
+  KVPool kv(lay, pages_needed + 5);
+  std::vector<PageTable> pts(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) kv.reserve(pts[i], seqs[i].kv_len);
+  // Shuffle page ownership across sequences (a real pool is fragmented).
+  std::vector<int32_t> all;
+  for (auto& pt : pts) all.insert(all.end(), pt.pages.begin(), pt.pages.end());
+  std::shuffle(all.begin(), all.end(), rng);
+  size_t o = 0;
+  for (auto& pt : pts)
+    for (auto& p : pt.pages) p = all[o++];
+  for (size_t i = 0; i < seqs.size(); ++i) pts[i].length = seqs[i].kv_len;
+  // Random bf16-valued cache (whole pool, so stale garbage is also finite).
+  const size_t cache_n = size_t(kv.n_pages()) * lay.page_floats();
+  auto kh = round_bf16(randn(cache_n, rng, 1.0f)), vh = round_bf16(randn(cache_n, rng));
+  std::copy(kh.begin(), kh.end(), kv.k_page(0, 0));
+  std::copy(vh.begin(), vh.end(), kv.v_page(0, 0));
+  auto q = round_bf16(randn(size_t(total_q) * Hq * D, rng, 1.0f));
+  const float scale = 1.f / std::sqrt(float(D));
+  std::vector<float> ref(q.size());
+  cpu::AttentionScratch scratch;
+  int64_t r = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int64_t p0 = seqs[i].kv_len - seqs[i].q_len;
+    cpu::attention_dense(kv, 0, pts[i], q.data() + r * Hq * D, p0, seqs[i].q_len, Hq, scale,
+                         ref.data() + r * Hq * D, scratch);
+    r += seqs[i].q_len;
+  }
+  cuda::DeviceArena arena(256u << 20);
+  cuda::AttnLimits lim;
+  lim.max_batch = 64;
+  lim.max_q_tokens = 4096;
+  lim.max_pages = 1 << 16;
+  cuda::AttentionWorkspace ws(arena, lim, Hq, Hkv, D, P);
+  DevBuf<bf16> dk(to_bf16(kh)), dv(to_bf16(vh)), dq(to_bf16(q)), dout(q.size());
+  std::vector<cuda::AttnSeq> batch;
+  for (size_t i = 0; i < seqs.size(); ++i)
+    batch.push_back({pts[i].pages.data(), int(pts[i].pages.size()), seqs[i].kv_len, seqs[i].q_len});
+  ws.plan(batch, 0, force_split);
+  dout.poison();
+  ws.run(dq.p, dk.p, dv.p, dout.p, scale, 0);
+  auto got = from_bf16(dout.download());
+  EXPECT_LT(rel_err(got, ref), kTolAttn) << "decode=" << ws.decode() << " splits=" << ws.n_split();
+  // Per-sequence check too (a wrong short sequence hides in the norm of a long one).
+  r = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const size_t n = size_t(seqs[i].q_len) * Hq * D;
+    EXPECT_LT(rel_err(got.data() + r * Hq * D, ref.data() + r * Hq * D, n), kTolAttn)
+        << "sequence " << i << " kv=" << seqs[i].kv_len << " q=" << seqs[i].q_len;
+    r += seqs[i].q_len;
+  }
+}
+
+TEST(CudaAttention, DecodeMixedLengthsLlamaShape) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Seq> s = {{1, 1}, {15, 1}, {16, 1}, {17, 1}, {100, 1}, {1000, 1}, {4097, 1}};
+  for (int split : {0, 1, 5}) run_case(32, 8, 128, 16, s, split, 11);
+}
+
+TEST(CudaAttention, DecodeSmolLMShapeOddPage) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Seq> s = {{3, 1}, {64, 1}, {65, 1}, {777, 1}};
+  run_case(9, 3, 64, 16, s, 0, 12);
+  run_case(9, 3, 64, 7, s, 3, 13);
+}
+
+TEST(CudaAttention, DecodeLongContext) {
+  SKIP_WITHOUT_GPU();
+  run_case(32, 8, 128, 16, {{40000, 1}, {33, 1}}, 0, 14);
+}
+
+TEST(CudaAttention, DecodeGroupOfEightAndOne) {
+  SKIP_WITHOUT_GPU();
+  run_case(64, 8, 128, 16, {{500, 1}, {2049, 1}}, 0, 15);  // G = 8
+  run_case(8, 8, 64, 16, {{500, 1}, {31, 1}}, 0, 16);      // MHA, G = 1
+}
+
+TEST(CudaAttention, PrefillCausalChunkedMixed) {
+  SKIP_WITHOUT_GPU();
+  // Fresh prompts, chunks after a cached prefix, and a decode row in the same batch.
+  std::vector<Seq> s = {{37, 37}, {300, 100}, {1000, 1}, {129, 64}, {16, 16}, {700, 333}};
+  run_case(32, 8, 128, 16, s, 0, 21);
+  run_case(9, 3, 64, 16, s, 0, 22);
+  run_case(12, 4, 64, 5, {{250, 250}, {97, 3}}, 0, 23);
+}
+
+TEST(CudaAttention, PrefillLong) {
+  SKIP_WITHOUT_GPU();
+  run_case(32, 8, 128, 16, {{3000, 2048}}, 0, 24);
+}
+
+}  // namespace
+}  // namespace spade::test

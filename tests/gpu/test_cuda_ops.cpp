@@ -1,0 +1,276 @@
+// CUDA ops vs the CPU backend (backend/cpu/ops.h) over shapes; inputs are rounded to bf16
+// on both sides where the GPU op takes bf16, so the tolerances measure the op, not the
+// input rounding.
+#include <algorithm>
+#include <numeric>
+
+#include "backend/cpu/ops.h"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/ops.h"
+#include "backend/cuda/sampling.h"
+#include "gpu_util.h"
+
+namespace spade::test {
+namespace {
+
+using cuda::bf16;
+
+TEST(CudaOps, Embedding) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(1);
+  for (int H : {64, 576, 4096}) {
+    const int vocab = 1000, T = 37;
+    auto table = round_bf16(randn(size_t(vocab) * H, rng));
+    std::vector<int32_t> ids(T);
+    for (auto& i : ids) i = int(rng() % vocab);
+    std::vector<float> ref(size_t(T) * H);
+    cpu::embedding(table.data(), ids.data(), ref.data(), T, H, vocab);
+    DevBuf<bf16> dt(to_bf16(table));
+    DevBuf<int32_t> di(ids);
+    DevBuf<float> dx(size_t(T) * H);
+    dx.poison();
+    cuda::embedding(dt.p, di.p, dx.p, T, H, vocab, 0);
+    EXPECT_EQ(rel_err(dx.download(), ref), 0.0) << "H=" << H;
+  }
+}
+
+TEST(CudaOps, RmsNormWithRowGather) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(2);
+  for (int H : {48, 576, 4096, 5120}) {
+    const int R = 13;
+    auto x = randn(size_t(R) * H, rng, 3.f);
+    auto w = randn(size_t(H), rng, 0.1f, 1.f);
+    std::vector<int32_t> rows = {12, 0, 5, 5};
+    std::vector<float> ref(rows.size() * H), gathered(rows.size() * H);
+    for (size_t r = 0; r < rows.size(); ++r)
+      std::copy_n(x.begin() + rows[r] * H, H, gathered.begin() + r * H);
+    cpu::rmsnorm(gathered.data(), w.data(), 1e-5f, ref.data(), int64_t(rows.size()), H);
+    DevBuf<float> dx(x), dw(w);
+    DevBuf<int32_t> dr(rows);
+    DevBuf<bf16> dy(rows.size() * H);
+    dy.poison();
+    cuda::rmsnorm(dx.p, dr.p, dw.p, 1e-5f, dy.p, int(rows.size()), H, 0);
+    EXPECT_LT(rel_err(from_bf16(dy.download()), ref), kTolBf16Out) << "H=" << H;
+  }
+}
+
+TEST(CudaOps, SwiGLU) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(3);
+  const int T = 5, F = 1536;
+  auto gu = randn(size_t(T) * 2 * F, rng, 2.f);
+  std::vector<float> g(size_t(T) * F), u(size_t(T) * F), ref(size_t(T) * F);
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < F; ++i) {
+      g[t * F + i] = gu[size_t(t) * 2 * F + i];
+      u[t * F + i] = gu[size_t(t) * 2 * F + F + i];
+    }
+  cpu::swiglu(g.data(), u.data(), ref.data(), int64_t(T) * F);
+  DevBuf<float> dgu(gu);
+  DevBuf<bf16> dout(size_t(T) * F);
+  dout.poison();
+  cuda::swiglu(dgu.p, dout.p, T, F, 0);
+  EXPECT_LT(rel_err(from_bf16(dout.download()), ref), kTolBf16Out);
+}
+
+// qkv_post = bias + q/k RMSNorm + RoPE (plain and llama3-scaled) + paged K/V append.
+struct QkvCase {
+  int D, Hq, Hkv, T, P, first_pos;
+  bool bias, qk_norm, llama3;
+};
+
+TEST(CudaOps, QkvPostRopeAppend) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(4);
+  const QkvCase cases[] = {
+      {64, 9, 3, 1, 16, 0, false, false, false},      // SmolLM2 decode, first token
+      {64, 9, 3, 37, 16, 5, false, false, false},     // crosses page boundaries
+      {128, 32, 8, 3, 16, 131070, false, false, true}, // llama3 scaling, 128K positions
+      {128, 16, 8, 20, 7, 13, true, true, false},     // Qwen2 bias + Qwen3 qk-norm, odd page
+  };
+  for (const QkvCase& c : cases) {
+    SCOPED_TRACE(testing::Message() << "D=" << c.D << " T=" << c.T << " P=" << c.P);
+    ModelConfig cfg;
+    cfg.head_dim = c.D;
+    cfg.rope_theta = c.llama3 ? 500000.f : 10000.f;
+    if (c.llama3) {
+      cfg.rope_scaling.llama3 = true;
+      cfg.rope_scaling.factor = 8.f;
+      cfg.rope_scaling.low_freq_factor = 1.f;
+      cfg.rope_scaling.high_freq_factor = 4.f;
+      cfg.rope_scaling.original_max_position = 8192;
+    }
+    std::vector<float> inv(size_t(c.D / 2));
+    cpu::rope_inv_freq(cfg, inv.data());
+    const int nh = c.Hq + 2 * c.Hkv, D = c.D;
+    auto qkv = randn(size_t(c.T) * nh * D, rng);
+    auto bias = randn(size_t(nh) * D, rng, 0.3f);
+    auto qn = randn(size_t(D), rng, 0.1f, 1.f), kn = randn(size_t(D), rng, 0.1f, 1.f);
+    std::vector<int32_t> pos(c.T), page(c.T);
+    const int n_pages = (c.first_pos + c.T) / c.P + 3;
+    std::vector<int32_t> perm(n_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int t = 0; t < c.T; ++t) {
+      pos[t] = c.first_pos + t;
+      page[t] = perm[pos[t] / c.P];
+    }
+    // CPU reference.
+    std::vector<float> q(size_t(c.T) * c.Hq * D), k(size_t(c.T) * c.Hkv * D), v(k.size());
+    for (int t = 0; t < c.T; ++t)
+      for (int h = 0; h < nh; ++h)
+        for (int d = 0; d < D; ++d) {
+          float x = qkv[(size_t(t) * nh + h) * D + d] + (c.bias ? bias[size_t(h) * D + d] : 0.f);
+          if (h < c.Hq) q[(size_t(t) * c.Hq + h) * D + d] = x;
+          else if (h < c.Hq + c.Hkv) k[(size_t(t) * c.Hkv + h - c.Hq) * D + d] = x;
+          else v[(size_t(t) * c.Hkv + h - c.Hq - c.Hkv) * D + d] = x;
+        }
+    if (c.qk_norm) {
+      cpu::rmsnorm(q.data(), qn.data(), 1e-6f, q.data(), int64_t(c.T) * c.Hq, D);
+      cpu::rmsnorm(k.data(), kn.data(), 1e-6f, k.data(), int64_t(c.T) * c.Hkv, D);
+    }
+    cpu::rope(q.data(), pos.data(), inv.data(), c.T, c.Hq, D);
+    cpu::rope(k.data(), pos.data(), inv.data(), c.T, c.Hkv, D);
+
+    const size_t cache_n = size_t(n_pages) * c.Hkv * c.P * D;
+    DevBuf<float> dqkv(qkv), dbias(bias), dqn(qn), dkn(kn), dinv(inv);
+    DevBuf<int32_t> dpos(pos), dpage(page);
+    DevBuf<bf16> dq(q.size()), dk(cache_n), dv(cache_n);
+    dq.poison();
+    dk.poison();
+    dv.poison();
+    cuda::QkvPostArgs a;
+    a.qkv = dqkv.p;
+    a.bias = c.bias ? dbias.p : nullptr;
+    a.q_norm = c.qk_norm ? dqn.p : nullptr;
+    a.k_norm = c.qk_norm ? dkn.p : nullptr;
+    a.inv_freq = dinv.p;
+    a.pos = dpos.p;
+    a.page = dpage.p;
+    a.q_out = dq.p;
+    a.k_cache = dk.p;
+    a.v_cache = dv.p;
+    a.T = c.T, a.Hq = c.Hq, a.Hkv = c.Hkv, a.D = D, a.P = c.P, a.eps = 1e-6f;
+    cuda::qkv_post(a, 0);
+    EXPECT_LT(rel_err(from_bf16(dq.download()), q), kTolBf16Out);
+    auto kc = from_bf16(dk.download()), vc = from_bf16(dv.download());
+    std::vector<float> kg(k.size()), vg(v.size());
+    size_t written = 0;
+    for (int t = 0; t < c.T; ++t)
+      for (int h = 0; h < c.Hkv; ++h) {
+        size_t off = ((size_t(page[t]) * c.Hkv + h) * c.P + pos[t] % c.P) * D;
+        std::copy_n(kc.begin() + off, D, kg.begin() + (size_t(t) * c.Hkv + h) * D);
+        std::copy_n(vc.begin() + off, D, vg.begin() + (size_t(t) * c.Hkv + h) * D);
+        written += D;
+      }
+    EXPECT_LT(rel_err(kg, k), kTolBf16Out);
+    EXPECT_LT(rel_err(vg, v), kTolBf16Out);
+    // Nothing else in the cache was touched (still the 0xffff poison).
+    size_t untouched = 0;
+    for (float x : kc) untouched += std::isnan(x);
+    EXPECT_EQ(untouched, kc.size() - written);
+  }
+}
+
+TEST(CudaOps, GemmBf16MatchesCpuMatmul) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(5);
+  cuda::DeviceArena arena(64u << 20);
+  cuda::Gemm gemm(arena);
+  struct S { int M, N, K; } shapes[] = {{1, 576, 576}, {1, 49152, 576}, {7, 1536, 576},
+                                       {64, 192, 576}, {300, 576, 1536}, {3, 4096, 4096}};
+  for (auto [M, N, K] : shapes) {
+    SCOPED_TRACE(testing::Message() << M << "x" << N << "x" << K);
+    auto x = round_bf16(randn(size_t(M) * K, rng));
+    auto w = round_bf16(randn(size_t(N) * K, rng, 1.f / std::sqrt(float(K))));
+    auto y0 = randn(size_t(M) * N, rng);
+    std::vector<float> ref(size_t(M) * N);
+    cpu::matmul(x.data(), w.data(), nullptr, ref.data(), M, N, K);
+    DevBuf<bf16> dx(to_bf16(x)), dw(to_bf16(w)), dyb(size_t(M) * N);
+    DevBuf<float> dy(size_t(M) * N);
+    dy.poison();
+    gemm.run_f32(dx.p, dw.p, dy.p, M, N, K, 0.f, 0);
+    EXPECT_LT(rel_err(dy.download(), ref), kTolGemm);
+    // beta = 1: y += x W^T (the fused residual add).
+    dy.upload(y0);
+    gemm.run_f32(dx.p, dw.p, dy.p, M, N, K, 1.f, 0);
+    std::vector<float> ref2(ref);
+    for (size_t i = 0; i < ref2.size(); ++i) ref2[i] += y0[i];
+    EXPECT_LT(rel_err(dy.download(), ref2), kTolGemm);
+    dyb.poison();
+    gemm.run_bf16(dx.p, dw.p, dyb.p, M, N, K, 0);
+    EXPECT_LT(rel_err(from_bf16(dyb.download()), ref), kTolBf16Out);
+  }
+}
+
+TEST(CudaOps, SamplingGreedyAndFilters) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(6);
+  const int R = 4, V = 50000;
+  auto logits = randn(size_t(R) * V, rng, 3.f);
+  logits[size_t(2) * V + 777] = logits[size_t(2) * V + 123] = 40.f;  // tie: lowest id wins
+  DevBuf<float> dl(logits);
+  DevBuf<int32_t> dout(R);
+  cuda::GpuSampling g;
+  cuda::sample(dl.p, R, V, g, 0, dout.p, 0);
+  auto got = dout.download();
+  for (int r = 0; r < R; ++r) {
+    auto b = logits.begin() + size_t(r) * V;
+    EXPECT_EQ(got[r], int(std::max_element(b, b + V) - b)) << "row " << r;
+  }
+  // top-k = 1 at any temperature is greedy.
+  g.temperature = 1.5f;
+  g.top_k = 1;
+  cuda::sample(dl.p, R, V, g, 1, dout.p, 0);
+  got = dout.download();
+  for (int r = 0; r < R; ++r) {
+    auto b = logits.begin() + size_t(r) * V;
+    EXPECT_EQ(got[r], int(std::max_element(b, b + V) - b));
+  }
+}
+
+TEST(CudaOps, SamplingDistribution) {
+  SKIP_WITHOUT_GPU();
+  // 8 tokens with known probabilities at T=1; top-k 6 and top-p 0.9 cut the tail.
+  const int V = 8;
+  std::vector<float> lg = {2.0f, 1.5f, 1.0f, 0.5f, 0.0f, -0.5f, -1.0f, -9.f};
+  std::vector<double> p(V);
+  double Z = 0;
+  for (int i = 0; i < 6; ++i) Z += std::exp(double(lg[i]));
+  for (int i = 0; i < 6; ++i) p[i] = std::exp(double(lg[i])) / Z;
+  // top-p 0.9 over the top-6 distribution: smallest prefix with mass >= 0.9.
+  double cum = 0;
+  int keep = 0;
+  while (keep < 6) {
+    cum += p[keep++];
+    if (cum >= 0.9) break;
+  }
+  const int N = 20000;
+  std::vector<float> rows;
+  for (int i = 0; i < N; ++i) rows.insert(rows.end(), lg.begin(), lg.end());
+  DevBuf<float> dl(rows);
+  DevBuf<int32_t> dout(N);
+  cuda::GpuSampling g;
+  g.temperature = 1.f;
+  g.top_k = 6;
+  g.top_p = 0.9f;
+  g.seed = 42;
+  cuda::sample(dl.p, N, V, g, 7, dout.p, 0);
+  auto got = dout.download();
+  std::vector<int> cnt(V, 0);
+  for (int x : got) {
+    ASSERT_GE(x, 0);
+    ASSERT_LT(x, keep) << "sampled a token outside top-k/top-p";
+    cnt[x]++;
+  }
+  double mass = 0;
+  for (int i = 0; i < keep; ++i) mass += p[i];
+  for (int i = 0; i < keep; ++i) {
+    double expect = p[i] / mass * N, sd = std::sqrt(expect);
+    EXPECT_NEAR(cnt[i], expect, 5 * sd + 1) << "token " << i;
+  }
+}
+
+}  // namespace
+}  // namespace spade::test
