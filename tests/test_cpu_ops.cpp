@@ -185,3 +185,15 @@ TEST(Half, Bf16RoundToNearestEven) {
   EXPECT_EQ(f32_to_bf16(1.f + std::ldexp(1.f, -8)), 0x3f80);  // tie -> even (1.0)
   EXPECT_EQ(f32_to_bf16(1.f + std::ldexp(3.f, -9)), 0x3f81);  // 0.75 ulp -> up
 }
+
+TEST(CpuOps, RopeFreqFactorsDivideInverseFrequencies) {
+  // GGUF Llama-3.1 files carry scaling as a rope_freqs tensor: inv_freq[i] / factor[i].
+  ModelConfig c;
+  c.head_dim = 8;
+  c.rope_theta = 10000.f;
+  c.rope_scaling.freq_factors = {1.f, 2.f, 4.f, 8.f};
+  std::vector<float> inv(4);
+  cpu::rope_inv_freq(c, inv.data());
+  for (int i = 0; i < 4; ++i)
+    EXPECT_NEAR(inv[size_t(i)], std::pow(10000.0, -2.0 * i / 8) / std::pow(2.0, i), 1e-7);
+}

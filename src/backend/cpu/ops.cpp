@@ -71,6 +71,8 @@ void rope_inv_freq(const ModelConfig& cfg, float* inv_freq) {
     } else if (s.linear) {
       f = f / s.factor;
     }
+    // llama.cpp's GGUF stores Llama-3.1 scaling as per-frequency divisors (rope_freqs).
+    if (!s.freq_factors.empty()) f /= double(s.freq_factors[size_t(i)]);
     inv_freq[i] = float(f);
   }
 }
