@@ -6,12 +6,16 @@
 // rotation that consecutive calls never hit L2 (>= 4x the 50 MB L2 in total). Timing: CUDA
 // events around a batch of calls cycling through the caches, 30 batches, median per call.
 // Prefill: FLOPs counted as 4*Hq*D*sum_t(t+1) (causal, QK^T and PV), median of 15.
+// Every decode kernel (v2, auto and the v3/v4 variants; argv[3] = "kernel[:split policy],..."
+// to pick, policy 1 = exact waves, reported as "<name>/x") and
+// both prefill kernels (wgmma, mma.sync) run on the same inputs in the same process.
 //
 // Build (bench/run_gpu.sh does this): nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a
 //   -Isrc bench/bench_attention.cu build/libspade_cuda.a -lcublasLt -lcublas -o bench_attention
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <numeric>
@@ -45,6 +49,8 @@ struct Timer {
 };
 
 const int Hq = 32, Hkv = 8, D = 128, P = 16;
+
+std::vector<std::pair<int, int>> g_decode_kernels;  // (decode kernel index, split policy)
 
 void bench_decode(FILE* out, int L, int B, int force_split) {
   const size_t page_elems = size_t(Hkv) * P * D;
@@ -84,39 +90,45 @@ void bench_decode(FILE* out, int L, int B, int force_split) {
   std::vector<AttnSeq> batch(B);
   for (int b = 0; b < B; ++b)
     batch[b] = {perm.data() + b * pages_per_seq, int(pages_per_seq), L, 1};
-  ws.plan(batch, 0, force_split);
   const float scale = 1.f / std::sqrt(float(D));
-  for (int i = 0; i < 3 * nbuf; ++i) ws.run(q, kb[i % nbuf], vb[i % nbuf], o, scale, 0);
-  SPADE_CUDA(cudaDeviceSynchronize());
-  const int calls = std::max(nbuf, 8) / nbuf * nbuf;
-  Timer t;
-  std::vector<float> per;
-  for (int rep = 0; rep < 30; ++rep) {
-    SPADE_CUDA(cudaEventRecord(t.a));
-    for (int i = 0; i < calls; ++i) ws.run(q, kb[i % nbuf], vb[i % nbuf], o, scale, 0);
-    SPADE_CUDA(cudaEventRecord(t.b));
-    SPADE_CUDA(cudaEventSynchronize(t.b));
-    float ms = 0;
-    SPADE_CUDA(cudaEventElapsedTime(&ms, t.a, t.b));
-    per.push_back(ms * 1000.f / calls);
+  for (auto [kern, policy] : g_decode_kernels) {
+    ws.set_decode_kernel(kern);
+    ws.set_split_policy(policy);
+    ws.plan(batch, 0, force_split);
+    for (int i = 0; i < 3 * nbuf; ++i) ws.run(q, kb[i % nbuf], vb[i % nbuf], o, scale, 0);
+    SPADE_CUDA(cudaDeviceSynchronize());
+    const int calls = std::max(nbuf, 8) / nbuf * nbuf;
+    Timer t;
+    std::vector<float> per;
+    for (int rep = 0; rep < 30; ++rep) {
+      SPADE_CUDA(cudaEventRecord(t.a));
+      for (int i = 0; i < calls; ++i) ws.run(q, kb[i % nbuf], vb[i % nbuf], o, scale, 0);
+      SPADE_CUDA(cudaEventRecord(t.b));
+      SPADE_CUDA(cudaEventSynchronize(t.b));
+      float ms = 0;
+      SPADE_CUDA(cudaEventElapsedTime(&ms, t.a, t.b));
+      per.push_back(ms * 1000.f / calls);
+    }
+    const double us = median(per);
+    const double kv_bytes = double(B) * L * Hkv * D * 2 * 2;
+    const double bytes = kv_bytes + 2.0 * B * Hq * D * 2;
+    std::fprintf(out,
+                 "{\"kind\":\"decode\",\"impl\":\"spade\",\"kernel\":\"%s%s\",\"variant\":\"%s\",\"L\":%d,\"B\":%d,"
+                 "\"Hq\":%d,\"Hkv\":%d,\"D\":%d,\"page\":%d,\"splits\":%d,\"buffers\":%d,"
+                 "\"us\":%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"GBps\":%.1f}\n",
+                 AttentionWorkspace::decode_kernel_name(kern), policy ? "/x" : "",
+                 AttentionWorkspace::decode_kernel_name(ws.decode_variant() == 0 ? 0 : ws.decode_variant() + 1),
+                 L, B, Hq, Hkv, D, P, ws.n_split(), nbuf,
+                 us, *std::min_element(per.begin(), per.end()), bytes, bytes / us * 1e-3);
+    std::fflush(out);
   }
-  const double us = median(per);
-  const double kv_bytes = double(B) * L * Hkv * D * 2 * 2;
-  const double bytes = kv_bytes + 2.0 * B * Hq * D * 2;
-  std::fprintf(out,
-               "{\"kind\":\"decode\",\"impl\":\"spade\",\"L\":%d,\"B\":%d,\"Hq\":%d,\"Hkv\":%d,"
-               "\"D\":%d,\"page\":%d,\"splits\":%d,\"buffers\":%d,\"us\":%.3f,\"us_min\":%.3f,"
-               "\"bytes\":%.0f,\"GBps\":%.1f}\n",
-               L, B, Hq, Hkv, D, P, ws.n_split(), nbuf, us, *std::min_element(per.begin(), per.end()),
-               bytes, bytes / us * 1e-3);
-  std::fflush(out);
 }
 
 void bench_prefill(FILE* out, int L) {
   const int B = 1;
   const int64_t pages = (L + P - 1) / P;
   const size_t page_elems = size_t(Hkv) * P * D;
-  DeviceArena arena(size_t(pages) * page_elems * 4 + size_t(L) * Hq * D * 4 + (512ull << 20));
+  DeviceArena arena(size_t(pages) * page_elems * 4 + size_t(L) * Hq * D * 4 + (768ull << 20));
   bf16* k = arena.alloc_n<bf16>(size_t(pages) * page_elems, "K");
   bf16* v = arena.alloc_n<bf16>(size_t(pages) * page_elems, "V");
   bf16* q = arena.alloc_n<bf16>(size_t(L) * Hq * D, "q");
@@ -133,28 +145,77 @@ void bench_prefill(FILE* out, int L) {
   std::iota(perm.begin(), perm.end(), 0);
   std::mt19937 rng(2);
   std::shuffle(perm.begin(), perm.end(), rng);
-  ws.plan({{perm.data(), int(pages), L, L}}, 0);
   const float scale = 1.f / std::sqrt(float(D));
-  for (int i = 0; i < 2; ++i) ws.run(q, k, v, o, scale, 0);
-  SPADE_CUDA(cudaDeviceSynchronize());
-  Timer t;
-  std::vector<float> per;
-  for (int rep = 0; rep < 15; ++rep) {
-    SPADE_CUDA(cudaEventRecord(t.a));
-    ws.run(q, k, v, o, scale, 0);
-    SPADE_CUDA(cudaEventRecord(t.b));
-    SPADE_CUDA(cudaEventSynchronize(t.b));
-    float ms = 0;
-    SPADE_CUDA(cudaEventElapsedTime(&ms, t.a, t.b));
-    per.push_back(ms);
+  const char* env = std::getenv("SPADE_ATTN_PREFILL");
+  const bool allow_wgmma = !(env && *env && std::atoi(env) == 0);
+  // Per-CTA trace buffer (start, end, SM, tiles) for the wgmma kernels.
+  const int64_t max_ctas = (int64_t(L) * (Hq / Hkv) / 128 + 1) * Hkv;
+  unsigned long long* trace_dev = arena.alloc_n<unsigned long long>(size_t(max_ctas) * 4, "trace");
+  for (int kern : {2, 1, 0}) {
+    if (kern >= 1 && !allow_wgmma) continue;
+    ws.set_prefill_kernel(kern);
+    if (kern >= 1 && !ws.prefill_wgmma_active()) continue;
+    ws.plan({{perm.data(), int(pages), L, L}}, 0);
+    for (int i = 0; i < 2; ++i) ws.run(q, k, v, o, scale, 0);
+    SPADE_CUDA(cudaDeviceSynchronize());
+    Timer t;
+    std::vector<float> per;
+    for (int rep = 0; rep < 15; ++rep) {
+      SPADE_CUDA(cudaEventRecord(t.a));
+      ws.run(q, k, v, o, scale, 0);
+      SPADE_CUDA(cudaEventRecord(t.b));
+      SPADE_CUDA(cudaEventSynchronize(t.b));
+      float ms = 0;
+      SPADE_CUDA(cudaEventElapsedTime(&ms, t.a, t.b));
+      per.push_back(ms);
+    }
+    const double ms = median(per);
+    const double flops = 4.0 * Hq * D * (double(L) * (L + 1) / 2) * B;
+    // Trace one more launch: SM busy fraction, per-CTA cost = X + y * tiles (least squares),
+    // mean idle gap between consecutive CTAs on an SM.
+    char trace_json[256] = "";
+    if (kern >= 1) {
+      const int n = ws.n_items() * Hkv;
+      SPADE_CUDA(cudaMemset(trace_dev, 0, size_t(n) * 4 * 8));
+      ws.set_trace(trace_dev);
+      ws.run(q, k, v, o, scale, 0);
+      ws.set_trace(nullptr);
+      std::vector<unsigned long long> tr(size_t(n) * 4);
+      SPADE_CUDA(cudaMemcpy(tr.data(), trace_dev, tr.size() * 8, cudaMemcpyDeviceToHost));
+      unsigned long long t0 = ~0ull, t1 = 0;
+      double sx = 0, sy = 0, sxx = 0, sxy = 0, busy = 0;
+      std::vector<std::vector<std::pair<unsigned long long, unsigned long long>>> per_sm(256);
+      for (int i = 0; i < n; ++i) {
+        const unsigned long long a0 = tr[4 * i], a1 = tr[4 * i + 1];
+        const double x = double(tr[4 * i + 3]), y = double(a1 - a0) * 1e-3;
+        t0 = std::min(t0, a0), t1 = std::max(t1, a1);
+        sx += x, sy += y, sxx += x * x, sxy += x * y, busy += y;
+        per_sm[tr[4 * i + 2] % 256].push_back({a0, a1});
+      }
+      const double span = double(t1 - t0) * 1e-3;
+      const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+      const double icpt = (sy - slope * sx) / n;
+      double gaps = 0;
+      int ngaps = 0, sms = 0;
+      for (auto& v : per_sm) {
+        if (v.empty()) continue;
+        ++sms;
+        std::sort(v.begin(), v.end());
+        for (size_t j = 1; j < v.size(); ++j) gaps += double(v[j].first - v[j - 1].second) * 1e-3, ++ngaps;
+      }
+      std::snprintf(trace_json, sizeof(trace_json),
+                    ",\"trace_span_us\":%.1f,\"trace_sm_busy\":%.3f,\"trace_cta_fixed_us\":%.2f,"
+                    "\"trace_us_per_tile\":%.3f,\"trace_gap_us\":%.2f",
+                    span, busy / (span * std::max(1, sms)), icpt, slope, ngaps ? gaps / ngaps : 0.0);
+    }
+    std::fprintf(out,
+                 "{\"kind\":\"prefill\",\"impl\":\"spade\",\"kernel\":\"%s\",\"L\":%d,\"B\":%d,"
+                 "\"Hq\":%d,\"Hkv\":%d,\"D\":%d,\"page\":%d,\"causal\":true,\"ms\":%.4f,"
+                 "\"flops\":%.0f,\"TFLOPs\":%.1f%s}\n",
+                 kern == 2 ? "wgmma_s3" : kern == 1 ? "wgmma_s2" : "mma.sync", L, B, Hq, Hkv, D, P, ms,
+                 flops, flops / ms * 1e-9, trace_json);
+    std::fflush(out);
   }
-  const double ms = median(per);
-  const double flops = 4.0 * Hq * D * (double(L) * (L + 1) / 2) * B;
-  std::fprintf(out,
-               "{\"kind\":\"prefill\",\"impl\":\"spade\",\"L\":%d,\"B\":%d,\"Hq\":%d,\"Hkv\":%d,"
-               "\"D\":%d,\"page\":%d,\"causal\":true,\"ms\":%.4f,\"flops\":%.0f,\"TFLOPs\":%.1f}\n",
-               L, B, Hq, Hkv, D, P, ms, flops, flops / ms * 1e-9);
-  std::fflush(out);
 }
 
 }  // namespace
@@ -164,6 +225,20 @@ int main(int argc, char** argv) {
     std::string mode = argc > 1 ? argv[1] : "all";
     FILE* out = stdout;
     if (argc > 2) out = std::fopen(argv[2], "w");
+    if (argc > 3) {  // "k[:policy],k[:policy],..."
+      std::string list = argv[3];
+      for (size_t p = 0; p < list.size();) {
+        size_t e = list.find(',', p);
+        if (e == std::string::npos) e = list.size();
+        const std::string item = list.substr(p, e - p);
+        const size_t c = item.find(':');
+        g_decode_kernels.push_back({std::stoi(item.substr(0, c)),
+                                    c == std::string::npos ? 0 : std::stoi(item.substr(c + 1))});
+        p = e + 1;
+      }
+    } else {
+      for (int i = 0; i < AttentionWorkspace::decode_kernel_count(); ++i) g_decode_kernels.push_back({i, 0});
+    }
     std::fprintf(stderr, "device: %s\n", device_summary().c_str());
     if (mode == "decode" || mode == "all") {
       for (int L : {8192, 32768, 131072})

@@ -5,6 +5,7 @@ document, so no batch parallelism). Prints one JSON line like the C++ benchmark.
 
   bench_tokenizer_hf.py KIND PATH TEXT_FILE [CHUNK=4096] [REPEATS=3]
   KIND: json (a directory with tokenizer.json) | gpt2 (encoder.json + vocab.bpe directory)
+        | llama-spm | smollm2 (rebuilt from the GGUF as python/make_tokenizer_fixtures.py does)
 """
 import json
 import os
@@ -19,6 +20,10 @@ def load(kind, path):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     if kind == "json":
         return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    if kind in ("llama-spm", "smollm2"):
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+        import make_tokenizer_fixtures as fx
+        return fx.hf_llama_spm() if kind == "llama-spm" else fx.hf_smollm2()
     with open(os.path.join(path, "encoder.json"), encoding="utf-8") as f:
         vocab = json.load(f)
     with open(os.path.join(path, "vocab.bpe"), encoding="utf-8") as f:

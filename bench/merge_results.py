@@ -42,18 +42,19 @@ def main():
                 row["sdpa_best_TFLOPs"] = best["TFLOPs"]
                 row["ratio_vs_sdpa_best"] = round(r["TFLOPs"] / best["TFLOPs"], 3)
         rows.append(row)
-    doc = dict(device=device, date=datetime.datetime.utcnow().isoformat() + "Z", commit=commit,
+    doc = dict(device=device, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), commit=commit,
                command=command, results=rows, sdpa_raw=theirs)
     json.dump(doc, open(dest, "w"), indent=1)
     print(f"device: {device}  commit: {commit}")
-    print(f"{'kind':8}{'L':>8}{'B':>4}{'spade':>12}{'GB/s|TF':>10}{'sdpa best':>12}{'GB/s|TF':>10}{'backend':>11}{'ratio':>8}")
+    print(f"{'kind':8}{'kernel':>10}{'L':>8}{'B':>4}{'spade':>12}{'GB/s|TF':>10}{'sdpa best':>12}{'GB/s|TF':>10}{'backend':>11}{'ratio':>8}")
     for r in rows:
+        kern = r.get("kernel", "-")
         if r["kind"] == "decode":
-            print(f"{'decode':8}{r['L']:>8}{r['B']:>4}{r['us']:>10.1f}us{r['GBps']:>10.0f}"
+            print(f"{'decode':8}{kern:>10}{r['L']:>8}{r['B']:>4}{r['us']:>10.1f}us{r['GBps']:>10.0f}"
                   f"{r.get('sdpa_best_us', float('nan')):>10.1f}us{r.get('sdpa_best_GBps', float('nan')):>10.0f}"
                   f"{r.get('sdpa_best_backend', '-'):>11}{r.get('speedup_vs_sdpa_best', float('nan')):>8.2f}")
         else:
-            print(f"{'prefill':8}{r['L']:>8}{r['B']:>4}{r['ms']:>10.2f}ms{r['TFLOPs']:>10.0f}"
+            print(f"{'prefill':8}{kern:>10}{r['L']:>8}{r['B']:>4}{r['ms']:>10.2f}ms{r['TFLOPs']:>10.0f}"
                   f"{'':>12}{r.get('sdpa_best_TFLOPs', float('nan')):>10.0f}"
                   f"{r.get('sdpa_best_backend', '-'):>11}{r.get('ratio_vs_sdpa_best', float('nan')):>8.2f}")
 

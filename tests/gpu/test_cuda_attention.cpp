@@ -1,6 +1,8 @@
 // CUDA paged attention (decode split-KV and chunked causal prefill) vs the CPU reference
 // cpu::attention_dense over the same pages: odd lengths, page boundaries, mixed batches,
-// shuffled page ids, forced split counts. K/V/Q are bf16-rounded on both sides.
+// shuffled page ids, forced split counts. K/V/Q are bf16-rounded on both sides. Every case
+// runs each decode kernel (v2, auto, every v3/v4 variant) or each prefill kernel (wgmma 2- and
+// 3-stage, mma.sync) on the same inputs, twice (the split counters must be back at 0).
 #include <algorithm>
 #include <numeric>
 
@@ -18,9 +20,9 @@ struct Seq {
 };
 
 void run_case(int Hq, int Hkv, int D, int P, const std::vector<Seq>& seqs, int force_split,
-              uint32_t seed) {
+              uint32_t seed, float q_scale = 1.f) {
   SCOPED_TRACE(testing::Message() << "Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << " P=" << P
-                                  << " split=" << force_split);
+                                  << " split=" << force_split << " q_scale=" << q_scale);
   std::mt19937 rng(seed);
   int64_t pages_needed = 0, total_q = 0;
   for (auto& s : seqs) pages_needed += (s.kv_len + P - 1) / P, total_q += s.q_len;
@@ -41,7 +43,7 @@ void run_case(int Hq, int Hkv, int D, int P, const std::vector<Seq>& seqs, int f
   auto kh = round_bf16(randn(cache_n, rng, 1.0f)), vh = round_bf16(randn(cache_n, rng));
   std::copy(kh.begin(), kh.end(), kv.k_page(0, 0));
   std::copy(vh.begin(), vh.end(), kv.v_page(0, 0));
-  auto q = round_bf16(randn(size_t(total_q) * Hq * D, rng, 1.0f));
+  auto q = round_bf16(randn(size_t(total_q) * Hq * D, rng, q_scale));
   const float scale = 1.f / std::sqrt(float(D));
   std::vector<float> ref(q.size());
   cpu::AttentionScratch scratch;
@@ -60,20 +62,36 @@ void run_case(int Hq, int Hkv, int D, int P, const std::vector<Seq>& seqs, int f
   cuda::AttentionWorkspace ws(arena, lim, Hq, Hkv, D, P);
   DevBuf<bf16> dk(to_bf16(kh)), dv(to_bf16(vh)), dq(to_bf16(q)), dout(q.size());
   std::vector<cuda::AttnSeq> batch;
-  for (size_t i = 0; i < seqs.size(); ++i)
-    batch.push_back({pts[i].pages.data(), int(pts[i].pages.size()), seqs[i].kv_len, seqs[i].q_len});
-  ws.plan(batch, 0, force_split);
-  dout.poison();
-  ws.run(dq.p, dk.p, dv.p, dout.p, scale, 0);
-  auto got = from_bf16(dout.download());
-  EXPECT_LT(rel_err(got, ref), kTolAttn) << "decode=" << ws.decode() << " splits=" << ws.n_split();
-  // Per-sequence check too (a wrong short sequence hides in the norm of a long one).
-  r = 0;
+  bool all_decode = true;
   for (size_t i = 0; i < seqs.size(); ++i) {
-    const size_t n = size_t(seqs[i].q_len) * Hq * D;
-    EXPECT_LT(rel_err(got.data() + r * Hq * D, ref.data() + r * Hq * D, n), kTolAttn)
-        << "sequence " << i << " kv=" << seqs[i].kv_len << " q=" << seqs[i].q_len;
-    r += seqs[i].q_len;
+    batch.push_back({pts[i].pages.data(), int(pts[i].pages.size()), seqs[i].kv_len, seqs[i].q_len});
+    all_decode = all_decode && seqs[i].q_len == 1;
+  }
+  const int n_kernels = all_decode ? cuda::AttentionWorkspace::decode_kernel_count() : 3;
+  for (int kern = 0; kern < n_kernels; ++kern) {
+    if (all_decode) ws.set_decode_kernel(kern);
+    else ws.set_prefill_kernel(kern);
+    ws.plan(batch, 0, force_split);
+    const char* name = all_decode ? cuda::AttentionWorkspace::decode_kernel_name(kern)
+                                  : (kern >= 1 && ws.prefill_wgmma_active()
+                                         ? (kern == 2 ? "prefill wgmma 3-stage" : "prefill wgmma 2-stage")
+                                         : "prefill mma.sync");
+    SCOPED_TRACE(testing::Message() << "kernel " << name << " variant " << ws.decode_variant()
+                                    << " splits=" << ws.n_split());
+    for (int rep = 0; rep < 2; ++rep) {
+      dout.poison();
+      ws.run(dq.p, dk.p, dv.p, dout.p, scale, 0);
+      auto got = from_bf16(dout.download());
+      EXPECT_LT(rel_err(got, ref), kTolAttn) << "decode=" << ws.decode() << " rep=" << rep;
+      // Per-sequence check too (a wrong short sequence hides in the norm of a long one).
+      r = 0;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        const size_t n = size_t(seqs[i].q_len) * Hq * D;
+        EXPECT_LT(rel_err(got.data() + r * Hq * D, ref.data() + r * Hq * D, n), kTolAttn)
+            << "sequence " << i << " kv=" << seqs[i].kv_len << " q=" << seqs[i].q_len << " rep=" << rep;
+        r += seqs[i].q_len;
+      }
+    }
   }
 }
 
@@ -113,6 +131,33 @@ TEST(CudaAttention, PrefillCausalChunkedMixed) {
 TEST(CudaAttention, PrefillLong) {
   SKIP_WITHOUT_GPU();
   run_case(32, 8, 128, 16, {{3000, 2048}}, 0, 24);
+}
+
+// v3 decode: page size 32 (a 16-token chunk starts mid-page), G = 16 (rows 8..15 live), many
+// forced splits with empty ones (short sequences next to a long one), MHA with odd page.
+TEST(CudaAttention, DecodeV3PagesGroupsSplits) {
+  SKIP_WITHOUT_GPU();
+  run_case(32, 8, 128, 32, {{1, 1}, {31, 1}, {32, 1}, {33, 1}, {3001, 1}}, 0, 31);
+  run_case(64, 4, 128, 16, {{17, 1}, {1500, 1}, {257, 1}}, 0, 32);   // G = 16
+  run_case(32, 8, 128, 16, {{5000, 1}, {2, 1}, {16, 1}, {100, 1}}, 64, 33);
+  run_case(32, 8, 128, 16, {{20000, 1}}, 0, 34);
+  run_case(16, 16, 128, 7, {{300, 1}, {45, 1}}, 0, 35);                // G = 1, P = 7
+  run_case(32, 8, 64, 16, {{2000, 1}, {1, 1}}, 0, 36);                 // D = 64
+  // Peaked softmax (logits of std ~8): the running max moves often (lazy rescale path).
+  run_case(32, 8, 128, 16, {{4000, 1}, {300, 1}}, 0, 37, 8.f);
+}
+
+// wgmma prefill: tiles of 128 keys cross pages and the diagonal; page sizes 16 (fast path),
+// 32, 5 (per-row page lookups); G = 1, 4, 8, 16; cached prefixes; a decode row in the batch.
+TEST(CudaAttention, PrefillWgmmaShapes) {
+  SKIP_WITHOUT_GPU();
+  run_case(32, 8, 128, 16, {{129, 129}, {257, 100}, {1, 1}, {700, 700}}, 0, 41);
+  run_case(32, 8, 128, 32, {{383, 383}, {1000, 31}}, 0, 42);
+  run_case(32, 8, 128, 5, {{300, 300}, {77, 10}}, 0, 43);
+  run_case(8, 8, 128, 16, {{450, 450}}, 0, 44);    // G = 1
+  run_case(64, 8, 128, 16, {{200, 200}}, 0, 45);   // G = 8
+  run_case(64, 4, 128, 16, {{130, 130}}, 0, 46);   // G = 16
+  run_case(32, 8, 128, 16, {{600, 600}}, 0, 47, 8.f);  // peaked softmax
 }
 
 }  // namespace

@@ -1,9 +1,13 @@
-// Paged full attention, decode and prefill (see attention.h for the API).
+// Paged full attention: the workspace (planning, kernel choice) and the generic mma.sync
+// kernel (see attention.h for the API). The fast paths live beside it: attention_decode.cu
+// (v3/v4 decode, the default) and attention_prefill.cu (wgmma prefill, D = 128 on Hopper); the
+// generic kernel below is the v2 decode (kept for comparison: set_decode_kernel(0)) and the
+// prefill for D = 64 or devices without sm_90a code.
 //
 // Layout read: q bf16 [T, Hq, D]; K/V bf16 pages [page][Hkv][P][D] (one page of one head is
 // P*D*2 contiguous bytes: 4 KB at P=16, D=128); page table int32 per sequence.
-// Layout written: out bf16 [T, Hq, D]; for split decode, partials fp32 [split][T*Hq][D] and
-// log2-sum-exp [split][T*Hq], combined by a second kernel.
+// Layout written: out bf16 [T, Hq, D]; for split decode (v2), partials fp32 [split][T*Hq][D]
+// and log2-sum-exp [split][T*Hq], combined by a second kernel.
 //
 // Work: a CTA = (work item, KV head). An item is (sequence, first packed row, split). Rows
 // of the tile are packed (token, group head) pairs: row p -> token p / G, head kvh*G + p % G,
@@ -20,72 +24,15 @@
 // Prefill 8K causal: 4*8192^2/2*128*32 = 550 GFLOP -> ~1.4 ms at 400 TFLOP/s.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "backend/cuda/attention.h"
+#include "backend/cuda/attention_common.cuh"
 
 namespace spade::cuda {
 namespace {
-
-struct AttnArgs {
-  const bf16* q;
-  bf16* out;
-  const bf16* k;
-  const bf16* v;
-  const int32_t* page_table;
-  const int32_t* page_off;
-  const int32_t* kv_len;
-  const int32_t* q_off;
-  const int4* items;
-  float* part_o;
-  float* part_lse;
-  int Hq, Hkv, G, P, nsplit;
-  int64_t total_rows;  // T * Hq
-  float scale_log2;
-};
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
-                                        const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                          uint32_t& r3, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Swizzled [rows][D] bf16 tile: 16-byte chunk c of row r lives at chunk c ^ (r & 7), so the
-// 8 rows an ldmatrix reads hit 8 different bank groups.
-template <int D>
-__device__ __forceinline__ int swz(int r, int col) {
-  return r * D + ((((col >> 3) ^ (r & 7))) << 3) + (col & 7);
-}
+using namespace attn_detail;
 
 template <int D, int WM, int WN, int MT, int BN, int STAGES>
 struct Cfg {
@@ -452,9 +399,9 @@ template <int D> using DecodeCfg = Cfg<D, 1, 4, 1, 64, 3>;
 // D=128 prefill uses 32-token tiles: with 64 the score registers push ptxas into spills.
 template <int D> using PrefillCfg = Cfg<D, 4, 1, 2, (D == 128 ? 32 : 64), (D == 128 ? 3 : 2)>;
 template <int D>
-constexpr auto decode_kernel = attn_kernel<D, 1, 4, 1, 64, 3>;
+constexpr auto decode_v2_kernel = attn_kernel<D, 1, 4, 1, 64, 3>;
 template <int D>
-constexpr auto prefill_kernel = attn_kernel<D, 4, 1, 2, (D == 128 ? 32 : 64), (D == 128 ? 3 : 2)>;
+constexpr auto prefill_v2_kernel = attn_kernel<D, 4, 1, 2, (D == 128 ? 32 : 64), (D == 128 ? 3 : 2)>;
 
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
@@ -463,14 +410,69 @@ void set_smem(K kernel, size_t bytes) {
 
 template <int D>
 int decode_occupancy() {
-  set_smem(decode_kernel<D>, DecodeCfg<D>::kSmemTotal);
+  set_smem(decode_v2_kernel<D>, DecodeCfg<D>::kSmemTotal);
   int n = 0;
   SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &n, decode_kernel<D>, DecodeCfg<D>::kThreads, DecodeCfg<D>::kSmemTotal));
+      &n, decode_v2_kernel<D>, DecodeCfg<D>::kThreads, DecodeCfg<D>::kSmemTotal));
   return std::max(1, n);
 }
 
+int env_decode_kernel() {
+  const char* e = std::getenv("SPADE_ATTN_DECODE");
+  if (!e || !*e) return 1;
+  const int v = std::atoi(e);
+  return v >= 0 && v < 2 + decode_v3_count() ? v : 1;
+}
+
 }  // namespace
+
+// Tensor maps of the K/V caches for the TMA decode variants, keyed by base pointer (one per
+// layer and cache; encoded once, on the host).
+struct AttentionWorkspace::TensorMaps {
+  std::vector<std::pair<const void*, CUtensorMap>> maps;
+  const CUtensorMap* get(const void* base, int D) {
+    for (auto& m : maps)
+      if (m.first == base) return &m.second;
+    CUtensorMap t;
+    if (!encode_kv_tensor_map(&t, base, D)) return nullptr;
+    maps.emplace_back(base, t);
+    return &maps.back().second;
+  }
+};
+
+// Workspace decode-kernel index: 0 = v2, 1 = auto, 2.. = attention_decode.cu variant (index - 1).
+int AttentionWorkspace::decode_kernel_count() { return 2 + decode_v3_count(); }
+const char* AttentionWorkspace::decode_kernel_name(int v) {
+  return v == 0 ? "v2" : v == 1 ? "auto" : decode_v3_variant(v - 1).name;
+}
+
+int AttentionWorkspace::variant_occupancy(int variant) const {
+  if (variant == 0) return std::max(1, D_ == 64 ? decode_occupancy<64>() : decode_occupancy<128>());
+  if (occ_cache_.size() < size_t(decode_v3_count() + 1)) occ_cache_.assign(decode_v3_count() + 1, 0);
+  if (occ_cache_[variant] == 0) occ_cache_[variant] = std::max(1, decode_v3_occupancy(D_, variant));
+  return occ_cache_[variant];
+}
+
+// Auto: measured on an H200 (docs/cuda.md, v3/v4): with fewer (sequence, KV head) pairs than
+// SMs the 8-warp CTAs (one per SM) were fastest, otherwise the 4-warp CTAs (two per SM); the
+// TMA (v4) twins were 5-7% slower than cp.async everywhere and are not picked.
+int AttentionWorkspace::auto_variant(int B) const {
+  const bool few = int64_t(B) * Hkv_ < sm_count();
+  return few ? 2 : 1;
+}
+
+void AttentionWorkspace::set_prefill_kernel(int v) {
+  SPADE_CHECK(v >= 0 && v <= 2, "attention: no prefill kernel ", v);
+  prefill_kernel_ = v;
+}
+bool AttentionWorkspace::prefill_wgmma_active() const {
+  return prefill_kernel_ >= 1 && prefill_wgmma_ok(D_);
+}
+
+void AttentionWorkspace::set_decode_kernel(int v) {
+  SPADE_CHECK(v >= 0 && v < decode_kernel_count(), "attention: no decode kernel ", v);
+  decode_kernel_ = v;
+}
 
 AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim, int Hq,
                                        int Hkv, int D, int P)
@@ -499,22 +501,63 @@ AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim
   (void)rows;
   part_o_ = arena.alloc_n<float>(size_t(lim.max_split) * split_rows * D, "attention split partials");
   part_lse_ = arena.alloc_n<float>(size_t(lim.max_split) * split_rows, "attention split lse");
-  decode_occupancy_ = D == 64 ? decode_occupancy<64>() : decode_occupancy<128>();
-  if (D == 64) set_smem(prefill_kernel<64>, PrefillCfg<64>::kSmemTotal);
-  else set_smem(prefill_kernel<128>, PrefillCfg<128>::kSmemTotal);
+  counters_ = arena.alloc_n<int>(size_t(lim.max_batch) * Hkv, "attention split counters");
+  SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * size_t(lim.max_batch) * Hkv));
+  tmaps_ = std::make_unique<TensorMaps>();
+  {  // TMA decode needs pages of whole 16-row boxes and a driver that encodes tensor maps
+    CUtensorMap probe;
+    tma_ok_ = P % 16 == 0 && encode_kv_tensor_map(&probe, meta_dev_, D);
+  }
+  variant_occupancy(0);  // sets the v2 decode kernel's shared-memory limit
+  set_decode_kernel(env_decode_kernel());
+  if (const char* e = std::getenv("SPADE_ATTN_PREFILL"); e && *e)
+    set_prefill_kernel(std::max(0, std::min(2, std::atoi(e))));
+  if (D == 64) set_smem(prefill_v2_kernel<64>, PrefillCfg<64>::kSmemTotal);
+  else set_smem(prefill_v2_kernel<128>, PrefillCfg<128>::kSmemTotal);
 }
 
 AttentionWorkspace::~AttentionWorkspace() {
   if (meta_host_) cudaFreeHost(meta_host_);
 }
 
+int AttentionWorkspace::resolve_variant(int B) const {
+  return decode_kernel_ == 0 ? 0 : decode_kernel_ == 1 ? auto_variant(B) : decode_kernel_ - 1;
+}
+
 int AttentionWorkspace::choose_split(int B, int max_kv) const {
-  const int slots = sm_count() * decode_occupancy_;
+  const int variant = resolve_variant(B);
+  const int slots = sm_count() * variant_occupancy(variant);
   const int base = B * Hkv_;
-  const int tiles = (max_kv + 63) / 64;
-  int ns = base >= slots ? 1 : slots / base;
-  ns = std::min({ns, lim_.max_split, std::max(1, tiles / 2)});
-  return std::max(1, ns);
+  if (variant == 0) {  // v2: one wave of CTAs, >= 2 tiles of 64 per split
+    const int tiles = (max_kv + 63) / 64;
+    int ns = base >= slots ? 1 : slots / base;
+    ns = std::min({ns, lim_.max_split, std::max(1, tiles / 2)});
+    return std::max(1, ns);
+  }
+  // v3: the smallest split count whose CTAs fill >= 96% of the CTA slots of their last wave
+  // (best fill if none does), with >= 2 chunks of 16 tokens per warp.
+  const int warps = decode_v3_variant(variant).warps;
+  const int chunks = (max_kv + 15) / 16;
+  const int ns_max = std::max(1, std::min(lim_.max_split, chunks / (2 * warps)));
+  if (split_policy_ == 1) {
+    // Exact waves: the smallest split count that makes the CTAs a whole number of waves
+    // (every SM streams to the end), if each warp still gets >= 8 chunks.
+    for (int ns = 1; ns <= ns_max; ++ns)
+      if ((int64_t(base) * ns) % slots == 0) {
+        if (chunks / (ns * warps) >= 8) return ns;
+        break;
+      }
+  }
+  int best = 1;
+  double best_fill = 0;
+  for (int ns = 1; ns <= ns_max; ++ns) {
+    const int64_t ctas = int64_t(base) * ns;
+    const int64_t waves = (ctas + slots - 1) / slots;
+    const double fill = double(ctas) / double(waves * slots);
+    if (fill >= 0.96) return ns;
+    if (fill > best_fill + 1e-9) best_fill = fill, best = ns;
+  }
+  return best;
 }
 
 void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
@@ -579,6 +622,7 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
   // The pinned staging buffer is reused by the next plan(): make sure this copy is done.
   SPADE_CUDA(cudaStreamSynchronize(s));
   B_ = B;
+  variant_ = decode ? resolve_variant(B) : 0;
   n_items_ = n;
   n_split_ = ns;
   total_q_ = total_q;
@@ -599,6 +643,7 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
   a.items = reinterpret_cast<const int4*>(meta_dev_ + off_items_);
   a.part_o = part_o_;
   a.part_lse = part_lse_;
+  a.counters = counters_;
   a.Hq = Hq_;
   a.Hkv = Hkv_;
   a.G = Hq_ / Hkv_;
@@ -607,11 +652,18 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
   a.total_rows = int64_t(total_q_) * Hq_;
   a.scale_log2 = scale * 1.4426950408889634f;
   dim3 grid(n_items_, Hkv_);
-  if (decode_) {
+  if (decode_ && variant_ > 0) {
+    const CUtensorMap *tmk = nullptr, *tmv = nullptr;
+    if (tma_ok_ && decode_v3_variant(variant_).tma) {
+      tmk = tmaps_->get(k_cache, D_);
+      tmv = tmaps_->get(v_cache, D_);
+    }
+    launch_decode_v3(D_, variant_, a, grid, s, tmk, tmv);
+  } else if (decode_) {
     if (D_ == 64)
-      decode_kernel<64><<<grid, DecodeCfg<64>::kThreads, DecodeCfg<64>::kSmemTotal, s>>>(a);
+      decode_v2_kernel<64><<<grid, DecodeCfg<64>::kThreads, DecodeCfg<64>::kSmemTotal, s>>>(a);
     else
-      decode_kernel<128><<<grid, DecodeCfg<128>::kThreads, DecodeCfg<128>::kSmemTotal, s>>>(a);
+      decode_v2_kernel<128><<<grid, DecodeCfg<128>::kThreads, DecodeCfg<128>::kSmemTotal, s>>>(a);
     SPADE_CUDA_LAUNCH();
     if (n_split_ > 1) {
       if (D_ == 64)
@@ -620,11 +672,14 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
         combine_kernel<128><<<unsigned(a.total_rows), 128, 0, s>>>(part_o_, part_lse_, out, n_split_, a.total_rows);
       SPADE_CUDA_LAUNCH();
     }
+  } else if (prefill_kernel_ >= 1 && prefill_wgmma_ok(D_)) {
+    a.trace = trace_;
+    launch_prefill_wgmma(a, grid, s, prefill_kernel_ == 2 ? 3 : 2);
   } else {
     if (D_ == 64)
-      prefill_kernel<64><<<grid, PrefillCfg<64>::kThreads, PrefillCfg<64>::kSmemTotal, s>>>(a);
+      prefill_v2_kernel<64><<<grid, PrefillCfg<64>::kThreads, PrefillCfg<64>::kSmemTotal, s>>>(a);
     else
-      prefill_kernel<128><<<grid, PrefillCfg<128>::kThreads, PrefillCfg<128>::kSmemTotal, s>>>(a);
+      prefill_v2_kernel<128><<<grid, PrefillCfg<128>::kThreads, PrefillCfg<128>::kSmemTotal, s>>>(a);
     SPADE_CUDA_LAUNCH();
   }
 }

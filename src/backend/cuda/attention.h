@@ -4,11 +4,21 @@
 // that head (times the query tokens) into the rows of its tile, so each K/V row is read
 // once per KV head for the whole group.
 //
+// Prefill: wgmma + warp-specialized kernel (attention_prefill.cu, D = 128 on Hopper) or the
+// generic mma.sync kernel (attention.cu; D = 64, other devices, v2 reference).
+// Decode kernels: v3 (attention_decode.cu, default): per-warp cp.async rings, split combine
+// fused into the last CTA; v2 (the generic kernel of attention.cu in decode mode, kept for
+// comparison): selectable with set_decode_kernel (0 = v2, 1 = auto (default), 2.. = v3/v4
+// variants) or the environment variable SPADE_ATTN_DECODE=<index> read at construction.
+// Launches of one workspace must not overlap (split partials and arrival counters are shared):
+// run() them on one stream.
+//
 // Usage: AttentionWorkspace (buffers from the arena, sized at start-up) -> plan(...) on the
 // host for a batch (uploads page tables, lengths, work items; picks the split count) ->
 // run(...) per layer. plan() is done once per step and reused by all layers.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "backend/cuda/cuda_common.h"
@@ -49,6 +59,26 @@ class AttentionWorkspace {
   // holds `max_kv` tokens.
   int choose_split(int B, int max_kv) const;
 
+  // Decode kernel: 0 = v2 (generic tile kernel + combine launch), 1 = auto (picks a v3/v4
+  // variant from the batch), 2..decode_kernel_count()-1 = fixed variant. Takes effect at the
+  // next plan(); decode_variant() is the one the last plan() picked (0 = v2).
+  void set_decode_kernel(int v);
+  int decode_kernel() const { return decode_kernel_; }
+  int decode_variant() const { return variant_; }
+  // v3 split count: 0 = smallest count whose CTAs fill >= 96% of their last wave; 1 = exact
+  // waves when each warp keeps >= 8 chunks (else as 0). Takes effect at the next plan().
+  void set_split_policy(int p) { split_policy_ = p; }
+  static int decode_kernel_count();
+  static const char* decode_kernel_name(int v);
+  // Prefill kernel: 1 = wgmma with a 2-stage K/V ring, 2 = 3 stages (D = 128 on compute
+  // capability 9.0 with the sm_90a image; else falls back), 0 = the generic mma.sync kernel
+  // (v2). Env: SPADE_ATTN_PREFILL=0|1|2.
+  void set_prefill_kernel(int v);
+  // Bench only: per-CTA {start ns, end ns, SM, tiles} of wgmma prefill launches (4 x u64 each).
+  void set_trace(unsigned long long* t) { trace_ = t; }
+  int prefill_kernel() const { return prefill_kernel_; }
+  bool prefill_wgmma_active() const;
+
  private:
   int Hq_, Hkv_, D_, P_;
   AttnLimits lim_;
@@ -58,12 +88,24 @@ class AttentionWorkspace {
   size_t meta_cap_ = 0;
   float* part_o_ = nullptr;    // [max_split][max_q_tokens * Hq][D]
   float* part_lse_ = nullptr;  // [max_split][max_q_tokens * Hq]
+  int* counters_ = nullptr;    // [max_batch][Hkv] split arrival counters (v3)
   // Offsets (in int32) of each array inside meta.
   int64_t off_page_table_ = 0, off_page_off_ = 0, off_kv_len_ = 0, off_q_off_ = 0,
           off_items_ = 0;
   int B_ = 0, n_items_ = 0, n_split_ = 1, total_q_ = 0;
   bool decode_ = false;
-  int decode_occupancy_ = 1;
+  int decode_kernel_ = 1;
+  int variant_ = 0;
+  int split_policy_ = 0;
+  bool tma_ok_ = false;
+  mutable std::vector<int> occ_cache_;
+  struct TensorMaps;
+  std::unique_ptr<TensorMaps> tmaps_;
+  int resolve_variant(int B) const;
+  int auto_variant(int B) const;
+  int variant_occupancy(int variant) const;
+  int prefill_kernel_ = 1;
+  unsigned long long* trace_ = nullptr;
 };
 
 }  // namespace spade::cuda

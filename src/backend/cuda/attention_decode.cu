@@ -1,0 +1,578 @@
+// Paged decode attention, v3 (cp.async) and v4 (bulk tensor copies), for steps where every
+// sequence has q_len == 1; see attention.h for the API.
+//
+// Layout read: q bf16 [B, Hq, D]; K/V bf16 pages [page][Hkv][P][D] (one page of one head is
+// P*D*2 contiguous bytes: 4 KB at P=16, D=128); page table int32 per sequence.
+// Layout written: out bf16 [B, Hq, D]; with splits, partials fp32 [split][B*Hq][D] and
+// log2-sum-exp [split][B*Hq], combined by the LAST CTA of each (sequence, KV head) to arrive
+// (arrival counter per (sequence, KV head), reset by that CTA): no second launch.
+//
+// Work: a CTA = (sequence, split, KV head) with W warps. The CTA's token range is cut into
+// chunks of TK tokens (TK = 16: one page at P = 16); warp w streams chunks w, w+W, w+2W, ...
+// through its OWN S-stage cp.async ring (16-byte copies, rows swizzled for ldmatrix) with
+// only __syncwarp between stages: no CTA barrier in the main loop, so one warp's compute
+// never holds up another warp's loads. Per lane and chunk: one page-id (read one iteration
+// ahead, a broadcast load), then TK*D*2*2/512 16-byte cp.async with constant offsets.
+// Compute per chunk (mma.sync m16n8k16, bf16 -> fp32): the G <= 16 query heads of the KV
+// head are the rows (rows >= G are zero), Q fragments live in registers for the whole loop;
+// S = Q K^T (two accumulator chains), online softmax in log2 units with a lazy rescale (the
+// running max moves only when it grows by > 8, i.e. p <= 256, so o is rescaled rarely; only
+// rows < 8 are touched when G <= 8), O += P V. The W warps merge through shared memory.
+// v4 (TMA): lane 0 of each warp moves a chunk with 2*D/64 bulk tensor copies (box 64 columns x
+// 16 rows, 128-byte swizzle, completion on a per-stage mbarrier with expect_tx) instead of
+// TK*D*2*2/512 cp.async per lane; the tile is then [D/64 halves][TK rows][128 B]. Rows past the
+// sequence end are copied too (the page exists) and zeroed in V before use (0 * NaN = NaN).
+// Needs P % 16 == 0; otherwise the v3 twin runs. Measured 5-7% SLOWER than v3 on an H200
+// (kept selectable, not picked by auto).
+// Variants: v3_w4s3 (4 warps, 3 stages, 2 CTAs/SM) and v3_w8s3 (8 warps, 1 CTA/SM); auto
+// takes w8s3 when batch x Hkv < SMs (splits needed), else w4s3. Split count: the smallest that
+// fills >= 96% of the CTA slots of the last wave (W4: 32 at B = 1, Hkv = 8; W8: 16).
+// Bytes per SM in flight: (CTAs/SM) x W x (S-1..S) x TK*D*2*2 (8 KB per chunk at D = 128).
+// Shared memory: 4 KB (Q) + W*S*TK*D*2*2 (ring) + 1 KB alignment: W4 S3 -> 101 KB (2 CTAs/SM).
+// Split combine: the last CTA reads every split's lse (one round of loads), then the partial
+// rows as float4 with 8 loads in flight per thread (latency, not bytes, bounds it).
+// Napkin math (Llama-3-8B shapes Hq=32, Hkv=8, D=128, bf16): 32K tokens = 134 MB of K/V per
+// sequence and layer -> 30 us at 4.5 TB/s; ~8 KFLOP of mma per token and KV head (16 padded
+// rows), 16 FLOP/byte: far under the tensor-core roof. Measured (H200, docs/cuda.md): 4.39-4.44
+// TB/s at B >= 8 (SDPA on contiguous caches: 4.31-4.56), 3.3-4.0 TB/s at B = 1.
+#include <cmath>
+
+#include "backend/cuda/attention_common.cuh"
+
+namespace spade::cuda::attn_detail {
+namespace {
+
+template <int D, int W, int S, int TK>
+struct DecCfg {
+  static constexpr int kThreads = W * 32;
+  static constexpr int CH = D / 8;     // 16-byte chunks per row
+  static constexpr int RPI = 32 / CH;  // rows per warp-wide copy instruction
+  static constexpr int kTile = TK * D;
+  static constexpr int kStage = 2 * kTile;  // K then V
+  static constexpr size_t kQ = 4096;        // 16 rows x D bf16, padded to keep the ring 1 KB aligned
+  static constexpr size_t kRing = size_t(W) * S * kStage * sizeof(bf16);
+  static constexpr size_t kMerge = size_t(W) * 16 * (D + 2) * sizeof(float);
+  static constexpr size_t kSmem = 1024 + ((kQ + kRing) > kMerge ? (kQ + kRing) : kMerge);
+  static_assert(TK % 16 == 0 && TK % RPI == 0, "chunk must be a multiple of 16 rows");
+  static_assert(16 * D * 2 <= 4096, "Q tile");
+};
+
+__device__ __forceinline__ void mbar_init1(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait_parity(uint32_t bar, int parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// Byte offset of (row r, column col % 8 == 0) in a chunk tile. v3: [TK][D] with 16-byte chunk
+// c of row r at c ^ (r & 7); v4 (TMA 128-byte swizzle): [D/64][TK][64], chunk c of a 128-byte
+// row at c ^ (r & 7).
+template <int D, int TK, bool TMA>
+__device__ __forceinline__ uint32_t kv_off(int r, int col) {
+  if constexpr (TMA)
+    return (col >> 6) * (TK * 128) + r * 128 + ((((col >> 3) & 7) ^ (r & 7)) << 4);
+  else
+    return uint32_t(swz<D>(r, col)) * 2;
+}
+
+template <int D, int W, int S, int TK, bool TMA>
+__global__ void __launch_bounds__(W * 32)
+    decode_v3_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap tmk,
+                     const __grid_constant__ CUtensorMap tmv) {
+  using C = DecCfg<D, W, S, TK>;
+  constexpr int CH = C::CH, RPI = C::RPI, NT = C::kThreads;
+  extern __shared__ __align__(1024) unsigned char smem_dyn[];
+  __shared__ int s_last;
+  __shared__ __align__(8) uint64_t s_bar[W * S];
+  unsigned char* smem_raw = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+  bf16* ring = reinterpret_cast<bf16*>(smem_raw + C::kQ);
+
+  const int4 item = a.items[blockIdx.x];
+  const int seq = item.x, split = item.z;
+  const int kvh = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = a.G, P = a.P;
+  const int q0 = a.q_off[seq];
+  const int L = a.kv_len[seq];
+  const int* pt = a.page_table + a.page_off[seq];
+  const int n_ch = (L + TK - 1) / TK;
+  const int per = (n_ch + a.nsplit - 1) / a.nsplit;
+  const int cb = split * per;
+  const int n_cta = max(0, min(n_ch, cb + per) - cb);
+  const int n_my = n_cta > warp ? (n_cta - warp + W - 1) / W : 0;  // chunks of this warp
+
+  const int64_t head_stride = int64_t(P) * D;
+  const int64_t page_stride = int64_t(a.Hkv) * head_stride;
+  const int p_shift = (P & (P - 1)) == 0 ? __ffs(P) - 1 : -1;
+  auto pdiv = [&](int j) { return p_shift >= 0 ? j >> p_shift : j / P; };
+  auto pmod = [&](int j) { return p_shift >= 0 ? j & (P - 1) : j % P; };
+  // Fast path: a chunk never straddles a page (one page id per chunk, rows contiguous).
+  const bool fast = P % TK == 0;
+  const int cc = lane % CH, rl = lane / CH;
+  auto chunk_j0 = [&](int k) { return (cb + warp + k * W) * TK; };
+
+  auto bar_of = [&](int st) { return smem_u32(&s_bar[warp * S + st]); };
+  auto issue = [&](int k, int st, int pid) {
+    const int j0 = chunk_j0(k);
+    bf16* dK = ring + (warp * S + st) * C::kStage;
+    bf16* dV = dK + C::kTile;
+    if constexpr (TMA) {
+      if (lane == 0) {
+        const int row0 = (pid * a.Hkv + kvh) * P + pmod(j0);
+        const uint32_t bar = bar_of(st);
+        mbar_expect_tx(bar, C::kStage * 2);
+#pragma unroll
+        for (int h = 0; h < D / 64; ++h) {
+          tma_load_2d(smem_u32(dK) + h * TK * 128, &tmk, h * 64, row0, bar);
+          tma_load_2d(smem_u32(dV) + h * TK * 128, &tmv, h * 64, row0, bar);
+        }
+      }
+    } else if (fast) {
+      const int64_t base = int64_t(pid) * page_stride + kvh * head_stride +
+                           int64_t(pmod(j0)) * D + cc * 8;
+      const bf16* gk = a.k + base;
+      const bf16* gv = a.v + base;
+#pragma unroll
+      for (int i = 0; i < TK / RPI; ++i) {
+        const int r = rl + i * RPI;
+        const bool valid = j0 + r < L;
+        cp_async16(dK + swz<D>(r, cc * 8), valid ? gk + r * D : a.k, valid);
+        cp_async16(dV + swz<D>(r, cc * 8), valid ? gv + r * D : a.v, valid);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < TK / RPI; ++i) {
+        const int r = rl + i * RPI;
+        const int j = j0 + r;
+        const bool valid = j < L;
+        int64_t off = 0;
+        if (valid)
+          off = int64_t(pt[pdiv(j)]) * page_stride + kvh * head_stride + int64_t(pmod(j)) * D +
+                cc * 8;
+        cp_async16(dK + swz<D>(r, cc * 8), a.k + off, valid);
+        cp_async16(dV + swz<D>(r, cc * 8), a.v + off, valid);
+      }
+    }
+  };
+
+  if constexpr (TMA) {
+    if (lane == 0) {
+      for (int st = 0; st < S; ++st) mbar_init1(bar_of(st));
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncwarp();
+  }
+  // Q rows (the G heads of this KV head; rows >= G zero) go in the first commit group.
+  for (int idx = tid; idx < 16 * CH; idx += NT) {
+    const int r = idx / CH, c = idx % CH;
+    const bool valid = r < G;
+    const bf16* src = a.q + (int64_t(q0) * a.Hq + kvh * G + r) * D + c * 8;
+    cp_async16(sQ + swz<D>(r, c * 8), valid ? src : a.q, valid);
+  }
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < n_my) issue(s, s, fast ? pt[pdiv(chunk_j0(s))] : 0);
+    cp_async_commit();
+  }
+  int pid_next = 0;  // page id of the next chunk to issue (S - 1), loaded one iteration early
+  if (fast && S - 1 < n_my) pid_next = pt[pdiv(chunk_j0(S - 1))];
+  if constexpr (TMA) cp_async_wait<0>();
+  else cp_async_wait<S - 2>();  // this thread's Q part (group 0) has landed
+  __syncthreads();
+
+  uint32_t qa[D / 16][4];
+  {
+    const int mi = lane >> 3;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int r = (lane & 7) + ((mi & 1) ? 8 : 0);
+      const int col = kk * 16 + ((mi & 2) ? 8 : 0);
+      ldsm_x4(qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], sQ + swz<D>(r, col));
+    }
+  }
+  const bool hi_rows = G > 8;  // rows 8..15 carry heads only when G > 8
+  float o[D / 8][4];
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nd][e] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int t4 = lane & 3, g8 = lane >> 2;
+  const float sl2 = a.scale_log2;
+
+  int st_issue = S - 1, st_use = 0, phase = 0;
+  for (int k = 0; k < n_my; ++k) {
+    __syncwarp();  // every lane is done reading the stage about to be overwritten
+    const int kn = k + S - 1;
+    if (kn < n_my) issue(kn, st_issue, pid_next);
+    if constexpr (!TMA) cp_async_commit();
+    if (fast && kn + 1 < n_my) pid_next = pt[pdiv(chunk_j0(kn + 1))];
+    const bf16* tK = ring + (warp * S + st_use) * C::kStage;
+    const bf16* tV = tK + C::kTile;
+    const int j0 = chunk_j0(k);
+    if constexpr (TMA) {
+      mbar_wait_parity(bar_of(st_use), phase);
+      if (j0 + TK > L) {  // rows past the end hold whatever the page held: zero them in V
+        for (int idx = lane; idx < TK * CH; idx += 32) {
+          const int r = idx / CH, c = idx % CH;
+          if (j0 + r >= L)
+            *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(const_cast<bf16*>(tV)) +
+                                      kv_off<D, TK, true>(r, c * 8)) = make_uint4(0, 0, 0, 0);
+        }
+        __syncwarp();
+      }
+    } else {
+      cp_async_wait<S - 1>();
+      __syncwarp();  // make every lane's copies of chunk k visible to the warp
+    }
+    const unsigned char* bK = reinterpret_cast<const unsigned char*>(tK);
+    const unsigned char* bV = reinterpret_cast<const unsigned char*>(tV);
+    float s[TK / 8][4], s2[TK / 8][4];
+#pragma unroll
+    for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nb][e] = 0.f, s2[nb][e] = 0.f;
+    const int mi = lane >> 3;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < TK / 16; ++np) {
+        const int r = np * 16 + (lane & 7) + ((mi & 2) ? 8 : 0);
+        const int col = kk * 16 + ((mi & 1) ? 8 : 0);
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(b0, b1, b2, b3, bK + kv_off<D, TK, TMA>(r, col));
+        if (kk & 1) {
+          mma16816(s2[2 * np], qa[kk], b0, b1);
+          mma16816(s2[2 * np + 1], qa[kk], b2, b3);
+        } else {
+          mma16816(s[2 * np], qa[kk], b0, b1);
+          mma16816(s[2 * np + 1], qa[kk], b2, b3);
+        }
+      }
+    }
+    const bool mask = j0 + TK > L;
+    float alpha[2] = {1.f, 1.f};
+    bool need = false;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (i == 1 && !hi_rows) break;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = (s[nb][2 * i + e] + s2[nb][2 * i + e]) * sl2;
+          if (mask && j0 + nb * 8 + 2 * t4 + e >= L) x = -INFINITY;
+          s[nb][2 * i + e] = x;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if (mx > m[i] + 8.f) {  // lazy rescale: move the reference max only when it grows a lot
+        alpha[i] = exp2f(m[i] - mx);
+        m[i] = mx;
+        need = true;
+      }
+      const float mu = m[i] == -INFINITY ? 0.f : m[i];
+      float rs = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2f(s[nb][2 * i + e] - mu);
+          s[nb][2 * i + e] = p;
+          rs += p;
+        }
+      l[i] = l[i] * alpha[i] + rs;
+    }
+    if (__any_sync(0xffffffffu, need)) {
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        o[nd][0] *= alpha[0];
+        o[nd][1] *= alpha[0];
+        o[nd][2] *= alpha[1];
+        o[nd][3] *= alpha[1];
+      }
+    }
+    // O += P V (rows >= 8 carry junk when G <= 8; they are never written out).
+#pragma unroll
+    for (int k2 = 0; k2 < TK / 16; ++k2) {
+      uint32_t pa[4];
+      pa[0] = pack_bf16(s[2 * k2][0], s[2 * k2][1]);
+      pa[1] = pack_bf16(s[2 * k2][2], s[2 * k2][3]);
+      pa[2] = pack_bf16(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
+      pa[3] = pack_bf16(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int r = k2 * 16 + (lane & 7) + ((mi & 1) ? 8 : 0);
+        const int col = dp * 16 + ((mi & 2) ? 8 : 0);
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(b0, b1, b2, b3, bV + kv_off<D, TK, TMA>(r, col));
+        mma16816(o[2 * dp], pa, b0, b1);
+        mma16816(o[2 * dp + 1], pa, b2, b3);
+      }
+    }
+    st_issue = st_issue + 1 == S ? 0 : st_issue + 1;
+    if (++st_use == S) st_use = 0, phase ^= 1;
+  }
+  if constexpr (!TMA) cp_async_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+
+  // Merge the W warps (rows < G) through shared memory; the ring is free now.
+  float* sO = reinterpret_cast<float*>(smem_raw);  // [W][16][D]
+  float* sM = sO + W * 16 * D;                       // [W][16]
+  float* sL = sM + W * 16;                           // [W][16]
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = g8 + 8 * i;
+    if (r < G) {
+      float* dst = sO + (warp * 16 + r) * D;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd)
+        *reinterpret_cast<float2*>(dst + nd * 8 + 2 * t4) = make_float2(o[nd][2 * i], o[nd][2 * i + 1]);
+      if (t4 == 0) {
+        sM[warp * 16 + r] = m[i];
+        sL[warp * 16 + r] = l[i];
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t row_base = int64_t(q0) * a.Hq + kvh * G;
+  for (int idx = tid; idx < G * D; idx += NT) {
+    const int g = idx / D, d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, sM[w * 16 + g]);
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float sc = exp2f(sM[w * 16 + g] - mu);
+      num += sc * sO[(w * 16 + g) * D + d];
+      den += sc * sL[w * 16 + g];
+    }
+    const float val = den > 0.f ? num / den : 0.f;
+    const int64_t gr = row_base + g;
+    if (a.nsplit == 1) {
+      a.out[gr * D + d] = __float2bfloat16(val);
+    } else {
+      a.part_o[(int64_t(split) * a.total_rows + gr) * D + d] = val;
+      if (d == 0) a.part_lse[int64_t(split) * a.total_rows + gr] = den > 0.f ? mu + log2f(den) : -INFINITY;
+    }
+  }
+  if (a.nsplit == 1) return;
+
+  // Split combine by the last CTA of this (sequence, KV head) to finish.
+  __threadfence();
+  __syncthreads();
+  int* counter = a.counters + seq * a.Hkv + kvh;
+  if (tid == 0) s_last = atomicAdd(counter, 1) == a.nsplit - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int ns = a.nsplit;
+  constexpr int V4 = D / 4;
+  const int items = G * V4;  // float4 outputs
+  const int groups = items >= NT ? 1 : NT / items;
+  float4* sRed = reinterpret_cast<float4*>(smem_raw);                    // [groups][items]
+  float* sW = reinterpret_cast<float*>(smem_raw + size_t(NT) * 16);      // [ns][G] lse -> weights
+  float* sMu = sW + ns * G;                                              // [G]
+  float* sInv = sMu + 16;                                                // [G]
+  for (int idx = tid; idx < ns * G; idx += NT) {
+    const int sp = idx / G, g = idx % G;
+    sW[idx] = __ldcg(a.part_lse + int64_t(sp) * a.total_rows + row_base + g);
+  }
+  __syncthreads();
+  if (tid < G) {
+    float mx = -INFINITY;
+    for (int sp = 0; sp < ns; ++sp) mx = fmaxf(mx, sW[sp * G + tid]);
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float den = 0.f;
+    for (int sp = 0; sp < ns; ++sp) den += exp2f(sW[sp * G + tid] - mu);
+    sMu[tid] = mu;
+    sInv[tid] = den > 0.f ? 1.f / den : 0.f;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < ns * G; idx += NT) {
+    const int g = idx % G;
+    sW[idx] = exp2f(sW[idx] - sMu[g]) * sInv[g];
+  }
+  __syncthreads();
+  const int64_t sstride4 = a.total_rows * V4;  // float4 stride between splits
+  const float4* po4 = reinterpret_cast<const float4*>(a.part_o);
+  // Sum over splits sp = s0, s0 + step, ... of w * partial for float4 item i (8 loads in flight).
+  auto accum = [&](int i, int s0, int step) {
+    const int g = i / V4;
+    const float4* src = po4 + (row_base + g) * V4 + (i % V4);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    int sp = s0;
+    for (; sp + 7 * step < ns; sp += 8 * step) {
+      float4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = __ldcg(src + int64_t(sp + u * step) * sstride4);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const float w = sW[(sp + u * step) * G + g];
+        acc.x += w * v[u].x, acc.y += w * v[u].y, acc.z += w * v[u].z, acc.w += w * v[u].w;
+      }
+    }
+    for (; sp < ns; sp += step) {
+      const float4 v = __ldcg(src + int64_t(sp) * sstride4);
+      const float w = sW[sp * G + g];
+      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+    }
+    return acc;
+  };
+  auto store = [&](int i, float4 v) {
+    const int g = i / V4;
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + (row_base + g) * D + (i % V4) * 4);
+    dst[0] = __floats2bfloat162_rn(v.x, v.y);
+    dst[1] = __floats2bfloat162_rn(v.z, v.w);
+  };
+  if (groups == 1) {
+    for (int i = tid; i < items; i += NT) store(i, accum(i, 0, 1));
+  } else {
+    const int gi = tid / items;
+    if (gi < groups) sRed[gi * items + tid % items] = accum(tid % items, gi, groups);
+    __syncthreads();
+    for (int i = tid; i < items; i += NT) {
+      float4 v = sRed[i];
+      for (int q = 1; q < groups; ++q) {
+        const float4 u = sRed[q * items + i];
+        v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+      }
+      store(i, v);
+    }
+  }
+  if (tid == 0) *counter = 0;  // ready for the next launch
+}
+
+// Variant table (index v - 1). Shared memory at D = 128: 4 KB Q + W*S*8 KB + 1 KB.
+constexpr DecodeVariant kVariants[] = {
+    {"v3_w4s3", 4, 3, 16, false},  // 101 KB, 2 CTAs/SM, 8 warps/SM
+    {"v3_w8s3", 8, 3, 16, false},  // 197 KB, 1 CTA/SM, 8 warps/SM
+    {"v4_w4s3", 4, 3, 16, true},   // TMA twins of the above
+    {"v4_w8s3", 8, 3, 16, true},
+};
+// Measured and dropped (docs/cuda.md): a 2-warp 6-stage TMA variant (-10..-16%), the
+// cp.async L2::256B prefetch hint (-3..-7%), 4-warp 2-stage and 2-warp 4-stage rings.
+constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
+
+template <int D, int W, int S, int TK, bool TMA>
+struct Inst {
+  using C = DecCfg<D, W, S, TK>;
+  static void prepare() {
+    static bool done = false;
+    if (!done) {
+      SPADE_CUDA(cudaFuncSetAttribute(decode_v3_kernel<D, W, S, TK, TMA>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmem)));
+      done = true;
+    }
+  }
+  static int occupancy() {
+    prepare();
+    int n = 0;
+    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, decode_v3_kernel<D, W, S, TK, TMA>, C::kThreads, C::kSmem));
+    return n;
+  }
+  static void launch(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* tmk,
+                     const CUtensorMap* tmv) {
+    prepare();
+    CUtensorMap zero{};
+    decode_v3_kernel<D, W, S, TK, TMA><<<grid, C::kThreads, C::kSmem, s>>>(
+        a, tmk ? *tmk : zero, tmv ? *tmv : zero);
+    SPADE_CUDA_LAUNCH();
+  }
+};
+
+// tma: whether the TMA instance may run (maps present, P % 16 == 0); else the cp.async twin.
+template <typename F>
+void dispatch(int D, int v, bool tma, F&& f) {
+  const int vi = (v >= 1 && v <= kNumVariants ? v : 1) - 1;
+  const DecodeVariant dv = kVariants[vi];
+  const bool t = tma && dv.tma;
+  if (D == 64) {
+    if (t) return f(Inst<64, 4, 3, 16, true>{});
+    return f(Inst<64, 4, 3, 16, false>{});
+  }
+  if (dv.warps == 8) {
+    if (t) return f(Inst<128, 8, 3, 16, true>{});
+    return f(Inst<128, 8, 3, 16, false>{});
+  }
+  if (t) return f(Inst<128, 4, 3, 16, true>{});
+  return f(Inst<128, 4, 3, 16, false>{});
+}
+
+}  // namespace
+
+int decode_v3_count() { return kNumVariants; }
+DecodeVariant decode_v3_variant(int v) { return kVariants[(v >= 1 && v <= kNumVariants ? v : 1) - 1]; }
+int decode_v3_occupancy(int D, int v) {
+  int n = 0;
+  dispatch(D, v, true, [&](auto inst) { n = decltype(inst)::occupancy(); });
+  return n;
+}
+void launch_decode_v3(int D, int v, const AttnArgs& a, dim3 grid, cudaStream_t s,
+                      const CUtensorMap* tmk, const CUtensorMap* tmv) {
+  const bool tma = tmk && tmv && a.P % 16 == 0;
+  dispatch(D, v, tma, [&](auto inst) { decltype(inst)::launch(a, grid, s, tmk, tmv); });
+}
+
+bool encode_kv_tensor_map(CUtensorMap* map, const void* base, int D) {
+  using Fn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                          const cuuint64_t*, const cuuint32_t*, const cuuint32_t*,
+                          CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+                          CUtensorMapFloatOOBfill);
+  static Fn fn = nullptr;
+  static bool tried = false;
+  if (!tried) {
+    tried = true;
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                           cudaEnableDefault, &q);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q);
+#endif
+    if (e == cudaSuccess && q == cudaDriverEntryPointSuccess) fn = reinterpret_cast<Fn>(p);
+    cudaGetLastError();
+  }
+  if (!fn || (reinterpret_cast<uintptr_t>(base) & 15)) return false;
+  // Rows of D elements; the row count only bounds the coordinates (page ids index real pages).
+  const cuuint64_t dims[2] = {cuuint64_t(D), cuuint64_t(1) << 31};
+  const cuuint64_t strides[1] = {cuuint64_t(D) * 2};
+  const cuuint32_t box[2] = {64, 16};
+  const cuuint32_t estr[2] = {1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+            estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace spade::cuda::attn_detail

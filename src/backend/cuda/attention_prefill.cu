@@ -1,0 +1,434 @@
+// Paged causal prefill attention for D = 128 on Hopper: wgmma (sm_90a) + warp specialization
+// (see attention.h for the API; the generic mma.sync kernel in attention.cu is the fallback
+// for D = 64, for devices other than compute capability 9.0, and the v2 reference).
+//
+// Layout read: q bf16 [T, Hq, D]; K/V bf16 pages [page][Hkv][P][D]; page table int32.
+// Layout written: out bf16 [T, Hq, D].
+// Work: a CTA = (work item, KV head); an item is 128 packed rows (token, group head) of one
+// sequence: row p -> token p / G, head kvh*G + p % G, so every K/V tile read serves the whole
+// GQA group. 384 threads: warps 0-7 are two consumer warpgroups (64 rows each, 224 registers
+// after setmaxnreg), warps 8-11 the producer warpgroup (56 registers). The producer streams 128-token K and V tiles through a 2-stage shared ring with
+// 16-byte cp.async (zero-filled past the keys), 2 or 3 stages, signalling per-stage "full" mbarriers
+// (cp.async.mbarrier.arrive.noinc); consumers release a stage on its "empty" mbarrier.
+// Shared tiles are [2 halves of 64 columns][128 rows][128 B], 128-byte swizzled (chunk c of
+// row r at c ^ (r & 7)): the canonical wgmma layout (K-major for Q and K, N-major for V).
+// Per tile and consumer warpgroup: S = Q K^T (8 x wgmma m64n128k16, both operands in shared
+// memory), online softmax in registers (log2 units, mask only on tiles that cross the
+// diagonal), O += P V (8 x wgmma with P from registers). The two warpgroups take turns
+// issuing S (named barriers 1/2, FA3-style ping-pong) so one's softmax overlaps the other's
+// matrix work.
+// Shared memory: Q 32 KB + ST x (K 32 KB + V 32 KB) = 160 KB (ST = 2) or 224 KB (ST = 3), +1 KB
+// alignment: 1 CTA/SM.
+// Napkin math (Llama-3-8B shapes, 8K causal): 4*8192^2/2*128*32 = 550 GFLOP -> 0.9 ms at
+// 600 TFLOP/s; the bf16 tensor roof measured here is ~790 TFLOP/s.
+#include <cmath>
+
+#include "backend/cuda/attention_common.cuh"
+
+namespace spade::cuda::attn_detail {
+namespace {
+
+constexpr int kPfBM = 128, kPfBN = 128, kPfD = 128;
+constexpr int kPfThreads = 384;
+constexpr uint32_t kHalf = 128 * 128;        // bytes of one 64-column half of a tile
+constexpr uint32_t kTileBytes = 2 * kHalf;   // 32 KB
+template <int ST>  // K/V ring stages
+constexpr size_t pf_smem() { return 1024 + (1 + 2 * ST) * size_t(kTileBytes) + 8 * (1 + 3 * ST); }
+
+static_assert(kPfBM == 2 * 64 && kPfBN == 128, "two 64-row consumer warpgroups, 128-key tiles");
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SPADE_WGMMA 1
+#endif
+
+#ifdef SPADE_WGMMA
+__device__ __forceinline__ uint32_t tile_off(int r, int c) {  // row r, 16-byte chunk c (0..15)
+  return (c >> 3) * kHalf + r * 128 + ((((c & 7) ^ (r & 7))) << 4);
+}
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  uint64_t d = 0;
+  d |= uint64_t((saddr & 0x3FFFF) >> 4);
+  d |= uint64_t((lbo >> 4) & 0x3FFF) << 16;
+  d |= uint64_t((sbo >> 4) & 0x3FFF) << 32;
+  d |= uint64_t(1) << 62;  // 128-byte swizzle
+  return d;
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// D[64x128] (+)= A[64x16] * B[16x128]; A and B from shared memory (descriptors, K-major).
+// scale_d == 0: D = A*B (the accumulator is not read).
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t da, uint64_t db,
+                                                    int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+// D[64x128] += A[64x16] * B[16x128]; A from registers (4 x bf16x2, the mma.sync m16n8k16 A
+// layout per warp), B from shared memory N-major (B[k][n] with n contiguous: imm-trans-b 1).
+__device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uint32_t (&a)[4],
+                                                       uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+#endif  // SPADE_WGMMA
+
+template <int ST>
+__global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const AttnArgs a) {
+#ifdef SPADE_WGMMA
+  constexpr int D = kPfD, BN = kPfBN;
+  unsigned long long t_start = 0;
+  if (a.trace && threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_start));
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_s = smem_u32(smem_raw);
+  const uint32_t base_s = (raw_s + 1023u) & ~1023u;
+  unsigned char* base = smem_raw + (base_s - raw_s);
+  // [Q][K0][V0][K1][V1]...[barriers]
+  const uint32_t sQ = base_s;
+  auto sK = [&](int s) { return base_s + kTileBytes * (1 + 2 * s); };
+  auto sV = [&](int s) { return base_s + kTileBytes * (2 + 2 * s); };
+  const uint32_t bar0 = base_s + (1 + 2 * ST) * kTileBytes;
+  const uint32_t bar_q = bar0;
+  auto bar_fk = [&](int s) { return bar0 + 8 * (1 + s); };
+  auto bar_fv = [&](int s) { return bar0 + 8 * (1 + ST + s); };
+  auto bar_em = [&](int s) { return bar0 + 8 * (1 + 2 * ST + s); };
+
+  const int4 item = a.items[blockIdx.x];
+  const int seq = item.x, row0 = item.y;
+  const int kvh = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = a.G;
+  const int q0 = a.q_off[seq], Tq = a.q_off[seq + 1] - q0;
+  const int L = a.kv_len[seq];
+  const int n_rows = Tq * G;
+  const int t_last = min((row0 + kPfBM - 1) / G, Tq - 1);
+  const int t_first = row0 / G;
+  const int n_keys = L - Tq + t_last + 1;
+  const int min_limit = L - Tq + t_first + 1;
+  const int n_tiles = (n_keys + BN - 1) / BN;
+
+  if (tid == 0) {
+    mbar_init(bar_q, 128);
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(bar_fk(s), 128);
+      mbar_init(bar_fv(s), 128);
+      mbar_init(bar_em(s), 256);
+    }
+  }
+  __syncthreads();
+
+  if (warp >= 8) {
+    // ---------------- producer warpgroup (warps 8-11) ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    const int ptid = tid - 256, pw = ptid >> 5;
+    const int P = a.P;
+    const int* pt = a.page_table + a.page_off[seq];
+    const int p_shift = (P & (P - 1)) == 0 ? __ffs(P) - 1 : -1;
+    auto pdiv = [&](int j) { return p_shift >= 0 ? j >> p_shift : j / P; };
+    auto pmod = [&](int j) { return p_shift >= 0 ? j & (P - 1) : j % P; };
+    const int64_t head_stride = int64_t(P) * D;
+    const int64_t page_stride = int64_t(a.Hkv) * head_stride;
+    const bool fast = P % 16 == 0;
+    const int c = lane & 15, rh = lane >> 4;
+    // Q: 128 rows x 16 chunks over 128 threads.
+#pragma unroll 4
+    for (int i = 0; i < 16; ++i) {
+      const int r = 8 * i + (ptid >> 4);
+      const int p = row0 + r;
+      const bool valid = p < n_rows;
+      const bf16* src = a.q;
+      if (valid) src = a.q + (int64_t(q0 + p / G) * a.Hq + kvh * G + p % G) * D + c * 8;
+      cp_async16(base + tile_off(r, c), src, valid);
+    }
+    cp_async_arrive_noinc(bar_q);
+    // Fast path: warp pw loads 16-row blocks 2pw and 2pw+1 of each tile (one page id each,
+    // held by lanes 0 and 1, read one tile ahead).
+    auto load_ids = [&](int t) {
+      const int jb = t * BN + 16 * (2 * pw + lane);
+      return (lane < 2 && jb < n_keys) ? pt[pdiv(jb)] : 0;
+    };
+    int ids = fast && n_tiles > 0 ? load_ids(0) : 0;
+    auto load_tile = [&](const bf16* g, uint32_t dst, int kv0, int my_ids) {
+      unsigned char* d = base + (dst - base_s);
+      if (fast) {
+#pragma unroll
+        for (int bb = 0; bb < 2; ++bb) {
+          const int b = 2 * pw + bb;
+          const int jb = kv0 + 16 * b;
+          const int id = __shfl_sync(0xffffffffu, my_ids, bb);
+          const bf16* src = g + int64_t(id) * page_stride + kvh * head_stride +
+                            int64_t(pmod(jb) + rh) * D + c * 8;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int r = 16 * b + rh + 2 * i;
+            const bool valid = kv0 + r < n_keys;
+            cp_async16(d + tile_off(r, c), valid ? src + 2 * i * D : g, valid);
+          }
+        }
+      } else {
+#pragma unroll 4
+        for (int i = 0; i < 16; ++i) {
+          const int r = 32 * pw + rh + 2 * i;
+          const int j = kv0 + r;
+          const bool valid = j < n_keys;
+          const bf16* src = g;
+          if (valid)
+            src = g + int64_t(pt[pdiv(j)]) * page_stride + kvh * head_stride + int64_t(pmod(j)) * D + c * 8;
+          cp_async16(d + tile_off(r, c), src, valid);
+        }
+      }
+    };
+    int s = 0, ph = 0;  // stage of tile t, and the parity of its (t / ST)-th use
+    for (int t = 0; t < n_tiles; ++t) {
+      if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);  // released use (t / ST) - 1
+      const int cur = ids;
+      if (fast && t + 1 < n_tiles) ids = load_ids(t + 1);
+      load_tile(a.k, sK(s), t * BN, cur);
+      cp_async_arrive_noinc(bar_fk(s));
+      load_tile(a.v, sV(s), t * BN, cur);
+      cp_async_arrive_noinc(bar_fv(s));
+      if (++s == ST) s = 0, ph ^= 1;
+    }
+    cp_async_wait<0>();
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+
+  // ---------------- consumer warpgroups ----------------
+  const int wg = warp >> 2, wl = warp & 3;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int rA = 64 * wg + 16 * wl + g8, rB = rA + 8;  // CTA rows held by this thread
+  const int limA = L - Tq + min((row0 + rA) / G, Tq - 1) + 1;
+  const int limB = L - Tq + min((row0 + rB) / G, Tq - 1) + 1;
+  const float sl2 = a.scale_log2;
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
+  const uint32_t q_wg = sQ + wg * 64 * 128;
+  const int bar_me = 1 + wg, bar_other = 2 - wg;
+
+  mbar_wait(bar_q, 0);
+  if (wg == 1) named_arrive(1, 256);  // warpgroup 0 issues first
+  int s = 0, ph = 0;
+  for (int t = 0; t < n_tiles; ++t) {
+    const int kv0 = t * BN;
+    float sc[64];
+    mbar_wait(bar_fk(s), ph);
+    fence_proxy_async();
+    named_sync(bar_me, 256);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t da = gmma_desc(q_wg + (kk >> 2) * kHalf + (kk & 3) * 32, 16, 1024);
+      const uint64_t db = gmma_desc(sK(s) + (kk >> 2) * kHalf + (kk & 3) * 32, 16, 1024);
+      wgmma_m64n128k16_ss(sc, da, db, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    named_arrive(bar_other, 256);
+    wgmma_wait0();
+    reg_fence(sc);
+
+    // Online softmax over this tile (raw scores; scale folded into the exponent).
+    if (kv0 + BN > min_limit) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = kv0 + 8 * j + 2 * t4 + e;
+          if (col >= limA) sc[4 * j + e] = -INFINITY;
+          if (col >= limB) sc[4 * j + 2 + e] = -INFINITY;
+        }
+    }
+    float mxA = -INFINITY, mxB = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      mxA = fmaxf(mxA, fmaxf(sc[4 * j], sc[4 * j + 1]));
+      mxB = fmaxf(mxB, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
+    }
+    mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+    mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+    const float nA = fmaxf(mA, mxA * sl2), nB = fmaxf(mB, mxB * sl2);
+    const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;
+    const float alA = exp2f(mA - uA), alB = exp2f(mB - uB);
+    mA = nA;
+    mB = nB;
+    float rsA = 0.f, rsB = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pA = exp2f(fmaf(sc[4 * j + e], sl2, -uA));
+        const float pB = exp2f(fmaf(sc[4 * j + 2 + e], sl2, -uB));
+        sc[4 * j + e] = pA;
+        sc[4 * j + 2 + e] = pB;
+        rsA += pA;
+        rsB += pB;
+      }
+      o[4 * j] *= alA;
+      o[4 * j + 1] *= alA;
+      o[4 * j + 2] *= alB;
+      o[4 * j + 3] *= alB;
+    }
+    lA = lA * alA + rsA;
+    lB = lB * alB + rsB;
+    uint32_t pa[8][4];
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      pa[kt][0] = pack_bf16(sc[8 * kt + 0], sc[8 * kt + 1]);
+      pa[kt][1] = pack_bf16(sc[8 * kt + 2], sc[8 * kt + 3]);
+      pa[kt][2] = pack_bf16(sc[8 * kt + 4], sc[8 * kt + 5]);
+      pa[kt][3] = pack_bf16(sc[8 * kt + 6], sc[8 * kt + 7]);
+    }
+    mbar_wait(bar_fv(s), ph);
+    fence_proxy_async();
+    reg_fence(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      const uint64_t db = gmma_desc(sV(s) + kt * 2048, kHalf, 1024);
+      wgmma_m64n128k16_rs_tb(o, pa[kt], db);
+    }
+    wgmma_commit();
+    wgmma_wait0();
+    reg_fence(o);
+    mbar_arrive(bar_em(s));
+    if (++s == ST) s = 0, ph ^= 1;
+  }
+  if (wg == 0) named_sync(1, 256);  // consume warpgroup 1's last turn signal
+
+  lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+  lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+  lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+  lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+  const float iA = lA > 0.f ? 1.f / lA : 0.f, iB = lB > 0.f ? 1.f / lB : 0.f;
+  const int pA = row0 + rA, pB = row0 + rB;
+  if (pA < n_rows) {
+    bf16* dst = a.out + (int64_t(q0 + pA / G) * a.Hq + kvh * G + pA % G) * D + 2 * t4;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(o[4 * j] * iA, o[4 * j + 1] * iA);
+  }
+  if (pB < n_rows) {
+    bf16* dst = a.out + (int64_t(q0 + pB / G) * a.Hq + kvh * G + pB % G) * D + 2 * t4;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(o[4 * j + 2] * iB, o[4 * j + 3] * iB);
+  }
+  if (a.trace && tid == 0) {
+    unsigned long long t_end;
+    uint32_t smid;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_end));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    unsigned long long* tr = a.trace + 4 * (size_t(blockIdx.y) * gridDim.x + blockIdx.x);
+    tr[0] = t_start, tr[1] = t_end, tr[2] = smid, tr[3] = n_tiles;
+  }
+#else
+  __trap();  // built without sm_90a code: the host never launches this (prefill_wgmma_ok)
+#endif
+}
+
+// Reports whether the image the runtime picked for this file was built with wgmma (sm_90a).
+__global__ void wgmma_probe(int* flag) {
+#ifdef SPADE_WGMMA
+  *flag = 1;
+#else
+  *flag = 0;
+#endif
+}
+
+template <int ST>
+void prepare_prefill() {
+  static bool done = false;
+  if (!done) {
+    SPADE_CUDA(cudaFuncSetAttribute(prefill_wgmma_kernel<ST>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(pf_smem<ST>())));
+    done = true;
+  }
+}
+
+}  // namespace
+
+bool prefill_wgmma_ok(int D) {
+  if (D != kPfD) return false;
+  static int ok = -1;
+  if (ok < 0) {
+    int dev = 0, major = 0, minor = 0;
+    SPADE_CUDA(cudaGetDevice(&dev));
+    SPADE_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    SPADE_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    ok = 0;
+    if (major == 9 && minor == 0) {
+      // The sm_90a image must be the one in use: the plain compute_90 PTX has no wgmma.
+      int* d = nullptr;
+      int h = 0;
+      SPADE_CUDA(cudaMalloc(&d, sizeof(int)));
+      wgmma_probe<<<1, 1>>>(d);
+      SPADE_CUDA_LAUNCH();
+      SPADE_CUDA(cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost));
+      SPADE_CUDA(cudaFree(d));
+      ok = h == 1 ? 1 : 0;
+    }
+  }
+  return ok == 1;
+}
+
+void launch_prefill_wgmma(const AttnArgs& a, dim3 grid, cudaStream_t s, int stages) {
+  if (stages == 3) {
+    prepare_prefill<3>();
+    prefill_wgmma_kernel<3><<<grid, kPfThreads, pf_smem<3>(), s>>>(a);
+  } else {
+    prepare_prefill<2>();
+    prefill_wgmma_kernel<2><<<grid, kPfThreads, pf_smem<2>(), s>>>(a);
+  }
+  SPADE_CUDA_LAUNCH();
+}
+
+}  // namespace spade::cuda::attn_detail
