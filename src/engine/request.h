@@ -1,0 +1,114 @@
+// A generation request as the scheduler sees it (token ids in, text and token events out),
+// and the channel through which the engine loop hands its results to whoever submitted it
+// (an HTTP handler thread, a test). The HTTP layer (src/server/) turns OpenAI JSON into an
+// EngineRequest and RequestChannel events back into JSON / SSE.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/sampler.h"
+#include "model/cpu_model.h"
+
+namespace spade {
+
+// Incremental detokenizer of one request: push(id) returns the newly complete text (never a
+// partial UTF-8 sequence; special tokens produce no text), flush() what is left at the end.
+class TextStream {
+ public:
+  virtual ~TextStream() = default;
+  virtual std::string push(int32_t id) = 0;
+  virtual std::string flush() = 0;
+};
+
+// Text of tokens, shared by all requests; must be safe to call from several threads.
+class TokenText {
+ public:
+  virtual ~TokenText() = default;
+  // A stream continuing after `prev` (the prompt's last token): text is decoded as the
+  // continuation of the prompt (no start-of-text stripping of a leading space).
+  virtual std::unique_ptr<TextStream> stream(int32_t prev = -1) const = 0;
+  // The text of one token on its own (for logprobs); may be a partial UTF-8 sequence.
+  virtual std::string piece(int32_t id) const = 0;
+};
+
+// Per-sequence attention of a sparse method: fn() is the AttentionFn given to CpuModel
+// (nullptr = dense causal). attended() reports how many (token, KV head, query) rows it
+// read so far, for the density metric; -1 when it does not know (then dense is assumed).
+class SeqAttention {
+ public:
+  virtual ~SeqAttention() = default;
+  virtual const AttentionFn* fn() = 0;
+  virtual int64_t attended() const { return -1; }
+};
+// Makes a fresh SeqAttention for a request; called on the engine thread when the request
+// is admitted (again after a preemption, since its cache is then recomputed).
+using AttentionMaker = std::function<std::unique_ptr<SeqAttention>()>;
+
+struct EngineRequest {
+  std::vector<int32_t> prompt;       // at least one token
+  int64_t max_tokens = 16;           // >= 1
+  SamplingParams sampling;
+  std::vector<std::string> stop;     // stop strings (not part of the output)
+  std::vector<int32_t> stop_ids;     // stop tokens (EOS); their text is never output
+  int logprobs = -1;                 // < 0: off; k >= 0: sampled token's logprob + top k
+  std::string method = "full";       // sparse method name (metrics label)
+  AttentionMaker attention;          // empty: dense
+};
+
+enum class FinishReason { None, Stop, Length, Cancelled, Error };
+const char* finish_reason_name(FinishReason r);  // "stop", "length", "cancelled", "error"
+
+struct TokenLogprob {
+  int32_t id = 0;
+  float logprob = 0.f;
+  std::vector<std::pair<int32_t, float>> top;  // best first
+};
+
+// What the engine has produced since the consumer last looked.
+struct RequestDelta {
+  std::string text;
+  std::vector<int32_t> tokens;
+  std::vector<TokenLogprob> logprobs;  // one per token when logprobs were asked for
+  bool finished = false;
+  FinishReason reason = FinishReason::None;
+  std::string error;                   // with FinishReason::Error
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+};
+
+// Shared between the engine loop (producer) and the submitter (consumer).
+class RequestChannel {
+ public:
+  using clock = std::chrono::steady_clock;
+
+  // Consumer side. Waits until something new is there or `timeout` passes, then moves it
+  // into `out` (whose buffers are reused). Returns true when `out` holds anything new.
+  bool wait_take(RequestDelta& out, std::chrono::milliseconds timeout);
+  // Asks the engine to stop this request (client gone); it finishes as Cancelled and its
+  // KV pages are returned at the next step.
+  void cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+  bool finished() const;
+
+  // Producer side (engine thread).
+  void emit(const std::string& text, int32_t token, const TokenLogprob* lp);
+  void finish(FinishReason r, int64_t prompt_tokens, int64_t completion_tokens,
+              const std::string& error = {});
+
+  const clock::time_point created = clock::now();
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  RequestDelta pending_;
+  bool taken_final_ = false;
+  std::atomic<bool> cancelled_{false};
+};
+
+}  // namespace spade

@@ -1,0 +1,435 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace spade {
+
+using clock_type = std::chrono::steady_clock;
+
+static double seconds(clock_type::duration d) { return std::chrono::duration<double>(d).count(); }
+
+struct Scheduler::Seq {
+  Seq(EngineRequest&& r, std::shared_ptr<RequestChannel> c, std::unique_ptr<TextStream> t)
+      : ch(std::move(c)), req(std::move(r)), sampler(req.sampling), text(std::move(t)) {}
+
+  std::shared_ptr<RequestChannel> ch;
+  EngineRequest req;
+  Sampler sampler;
+  std::unique_ptr<TextStream> text;
+  std::vector<int32_t> tokens;  // prompt + generated; the cache holds tokens[0, pt.length)
+  int64_t n_prompt = 0;
+  int64_t generated = 0;
+  PageTable pt;
+  std::unique_ptr<SeqAttention> attn;
+  std::string held;             // text not yet emitted: might be the start of a stop string
+  uint64_t order = 0;           // admission priority (submission order)
+  bool admitted_once = false;
+  bool prompt_counted = false;
+  int64_t dense_rows = 0;       // decode rows full attention would read
+  int64_t attended_rows = 0;    // ... and what the method read (finished attention objects)
+  clock_type::time_point t_first{}, t_last{};
+};
+
+Scheduler::Scheduler(CpuModel& model, const TokenText& text, const SchedulerOptions& opt)
+    : model_(model), text_(text), opt_(opt) {
+  SPADE_CHECK(opt_.max_batch >= 1, "max batch must be >= 1");
+  SPADE_CHECK(opt_.max_queue >= 1, "max queue must be >= 1");
+  opt_.max_step_tokens = std::max<int64_t>(opt_.max_step_tokens, opt_.max_batch);
+  const KVPool& kv = model_.kv();
+  page_size_ = kv.layout().page_size;
+  max_context_ = std::min<int64_t>(model_.config().max_context, kv.n_pages() * page_size_);
+  metrics_.kv_pages_total = kv.n_pages();
+  metrics_.max_batch = opt_.max_batch;
+  thread_ = std::thread([this] { loop(); });
+}
+
+Scheduler::~Scheduler() { shutdown(); }
+
+std::shared_ptr<RequestChannel> Scheduler::submit(EngineRequest req) {
+  const int64_t P = int64_t(req.prompt.size());
+  if (P == 0) throw SubmitError(400, "invalid_prompt", "the prompt is empty (no tokens)");
+  if (req.max_tokens < 1)
+    throw SubmitError(400, "invalid_value", cat("max_tokens must be at least 1, got ", req.max_tokens));
+  const int32_t vocab = model_.config().vocab;
+  for (int32_t t : req.prompt)
+    if (t < 0 || t >= vocab)
+      throw SubmitError(400, "invalid_prompt",
+                        cat("token id ", t, " is outside the vocabulary [0, ", vocab, ")"));
+  if (P + req.max_tokens > max_context_) {
+    if (P >= max_context_)
+      throw SubmitError(400, "context_length_exceeded",
+                        cat("This model's maximum context length is ", max_context_,
+                            " tokens. However, your prompt has ", P,
+                            " tokens, leaving no room for a completion. Please reduce the "
+                            "length of the prompt."));
+    throw SubmitError(400, "context_length_exceeded",
+                      cat("This model's maximum context length is ", max_context_,
+                          " tokens. However, you requested ", P + req.max_tokens, " tokens (",
+                          P, " in the prompt, ", req.max_tokens,
+                          " for the completion). Please reduce the length of the prompt or "
+                          "completion."));
+  }
+  auto ch = std::make_shared<RequestChannel>();
+  const int32_t last = req.prompt.back();
+  auto s = std::make_unique<Seq>(std::move(req), ch, text_.stream(last));
+  s->n_prompt = P;
+  s->tokens.reserve(size_t(P + s->req.max_tokens));
+  s->tokens.assign(s->req.prompt.begin(), s->req.prompt.end());
+  s->req.prompt.clear();
+  s->req.prompt.shrink_to_fit();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!accepting_ || stop_) {
+      ++metrics_.rejected_shutdown;
+      throw SubmitError(503, "server_shutting_down", "the server is shutting down");
+    }
+    if (int64_t(waiting_.size()) >= opt_.max_queue) {
+      ++metrics_.rejected_queue_full;
+      throw SubmitError(429, "queue_full",
+                        cat("the server is busy: ", n_running_, " requests running and ",
+                            waiting_.size(), " queued (the limit); retry later"));
+    }
+    s->order = next_order_++;
+    ++metrics_.submitted;
+    waiting_.push_back(std::move(s));
+    metrics_.waiting = int64_t(waiting_.size());
+  }
+  cv_.notify_all();
+  return ch;
+}
+
+void Scheduler::stop_accepting() {
+  std::lock_guard<std::mutex> lk(mu_);
+  accepting_ = false;
+}
+
+bool Scheduler::wait_idle(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  return idle_cv_.wait_for(lk, timeout, [&] { return waiting_.empty() && n_running_ == 0; });
+}
+
+void Scheduler::shutdown() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    accepting_ = false;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+EngineMetrics Scheduler::metrics() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return metrics_;
+}
+
+void Scheduler::finish(Seq& s, FinishReason r, const std::string& error) {
+  if (!s.pt.pages.empty() || s.pt.length) {
+    model_.kv().release(s.pt);
+    hold_admission_ = false;  // pages came back: admission may resume after a preemption
+  }
+  if (s.attn) {
+    const int64_t a = s.attn->attended();
+    s.attended_rows += a >= 0 ? a : 0;
+    s.attn.reset();
+  }
+  s.ch->finish(r, s.n_prompt, s.generated, error);
+  const auto now = clock_type::now();
+  std::lock_guard<std::mutex> lk(mu_);
+  switch (r) {
+    case FinishReason::Stop: ++metrics_.finished_stop; break;
+    case FinishReason::Length: ++metrics_.finished_length; break;
+    case FinishReason::Cancelled: ++metrics_.finished_cancelled; break;
+    default: ++metrics_.finished_error; break;
+  }
+  if (r == FinishReason::Stop || r == FinishReason::Length) {
+    metrics_.e2e.observe(seconds(now - s.ch->created));
+    if (s.generated > 1) metrics_.tpot.observe(seconds(s.t_last - s.t_first) / double(s.generated - 1));
+    MethodCounters& m = metrics_.methods[s.req.method];
+    ++m.requests;
+    m.dense_rows += s.dense_rows;
+    m.attended_rows += s.req.attention ? s.attended_rows : s.dense_rows;  // dense path: all rows
+  }
+}
+
+void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index) {
+  std::unique_ptr<Seq> s = std::move(running[index]);
+  running.erase(running.begin() + long(index));
+  const int64_t lost = s->pt.length;
+  // Admit nothing until a running request finishes: readmitting now would only recompute
+  // this sequence and preempt it again at the next page boundary.
+  hold_admission_ = true;
+  model_.kv().release(s->pt);
+  if (s->attn) {
+    const int64_t a = s->attn->attended();
+    s->attended_rows += a >= 0 ? a : 0;
+    s->attn.reset();
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  ++metrics_.preemptions;
+  metrics_.recomputed_tokens += uint64_t(lost);
+  --n_running_;
+  // Back to the head of the queue, ahead of requests submitted after it.
+  auto it = std::find_if(waiting_.begin(), waiting_.end(),
+                         [&](const std::unique_ptr<Seq>& w) { return w->order > s->order; });
+  waiting_.insert(it, std::move(s));
+}
+
+static int64_t pages_for(int64_t tokens, int page) { return (tokens + page - 1) / page; }
+
+bool Scheduler::admit_one(std::vector<std::unique_ptr<Seq>>& running) {
+  const KVPool& kv = model_.kv();
+  // Pages the running sequences still need for their current input plus one decode token.
+  int64_t committed = 0;
+  for (const auto& r : running)
+    committed += std::max<int64_t>(
+        0, pages_for(int64_t(r->tokens.size()) + 1, page_size_) - int64_t(r->pt.pages.size()));
+  std::unique_ptr<Seq> s;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (waiting_.empty()) return false;
+    const Seq& w = *waiting_.front();
+    const int64_t need = pages_for(int64_t(w.tokens.size()) + 1, page_size_);
+    if (!running.empty() && (hold_admission_ || committed + need > kv.free_pages())) return false;
+    s = std::move(waiting_.front());
+    waiting_.pop_front();
+    ++n_running_;
+    if (!s->admitted_once) metrics_.queue_time.observe(seconds(clock_type::now() - s->ch->created));
+  }
+  s->admitted_once = true;
+  try {
+    if (s->req.attention) s->attn = s->req.attention();
+  } catch (const std::exception& e) {
+    finish(*s, FinishReason::Error, cat("sparse method: ", e.what()));
+    std::lock_guard<std::mutex> lk(mu_);
+    --n_running_;
+    return true;
+  }
+  // Keep `running` in priority (submission) order: preemption takes from the back.
+  auto it = std::find_if(running.begin(), running.end(),
+                         [&](const std::unique_ptr<Seq>& r) { return r->order > s->order; });
+  running.insert(it, std::move(s));
+  return true;
+}
+
+void Scheduler::loop() {
+  std::vector<std::unique_ptr<Seq>> running;
+  std::vector<std::unique_ptr<Seq>> dropped;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !waiting_.empty() || !running.empty(); });
+      if (stop_) break;
+      for (auto it = waiting_.begin(); it != waiting_.end();) {
+        if ((*it)->ch->cancelled()) {
+          dropped.push_back(std::move(*it));
+          it = waiting_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& s : dropped) finish(*s, FinishReason::Cancelled);
+    dropped.clear();
+    for (size_t i = 0; i < running.size();) {
+      if (running[i]->ch->cancelled()) {
+        finish(*running[i], FinishReason::Cancelled);
+        running.erase(running.begin() + long(i));
+        std::lock_guard<std::mutex> lk(mu_);
+        --n_running_;
+      } else {
+        ++i;
+      }
+    }
+    while (int64_t(running.size()) < opt_.max_batch && admit_one(running)) {
+    }
+    if (!running.empty()) step(running);
+    publish_gauges(running);
+  }
+  // Shutdown: cancel whatever is left.
+  for (auto& s : running) finish(*s, FinishReason::Cancelled, "the server is shutting down");
+  running.clear();
+  std::deque<std::unique_ptr<Seq>> rest;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    rest.swap(waiting_);
+  }
+  for (auto& s : rest) finish(*s, FinishReason::Cancelled, "the server is shutting down");
+  publish_gauges(running);
+}
+
+void Scheduler::publish_gauges(const std::vector<std::unique_ptr<Seq>>& running) {
+  bool idle;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    n_running_ = int64_t(running.size());
+    metrics_.running = n_running_;
+    metrics_.waiting = int64_t(waiting_.size());
+    metrics_.kv_pages_used = model_.kv().used_pages();
+    idle = running.empty() && waiting_.empty();
+  }
+  if (idle) idle_cv_.notify_all();
+}
+
+void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
+  const auto t0 = clock_type::now();
+  KVPool& kv = model_.kv();
+  const ModelConfig& cfg = model_.config();
+  // Plan: decode tokens first (one per sequence whose input is all cached but its last
+  // sampled token), then prefill chunks in priority order with the rest of the budget.
+  // If the pool cannot hold the plan, preempt the lowest-priority sequence and re-plan.
+  for (;;) {
+    batch_.clear();
+    batch_seqs_.clear();
+    int64_t budget = opt_.max_step_tokens, pages_needed = 0;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (auto& r : running) {
+        const int64_t feed = int64_t(r->tokens.size()) - r->pt.length;
+        const bool decoding = feed == 1 && r->pt.length >= r->n_prompt;
+        if ((pass == 0) != decoding || budget <= 0 || feed <= 0) continue;
+        const int64_t n = std::min(feed, budget);
+        budget -= n;
+        SeqInput in;
+        in.pages = &r->pt;
+        in.tokens = r->tokens.data() + r->pt.length;
+        in.n_tokens = n;
+        in.attention = r->attn ? r->attn->fn() : nullptr;
+        batch_.push_back(in);
+        batch_seqs_.push_back(r.get());
+        pages_needed += std::max<int64_t>(
+            0, pages_for(r->pt.length + n, page_size_) - int64_t(r->pt.pages.size()));
+      }
+    }
+    if (pages_needed <= kv.free_pages() || running.size() <= 1) break;
+    preempt(running, running.size() - 1);
+  }
+  if (batch_.empty()) return;
+
+  const std::vector<float>* logits = nullptr;
+  try {
+    logits = &model_.forward(batch_, row_of_);
+  } catch (const std::exception& e) {
+    const std::string msg = cat("engine error: ", e.what());
+    for (Seq* s : batch_seqs_) finish(*s, FinishReason::Error, msg);
+    running.erase(std::remove_if(running.begin(), running.end(),
+                                 [](const std::unique_ptr<Seq>& r) { return r->ch->finished(); }),
+                  running.end());
+    return;
+  }
+  int64_t step_tokens = 0, sampled = 0;
+  const int64_t rows_per_pos = int64_t(cfg.n_layers) * cfg.n_kv_heads;
+  for (size_t i = 0; i < batch_seqs_.size(); ++i) {
+    Seq& s = *batch_seqs_[i];
+    step_tokens += batch_[i].n_tokens;
+    if (!s.prompt_counted && s.pt.length >= s.n_prompt) {
+      s.prompt_counted = true;
+      std::lock_guard<std::mutex> lk(mu_);
+      metrics_.prompt_tokens += uint64_t(s.n_prompt);
+    }
+    if (batch_[i].n_tokens == 1) s.dense_rows += rows_per_pos * s.pt.length;
+    if (s.pt.length < int64_t(s.tokens.size())) continue;  // prefill continues next step
+    const float* row = logits->data() + row_of_[i] * cfg.vocab;
+    const int32_t tok = s.sampler.sample(row, cfg.vocab, s.tokens);
+    on_token(s, tok, row);
+    ++sampled;
+  }
+  // Finished sequences leave the batch (their pages were released in finish()).
+  running.erase(std::remove_if(running.begin(), running.end(),
+                               [](const std::unique_ptr<Seq>& r) { return r->ch->finished(); }),
+                running.end());
+  std::lock_guard<std::mutex> lk(mu_);
+  ++metrics_.steps;
+  metrics_.generation_tokens += uint64_t(sampled);
+  metrics_.batch_size.observe(double(batch_.size()));
+  metrics_.step_tokens.observe(double(step_tokens));
+  metrics_.busy_seconds += seconds(clock_type::now() - t0);
+}
+
+// Longest suffix of `text` that is a proper prefix of one of `stops`.
+static size_t held_suffix(const std::string& text, const std::vector<std::string>& stops) {
+  size_t best = 0;
+  for (const std::string& st : stops) {
+    for (size_t k = std::min(text.size(), st.size() - 1); k > best; --k)
+      if (text.compare(text.size() - k, k, st, 0, k) == 0) {
+        best = k;
+        break;
+      }
+  }
+  return best;
+}
+
+void Scheduler::on_token(Seq& s, int32_t tok, const float* logits) {
+  const auto now = clock_type::now();
+  const bool first = s.generated == 0;
+  s.tokens.push_back(tok);
+  ++s.generated;
+  s.t_last = now;
+  if (first) {
+    s.t_first = now;
+    std::lock_guard<std::mutex> lk(mu_);
+    metrics_.ttft.observe(seconds(now - s.ch->created));
+  }
+  TokenLogprob lp;
+  if (s.req.logprobs >= 0) {
+    const int32_t V = model_.config().vocab;
+    float mx = logits[0];
+    for (int32_t i = 1; i < V; ++i) mx = std::max(mx, logits[i]);
+    double sum = 0;
+    for (int32_t i = 0; i < V; ++i) sum += std::exp(double(logits[i] - mx));
+    const float lse = mx + float(std::log(sum));
+    lp.id = tok;
+    lp.logprob = logits[tok] - lse;
+    const size_t k = size_t(std::min(s.req.logprobs, V));
+    if (k > 0) {
+      // Min-heap of the k best (logit, -id) pairs.
+      top_.clear();
+      auto worse = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      };
+      for (int32_t i = 0; i < V; ++i) {
+        if (top_.size() < k) {
+          top_.push_back({logits[i], i});
+          std::push_heap(top_.begin(), top_.end(), worse);
+        } else if (logits[i] > top_.front().first) {
+          std::pop_heap(top_.begin(), top_.end(), worse);
+          top_.back() = {logits[i], i};
+          std::push_heap(top_.begin(), top_.end(), worse);
+        }
+      }
+      std::sort_heap(top_.begin(), top_.end(), worse);
+      for (const auto& [l, id] : top_) lp.top.push_back({id, l - lse});
+    }
+  }
+
+  const bool stop_tok =
+      std::find(s.req.stop_ids.begin(), s.req.stop_ids.end(), tok) != s.req.stop_ids.end();
+  FinishReason fr = FinishReason::None;
+  if (stop_tok) fr = FinishReason::Stop;
+  else if (s.generated >= s.req.max_tokens) fr = FinishReason::Length;
+  if (!stop_tok) s.held += s.text->push(tok);
+  if (fr != FinishReason::None) s.held += s.text->flush();
+
+  // Stop strings: emit everything that cannot be the start of one.
+  std::string out;
+  if (!s.req.stop.empty()) {
+    size_t at = std::string::npos;
+    for (const std::string& st : s.req.stop) at = std::min(at, s.held.find(st));
+    if (at != std::string::npos) {
+      out.assign(s.held, 0, at);
+      s.held.clear();
+      fr = FinishReason::Stop;
+    } else {
+      const size_t keep = fr != FinishReason::None ? 0 : held_suffix(s.held, s.req.stop);
+      out.assign(s.held, 0, s.held.size() - keep);
+      s.held.erase(0, s.held.size() - keep);
+    }
+  } else {
+    out.swap(s.held);
+    s.held.clear();
+  }
+  s.ch->emit(out, tok, s.req.logprobs >= 0 ? &lp : nullptr);
+  if (fr != FinishReason::None) finish(s, fr);
+}
+
+}  // namespace spade

@@ -1,0 +1,111 @@
+// Continuous batching over CpuModel: one engine thread runs steps; requests join the
+// running batch and leave it between steps. Each step feeds every running sequence what it
+// needs next -- one token for a decoding sequence, a chunk of its prompt for a prefilling
+// one -- in a single forward call (decode first, prefill chunks fill the rest of the step's
+// token budget), then samples a token for every sequence whose input is all in the cache.
+//
+// Admission: a submitted request waits in a bounded FIFO queue (full: rejected with 429)
+// and is admitted when the batch has room and the KV pool has pages for its prompt plus a
+// page of growth for each running sequence. If decode growth still runs the pool dry, the
+// most recently admitted sequence is preempted: its pages are released and it goes back to
+// the head of the queue, to be recomputed (prompt + tokens so far) when pages free up; its
+// sampler and text state are kept, so its output is the same as without preemption. After
+// a preemption nothing is admitted until a running request finishes (no thrashing).
+//
+// Cancellation (RequestChannel::cancel) is honoured at the next step: the request ends as
+// Cancelled and its pages return to the pool.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/request.h"
+#include "engine/request_metrics.h"
+
+namespace spade {
+
+struct SchedulerOptions {
+  int max_batch = 16;              // sequences in one step
+  int max_queue = 64;              // waiting requests beyond which submit() rejects (429)
+  int64_t max_step_tokens = 512;   // tokens in one forward call (>= max_batch)
+};
+
+// Why submit() refused a request: HTTP-like status (400, 429, 503) and a message.
+class SubmitError : public Error {
+ public:
+  SubmitError(int status, std::string code, const std::string& msg)
+      : Error(msg), status(status), code(std::move(code)) {}
+  int status;
+  std::string code;
+};
+
+class Scheduler {
+ public:
+  // `model` (and its KV pool) and `text` must outlive the scheduler, and the model must be
+  // used by nobody else while the scheduler runs. Starts the engine thread.
+  Scheduler(CpuModel& model, const TokenText& text, const SchedulerOptions& opt);
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Longest sequence (prompt + completion) a request may have: the model's context, or
+  // what the whole KV pool holds if that is less.
+  int64_t max_context() const { return max_context_; }
+  const SchedulerOptions& options() const { return opt_; }
+
+  // Queues a request. Throws SubmitError: 400 when prompt + max_tokens exceed
+  // max_context() (or the request is malformed), 429 when the queue is full, 503 when
+  // shutting down.
+  std::shared_ptr<RequestChannel> submit(EngineRequest req);
+
+  // Stop accepting requests (submit() answers 503); running and queued ones continue.
+  void stop_accepting();
+  // Waits until no request is queued or running, at most `timeout`; true if idle.
+  bool wait_idle(std::chrono::milliseconds timeout);
+  // Cancels every queued and running request and stops the engine thread.
+  void shutdown();
+
+  EngineMetrics metrics() const;
+
+ private:
+  struct Seq;
+  void loop();
+  void step(std::vector<std::unique_ptr<Seq>>& running);
+  void finish(Seq& s, FinishReason r, const std::string& error = {});
+  bool admit_one(std::vector<std::unique_ptr<Seq>>& running);
+  void preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index);
+  void on_token(Seq& s, int32_t tok, const float* logits);
+  void publish_gauges(const std::vector<std::unique_ptr<Seq>>& running);
+
+  CpuModel& model_;
+  const TokenText& text_;
+  SchedulerOptions opt_;
+  int64_t max_context_ = 0;
+  int page_size_ = 16;
+
+  mutable std::mutex mu_;           // guards waiting_, accepting_, stop_, metrics_
+  std::condition_variable cv_;      // engine wake-up
+  std::condition_variable idle_cv_;
+  std::deque<std::unique_ptr<Seq>> waiting_;
+  int64_t n_running_ = 0;           // mirror of the engine's running set (under mu_)
+  bool accepting_ = true;
+  bool stop_ = false;
+  uint64_t next_order_ = 0;
+  bool hold_admission_ = false;     // engine thread only: set by a preemption
+  EngineMetrics metrics_;
+
+  // Engine-thread workspaces (grow-only).
+  std::vector<SeqInput> batch_;
+  std::vector<Seq*> batch_seqs_;
+  std::vector<int64_t> row_of_;
+  std::vector<std::pair<float, int32_t>> top_;
+  std::thread thread_;
+};
+
+}  // namespace spade

@@ -1,0 +1,44 @@
+// The per-request `sparse` field -> the engine's per-sequence attention: validates the
+// method and its options through the sparse registry (src/sparse/registry.h) when the
+// request arrives (so mistakes are 400s), and hands the scheduler a maker that builds a
+// SparseSession for the sequence when it is admitted. Methods are built once per distinct
+// configuration and shared (they hold only configuration).
+#pragma once
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "engine/request.h"
+#include "server/openai_request.h"
+
+namespace spade::sparse {
+class SparseMethod;
+}
+
+namespace spade::server {
+
+struct ResolvedSparse {
+  std::string method;      // metrics label
+  std::string description; // method with effective parameters
+  AttentionMaker maker;    // empty: dense attention (the "full" method without options)
+};
+
+class SparseMethods {
+ public:
+  // `fallback`: the server's default (from flags) for requests without `sparse`.
+  SparseMethods(const ModelConfig& cfg, KVPool& kv, SparseSpec fallback);
+  // Throws spade::Error naming the method / option when the spec is invalid.
+  ResolvedSparse resolve(const std::optional<SparseSpec>& spec);
+  const SparseSpec& fallback() const { return fallback_; }
+
+ private:
+  const ModelConfig& cfg_;
+  KVPool& kv_;
+  SparseSpec fallback_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<const sparse::SparseMethod>> cache_;
+};
+
+}  // namespace spade::server

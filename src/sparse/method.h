@@ -1,0 +1,114 @@
+// The SparseMethod interface (docs/sparse.md). A method object holds only its configuration
+// and is shared by every request that uses it; whatever crosses layers within a decode
+// step (TidalDecode / LessIsMore token sets) lives in a per-request MethodState reached
+// through the StepContext.
+//
+// Per decode step and layer, SparseSession calls, in order:
+//   on_append(ctx)           the token's K/V were just written to the paged cache
+//   select(ctx, sel)         choose the positions each KV head reads (may request_scores())
+//   prune(ctx, sel)          optional shrink of the selection (Twilight)
+//   -- attention over exactly `sel` (backend/cpu/attention.h: attention_selected), or
+//      the method's own attend_decode (BLASST) --
+//   on_scores(ctx, sel, lg)  only if requested: the layer's scaled q.k scores [Hq, n]
+// Prefill chunks are attended densely (causal) for every method; after each layer's chunk
+// on_prefill(ctx, p0, T) lets a method index the new tokens (ctx.q: the chunk's queries
+// [T, Hq, D], ctx.L = p0 + T). Per-page key min/max (Quest)
+// is maintained by the KV pool itself on every append.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/attention.h"
+#include "kv/kv_pool.h"
+#include "sparse/selection.h"
+
+namespace spade::sparse {
+
+struct MethodState {
+  virtual ~MethodState() = default;
+};
+
+// Grow-only scratch for selection code (no allocation once warm).
+struct SelectScratch {
+  std::vector<float> f0, f1;
+  std::vector<int32_t> i0, i1, i2;
+  std::vector<uint8_t> mark;
+  template <typename T>
+  static T* ensure(std::vector<T>& b, size_t n) {
+    if (b.size() < n) b.resize(n);
+    return b.data();
+  }
+};
+
+class StepContext {
+ public:
+  // What the current layer's selection sees.
+  int layer = 0;
+  int n_layers = 0;
+  int Hq = 0, Hkv = 0, D = 0, G = 1;
+  float scale = 1.f;
+  const KVPool* kv = nullptr;
+  const PageTable* pt = nullptr;
+  const float* q = nullptr;  // [Hq, D] queries of the decode token (after RoPE)
+  int64_t L = 0;             // context length, the decode token included (its position L-1)
+  int64_t step = 0;          // decode step index in this request
+  MethodState* state = nullptr;
+  SelectScratch scratch;
+
+  // True full-attention softmax weights [Hq, L] of this layer's query: a measurement
+  // computed on first use per layer (oracle methods, recall), never the attention output.
+  const float* full_weights();
+  bool has_full_weights() const { return weights_layer_ == layer && weights_step_ == step; }
+  // Ask to receive this layer's attention scores in on_scores() (uniform selections only).
+  void request_scores() { want_scores_ = true; }
+  bool scores_requested() const { return want_scores_; }
+
+  // Called by the session at the start of each decode layer.
+  void begin_layer(int layer_, const PageTable& pt_, const float* q_, int64_t L_) {
+    layer = layer_;
+    pt = &pt_;
+    q = q_;
+    L = L_;
+    want_scores_ = false;
+  }
+  void invalidate_weights() { weights_layer_ = -1; }
+  // Pre-sizes the scratch for contexts up to max_len tokens (no growth in the decode loop).
+  void reserve(int64_t max_len);
+  cpu::AttentionScratch* attention_scratch = nullptr;  // shared with the session
+
+ private:
+  std::vector<float> weights_;
+  int weights_layer_ = -1;
+  int64_t weights_step_ = -1;
+  bool want_scores_ = false;
+};
+
+class SparseMethod {
+ public:
+  virtual ~SparseMethod() = default;
+  virtual std::string name() const = 0;
+  // One line: the method and its effective parameters (after defaults).
+  virtual std::string describe() const = 0;
+  // Per-request state; nullptr when the method keeps none.
+  virtual std::unique_ptr<MethodState> new_state() const { return nullptr; }
+  virtual void on_prefill(StepContext& ctx, int64_t p0, int64_t T) const {}
+  virtual void on_append(StepContext& ctx) const {}
+  virtual void select(StepContext& ctx, Selection& out) const = 0;
+  virtual void prune(StepContext& ctx, Selection& sel) const {}
+  virtual void on_scores(StepContext& ctx, const Selection& sel, const float* scores) const {}
+  // Optional: run the attention itself (BLASST: skipping inside the kernel). Return false to
+  // let the session run its exact attention. attend_decode gets the final selection (it is
+  // not called when the method requested scores: such a layer attends exactly);
+  // attend_prefill gets a prefill chunk's queries [T, Hq, D] (ctx.L = p0 + T).
+  virtual bool attend_decode(StepContext& ctx, const Selection& sel, float* out) const {
+    return false;
+  }
+  virtual bool attend_prefill(StepContext& ctx, const float* q, int64_t p0, int64_t T,
+                              float* out) const {
+    return false;
+  }
+};
+
+}  // namespace spade::sparse

@@ -1,0 +1,112 @@
+#include "sparse/methods/lessismore.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "sparse/methods/common.h"
+#include "sparse/topk.h"
+
+namespace spade::sparse {
+
+namespace {
+struct LessIsMoreState : MethodState {
+  Selection set;
+  int64_t step = -1;
+};
+}  // namespace
+
+LessIsMoreMethod::LessIsMoreMethod(int64_t budget, double recent_ratio, int sinks,
+                                   LayerSchedule sched)
+    : budget_(budget), ratio_(recent_ratio), sinks_(sinks), sched_(std::move(sched)) {
+  SPADE_CHECK(recent_ratio >= 0 && recent_ratio <= 1, "lessismore: recent_ratio ", recent_ratio,
+              " outside [0, 1]");
+  SPADE_CHECK(sinks >= 0, "lessismore: sinks must be >= 0");
+  n_recent_ = std::llround(double(budget) * recent_ratio);
+  SPADE_CHECK(budget > 0 && budget - n_recent_ >= sinks, "lessismore: budget ", budget,
+              " leaves ", budget - n_recent_, " tokens after the recency window, fewer than the ",
+              sinks, " sinks");
+}
+
+std::string LessIsMoreMethod::describe() const {
+  return cat("lessismore budget=", budget_, " recent_ratio=", ratio_, " (", n_recent_,
+             " recent) sinks=", sinks_, " (", sched_.describe(), ")");
+}
+
+std::unique_ptr<MethodState> LessIsMoreMethod::new_state() const {
+  return std::make_unique<LessIsMoreState>();
+}
+
+void LessIsMoreMethod::select(StepContext& c, Selection& out) const {
+  auto& st = static_cast<LessIsMoreState&>(*c.state);
+  switch (sched_.role(c.layer)) {
+    case LayerSchedule::Role::Dense:
+      out.set_dense(c.Hkv, c.L);
+      return;
+    case LayerSchedule::Role::Select:
+      out.set_dense(c.Hkv, c.L);
+      if (budget_ >= c.L) {
+        st.set.set_dense(c.Hkv, c.L);
+        st.step = c.step;
+      } else {
+        c.request_scores();
+      }
+      return;
+    case LayerSchedule::Role::Reuse:
+      SPADE_CHECK(st.step == c.step && st.set.length == c.L,
+                  "lessismore: layer ", c.layer, " has no token set from this step");
+      out = st.set;
+      return;
+  }
+}
+
+void LessIsMoreMethod::on_scores(StepContext& c, const Selection&, const float* scores) const {
+  auto& st = static_cast<LessIsMoreState&>(*c.state);
+  const int64_t L = c.L;
+  const int64_t hi = L - n_recent_;                    // candidates [sinks, hi)
+  const int64_t n_uni = budget_ - n_recent_ - sinks_;  // merged tokens besides the sinks
+  // 1. per query head top lists, rank order, stored [Hq][n_uni].
+  int32_t* lists = SelectScratch::ensure(c.scratch.i1, size_t(std::max<int64_t>(1, c.Hq * n_uni)));
+  int64_t k = 0;
+  for (int hq = 0; hq < c.Hq; ++hq) {
+    k = top_k_range(scores + int64_t(hq) * L, sinks_, int32_t(hi), n_uni, c.scratch.i0);
+    std::copy_n(c.scratch.i0.begin(), k, lists + int64_t(hq) * n_uni);
+  }
+  // 2. merge by (rank within head, head index), dropping duplicates.
+  uint8_t* mark = SelectScratch::ensure(c.scratch.mark, size_t(L));
+  std::fill_n(mark, L, uint8_t(0));
+  int32_t* uni = SelectScratch::ensure(c.scratch.i2, size_t(std::max<int64_t>(1, n_uni)));
+  int64_t count = 0;
+  for (int64_t r = 0; r < k && count < n_uni; ++r)
+    for (int hq = 0; hq < c.Hq && count < n_uni; ++hq) {
+      const int32_t p = lists[int64_t(hq) * n_uni + r];
+      if (!mark[p]) {
+        mark[p] = 1;
+        uni[count++] = p;
+      }
+    }
+  std::sort(uni, uni + count);
+  // 3. sinks + merged + recency window (disjoint ranges, so already sorted).
+  st.set.begin_shared(c.Hkv, L);
+  for (int32_t p = 0; p < sinks_; ++p) st.set.push(p);
+  for (int64_t i = 0; i < count; ++i) st.set.push(uni[i]);
+  for (int64_t p = hi; p < L; ++p) st.set.push(int32_t(p));
+  st.set.close_head();
+  st.step = c.step;
+}
+
+std::vector<OptionSpec> lessismore_options() {
+  return {budget_option(),
+          {"recent_ratio", OptKind::Float, "0.25",
+           "share r of the budget for the most recent tokens (LessIsMore: 0.25)"},
+          {"sinks", OptKind::Int, "4", "attention-sink tokens inside the budget (LessIsMore: 4)"},
+          dense_layers_option(), selection_layers_option()};
+}
+
+std::unique_ptr<SparseMethod> make_lessismore(const MethodOptions& o, const ModelConfig& cfg) {
+  return std::make_unique<LessIsMoreMethod>(o.integer("budget"), o.number("recent_ratio"),
+                                            int(o.integer("sinks")),
+                                            LayerSchedule::from_options(o, cfg));
+}
+
+}  // namespace spade::sparse

@@ -1,0 +1,83 @@
+#include "sparse/methods/tidal.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "sparse/methods/common.h"
+#include "sparse/topk.h"
+
+namespace spade::sparse {
+
+namespace {
+// The set chosen by the latest selection layer of the current decode step.
+struct TidalState : MethodState {
+  Selection set;
+  int64_t step = -1;
+};
+}  // namespace
+
+TidalMethod::TidalMethod(int64_t budget, LayerSchedule sched)
+    : budget_(budget), sched_(std::move(sched)) {
+  SPADE_CHECK(budget > 0, "tidal: budget must be positive");
+}
+
+std::string TidalMethod::describe() const {
+  return cat("tidal budget=", budget_, " (", sched_.describe(), ")");
+}
+
+std::unique_ptr<MethodState> TidalMethod::new_state() const {
+  return std::make_unique<TidalState>();
+}
+
+void TidalMethod::select(StepContext& c, Selection& out) const {
+  auto& st = static_cast<TidalState&>(*c.state);
+  switch (sched_.role(c.layer)) {
+    case LayerSchedule::Role::Dense:
+      out.set_dense(c.Hkv, c.L);
+      return;
+    case LayerSchedule::Role::Select:
+      out.set_dense(c.Hkv, c.L);
+      if (budget_ >= c.L) {
+        st.set.set_dense(c.Hkv, c.L);
+        st.step = c.step;
+      } else {
+        c.request_scores();
+      }
+      return;
+    case LayerSchedule::Role::Reuse:
+      SPADE_CHECK(st.step == c.step && st.set.length == c.L,
+                  "tidal: layer ", c.layer, " has no token set from this step");
+      out = st.set;  // vector assignment reuses capacity
+      return;
+  }
+}
+
+void TidalMethod::on_scores(StepContext& c, const Selection&, const float* scores) const {
+  auto& st = static_cast<TidalState&>(*c.state);
+  const int64_t L = c.L;
+  float* avg = SelectScratch::ensure(c.scratch.f0, size_t(L));
+  st.set.begin_per_head(c.Hkv, L);
+  for (int h = 0; h < c.Hkv; ++h) {
+    const float* s = scores + int64_t(h) * c.G * L;
+    for (int64_t j = 0; j < L; ++j) avg[j] = s[j];
+    for (int g = 1; g < c.G; ++g)
+      for (int64_t j = 0; j < L; ++j) avg[j] += s[int64_t(g) * L + j];
+    const float inv = 1.f / float(c.G);
+    for (int64_t j = 0; j < L; ++j) avg[j] *= inv;
+    const int64_t k = top_k_range(avg, 0, int32_t(L), budget_, c.scratch.i0);
+    std::sort(c.scratch.i0.begin(), c.scratch.i0.begin() + k);
+    for (int64_t j = 0; j < k; ++j) st.set.push(c.scratch.i0[size_t(j)]);
+    st.set.close_head();
+  }
+  st.step = c.step;
+}
+
+std::vector<OptionSpec> tidal_options() {
+  return {budget_option(), dense_layers_option(), selection_layers_option()};
+}
+
+std::unique_ptr<SparseMethod> make_tidal(const MethodOptions& o, const ModelConfig& cfg) {
+  return std::make_unique<TidalMethod>(o.integer("budget"), LayerSchedule::from_options(o, cfg));
+}
+
+}  // namespace spade::sparse

@@ -1,0 +1,30 @@
+// The table of sparse methods: name -> options and factory. Adding a method = one file
+// pair in src/sparse/methods/ and one row in registry.cpp (docs/sparse.md).
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "sparse/method.h"
+#include "sparse/options.h"
+
+namespace spade::sparse {
+
+struct MethodInfo {
+  std::string name;
+  std::string summary;
+  std::vector<OptionSpec> (*options)();
+  std::unique_ptr<SparseMethod> (*make)(const MethodOptions&, const ModelConfig&);
+};
+
+const std::vector<MethodInfo>& all_methods();
+// Throws spade::Error listing the valid names when `name` is unknown.
+const MethodInfo& find_method(const std::string& name);
+std::string method_names();  // "full, streaming, ..."
+// Builds the method of `cfg` for `model`; unknown methods / options are errors.
+std::shared_ptr<const SparseMethod> make_method(const SparseConfig& cfg, const ModelConfig& model);
+// Every method with its options and defaults, for --help.
+std::string methods_help();
+
+}  // namespace spade::sparse

@@ -1,0 +1,67 @@
+// Tokenizer::load: picks the loader from what the path is.
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"
+#include "io/gguf.h"
+#include "tokenizer/tokenizer.h"
+
+namespace spade {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  SPADE_CHECK(in, p.string(), ": cannot open");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+bool has_gguf_magic(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  char m[4] = {};
+  in.read(m, 4);
+  return in.gcount() == 4 && std::string_view(m, 4) == "GGUF";
+}
+
+std::unique_ptr<Tokenizer> load_hf_dir(const fs::path& dir, const fs::path& tj) {
+  std::string cfg;
+  if (fs::exists(dir / "tokenizer_config.json")) cfg = read_file(dir / "tokenizer_config.json");
+  auto t = Tokenizer::from_hf_json(read_file(tj), cfg, tj.string());
+  return t;
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path) {
+  fs::path p(path);
+  SPADE_CHECK(fs::exists(p), path, ": no such file or directory");
+  if (fs::is_directory(p)) {
+    std::unique_ptr<Tokenizer> t;
+    if (fs::exists(p / "tokenizer.json"))
+      t = load_hf_dir(p, p / "tokenizer.json");
+    else if (fs::exists(p / "tokenizer.model"))
+      t = from_sentencepiece(read_file(p / "tokenizer.model"), (p / "tokenizer.model").string());
+    else
+      fail(path, ": directory has neither tokenizer.json nor tokenizer.model");
+    // chat_template.jinja (newer transformers) takes precedence over the config's.
+    if (fs::exists(p / "chat_template.jinja")) {
+      t->chat_template_ =
+          std::make_unique<ChatTemplate>(read_file(p / "chat_template.jinja"), t->template_tokens_);
+    }
+    return t;
+  }
+  if (has_gguf_magic(p)) {
+    auto f = GgufFile::open(path);
+    return from_gguf(*f);
+  }
+  if (p.filename() == "tokenizer.json" || p.extension() == ".json")
+    return load_hf_dir(p.parent_path(), p);
+  return from_sentencepiece(read_file(p), path);
+}
+
+}  // namespace spade

@@ -1,0 +1,357 @@
+// LycheeDecode on the real SmolLM2-135M-Instruct with the trained head roles
+// (configs/head_roles/smollm2-135m-instruct.json; skipped when models/ lacks the GGUF):
+//  - CI test: a ~900-token real prompt, teacher-forced decode; budget >= L reproduces full
+//    attention's logits bit for bit, a small budget reads fewer tokens with high recall.
+//  - Measurement (SPADE_LD_BENCH=1, not part of CI): per-layer attention recall and density
+//    and agreement with full attention's greedy output, against tidal and quest (and the
+//    oracle) at equal budgets, on long real text; writes docs/results/lycheedecode_eval.{json,md}.
+//    Env: SPADE_LD_BENCH_TOKENS (4096), SPADE_LD_BENCH_STEPS (32), SPADE_LD_BENCH_BUDGETS
+//    (256,1024), SPADE_LD_KJV (.stage/filler/kjv_eval.txt from python/lycheedecode/make_filler.sh).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/sampler.h"
+#include "model/cpu_model.h"
+#include "model/loader.h"
+#include "sparse/head_roles.h"
+#include "sparse/methods/lycheedecode.h"
+#include "sparse/registry.h"
+#include "sparse/session.h"
+#include "test_util.h"
+#include "tokenizer/tokenizer.h"
+
+using namespace spade;
+using namespace spade::sparse;
+
+namespace {
+
+const char* kSmol = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+std::string smol_path() { return test::source_dir() + "/" + kSmol; }
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+struct Smol {
+  std::unique_ptr<ModelWeights> w;
+  std::unique_ptr<Tokenizer> tok;
+};
+Smol& smol() {
+  static Smol m = [] {
+    Smol x;
+    x.w = load_model(smol_path());
+    x.tok = Tokenizer::load(smol_path());
+    return x;
+  }();
+  return m;
+}
+
+// What one method did over a decode, teacher-forced on full attention's greedy tokens (recall,
+// density, per-step top-1 agreement) and free-running (greedy output vs full's).
+struct MethodRun {
+  std::string label, spec, describe;
+  int64_t budget = 0;
+  std::vector<double> layer_recall, layer_density, layer_sparse_recall;
+  double recall = 0, sparse_recall = 0, density = 0, tf_agree = 0, free_match = 0;
+  int first_divergence = -1;
+  std::string output;
+  std::vector<int32_t> tokens;
+};
+
+class Bench {
+ public:
+  Bench(const std::vector<int32_t>& prompt, int steps) : prompt_(prompt), steps_(steps) {
+    const ModelConfig& c = smol().w->config;
+    const int64_t P = 16;
+    kv_ = std::make_unique<KVPool>(KVLayout{c.n_layers, c.n_kv_heads, c.head_dim, int(P)},
+                                   (int64_t(prompt.size()) + P - 1) / P + 2 * ((steps + P) / P + 2));
+    model_ = std::make_unique<CpuModel>(*smol().w, *kv_);
+    std::vector<int64_t> row_of;
+    for (size_t off = 0; off < prompt.size(); off += 1024) {
+      std::vector<SeqInput> b = {{&base_, prompt.data() + off,
+                                  std::min<int64_t>(1024, int64_t(prompt.size() - off)), false, nullptr}};
+      const auto& lg = model_->forward(b, row_of);
+      last_.assign(lg.begin() + row_of[0] * c.vocab, lg.begin() + (row_of[0] + 1) * c.vocab);
+    }
+    full_ = greedy(nullptr, nullptr);
+  }
+  ~Bench() { kv_->release(base_); }
+  const std::vector<int32_t>& full_tokens() const { return full_; }
+
+  // Free-running greedy decode from the shared prefill; logits of each step in `logits`.
+  std::vector<int32_t> greedy(SparseSession* s, std::vector<std::vector<float>>* logits) {
+    const ModelConfig& c = smol().w->config;
+    PageTable pt = kv_->fork(base_);
+    std::vector<int32_t> out = {argmax(last_.data(), c.vocab)};
+    std::vector<int64_t> row_of;
+    for (int i = 1; i < steps_; ++i) {
+      std::vector<SeqInput> b = {{&pt, &out.back(), 1, false, s ? &s->attention() : nullptr}};
+      const auto& lg = model_->forward(b, row_of);
+      if (logits) logits->emplace_back(lg.begin(), lg.begin() + c.vocab);
+      out.push_back(argmax(lg.data() + row_of[0] * c.vocab, c.vocab));
+    }
+    kv_->release(pt);
+    return out;
+  }
+
+  MethodRun run(const std::string& label, const std::string& spec, int64_t budget) {
+    const ModelConfig& c = smol().w->config;
+    auto m = make_method(SparseConfig::parse_spec(spec), c);
+    MethodRun r;
+    r.label = label;
+    r.spec = spec;
+    r.budget = budget;
+    r.describe = m->describe();
+    const int Lr = c.n_layers, Hkv = c.n_kv_heads, Hq = c.n_heads, G = Hq / Hkv;
+    std::vector<double> rec(size_t(Lr), 0), den(size_t(Lr), 0), srec(size_t(Lr), 0), sn(size_t(Lr), 0);
+    int64_t n_steps = 0, agree = 0;
+    double sr_sum = 0, sr_n = 0;
+    {  // teacher-forced on full's greedy tokens, with recall
+      SparseSession s(m, c, *kv_, {true, false});
+      s.on_step = [&](const StepStats& st) {
+        ++n_steps;
+        for (int l = 0; l < Lr; ++l)
+          for (int h = 0; h < Hkv; ++h) {
+            const int64_t a = st.attended[size_t(l * Hkv + h)];
+            den[size_t(l)] += double(a) / double(st.length) / Hkv;
+            for (int g = 0; g < G; ++g) {
+              const double x = st.recall[size_t(l * Hq + h * G + g)];
+              rec[size_t(l)] += x / Hq;
+              if (a < st.length) {
+                srec[size_t(l)] += x;
+                sn[size_t(l)] += 1;
+                sr_sum += x;
+                sr_n += 1;
+              }
+            }
+          }
+      };
+      PageTable pt = kv_->fork(base_);
+      std::vector<int64_t> row_of;
+      for (int i = 0; i + 1 < steps_; ++i) {
+        std::vector<SeqInput> b = {{&pt, &full_[size_t(i)], 1, false, &s.attention()}};
+        const auto& lg = model_->forward(b, row_of);
+        agree += argmax(lg.data() + row_of[0] * c.vocab, c.vocab) == full_[size_t(i) + 1];
+      }
+      kv_->release(pt);
+    }
+    for (int l = 0; l < Lr; ++l) {
+      r.layer_recall.push_back(rec[size_t(l)] / double(n_steps));
+      r.layer_density.push_back(den[size_t(l)] / double(n_steps));
+      r.layer_sparse_recall.push_back(sn[size_t(l)] ? srec[size_t(l)] / sn[size_t(l)] : 1.0);
+      r.recall += r.layer_recall.back() / Lr;
+      r.density += r.layer_density.back() / Lr;
+    }
+    r.sparse_recall = sr_n ? sr_sum / sr_n : 1.0;
+    r.tf_agree = double(agree) / double(std::max<int64_t>(1, n_steps));
+    {  // free-running greedy
+      SparseSession s(m, c, *kv_, {false, false});
+      r.tokens = greedy(&s, nullptr);
+      int same = 0;
+      for (size_t i = 0; i < r.tokens.size(); ++i) {
+        same += r.tokens[i] == full_[i];
+        if (r.first_divergence < 0 && r.tokens[i] != full_[i]) r.first_divergence = int(i);
+      }
+      r.free_match = double(same) / double(r.tokens.size());
+    }
+    r.output = smol().tok->decode(r.tokens, true);
+    return r;
+  }
+
+ private:
+  std::vector<int32_t> prompt_;
+  int steps_;
+  std::unique_ptr<KVPool> kv_;
+  std::unique_ptr<CpuModel> model_;
+  PageTable base_;
+  std::vector<float> last_;
+  std::vector<int32_t> full_;
+};
+
+bool have_model() { return std::filesystem::exists(smol_path()); }
+
+}  // namespace
+
+TEST(LycheeDecodeReal, TrainedRolesOnSmolLM2ReadFewTokensWithHighRecall) {
+  if (!have_model()) GTEST_SKIP() << kSmol << " missing (scripts/fetch_model.sh)";
+  Smol& sm = smol();
+  const ModelConfig& c = sm.w->config;
+  std::string text = read_text(test::source_dir() + "/python/prompts/kjv_genesis1.txt") + "\n\n" +
+                     read_text(test::source_dir() + "/tests/fixtures/chunker/mixed_text.txt");
+  std::vector<int32_t> ids = sm.tok->encode(text, false);
+  ASSERT_GT(ids.size(), 700u);
+  const int64_t P = int64_t(ids.size()) - 8;
+  std::vector<int32_t> prompt(ids.begin(), ids.begin() + P);
+  // Teacher-forced logits of 8 decode steps.
+  auto decode = [&](const std::string& spec, double* density, double* recall) {
+    KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, int64_t(ids.size()) / 16 + 2);
+    CpuModel model(*sm.w, kv);
+    std::unique_ptr<SparseSession> s;
+    if (!spec.empty())
+      s = std::make_unique<SparseSession>(make_method(SparseConfig::parse_spec(spec), c), c, kv,
+                                          SessionOptions{true, true});
+    const AttentionFn* fn = s ? &s->attention() : nullptr;
+    PageTable pt;
+    std::vector<int64_t> row_of;
+    std::vector<SeqInput> b = {{&pt, ids.data(), P, false, fn}};
+    model.forward(b, row_of);
+    std::vector<std::vector<float>> out;
+    for (int64_t i = P; i < int64_t(ids.size()); ++i) {
+      b = {{&pt, ids.data() + i, 1, false, fn}};
+      const auto& lg = model.forward(b, row_of);
+      out.emplace_back(lg.begin(), lg.begin() + c.vocab);
+    }
+    if (s) {
+      *density = s->totals().mean_density();
+      *recall = s->totals().mean_recall();
+    }
+    return out;
+  };
+  double d = 0, r = 0;
+  auto full = decode("", nullptr, nullptr);
+  auto same = decode("lycheedecode:budget=100000", &d, &r);
+  for (size_t i = 0; i < full.size(); ++i) EXPECT_EQ(same[i], full[i]) << "step " << i;
+  EXPECT_EQ(d, 1.0);
+  auto sparse = decode("lycheedecode:budget=128", &d, &r);
+  const HeadRoles roles = resolve_head_roles("auto", c);
+  const double heads = double(c.n_layers * c.n_kv_heads), nr = roles.count_retrieval();
+  // Retrieval heads read L, sparse heads 128 of L ~ 900.
+  EXPECT_NEAR(d, (nr + (heads - nr) * 128.0 / double(P + 4)) / heads, 0.01);
+  EXPECT_GT(r, 0.85) << "mean attention recall";
+  int agree = 0;
+  for (size_t i = 0; i < full.size(); ++i)
+    agree += std::max_element(full[i].begin(), full[i].end()) - full[i].begin() ==
+             std::max_element(sparse[i].begin(), sparse[i].end()) - sparse[i].begin();
+  EXPECT_GE(agree, 6) << "teacher-forced top-1 agreement with full attention over 8 steps";
+}
+
+TEST(LycheeDecodeReal, Measurement) {
+  if (!std::getenv("SPADE_LD_BENCH")) GTEST_SKIP() << "set SPADE_LD_BENCH=1 to run";
+  if (!have_model()) GTEST_SKIP() << kSmol << " missing";
+  Smol& sm = smol();
+  const ModelConfig& c = sm.w->config;
+  auto env = [](const char* k, const char* d) {
+    const char* v = std::getenv(k);
+    return std::string(v ? v : d);
+  };
+  const int64_t want = std::stol(env("SPADE_LD_BENCH_TOKENS", "4096"));
+  const int steps = std::stoi(env("SPADE_LD_BENCH_STEPS", "32"));
+  std::vector<int64_t> budgets;
+  {
+    std::stringstream ss(env("SPADE_LD_BENCH_BUDGETS", "256,1024"));
+    std::string x;
+    while (std::getline(ss, x, ',')) budgets.push_back(std::stol(x));
+  }
+  const std::string kjv_path = env("SPADE_LD_KJV", (test::source_dir() + "/.stage/filler/kjv_eval.txt").c_str());
+  const std::string kjv = read_text(kjv_path);
+  ASSERT_GT(kjv.size(), 100000u) << "run python/lycheedecode/make_filler.sh .stage/filler";
+  const std::string direct_roles = test::source_dir() + "/configs/head_roles/smollm2-135m-instruct.direct.json";
+  const bool have_direct = std::filesystem::exists(direct_roles);
+
+  struct Doc {
+    std::string name, how;
+    std::vector<int32_t> ids;
+    std::string expect;
+  };
+  std::vector<Doc> docs;
+  auto cut = [&](const std::string& text, int64_t n) {
+    std::vector<int32_t> ids = sm.tok->encode(text, false);
+    if (int64_t(ids.size()) > n) ids.resize(size_t(n));
+    return ids;
+  };
+  // Passkey retrieval: one 32-word passkey at 40% depth of held-out KJV text, chat template.
+  {
+    const std::string key = "orchard lantern copper meadow violet anchor harbor pepper silver "
+                            "thunder marble falcon ribbon candle willow garden pebble summit "
+                            "cobalt saddle meadow lantern glacier walnut crimson ember hollow "
+                            "timber velvet orbit prism beacon";
+    std::vector<int32_t> body = sm.tok->encode(kjv.substr(20000, 200000), false);
+    auto render = [&](size_t n) {
+      std::string hay = sm.tok->decode(std::vector<int32_t>(body.begin(), body.begin() + long(n)), true);
+      const size_t at = hay.find(' ', hay.size() * 2 / 5);
+      hay.insert(at, " The passkey to the vault is: " + key + ". Remember it.");
+      return sm.tok->chat_template()->render(
+          {{"user", hay + "\n\nWhat is the passkey to the vault? Repeat it exactly."}}, true);
+    };
+    size_t n = size_t(want) - 120;
+    std::vector<int32_t> ids = sm.tok->encode(render(n), false, true);
+    while (int64_t(ids.size()) > want) ids = sm.tok->encode(render(n -= 16), false, true);
+    docs.push_back({"passkey", "32-word passkey at 40% depth of KJV Job-Psalms text, chat template", ids,
+                    "orchard lantern copper meadow"});
+  }
+  docs.push_back({"kjv", "KJV Job-Psalms text (held out from training), raw continuation",
+                  cut(kjv.substr(150000), want), ""});
+  docs.push_back({"paper", "../shared/papers/twilight.md, raw continuation",
+                  cut(read_text(test::shared_dir() + "/papers/twilight.md"), want), ""});
+
+  nlohmann::json out;
+  out["model"] = kSmol;
+  out["roles"] = resolve_head_roles("auto", c).pattern();
+  out["roles_retrieval_heads"] = resolve_head_roles("auto", c).count_retrieval();
+  out["steps"] = steps;
+  out["command"] = "SPADE_LD_BENCH=1 SPADE_LD_BENCH_TOKENS=" + std::to_string(want) +
+                   " SPADE_LD_BENCH_STEPS=" + std::to_string(steps) +
+                   " build/spade_tests --gtest_filter=LycheeDecodeReal.Measurement";
+  std::string md = "| doc | method | budget | density | recall | sparse-head recall | TF top-1 agree | free greedy match | first divergence |\n|---|---|---|---|---|---|---|---|---|\n";
+  for (const Doc& d : docs) {
+    auto t0 = std::chrono::steady_clock::now();
+    Bench bench(d.ids, steps);
+    nlohmann::json jd;
+    jd["how"] = d.how;
+    jd["prompt_tokens"] = d.ids.size();
+    jd["full_output"] = sm.tok->decode(bench.full_tokens(), true);
+    std::vector<std::tuple<std::string, std::string, int64_t>> specs;
+    for (int64_t K : budgets) {
+      const std::string k = std::to_string(K);
+      specs.emplace_back("lycheedecode", "lycheedecode:budget=" + k, K);
+      if (have_direct)
+        specs.emplace_back("lycheedecode (direct-opt roles)", "lycheedecode:budget=" + k + ",roles=" + direct_roles, K);
+      specs.emplace_back("lycheedecode block=64", "lycheedecode:budget=" + k + ",block=64", K);
+      specs.emplace_back("tidal", "tidal:budget=" + k, K);
+      specs.emplace_back("quest", "quest:budget=" + k, K);
+      specs.emplace_back("oracle-topk", "oracle-topk:budget=" + k, K);
+    }
+    specs.emplace_back("lycheedecode topp", "lycheedecode:mode=topp,p=0.99", 0);
+    specs.emplace_back("lycheedecode threshold", "lycheedecode:mode=threshold,tau=1e-4", 0);
+    specs.emplace_back("lycheedecode ratio", "lycheedecode:mode=ratio,ratio=0.1", 0);
+    for (const auto& [label, spec, K] : specs) {
+      MethodRun r = bench.run(label, spec, K);
+      nlohmann::json j = {{"label", r.label}, {"spec", r.spec}, {"describe", r.describe}, {"budget", K},
+                          {"density", r.density}, {"recall", r.recall}, {"sparse_head_recall", r.sparse_recall},
+                          {"tf_top1_agreement", r.tf_agree}, {"free_greedy_match", r.free_match},
+                          {"first_divergence", r.first_divergence}, {"output", r.output},
+                          {"layer_recall", r.layer_recall}, {"layer_density", r.layer_density},
+                          {"layer_sparse_head_recall", r.layer_sparse_recall}};
+      if (!d.expect.empty()) j["passkey_found"] = r.output.find(d.expect) != std::string::npos;
+      jd["methods"].push_back(j);
+      char line[512];
+      std::snprintf(line, sizeof line, "| %s | %s | %s | %.3f | %.4f | %.4f | %.3f | %.3f | %d |\n",
+                    d.name.c_str(), label.c_str(), K ? std::to_string(K).c_str() : spec.substr(13).c_str(),
+                    r.density, r.recall, r.sparse_recall, r.tf_agree, r.free_match, r.first_divergence);
+      md += line;
+      std::printf("%s", line);
+      std::fflush(stdout);
+    }
+    if (!d.expect.empty())
+      jd["full_passkey_found"] = jd["full_output"].get<std::string>().find(d.expect) != std::string::npos;
+    jd["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    out["docs"][d.name] = jd;
+  }
+  const std::string dir = test::source_dir() + "/docs/results";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/lycheedecode_eval.json") << out.dump(1) << "\n";
+  std::ofstream(dir + "/lycheedecode_eval.md") << "# LycheeDecode on SmolLM2-135M-Instruct (CPU, " << want
+                                               << "-token prompts, " << steps << " decode steps)\n\n"
+                                               << md;
+}

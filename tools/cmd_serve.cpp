@@ -1,0 +1,193 @@
+// `spade serve`: the OpenAI-compatible HTTP server (docs/server.md). Loads the model and
+// tokenizer, sizes the KV pool, starts the continuous-batching scheduler and the HTTP
+// layer, and shuts down gracefully on SIGINT / SIGTERM: stop taking requests, let running
+// ones finish (up to --shutdown-timeout), cancel the rest, close the listener.
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "args.h"
+#include "command.h"
+#include "core/thread_pool.h"
+#include "engine/scheduler.h"
+#include "model/cpu_model.h"
+#include "model/loader.h"
+#include "server/http_server.h"
+#include "server/sparse_adapter.h"
+#include "server/tokenizer_text.h"
+#include "sparse/options.h"
+#include "sparse/registry.h"
+#include "tokenizer/tokenizer.h"
+
+namespace spade::cli {
+namespace {
+
+const char* kHelp = R"(usage: spade serve --model PATH [options]
+
+OpenAI-compatible HTTP server: POST /v1/completions, /v1/chat/completions (stream or not),
+GET /v1/models, /health, /metrics (Prometheus), POST /tokenize, /detokenize.
+
+  --model PATH            GGUF file or Hugging Face model directory
+  --tokenizer PATH        tokenizer file or directory (default: the model's)
+  --model-name NAME       id reported by /v1/models and in responses (default: file name)
+  --host H                address to listen on (default 127.0.0.1)
+  --port N                port (default 8080; 0 = any free port, printed on stderr)
+  --api-key KEY           require 'Authorization: Bearer KEY' (or env SPADE_API_KEY)
+  --max-batch N           sequences per engine step (default 16)
+  --max-queue N           requests waiting for admission before 429 (default 64)
+  --max-step-tokens N     tokens per engine step: decode + prefill chunks (default 512)
+  --kv-pages N            KV cache pages (default: max(context, max-batch x 1024) tokens)
+  --page-size N           KV cache page size in tokens (default 16)
+  --default-max-tokens N  /v1/completions max_tokens when not given (default 16)
+  --sparse NAME[:k=v,..]  default sparse method for requests without "sparse" (default full)
+  --budget N              shorthand for the default method's budget option
+  --sparse-opt k=v,...    more options of the default method
+  --sparse-config FILE    default method from a JSON file
+  --threads N             CPU threads for the model (default: all cores)
+  --http-threads N        HTTP worker threads (default max-batch + max-queue + 8)
+  --shutdown-timeout S    seconds to let running requests finish on SIGTERM (default 30)
+)";
+
+std::atomic<int> g_signals{0}, g_last_signal{0};
+extern "C" void on_signal(int sig) {
+  g_last_signal.store(sig);
+  g_signals.fetch_add(1);
+}
+
+std::string default_model_name(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  std::string base = p.substr(p.find_last_of('/') == std::string::npos ? 0 : p.find_last_of('/') + 1);
+  if (base.size() > 5 && base.substr(base.size() - 5) == ".gguf") base.resize(base.size() - 5);
+  return base.empty() ? "spade" : base;
+}
+
+int run(int argc, char** argv) {
+  Args a(argc, argv,
+         {"--model", "--tokenizer", "--model-name", "--host", "--port", "--api-key", "--max-batch", "--max-queue",
+          "--max-step-tokens", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
+          "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads",
+          "--shutdown-timeout"},
+         {"--help"});
+  if (a.has("--help")) {
+    std::fputs(kHelp, stdout);
+    return 0;
+  }
+  SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
+  SPADE_CHECK(a.positional().empty(), "unexpected argument '", a.positional().empty() ? "" : a.positional()[0], "'");
+
+  // SIGINT / SIGTERM only bump a counter (async-signal-safe); a watcher thread acts on it.
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  if (a.has("--threads")) ThreadPool::set_global_threads(int(a.integer("--threads", 0)));
+  const std::string path = a.str("--model");
+  auto weights = load_model(path);
+  auto tok = Tokenizer::load(a.str("--tokenizer", path));
+  const ModelConfig& cfg = weights->config;
+
+  SchedulerOptions so;
+  so.max_batch = int(a.integer("--max-batch", 16));
+  so.max_queue = int(a.integer("--max-queue", 64));
+  so.max_step_tokens = a.integer("--max-step-tokens", 512);
+  SPADE_CHECK(so.max_batch >= 1 && so.max_batch <= 4096, "--max-batch must be in [1, 4096]");
+  SPADE_CHECK(so.max_queue >= 1 && so.max_queue <= 100000, "--max-queue must be in [1, 100000]");
+  SPADE_CHECK(so.max_step_tokens >= 1, "--max-step-tokens must be positive");
+
+  KVLayout layout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, int(a.integer("--page-size", 16))};
+  SPADE_CHECK(layout.page_size >= 1 && layout.page_size <= 4096, "--page-size must be in [1, 4096]");
+  const int64_t want_tokens =
+      std::max<int64_t>(cfg.max_context, int64_t(so.max_batch) * std::min<int64_t>(cfg.max_context, 1024));
+  const int64_t pages = a.integer("--kv-pages", (want_tokens + layout.page_size - 1) / layout.page_size);
+  SPADE_CHECK(pages >= 1, "--kv-pages must be positive");
+  KVPool kv(layout, pages);
+  CpuModel model(*weights, kv);
+
+  sparse::SparseConfig sc;
+  if (a.has("--sparse-config")) sc.merge_json_file(a.str("--sparse-config"));
+  if (a.has("--sparse")) {
+    sparse::SparseConfig s = sparse::SparseConfig::parse_spec(a.str("--sparse"));
+    sc.method = s.method;
+    for (auto& [k, v] : s.options) sc.options[k] = v;
+  }
+  if (a.has("--budget")) sc.set("budget", a.str("--budget"));
+  if (a.has("--sparse-opt")) sc.set_options(a.str("--sparse-opt"));
+  server::SparseSpec fallback;
+  fallback.method = sc.method;
+  for (auto& [k, v] : sc.options) fallback.options.emplace_back(k, v);
+  if (sc.measure_recall) fallback.options.emplace_back("recall", "1");
+  server::SparseMethods methods(cfg, kv, fallback);
+
+  server::TokenizerText text(*tok);
+  Scheduler sched(model, text, so);
+
+  server::ServerOptions opt;
+  opt.model_id = a.has("--model-name") ? a.str("--model-name") : default_model_name(path);
+  opt.api_key = a.str("--api-key");
+  if (opt.api_key.empty())
+    if (const char* k = std::getenv("SPADE_API_KEY")) opt.api_key = k;
+  opt.http_threads = int(a.integer("--http-threads", 0));
+  opt.default_completion_tokens = a.integer("--default-max-tokens", 16);
+  SPADE_CHECK(opt.default_completion_tokens >= 1, "--default-max-tokens must be positive");
+  const double shutdown_timeout = a.number("--shutdown-timeout", 30);
+
+  server::HttpServer http(sched, *tok, text, methods, cfg, opt);
+  const std::string host = a.str("--host", "127.0.0.1");
+  const long long port_arg = a.integer("--port", 8080);
+  SPADE_CHECK(port_arg >= 0 && port_arg <= 65535, "--port must be in [0, 65535]");
+  const int port = http.bind(host, int(port_arg));
+  std::fprintf(stderr,
+               "[spade] serving %s (%s) on http://%s:%d | context %lld tokens | KV %lld pages x %d "
+               "tokens (%.1f MiB) | max batch %d, queue %d | default sparse: %s | threads %d%s\n",
+               opt.model_id.c_str(), arch_name(cfg.arch), host.c_str(), port,
+               (long long)sched.max_context(), (long long)pages, layout.page_size,
+               double(kv.bytes()) / (1024.0 * 1024.0), so.max_batch, so.max_queue,
+               sc.to_string().c_str(), ThreadPool::global().size(),
+               opt.api_key.empty() ? "" : " | API key required");
+  std::fflush(stderr);
+
+  std::atomic<bool> serving_done{false};
+  std::thread sig_thread([&] {
+    while (!serving_done.load() && g_signals.load() == 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (g_signals.load() == 0) return;  // the server ended on its own
+    std::fprintf(stderr, "[spade] %s: draining (finishing running requests, up to %.0f s; "
+                         "signal again to cancel them)\n",
+                 g_last_signal.load() == SIGINT ? "SIGINT" : "SIGTERM", shutdown_timeout);
+    http.begin_drain();
+    sched.stop_accepting();
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::milliseconds(int64_t(shutdown_timeout * 1000));
+    while (std::chrono::steady_clock::now() < deadline && g_signals.load() < 2)
+      if (sched.wait_idle(std::chrono::milliseconds(50))) break;
+    sched.shutdown();  // cancels whatever is left; handlers send their final bytes
+    const auto flush_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (http.active() > 0 && std::chrono::steady_clock::now() < flush_deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    http.stop();
+  });
+  http.serve();
+  serving_done.store(true);
+  sig_thread.join();
+  sched.shutdown();
+  const EngineMetrics m = sched.metrics();
+  std::fprintf(stderr, "[spade] stopped: %llu requests finished (%llu cancelled), %llu prompt + %llu "
+                       "generated tokens, KV pages in use %lld\n",
+               (unsigned long long)(m.finished_stop + m.finished_length + m.finished_cancelled +
+                                    m.finished_error),
+               (unsigned long long)m.finished_cancelled, (unsigned long long)m.prompt_tokens,
+               (unsigned long long)m.generation_tokens, (long long)m.kv_pages_used);
+  return 0;
+}
+
+Registrar reg("serve", "OpenAI-compatible HTTP server with continuous batching", run);
+
+}  // namespace
+}  // namespace spade::cli
