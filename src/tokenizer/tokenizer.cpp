@@ -190,6 +190,17 @@ std::unique_ptr<Tokenizer> Tokenizer::build(TokenizerSpec spec) {
       add_eos_id(it->second);
   }
   t->strip_leading_space_ = spec.strip_leading_space;
+  if (spec.kind == ModelKind::CharBpe && t->pretok_.empty()) {
+    static const std::string kSp = "\xE2\x96\x81";
+    bool ok = true;
+    for (size_t i = 0; i < n && ok; ++i) {
+      if (t->attrs_[i] & (kAttrControl | kAttrByte | kAttrUnknown | kAttrUnused)) continue;
+      const std::string& p = t->pieces_[i];
+      for (size_t k = p.find(kSp, 1); k != std::string::npos && ok; k = p.find(kSp, k + 1))
+        if (k < 3 || p.compare(k - 3, 3, kSp) != 0) ok = false;
+    }
+    t->split_at_spaces_ = ok;
+  }
   t->template_tokens_ = spec.template_tokens;
   if (!spec.chat_template.empty())
     t->chat_template_ = std::make_unique<ChatTemplate>(spec.chat_template, spec.template_tokens);
@@ -293,7 +304,19 @@ void Tokenizer::encode_text(std::string_view text, bool at_start, std::vector<in
   thread_local std::vector<std::string_view> pieces;
   PieceArena arena;
   pieces.clear();
-  pretok_.split(norm, at_start, pieces, arena);
+  if (split_at_spaces_) {
+    // Cut before each U+2581 that follows another character.
+    size_t start = 0;
+    for (size_t k = norm.find("\xE2\x96\x81", 1); k != std::string_view::npos;
+         k = norm.find("\xE2\x96\x81", k + 3)) {
+      if (k >= 3 && norm.compare(k - 3, 3, "\xE2\x96\x81") == 0) continue;
+      pieces.push_back(norm.substr(start, k - start));
+      start = k;
+    }
+    if (start < norm.size()) pieces.push_back(norm.substr(start));
+  } else {
+    pretok_.split(norm, at_start, pieces, arena);
+  }
   for (auto p : pieces) encode_word(p, out);
 }
 

@@ -89,6 +89,9 @@ class Tokenizer {
   int32_t bos_id_ = -1, eos_id_ = -1;
   std::vector<int32_t> eos_ids_;
   int strip_leading_space_ = 0;
+  // CharBpe without a pre-tokenizer: no token has U+2581 right after another character,
+  // so no merge crosses such a point and the text may be cut there (same ids, faster).
+  bool split_at_spaces_ = false;
   std::unique_ptr<ChatTemplate> chat_template_;
   std::map<std::string, std::string> template_tokens_;
   uint64_t instance_ = 0;  // keys the per-thread word cache
