@@ -78,6 +78,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default="", help="free text stored with the results (conditions)")
     args = ap.parse_args()
 
     words = []
@@ -209,6 +210,7 @@ def main():
             "kv_pages_total": m1["spade_kv_pages_total"],
         },
         "host_load_average": {"before": load0, "after": load1},
+        "note": args.note,
         "mix": {"prompt_words": plens, "max_tokens": olens, "seed": args.seed, "sparse": args.sparse},
     }
     path = args.out or os.path.join(ROOT, "bench", "results", "server_load_%s_%s.json" % (

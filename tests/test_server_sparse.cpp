@@ -51,6 +51,9 @@ TEST(ServerSparse, ResolveValidatesMethodsAndOptions) {
   EXPECT_THROW(methods.resolve(spec("streaming", {{"no_such_option", "1"}})), Error);
   EXPECT_THROW(methods.resolve(spec("streaming", {{"budget", "abc"}})), Error);
   EXPECT_THROW(methods.resolve(spec("streaming", {{"recall", "maybe"}})), Error);
+  // Requests may not name files on the server.
+  EXPECT_THROW(methods.resolve(spec("lycheedecode", {{"roles", "/etc/passwd"}})), Error);
+  EXPECT_THROW(methods.resolve(spec("lycheedecode", {{"roles", "roles.json"}})), Error);
   // A bad server default fails at start-up.
   EXPECT_THROW(SparseMethods(cfg, kv, spec("nope")), Error);
 }

@@ -134,23 +134,27 @@ void Scheduler::finish(Seq& s, FinishReason r, const std::string& error) {
     s.attended_rows += a >= 0 ? a : 0;
     s.attn.reset();
   }
-  s.ch->finish(r, s.n_prompt, s.generated, error);
   const auto now = clock_type::now();
-  std::lock_guard<std::mutex> lk(mu_);
-  switch (r) {
-    case FinishReason::Stop: ++metrics_.finished_stop; break;
-    case FinishReason::Length: ++metrics_.finished_length; break;
-    case FinishReason::Cancelled: ++metrics_.finished_cancelled; break;
-    default: ++metrics_.finished_error; break;
+  {
+    // Metrics first, so that whoever sees the request end also sees it counted.
+    std::lock_guard<std::mutex> lk(mu_);
+    switch (r) {
+      case FinishReason::Stop: ++metrics_.finished_stop; break;
+      case FinishReason::Length: ++metrics_.finished_length; break;
+      case FinishReason::Cancelled: ++metrics_.finished_cancelled; break;
+      default: ++metrics_.finished_error; break;
+    }
+    if (r == FinishReason::Stop || r == FinishReason::Length) {
+      metrics_.e2e.observe(seconds(now - s.ch->created));
+      if (s.generated > 1) metrics_.tpot.observe(seconds(s.t_last - s.t_first) / double(s.generated - 1));
+      MethodCounters& m = metrics_.methods[s.req.method];
+      ++m.requests;
+      m.dense_rows += s.dense_rows;
+      m.attended_rows += s.req.attention ? s.attended_rows : s.dense_rows;  // dense path: all rows
+    }
+    metrics_.kv_pages_used = model_.kv().used_pages();
   }
-  if (r == FinishReason::Stop || r == FinishReason::Length) {
-    metrics_.e2e.observe(seconds(now - s.ch->created));
-    if (s.generated > 1) metrics_.tpot.observe(seconds(s.t_last - s.t_first) / double(s.generated - 1));
-    MethodCounters& m = metrics_.methods[s.req.method];
-    ++m.requests;
-    m.dense_rows += s.dense_rows;
-    m.attended_rows += s.req.attention ? s.attended_rows : s.dense_rows;  // dense path: all rows
-  }
+  s.ch->finish(r, s.n_prompt, s.generated, error);
 }
 
 void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index) {

@@ -9,26 +9,13 @@ namespace {
 
 // A SparseSession as the scheduler's SeqAttention; attended() in (layer, KV head, token)
 // rows over the decode steps, the unit the scheduler counts dense rows in.
-//
-// CpuModel writes a step's K/V into the cache before attention but advances the page
-// table's length only after the whole forward pass, while the sparse attention checks
-// the selection against pt.length. The callback therefore hands the session a view of the
-// table whose length covers the tokens just written (p0 + T); the view's page list reuses
-// its capacity, so this costs a copy of a few page ids per layer and no allocation.
 class SessionAttention : public SeqAttention {
  public:
   SessionAttention(std::shared_ptr<const sparse::SparseMethod> m, const ModelConfig& cfg,
                    KVPool& kv, bool recall)
       : session_(std::move(m), cfg, kv, sparse::SessionOptions{recall, false}),
-        rows_per_token_(int64_t(cfg.n_layers) * cfg.n_kv_heads) {
-    fn_ = [this](int layer, const PageTable& pt, const float* q, int64_t p0, int64_t T, float* out) {
-      if (pt.length >= p0 + T) return session_.attend(layer, pt, q, p0, T, out);
-      view_.pages.assign(pt.pages.begin(), pt.pages.end());
-      view_.length = p0 + T;
-      session_.attend(layer, view_, q, p0, T, out);
-    };
-  }
-  const AttentionFn* fn() override { return &fn_; }
+        rows_per_token_(int64_t(cfg.n_layers) * cfg.n_kv_heads) {}
+  const AttentionFn* fn() override { return &session_.attention(); }
   int64_t attended() const override {
     return int64_t(session_.totals().tokens_sum * double(rows_per_token_) + 0.5);
   }
@@ -36,8 +23,6 @@ class SessionAttention : public SeqAttention {
  private:
   sparse::SparseSession session_;
   int64_t rows_per_token_;
-  PageTable view_;
-  AttentionFn fn_;
 };
 
 }  // namespace
@@ -52,6 +37,13 @@ ResolvedSparse SparseMethods::resolve(const std::optional<SparseSpec>& given) {
   sparse::SparseConfig cfg;
   cfg.method = spec.method;
   for (const auto& [k, v] : spec.options) {
+    // Options that name files (e.g. lycheedecode roles=PATH.json) are for the operator's
+    // flags only: a request must not make the server read files of its choosing.
+    if (given)
+      SPADE_CHECK((k != "config" || v.empty()) && v.find('/') == std::string::npos && v.find('\\') == std::string::npos &&
+                      (v.size() < 5 || v.compare(v.size() - 5, 5, ".json") != 0),
+                  "sparse option '", k, "': file paths are not accepted in requests; set them "
+                  "with the server's --sparse-opt / --sparse-config");
     if (k == "recall") {
       SPADE_CHECK(v == "true" || v == "false" || v == "1" || v == "0",
                   "sparse option 'recall' expects true or false, got '", v, "'");

@@ -190,7 +190,8 @@ def mixed_methods_in_one_batch(srv):
     for i in range(len(methods)):
         text, events, finish, _ = results[i]
         check(finish == "length" and events[-1] == "[DONE]", (i, finish))
-    check(results[0][0] == results[4][0], "dense outputs differ between identical requests")
+    # (Outputs are not compared across requests here: batch composition changes float
+    # rounding; tests/test_scheduler.cpp checks batched outputs against a reference.)
 
 
 @test
@@ -462,14 +463,18 @@ def graceful_shutdown(srv, args):
     sd = Server(args.spade, STORIES, ["--max-batch", "4"], tokenizer=args.tokenizer)
     results = {}
 
+    ended = {}
+
     def run(i):
-        results[i] = stream_all(sd, "/v1/completions", {"prompt": STORY, "max_tokens": 300, "stream": True,
+        results[i] = stream_all(sd, "/v1/completions", {"prompt": STORY, "max_tokens": 450, "stream": True,
                                                         "ignore_eos": True, "temperature": 0})
+        ended[i] = time.time()
 
     ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in ts:
         t.start()
-    time.sleep(0.3)
+    time.sleep(0.15)
+    t_signal = time.time()
     sd.proc.send_signal(signal.SIGTERM)
     time.sleep(0.1)
     try:
@@ -482,6 +487,7 @@ def graceful_shutdown(srv, args):
     for i in range(3):
         text, events, finish, _ = results[i]
         check(finish == "length" and events[-1] == "[DONE]", "in-flight request %d cut: %s" % (i, finish))
+    check(max(ended.values()) > t_signal, "requests ended before the signal: drain not exercised")
     sd.proc.wait(30)
     check(sd.proc.returncode == 0, "exit code %s" % sd.proc.returncode)
     check(any("draining" in line for line in sd.log), "no drain message")
