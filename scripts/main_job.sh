@@ -32,5 +32,5 @@ start=$(date +%s)
   --needle "The special magic number is 71432." \
   --question "What is the special magic number mentioned in the text above?" \
   --expect 71432 --depth 0.5 --context-tokens "$context" --budget "$budget" \
-  --methods "$methods" -n 20 --recall ${THREADS:+--threads "$THREADS"}
+  --methods "$methods" -n 16 --recall ${THREADS:+--threads "$THREADS"}
 echo "== main job took $(( $(date +%s) - start )) s"

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -177,15 +178,24 @@ std::vector<std::string> token_texts(const Tokenizer& tok, const std::vector<int
   return t;
 }
 
-// Prefills ids[0, P) densely into `pt`; returns seconds.
-double prefill(CpuModel& model, PageTable& pt, const std::vector<int32_t>& ids, int64_t P) {
+double process_cpu() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+// Prefills ids[0, P) densely into `pt`; returns wall seconds (and process CPU seconds).
+double prefill(CpuModel& model, PageTable& pt, const std::vector<int32_t>& ids, int64_t P,
+               double* cpu = nullptr) {
   std::vector<int64_t> row_of;
   SeqInput in;
   in.pages = &pt;
   in.tokens = ids.data();
   in.n_tokens = P;
   const auto t0 = std::chrono::steady_clock::now();
+  const double c0 = process_cpu();
   model.forward({in}, row_of);
+  if (cpu) *cpu = process_cpu() - c0;
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -273,7 +283,9 @@ TEST(LycheeClusterReal, BoundsHoldOnRealKeysThroughLazyUpdates) {
 // Measurement for docs/lycheecluster.md (not CI): SPADE_LC_BENCH=1 ./spade_tests
 // --gtest_filter=LycheeClusterBench.*  Optional SPADE_LC_BENCH_STEPS (default 32) and
 // SPADE_LC_BENCH_TOKENS (prompt tokens per document, default 4096), SPADE_LC_BENCH_BUDGETS
-// ("256,512,1024"), SPADE_LC_BENCH_SPECS ("label=spec;..." with {B} for the budget).
+// ("256,512,1024"), SPADE_LC_BENCH_SPECS ("label=spec;..." with {B} for the budget),
+// SPADE_LC_BENCH_DOCS (how many of the documents, default all), SPADE_LC_BENCH_OUT (output
+// base name in docs/results, default lycheecluster_recall).
 TEST(LycheeClusterBench, RecallVsQuestOnSmolLM2) {
   if (!std::getenv("SPADE_LC_BENCH")) GTEST_SKIP() << "set SPADE_LC_BENCH=1 to run";
   if (!std::filesystem::exists(smol_path())) GTEST_SKIP() << kSmol << " not present";
@@ -296,6 +308,7 @@ TEST(LycheeClusterBench, RecallVsQuestOnSmolLM2) {
                           "src/backend/cpu/ops.cpp", "src/kv/kv_pool.cpp", "src/sparse/session.cpp"})
       code += read_text(test::source_dir() + "/" + f);
     docs.push_back({"code (src/sparse, src/backend/cpu, src/kv .cpp)", code});
+    if (const char* e = std::getenv("SPADE_LC_BENCH_DOCS")) docs.resize(std::min<size_t>(docs.size(), size_t(std::atoi(e))));
   }
   std::vector<int64_t> budgets = {256, 512, 1024};
   if (const char* e = std::getenv("SPADE_LC_BENCH_BUDGETS")) {
@@ -315,15 +328,19 @@ TEST(LycheeClusterBench, RecallVsQuestOnSmolLM2) {
     KVPool kv({cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16}, 2 * (int64_t(ids.size()) / 16 + 4));
     CpuModel model(*sm.w, kv);
     PageTable prefix;
-    const double prefill_s = prefill(model, prefix, ids, want);
+    double prefill_cpu = 0;
+    const double prefill_s = prefill(model, prefix, ids, want, &prefill_cpu);
     Runner run{model, kv, cfg};
     nlohmann::json dj;
     dj["document"] = doc.name;
     dj["prompt_tokens"] = want;
     dj["prefill_seconds"] = prefill_s;
+    dj["prefill_cpu_seconds"] = prefill_cpu;
     const double kv_bytes = 2.0 * cfg.n_layers * cfg.n_kv_heads * double(want + steps) * cfg.head_dim * sizeof(float);
-    md += "\n### " + doc.name + ", " + std::to_string(want) + " prompt tokens, prefill " +
-          std::to_string(prefill_s).substr(0, 5) + " s\n\n";
+    char head[256];
+    std::snprintf(head, sizeof head, "\n### %s, %lld prompt tokens, prefill %.1f s wall / %.1f s CPU\n\n",
+                  doc.name.c_str(), (long long)want, prefill_s, prefill_cpu);
+    md += head;
     md += "| budget | method | tokens/head | mass recall | top-k recall | index % of KV | build % of prefill | notes |\n";
     md += "|---|---|---|---|---|---|---|---|\n";
     for (int64_t B : budgets) {
@@ -366,6 +383,9 @@ TEST(LycheeClusterBench, RecallVsQuestOnSmolLM2) {
           j["chunk_seconds"] = r.lc.chunk_seconds;
           j["build_seconds"] = r.lc.build_seconds;
           j["build_fraction_of_prefill"] = (r.lc.build_seconds + r.lc.chunk_seconds) / prefill_s;
+          j["build_cpu_seconds"] = r.lc.build_cpu_seconds;
+          j["build_cpu_fraction_of_prefill_cpu"] = r.lc.build_cpu_seconds / prefill_cpu;
+          j["search_cpu_seconds_per_step"] = r.lc.search_cpu_seconds / double(steps);
           j["search_seconds_per_step"] = r.lc.search_seconds / double(steps);
           j["update_seconds"] = r.lc.update_seconds;
           j["mean_chunk_len"] = r.mean_chunk_len;
@@ -376,9 +396,9 @@ TEST(LycheeClusterBench, RecallVsQuestOnSmolLM2) {
           char t[64];
           std::snprintf(t, sizeof t, "%.2f", 100.0 * double(r.index_bytes) / kv_bytes);
           idx = t;
-          std::snprintf(t, sizeof t, "%.1f", 100.0 * (r.lc.build_seconds + r.lc.chunk_seconds) / prefill_s);
+          std::snprintf(t, sizeof t, "%.2f (CPU time)", 100.0 * r.lc.build_cpu_seconds / prefill_cpu);
           build = t;
-          std::snprintf(t, sizeof t, "search %.2f ms/step", 1e3 * r.lc.search_seconds / double(steps));
+          std::snprintf(t, sizeof t, "search %.2f ms CPU/step", 1e3 * r.lc.search_cpu_seconds / double(steps));
           notes = t;
           if (r.lc.inserted_chunks) {
             std::snprintf(t, sizeof t, "; lazy updates %.2f%% of decode", 100.0 * r.lc.update_seconds / r.decode_seconds);
@@ -405,9 +425,10 @@ TEST(LycheeClusterBench, RecallVsQuestOnSmolLM2) {
     kv.release(prefix);
   }
   const std::string dir = test::source_dir() + "/docs/results";
+  const std::string base = std::getenv("SPADE_LC_BENCH_OUT") ? std::getenv("SPADE_LC_BENCH_OUT") : "lycheecluster_recall";
   std::filesystem::create_directories(dir);
-  std::ofstream(dir + "/lycheecluster_recall.json") << out.dump(1) << "\n";
-  std::ofstream(dir + "/lycheecluster_recall.md")
+  std::ofstream(dir + "/" + base + ".json") << out.dump(1) << "\n";
+  std::ofstream(dir + "/" + base + ".md")
       << "# LycheeCluster recall on SmolLM2-135M (generated by LycheeClusterBench.RecallVsQuestOnSmolLM2)\n"
       << md;
 }

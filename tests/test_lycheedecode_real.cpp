@@ -193,25 +193,28 @@ TEST(LycheeDecodeReal, TrainedRolesOnSmolLM2ReadFewTokensWithHighRecall) {
   ASSERT_GT(ids.size(), 700u);
   const int64_t P = int64_t(ids.size()) - 8;
   std::vector<int32_t> prompt(ids.begin(), ids.begin() + P);
-  // Teacher-forced logits of 8 decode steps.
+  // One dense prefill (the prefill path of every method is dense), forked per method;
+  // teacher-forced logits of 8 decode steps.
+  KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, int64_t(ids.size()) / 16 + 8);
+  CpuModel model(*sm.w, kv);
+  PageTable base;
+  std::vector<int64_t> row_of;
+  std::vector<SeqInput> pre = {{&base, ids.data(), P, false, nullptr}};
+  model.forward(pre, row_of);
   auto decode = [&](const std::string& spec, double* density, double* recall) {
-    KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, int64_t(ids.size()) / 16 + 2);
-    CpuModel model(*sm.w, kv);
     std::unique_ptr<SparseSession> s;
     if (!spec.empty())
       s = std::make_unique<SparseSession>(make_method(SparseConfig::parse_spec(spec), c), c, kv,
                                           SessionOptions{true, true});
     const AttentionFn* fn = s ? &s->attention() : nullptr;
-    PageTable pt;
-    std::vector<int64_t> row_of;
-    std::vector<SeqInput> b = {{&pt, ids.data(), P, false, fn}};
-    model.forward(b, row_of);
+    PageTable pt = kv.fork(base);
     std::vector<std::vector<float>> out;
     for (int64_t i = P; i < int64_t(ids.size()); ++i) {
-      b = {{&pt, ids.data() + i, 1, false, fn}};
+      std::vector<SeqInput> b = {{&pt, ids.data() + i, 1, false, fn}};
       const auto& lg = model.forward(b, row_of);
       out.emplace_back(lg.begin(), lg.begin() + c.vocab);
     }
+    kv.release(pt);
     if (s) {
       *density = s->totals().mean_density();
       *recall = s->totals().mean_recall();
@@ -256,8 +259,9 @@ TEST(LycheeDecodeReal, Measurement) {
   const std::string kjv_path = env("SPADE_LD_KJV", (test::source_dir() + "/.stage/filler/kjv_eval.txt").c_str());
   const std::string kjv = read_text(kjv_path);
   ASSERT_GT(kjv.size(), 100000u) << "run python/lycheedecode/make_filler.sh .stage/filler";
-  const std::string direct_roles = test::source_dir() + "/configs/head_roles/smollm2-135m-instruct.direct.json";
-  const bool have_direct = std::filesystem::exists(direct_roles);
+  const std::string roles_dir = test::source_dir() + "/configs/head_roles/";
+  const std::string direct_roles = roles_dir + "smollm2-135m-instruct.direct.json";
+  const std::string top9_roles = roles_dir + "smollm2-135m-instruct.top9.json";
 
   struct Doc {
     std::string name, how;
@@ -297,8 +301,11 @@ TEST(LycheeDecodeReal, Measurement) {
 
   nlohmann::json out;
   out["model"] = kSmol;
-  out["roles"] = resolve_head_roles("auto", c).pattern();
-  out["roles_retrieval_heads"] = resolve_head_roles("auto", c).count_retrieval();
+  for (const auto& [k, f] : {std::pair<std::string, std::string>{"auto", "auto"},
+                              {"top9", top9_roles}, {"direct", direct_roles}}) {
+    const HeadRoles r = resolve_head_roles(f, c);
+    out["roles"][k] = {{"pattern", r.pattern()}, {"retrieval_kv_heads", r.count_retrieval()}};
+  }
   out["steps"] = steps;
   out["command"] = "SPADE_LD_BENCH=1 SPADE_LD_BENCH_TOKENS=" + std::to_string(want) +
                    " SPADE_LD_BENCH_STEPS=" + std::to_string(steps) +
@@ -315,8 +322,8 @@ TEST(LycheeDecodeReal, Measurement) {
     for (int64_t K : budgets) {
       const std::string k = std::to_string(K);
       specs.emplace_back("lycheedecode", "lycheedecode:budget=" + k, K);
-      if (have_direct)
-        specs.emplace_back("lycheedecode (direct-opt roles)", "lycheedecode:budget=" + k + ",roles=" + direct_roles, K);
+      specs.emplace_back("lycheedecode top9 roles", "lycheedecode:budget=" + k + ",roles=" + top9_roles, K);
+      specs.emplace_back("lycheedecode direct roles", "lycheedecode:budget=" + k + ",roles=" + direct_roles, K);
       specs.emplace_back("lycheedecode block=64", "lycheedecode:budget=" + k + ",block=64", K);
       specs.emplace_back("tidal", "tidal:budget=" + k, K);
       specs.emplace_back("quest", "quest:budget=" + k, K);

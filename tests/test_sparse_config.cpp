@@ -73,9 +73,9 @@ TEST(SparseConfig, PaperDefaults) {
   EXPECT_EQ(make_method(SparseConfig::parse_spec("streaming"), smol)->describe(),
             "streaming budget=2048 sinks=4 dense_layers=0");
   EXPECT_EQ(make_method(SparseConfig::parse_spec("lessismore"), smol)->describe(),
-            "lessismore budget=2048 recent_ratio=0.25 (512 recent) sinks=4 (dense 0-1, select 2,12)");
+            "lessismore budget=2048 recent_ratio=0.25 (512 recent) sinks=4 (dense 0-1, select 2,14)");
   EXPECT_EQ(make_method(SparseConfig::parse_spec("tidal"), smol)->describe(),
-            "tidal budget=2048 (dense 0-1, select 2,12)");
+            "tidal budget=2048 (dense 0-1, select 2,14)");
   EXPECT_EQ(make_method(SparseConfig::parse_spec("oracle-topp"), smol)->describe(),
             "oracle-topp p=0.95 group=union dense_layers=0");
 }
@@ -87,7 +87,8 @@ TEST(SparseModelDefaults, TableByArchitectureAndDepthWithFallback) {
   EXPECT_EQ(sel(cfg(Arch::Qwen3, 36, 4096, 8)), (std::vector<int>{2, 12}));   // Qwen3-8B
   EXPECT_EQ(sel(cfg(Arch::Qwen3, 36, 2560, 8)), (std::vector<int>{2, 20}));   // Qwen3-4B
   EXPECT_EQ(sel(cfg(Arch::Qwen3, 40, 5120, 8)), (std::vector<int>{2, 12}));   // Qwen3-14B
-  EXPECT_EQ(sel(cfg(Arch::Llama, 30, 576, 3)), (std::vector<int>{2, 12}));    // SmolLM2-135M
+  EXPECT_EQ(sel(cfg(Arch::Llama, 30, 576, 3)), (std::vector<int>{2, 14}));    // SmolLM2-135M
+  EXPECT_EQ(sel(cfg(Arch::Llama, 30, 960, 3)), (std::vector<int>{2, 12}));    // same depth: 13/32
   EXPECT_EQ(sel(cfg(Arch::Qwen2, 28, 3584, 4)), (std::vector<int>{2, 11}));   // fallback 13/32
   EXPECT_EQ(layer_defaults(cfg(Arch::Llama, 30, 576, 3)).dense_layers, 2);
   // Overrides.

@@ -28,8 +28,8 @@ namespace {
 
 const char* kSmol = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 const char* kFixture = "tests/fixtures/sparse/smollm2_attention.bin";
-// Recorded layers: selection layer 2 and a layer that reuses its set (8), re-selection layer
-// 12 and a layer that reuses its set (20) -- TidalDecode/LessIsMore's SmolLM2 schedule.
+// Recorded layers: selection layer 2 and a layer that reuses its set (8), a re-selection
+// layer (12) and a layer that reuses its set (20).
 const std::vector<int> kLayers = {2, 8, 12, 20};
 const int kTokens = 1024, kQueries = 16;
 

@@ -358,25 +358,31 @@ TEST(TwilightPrune, Int4EstimateKeepsTrueMassNearP) {
   EXPECT_EQ(ts->keys.length(2), f.L);
 }
 
-TEST(TwilightPrune, OverQuestKeepsASubsetOfQuestsSelection) {
+TEST(TwilightPrune, OverQuestAndLycheeClusterKeepsASubsetOfTheBaseSelection) {
   Fixture f(640, 24);
   cpu::AttentionScratch sc;
-  auto quest = make("quest:budget=160", f.cfg);
-  auto tw = make("twilight:base=quest,budget=160,p=0.9", f.cfg);
-  std::unique_ptr<MethodState> s1, s2;
-  auto a = f.run(*quest, s1, sc);
-  auto b = f.run(*tw, s2, sc);
-  const TwilightStats* ts = twilight_stats(s2.get());
-  for (int l = 0; l < f.cfg.n_layers; ++l)
-    for (int h = 0; h < f.cfg.n_kv_heads; ++h) {
-      auto pa = positions(a[size_t(l)], h), pb = positions(b[size_t(l)], h);
-      EXPECT_TRUE(std::includes(pa.begin(), pa.end(), pb.begin(), pb.end())) << l;
-      if (l >= 2) {
-        EXPECT_EQ(ts->base_count[size_t(l * 2 + h)], int64_t(pa.size()));
-        EXPECT_EQ(int64_t(pa.size()), 160);
-        EXPECT_LE(pb.size(), pa.size());
+  for (const std::string base : {"quest", "lycheecluster"}) {
+    const std::string opts = base == "quest" ? "budget=160" : "budget=128,sink=4";
+    auto plain = make(base + ":" + opts, f.cfg);
+    auto tw = make("twilight:base=" + base + ",p=0.9," + opts, f.cfg);
+    std::unique_ptr<MethodState> s1, s2;
+    auto a = f.run(*plain, s1, sc);
+    auto b = f.run(*tw, s2, sc);
+    const TwilightStats* ts = twilight_stats(s2.get());
+    for (int l = 0; l < f.cfg.n_layers; ++l)
+      for (int h = 0; h < f.cfg.n_kv_heads; ++h) {
+        auto pa = positions(a[size_t(l)], h), pb = positions(b[size_t(l)], h);
+        EXPECT_TRUE(std::includes(pa.begin(), pa.end(), pb.begin(), pb.end())) << base << l;
+        if (l >= 2) {
+          EXPECT_EQ(ts->base_count[size_t(l * 2 + h)], int64_t(pa.size())) << base;
+          EXPECT_LT(int64_t(pa.size()), f.L) << base;  // the base really was sparse
+          if (base == "quest") {
+            EXPECT_EQ(int64_t(pa.size()), 160);
+          }
+          EXPECT_LT(pb.size(), pa.size()) << base;     // and Twilight pruned it
+        }
       }
-    }
+  }
 }
 
 // ---------------------------------------------------------------- composition and options

@@ -65,6 +65,8 @@ twilight (decode comparison against full attention, teacher forced):
   --budget N            quest base budget (default L/4)
   --methods S1;S2;...   extra method specs (name:k=v,...; stacks with base=a+b)
   --json F              write every measurement to F
+  --own-prefill         every method runs its own prefill too (BLASST prefill skipping);
+                        by default one dense prefill is shared and only decode differs
 common:
   --text F              calibration text, plain (docs/twilight_blasst.md makes one from
                         Debian's bible-kjv-text)
@@ -214,8 +216,8 @@ int run_blasst(const Args& a) {
   const std::string gaps_dir = a.str("--gaps-dir", "");
   auto gaps_file = [&](int k, int64_t L) {
     return cat(gaps_dir, "/gaps_", phase, "_t", phase == "prefill" ? base_prm.prefill_tile : base_prm.tile,
-               "_q", base_prm.q_block, "_d", dsteps, "_L", L, "_s", k, "of", samples, "_o",
-               a.integer("--offset", 0), ".bin");
+               "_q", base_prm.q_block, "_d", dsteps, "_", cpu::tile_order_name(base_prm.order),
+               "_L", L, "_s", k, "of", samples, "_o", a.integer("--offset", 0), ".bin");
   };
   int64_t runs = 0;
   auto gaps_for = [&](int k, int64_t L) -> const std::vector<float>& {
@@ -235,10 +237,11 @@ int run_blasst(const Args& a) {
     if (g.empty()) {
       auto toks = sample_tokens(k, L);
       if (phase == "prefill") {
-        g = prefill_tile_gaps(runner, toks, L, base_prm.prefill_tile, base_prm.q_block);
+        g = prefill_tile_gaps(runner, toks, L, base_prm.prefill_tile, base_prm.q_block,
+                              base_prm.order);
       } else {
         resume_prefix(k, L, toks);
-        g = decode_tile_gaps(runner, toks, L, dsteps, base_prm.tile, true);
+        g = decode_tile_gaps(runner, toks, L, dsteps, base_prm.tile, true, base_prm.order);
       }
       ++runs;
       if (!gaps_dir.empty()) {
@@ -372,6 +375,7 @@ int run_twilight(const Args& a) {
   SPADE_CHECK(int64_t(ld.tokens.size()) >= L + N, "the text has ", ld.tokens.size(),
               " tokens, need ", L + N);
   const int64_t budget = a.integer("--budget", L / 4);
+  const bool own_prefill = a.has("--own-prefill");
   std::vector<std::string> specs;
   if (!a.has("--methods") || a.has("--p")) {
     for (const auto& base : split(a.str("--bases", "quest,full"), ','))
@@ -386,7 +390,7 @@ int run_twilight(const Args& a) {
   for (const auto& s : split(a.str("--methods", ""), ';')) specs.push_back(s);
   // One dense prefill, shared by every method through KVPool::fork: the methods differ in
   // decode only (Twilight and the selectors index lazily or from the pool's page metadata).
-  ModelRunner runner(*ld.w, L + 2 * N + 64);
+  ModelRunner runner(*ld.w, (own_prefill ? 2 * (L + N) : L) + 2 * N + 64);
   auto t0 = clock_type::now();
   const float* lg = runner.prefill(ld.tokens.data(), L, nullptr);
   const std::vector<float> prefix_logits(lg, lg + cfg.vocab);
@@ -414,11 +418,14 @@ int run_twilight(const Args& a) {
     ProbeSession s(m, cfg, runner.kv(), true);
     json steps = json::array();  // kept budget per step, flat [layer * Hkv + head]
     auto t1 = clock_type::now();
+    auto record_step = [&] {
+      if (const TwilightStats* ts = s.twilight()) steps.push_back(ts->kept_count);
+    };
+    // --own-prefill: the method also runs the prefill (BLASST prefill skipping).
     const DecodeEval ev =
-        eval_decode_from(runner, kept, prefix_logits.data(), ld.tokens, L, N, &s.attention(), true,
-                         [&] {
-                           if (const TwilightStats* ts = s.twilight()) steps.push_back(ts->kept_count);
-                         });
+        own_prefill ? eval_decode(runner, ld.tokens, L, N, &s.attention(), true)
+                    : eval_decode_from(runner, kept, prefix_logits.data(), ld.tokens, L, N,
+                                       &s.attention(), true, record_step);
     const double secs = seconds_since(t1);
     const Agreement ag = compare_decode(ref, ev);
     const TwilightStats* ts = s.twilight();
@@ -426,7 +433,10 @@ int run_twilight(const Args& a) {
     const double base = ts ? ts->mean_base() : s.mean_attended(2);
     const double kept_h = ts ? ts->mean_kept() : s.mean_attended(2);
     char skip[32] = "-";
-    if (bs) std::snprintf(skip, sizeof skip, "%.3f", bs->decode_sparsity());
+    if (bs)
+      std::snprintf(skip, sizeof skip, "%.3f", own_prefill && bs->prefill_sparsity() > 0
+                                                   ? bs->prefill_sparsity()
+                                                   : bs->decode_sparsity());
     std::printf("%-44s %9.1f %9.1f %8.2f %8.4f %8.4f %8.3f %7.3f %9.5f %8s\n", spec.c_str(), base,
                 kept_h, 100.0 * kept_h / double(s.mean_length()), s.mean_recall(2), s.min_recall(2),
                 ag.ppl, ag.top1, ag.kl, skip);
@@ -452,6 +462,7 @@ int run_twilight(const Args& a) {
       r["kept_mean_per_layer_head"] = per_head;
       r["kept_per_step_layer_head"] = steps;  // flat [layer * Hkv + head] per step
     }
+    if (bs && own_prefill) r["prefill_skip_ratio"] = bs->prefill_sparsity();
     if (bs) {
       r["decode_skip_ratio"] = bs->decode_sparsity();
       json per = json::array();  // [layer][kv_head] skipped / tiles over the decode steps
@@ -484,7 +495,7 @@ int run(int argc, char** argv) {
           "--verify", "--verify-lengths", "--gaps-dir",
           "--out", "--offset", "--threads", "--length", "--decode", "--p", "--bases", "--budget",
           "--methods", "--json"},
-         {"--help"});
+         {"--help", "--own-prefill"});
   if (a.has("--help") || a.positional().empty()) {
     std::fputs(kHelp, a.has("--help") ? stdout : stderr);
     return a.has("--help") ? 0 : 2;

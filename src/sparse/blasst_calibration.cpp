@@ -300,8 +300,10 @@ double measure_blasst_decode(ModelRunner& r, std::shared_ptr<const SparseMethod>
 }
 
 std::vector<float> prefill_tile_gaps(ModelRunner& r, const std::vector<int32_t>& tokens,
-                                     int64_t L, int64_t tile, int64_t q_block) {
+                                     int64_t L, int64_t tile, int64_t q_block,
+                                     cpu::TileOrder order) {
   BlasstMethod::Params prm;
+  prm.order = order;
   prm.lambda = 0;  // never skip: the run is dense attention, tiles traced
   prm.prefill_tile = tile;
   prm.q_block = q_block;
@@ -320,9 +322,10 @@ std::vector<float> prefill_tile_gaps(ModelRunner& r, const std::vector<int32_t>&
 
 std::vector<float> decode_tile_gaps(ModelRunner& r, const std::vector<int32_t>& tokens,
                                     int64_t L, int64_t decode_steps, int64_t tile,
-                                    bool prefilled) {
+                                    bool prefilled, cpu::TileOrder order) {
   SPADE_CHECK(int64_t(tokens.size()) >= L + decode_steps, "decode_tile_gaps: text too short");
   BlasstMethod::Params prm;
+  prm.order = order;
   prm.lambda = 0;
   prm.tile = tile;
   prm.prefill = false;

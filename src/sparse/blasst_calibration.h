@@ -158,12 +158,14 @@ double measure_blasst_decode(ModelRunner& r, std::shared_ptr<const SparseMethod>
 // Per-tile gaps (BlasstTrace::gaps, sorted) of an unskipped (lambda = 0) BLASST prefill over
 // tokens[0..L): sparsity_from_gaps() then gives the teacher-forced sparsity of any lambda.
 std::vector<float> prefill_tile_gaps(ModelRunner& r, const std::vector<int32_t>& tokens,
-                                     int64_t L, int64_t tile, int64_t q_block);
+                                     int64_t L, int64_t tile, int64_t q_block,
+                                     cpu::TileOrder order = cpu::TileOrder::Sequential);
 // The same for decode: dense prefill of tokens[0..L) (skipped when `prefilled`, see
 // measure_blasst_decode), then `decode_steps` unskipped teacher-forced BLASST decode steps.
 std::vector<float> decode_tile_gaps(ModelRunner& r, const std::vector<int32_t>& tokens,
                                     int64_t L, int64_t decode_steps, int64_t tile,
-                                    bool prefilled = false);
+                                    bool prefilled = false,
+                                    cpu::TileOrder order = cpu::TileOrder::Sequential);
 
 // ---- Teacher-forced decode against full attention ----
 

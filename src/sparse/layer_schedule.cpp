@@ -56,7 +56,7 @@ OptionSpec dense_layers_option() {
 OptionSpec selection_layers_option() {
   return {"selection_layers", OptKind::IntList, "auto",
           "token (re-)selection layers, comma list (auto: per-model table, e.g. 2,13 for "
-          "Llama-3-8B, 2,12 for SmolLM2-135M)"};
+          "Llama-3-8B, 2,14 for SmolLM2-135M)"};
 }
 
 }  // namespace spade::sparse

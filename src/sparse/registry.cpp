@@ -32,8 +32,10 @@ const std::vector<MethodInfo>& all_methods() {
        oracle_topk_options, make_oracle_topk},
       {"oracle-topp", "smallest true top set reaching mass p", oracle_topp_options,
        make_oracle_topp},
-      {"twilight", "Twilight: top-p pruning (INT4 key estimate) of a base selection", twilight_options, make_twilight},
-      {"blasst", "BLASST: skip key tiles below the running max (inside any selection)", blasst_options, make_blasst},
+      {"twilight", "Twilight: top-p pruning (INT4 key estimate) of a base selection",
+       twilight_options, make_twilight},
+      {"blasst", "BLASST: skip key tiles below the running max (inside any selection)",
+       blasst_options, make_blasst},
   };
   return table;
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -13,6 +14,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+double cpu_clock(clockid_t id) {
+  timespec ts;
+  clock_gettime(id, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 }  // namespace
 
@@ -113,6 +119,7 @@ void LycheeClusterMethod::sync(StepContext& c, LycheeClusterState& st) const {
   if (avail <= have) return;
   const int Hkv = c.Hkv;
   const auto t0 = Clock::now();
+  const double cpu0 = cpu_clock(CLOCK_PROCESS_CPUTIME_ID);
   auto per_head = [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       ClusterIndex& ix = st.idx_[size_t(layer) * size_t(Hkv) + size_t(h)];
@@ -127,6 +134,7 @@ void LycheeClusterMethod::sync(StepContext& c, LycheeClusterState& st) const {
   ThreadPool::global().parallel_for(Hkv, 1, per_head);
   if (have == 0) {
     st.stats_.build_seconds += since(t0);
+    st.stats_.build_cpu_seconds += cpu_clock(CLOCK_PROCESS_CPUTIME_ID) - cpu0;
     st.stats_.builds += Hkv;
     if (p_.stability)
       for (int h = 0; h < Hkv; ++h) {
@@ -153,6 +161,7 @@ void LycheeClusterMethod::select(StepContext& c, Selection& out) const {
   sync(c, st);
 
   const auto t0 = Clock::now();
+  const double cpu0 = cpu_clock(CLOCK_THREAD_CPUTIME_ID);
   const int32_t have = st.layer_chunks_[size_t(c.layer)];
   const int64_t sink = std::min<int64_t>(p_.sink, L);
   const int64_t recent_begin = have > 0 ? st.starts_[size_t(have)] : sink;
@@ -199,6 +208,7 @@ void LycheeClusterMethod::select(StepContext& c, Selection& out) const {
     out.close_head();
   }
   st.stats_.search_seconds += since(t0);
+  st.stats_.search_cpu_seconds += cpu_clock(CLOCK_THREAD_CPUTIME_ID) - cpu0;
 }
 
 // ---- options ----

@@ -55,6 +55,11 @@ struct LycheeClusterStats {
   double build_seconds = 0;    // chunk pooling + k-means + radii, every layer and head
   double update_seconds = 0;   // lazy inserts
   double search_seconds = 0;   // hierarchical search + building the selection
+  // CPU time (robust to a loaded machine): the build runs on the thread pool, so it is the
+  // process's CPU time across the build (includes whatever else the process runs then);
+  // the search runs on the calling thread (thread CPU time).
+  double build_cpu_seconds = 0;
+  double search_cpu_seconds = 0;
   int64_t builds = 0;          // (layer, head) indexes built
   int64_t inserted_chunks = 0; // lazy inserts, over (layer, head)
   int64_t searches = 0;        // (layer, head, step) searches
