@@ -43,9 +43,13 @@ void parse_normalizer(const Ctx& c, const json& j, Normalizer& out) {
     out.add({NormStep::Prepend, str_or(j, "prepend"), ""});
   } else if (type == "Replace") {
     const json& pat = j.at("pattern");
-    SPADE_CHECK(pat.contains("String"), c.source,
-                ": Replace normalizer with a regex pattern is not supported");
-    out.add({NormStep::Replace, pat.at("String").get<std::string>(), str_or(j, "content")});
+    if (pat.contains("Regex")) {
+      out.add({NormStep::ReplaceRegex, "", str_or(j, "content")},
+              std::make_shared<const Pcre2Regex>(onig_to_pcre2(pat.at("Regex").get<std::string>())));
+    } else {
+      SPADE_CHECK(pat.contains("String"), c.source, ": Replace normalizer needs a String or Regex pattern");
+      out.add({NormStep::Replace, pat.at("String").get<std::string>(), str_or(j, "content")});
+    }
   } else {
     fail(c.source, ": normalizer '", type, "' is not supported (supported: NFC, Prepend, "
          "Replace, Sequence)");

@@ -14,7 +14,8 @@ std::string_view Normalizer::apply(std::string_view text, std::string& buf) cons
     owned = true;
     v = cur;
   };
-  for (const auto& st : steps_) {
+  for (size_t i = 0; i < steps_.size(); ++i) {
+    const NormStep& st = steps_[i];
     switch (st.kind) {
       case NormStep::Nfc:
         if (!nfc_quick_check(v)) set(nfc(v));
@@ -30,6 +31,22 @@ std::string_view Normalizer::apply(std::string_view text, std::string& buf) cons
         for (size_t f; (f = v.find(st.a, pos)) != std::string_view::npos; pos = f + st.a.size()) {
           r.append(v.substr(pos, f - pos));
           r += st.b;
+        }
+        r.append(v.substr(pos));
+        set(std::move(r));
+        break;
+      }
+      case NormStep::ReplaceRegex: {
+        std::vector<std::pair<size_t, size_t>> m;
+        regexes_[i]->find_all(v, m);
+        if (m.empty()) break;
+        std::string r;
+        r.reserve(v.size());
+        size_t pos = 0;
+        for (const auto& [b, e] : m) {
+          r.append(v.substr(pos, b - pos));
+          r += st.b;
+          pos = e;
         }
         r.append(v.substr(pos));
         set(std::move(r));

@@ -1,5 +1,6 @@
 #include "tokenizer/tokenizer.h"
 
+#include <cctype>
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -61,6 +62,15 @@ std::unique_ptr<Tokenizer> Tokenizer::build(TokenizerSpec spec) {
     spec.attrs[a.id] = a.special ? kAttrControl : kAttrUserDefined;
   }
   n = spec.pieces.size();
+  // tokenizer.json has no token types: with byte_fallback, its <0xXX> pieces are the
+  // fallback bytes (decoded as raw bytes, as the ByteFallback decoder does).
+  if (spec.kind != ModelKind::ByteLevelBpe && spec.byte_fallback)
+    for (size_t i = 0; i < n; ++i) {
+      const std::string& p = spec.pieces[i];
+      if (spec.attrs[i] == kAttrNormal && p.size() == 6 && p.compare(0, 3, "<0x") == 0 &&
+          p[5] == '>' && std::isxdigit(uint8_t(p[3])) && std::isxdigit(uint8_t(p[4])))
+        spec.attrs[i] = kAttrByte;
+    }
   t->pieces_ = std::move(spec.pieces);
   t->attrs_ = std::move(spec.attrs);
   t->piece_to_id_.reserve(n);

@@ -528,8 +528,8 @@ def main():
     ap.add_argument("--requests", type=int, default=300)
     args = ap.parse_args()
     args.spade = os.path.abspath(args.spade)
-    # The stories fixture's tokenizer.json uses a normalizer the tokenizer may not read;
-    # its SentencePiece model is the same vocabulary.
+    # The stories fixture's SentencePiece model (the same vocabulary as its tokenizer.json,
+    # which tests/test_tokenizer_parity.cpp covers).
     args.tokenizer = os.path.join(STORIES, "tokenizer.model")
     t0 = time.time()
     srv = Server(args.spade, STORIES, ["--max-batch", "8"], tokenizer=args.tokenizer)

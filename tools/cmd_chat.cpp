@@ -1,0 +1,159 @@
+// `spade chat`: interactive chat on stdin/stdout with the model's own chat template.
+// Each user line is appended to the conversation, which is re-rendered with the template.
+// The KV cache keeps the tokens the model has already seen: when the new rendering starts
+// with exactly those tokens (the usual case), only the new suffix is prefilled; otherwise
+// (a template that rewrites earlier turns, e.g. one that drops old thinking blocks) the
+// conversation is prefilled again from scratch. Both give the same tokens.
+#include <cstdio>
+#include <algorithm>
+#include <iostream>
+#include <string>
+
+#include "args.h"
+#include "command.h"
+#include "core/thread_pool.h"
+#include "engine/generator.h"
+#include "model/loader.h"
+#include "tokenizer/tokenizer.h"
+
+namespace spade::cli {
+namespace {
+
+const char* kHelp = R"(usage: spade chat --model PATH [options]
+
+Reads one user message per line from stdin and streams each answer to stdout, using the
+model's own chat template (tokenizer_config.json / chat_template.jinja, or the GGUF's).
+An empty line or end of input ends the chat; the line /reset starts a new conversation.
+Prompts ("> ") and statistics go to stderr, so stdout holds only the answers.
+
+  --model PATH          GGUF file or Hugging Face model directory
+  --system TEXT         system message
+  --thinking on|off     sets the template's enable_thinking (Qwen3); default: the template's
+  -n, --max-tokens N    tokens per answer at most (default 512)
+  --temperature T       0 = greedy (default 0.7)
+  --top-k K  --top-p P  --min-p P  --repeat-penalty R  --seed S
+  --threads N           CPU threads (default: all cores)
+  --no-cache-reuse      prefill the whole conversation every turn (for testing)
+  --stats               per-turn token counts and speeds to stderr
+)";
+
+struct Conversation {
+  std::vector<ChatMessage> messages;
+  std::vector<int32_t> seen;  // tokens whose K/V are in `pt`, in order
+  PageTable pt;
+};
+
+int run(int argc, char** argv) {
+  Args a(argc, argv,
+         {"--model", "--system", "--thinking", "-n", "--max-tokens", "--temperature", "--top-k",
+          "--top-p", "--min-p", "--repeat-penalty", "--seed", "--threads"},
+         {"--help", "--no-cache-reuse", "--stats"});
+  if (a.has("--help")) {
+    std::fputs(kHelp, stdout);
+    return 0;
+  }
+  SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
+  SPADE_CHECK(a.positional().empty(), "unexpected argument '", a.positional().front(),
+              "': chat reads messages from stdin");
+  nlohmann::json extra = nlohmann::json::object();
+  if (a.has("--thinking")) {
+    const std::string t = a.str("--thinking");
+    SPADE_CHECK(t == "on" || t == "off", "--thinking expects on or off, got '", t, "'");
+    extra["enable_thinking"] = t == "on";
+  }
+  if (a.has("--threads")) ThreadPool::set_global_threads(int(a.integer("--threads", 0)));
+  auto weights = load_model(a.str("--model"));
+  auto tok = Tokenizer::load(a.str("--model"));
+  const ChatTemplate* tmpl = tok->chat_template();
+  SPADE_CHECK(tmpl, "the model '", a.str("--model"), "' has no chat template; use spade generate");
+  const ModelConfig& cfg = weights->config;
+  KVPool kv({cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16}, (cfg.max_context + 15) / 16 + 1);
+  CpuModel model(*weights, kv);
+
+  GenerateOptions opt;
+  opt.max_new_tokens = a.has("-n") ? a.integer("-n", 512) : a.integer("--max-tokens", 512);
+  SPADE_CHECK(opt.max_new_tokens > 0, "--max-tokens must be positive");
+  opt.sampling.temperature = float(a.number("--temperature", 0.7));
+  opt.sampling.top_k = int(a.integer("--top-k", 0));
+  opt.sampling.top_p = float(a.number("--top-p", 1));
+  opt.sampling.min_p = float(a.number("--min-p", 0));
+  opt.sampling.repetition_penalty = float(a.number("--repeat-penalty", 1));
+  opt.sampling.seed = uint64_t(a.integer("--seed", 0));
+  opt.stop_ids = tok->eos_ids();
+  const bool reuse = !a.has("--no-cache-reuse");
+
+  Conversation conv;
+  auto reset = [&] {
+    kv.release(conv.pt);
+    conv = Conversation{};
+    if (a.has("--system")) conv.messages.push_back({"system", a.str("--system")});
+  };
+  reset();
+  std::string line;
+  while (std::fputs("> ", stderr), std::getline(std::cin, line) && !line.empty()) {
+    if (line == "/reset") {
+      reset();
+      continue;
+    }
+    conv.messages.push_back({"user", line});
+    const std::vector<int32_t> ids = tok->encode(tmpl->render(conv.messages, true, extra), false, true);
+    if (int64_t(ids.size()) >= cfg.max_context) {
+      // Nothing is cut silently: say so and let the user start over.
+      std::fprintf(stderr,
+                   "[spade] the conversation is %zu tokens, the model's context is %lld; "
+                   "type /reset to start a new one\n",
+                   ids.size(), (long long)cfg.max_context);
+      conv.messages.pop_back();
+      continue;
+    }
+    // Reuse the cached prefix when the new rendering extends exactly what the model saw.
+    const bool extends = reuse && conv.seen.size() < ids.size() &&
+                         std::equal(conv.seen.begin(), conv.seen.end(), ids.begin());
+    if (!extends) {
+      kv.release(conv.pt);
+      conv.seen.clear();
+    }
+    const std::vector<int32_t> suffix(ids.begin() + int64_t(conv.seen.size()), ids.end());
+    conv.seen = ids;
+    GenerateOptions turn = opt;
+    turn.max_new_tokens = std::min<int64_t>(opt.max_new_tokens, cfg.max_context - int64_t(ids.size()));
+    StreamDecoder dec(*tok, /*skip_special=*/true);
+    std::string answer;
+    std::vector<int32_t> generated;
+    const GenerateStats st = generate(model, conv.pt, suffix, turn, [&](int32_t id) {
+      generated.push_back(id);
+      const std::string s = dec.push(id);
+      answer += s;
+      std::fwrite(s.data(), 1, s.size(), stdout);
+      std::fflush(stdout);
+      return true;
+    });
+    const std::string rest = dec.flush();
+    answer += rest;
+    std::fwrite(rest.data(), 1, rest.size(), stdout);
+    std::fputc('\n', stdout);
+    std::fflush(stdout);
+    // generate() fed every generated token to the model except the last one.
+    if (!generated.empty()) conv.seen.insert(conv.seen.end(), generated.begin(), generated.end() - 1);
+    SPADE_CHECK(int64_t(conv.seen.size()) == conv.pt.length, "chat: cache bookkeeping is off (",
+                conv.seen.size(), " vs ", conv.pt.length, ")");
+    if (!st.stopped_by_stop_id)
+      std::fprintf(stderr, "[spade] the answer reached the %lld-token limit (-n)\n",
+                   (long long)turn.max_new_tokens);
+    if (a.has("--stats"))
+      std::fprintf(stderr,
+                   "[spade] turn: %zu conversation tokens, %zu prefilled (%.1f tok/s), %lld "
+                   "generated (%.1f tok/s)\n",
+                   ids.size(), suffix.size(), double(suffix.size()) / std::max(1e-9, st.prefill_seconds),
+                   (long long)st.generated_tokens,
+                   double(st.generated_tokens) / std::max(1e-9, st.decode_seconds));
+    conv.messages.push_back({"assistant", answer});
+  }
+  kv.release(conv.pt);
+  return 0;
+}
+
+Registrar reg("chat", "interactive chat with the model's chat template", run);
+
+}  // namespace
+}  // namespace spade::cli
