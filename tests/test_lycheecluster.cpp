@@ -18,6 +18,7 @@
 #include "sparse/cluster_index.h"
 #include "sparse/kmeans.h"
 #include "sparse/methods/lycheecluster.h"
+#include "sparse/methods/twilight.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
 #include "sparse/topk.h"
@@ -639,6 +640,32 @@ TEST(LycheeClusterMethod, TokenTextDrivesTheChunkBoundaries) {
   const auto& s3 = fixed.st().chunk_starts();
   ASSERT_EQ(s3.size(), s2.size() + 1);  // a fixed chunk closes without lookahead
   EXPECT_TRUE(std::equal(s2.begin(), s2.end(), s3.begin()));
+}
+
+// The CLI, needle job and server hand token text to the method through the session (and
+// through modifier stages such as Twilight over LycheeCluster).
+TEST(LycheeClusterMethod, TokenTextReachesTheMethodThroughTheSessionAndModifiers) {
+  ModelConfig cfg = small_config(3);
+  Bench b(cfg, 400, 400, 81);
+  std::vector<std::string> text;
+  for (int64_t p = 0; p < 400; ++p) text.push_back(p % 10 == 9 ? "." : " w");
+  auto q = test::random_vec(size_t(cfg.n_heads * cfg.head_dim), 5, 1.f);
+  std::vector<float> out(size_t(cfg.n_heads * cfg.head_dim));
+  for (const std::string spec : {"lycheecluster:budget=64", "twilight:base=lycheecluster,budget=64",
+                                 "blasst:base=lycheecluster,budget=64"}) {
+    SparseSession s(make_method(SparseConfig::parse_spec(spec), cfg), cfg, b.kv);
+    for (const auto& t : text) s.append_token_text(t);
+    for (int l = 0; l < cfg.n_layers; ++l) s.attend(l, b.pt, q.data(), b.pt.length - 1, 1, out.data());
+    MethodState* st = s.state();
+    if (auto* c = dynamic_cast<ComposedState*>(st)) st = c->base.get();
+    LycheeClusterState* lc = lycheecluster_state(st);
+    ASSERT_NE(lc, nullptr) << spec;
+    EXPECT_EQ(lc->token_text().size(), text.size()) << spec;
+    const auto& starts = lc->chunk_starts();
+    ASSERT_GT(starts.size(), 10u) << spec;
+    EXPECT_EQ(starts[0], 16) << spec;
+    for (size_t i = 1; i < starts.size(); ++i) EXPECT_EQ(starts[i], 20 + 10 * int32_t(i)) << spec << " " << i;
+  }
 }
 
 TEST(LycheeClusterMethod, StabilityCounters) {

@@ -408,6 +408,13 @@ TEST(TwilightOptions, StacksRouteOptionsAndRejectBadOnes) {
   EXPECT_THROW(make("twilight:head_combine=max", cfg), Error);
   EXPECT_THROW(make("twilight:p=1.5", cfg), Error);
   EXPECT_THROW(make_stack("twilight+quest", {}, cfg), Error);  // quest is not a modifier
+  // make_method (the CLI's --sparse, the server's "method") takes the stack as a name.
+  EXPECT_EQ(make("quest+twilight:budget=256", cfg)->describe(), s->describe());
+  EXPECT_EQ(make("quest+twilight+blasst:budget=256,lambda=0.01", cfg)->describe(), b->describe());
+  EXPECT_THROW(make("twilight+quest", cfg), Error);
+  EXPECT_EQ(find_method("quest+twilight+blasst").name, "blasst");  // checks every stage
+  EXPECT_THROW(find_method("quest++twilight"), Error);
+  EXPECT_THROW(find_method("quest+nope"), Error);
 }
 
 // ---------------------------------------------------------------- real model (optional)

@@ -15,6 +15,8 @@
 #if defined(SPADE_HAVE_CUDA)
 #include "model/cuda_model.h"
 #endif
+#include "sparse/methods/blasst.h"
+#include "sparse/methods/twilight.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
 #include "tokenizer/tokenizer.h"
@@ -83,6 +85,25 @@ std::string read_file(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+// Modifier stages' own counters: Twilight's kept budget, BLASST's skipped tiles.
+void print_modifier_stats(sparse::MethodState* state) {
+  if (const sparse::TwilightStats* ts = sparse::twilight_stats(state)) {
+    double base = 0, kept = 0;
+    int64_t n = 0;
+    for (size_t i = 0; i < ts->steps.size(); ++i) {
+      base += ts->base_sum[i];
+      kept += ts->kept_sum[i];
+      n += ts->steps[i];
+    }
+    if (n > 0)
+      std::fprintf(stderr, "[spade] twilight: per pruned (layer, KV head, step) base %.1f tokens, kept %.1f\n",
+                   base / double(n), kept / double(n));
+  }
+  if (sparse::BlasstState* bs = sparse::blasst_state(state))
+    std::fprintf(stderr, "[spade] blasst: tiles skipped in prefill %.1f%%, in decode %.1f%%\n",
+                 100.0 * bs->stats.prefill_sparsity(), 100.0 * bs->stats.decode_sparsity());
 }
 
 // --synthetic: random weights with a real model's shapes on the GPU; random prompt ids.
@@ -218,8 +239,12 @@ int run(int argc, char** argv) {
     };
   }
   opt.attention = &session.attention();
+  // Token text for methods that chunk by it (LycheeCluster): the prompt now, each generated
+  // token before the step that feeds it.
+  for (int32_t id : prompt) session.append_token_text(tok->token_bytes(id));
   StreamDecoder dec(*tok);
   auto emit = [&](int32_t id) {
+    session.append_token_text(tok->token_bytes(id));
     if (tok->is_special(id)) return true;  // end markers are not text
     std::string s = dec.push(id);
     std::fwrite(s.data(), 1, s.size(), stdout);
@@ -257,6 +282,7 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, ", mean recall %.4f (sparse layers %.4f, min %.4f)", t.mean_recall(),
                    t.mean_sparse_recall(), t.min_recall);
     std::fputc('\n', stderr);
+    print_modifier_stats(session.state());
     std::fprintf(stderr,
                  "[spade] model load %.2f s | prompt %lld tokens, %.1f tok/s | generated %lld "
                  "tokens, %.1f tok/s | threads %d\n",

@@ -46,6 +46,11 @@ class SeqAttention {
   virtual ~SeqAttention() = default;
   virtual const AttentionFn* fn() = 0;
   virtual int64_t attended() const { return -1; }
+  // The tokens of the next forward pass, in position order (for methods that read token
+  // text, e.g. LycheeCluster's chunking).
+  virtual void on_tokens(const int32_t* ids, int64_t n, const TokenText& text) {
+    (void)ids, (void)n, (void)text;
+  }
 };
 // Makes a fresh SeqAttention for a request; called on the engine thread when the request
 // is admitted (again after a preemption, since its cache is then recomputed).

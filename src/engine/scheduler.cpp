@@ -309,6 +309,8 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     preempt(running, running.size() - 1);
   }
   if (batch_.empty()) return;
+  for (size_t i = 0; i < batch_.size(); ++i)
+    if (Seq* s = batch_seqs_[i]; s->attn) s->attn->on_tokens(batch_[i].tokens, batch_[i].n_tokens, text_);
 
   const std::vector<float>* logits = nullptr;
   try {

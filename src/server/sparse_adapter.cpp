@@ -16,6 +16,9 @@ class SessionAttention : public SeqAttention {
       : session_(std::move(m), cfg, kv, sparse::SessionOptions{recall, false}),
         rows_per_token_(int64_t(cfg.n_layers) * cfg.n_kv_heads) {}
   const AttentionFn* fn() override { return &session_.attention(); }
+  void on_tokens(const int32_t* ids, int64_t n, const TokenText& text) override {
+    for (int64_t i = 0; i < n; ++i) session_.append_token_text(text.piece(ids[i]));
+  }
   int64_t attended() const override {
     return int64_t(session_.totals().tokens_sum * double(rows_per_token_) + 0.5);
   }

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backend/cpu/attention.h"
@@ -28,6 +29,10 @@ namespace spade::sparse {
 
 struct MethodState {
   virtual ~MethodState() = default;
+  // The decoded bytes of the token at the next position (Tokenizer::token_bytes), called in
+  // position order, prompt first, for methods that read token text (LycheeCluster's
+  // structure-aware chunking). Others ignore it.
+  virtual void append_token_text(std::string_view piece) { (void)piece; }
 };
 
 // Grow-only scratch for selection code (no allocation once warm).

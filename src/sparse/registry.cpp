@@ -1,5 +1,7 @@
 #include "sparse/registry.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "sparse/methods/full.h"
 #include "sparse/methods/lessismore.h"
@@ -47,12 +49,22 @@ std::string method_names() {
 }
 
 const MethodInfo& find_method(const std::string& name) {
+  if (const size_t plus = name.rfind('+'); plus != std::string::npos) {
+    for (size_t b = 0, e; b <= name.size(); b = e + 1) {
+      e = std::min(name.find('+', b), name.size());
+      SPADE_CHECK(e > b, "sparse stack '", name, "' has an empty stage");
+      find_method(name.substr(b, e - b));
+    }
+    return find_method(name.substr(plus + 1));
+  }
   for (const auto& m : all_methods())
     if (m.name == name) return m;
   fail("unknown sparse method '", name, "'; valid methods: ", method_names());
 }
 
 std::shared_ptr<const SparseMethod> make_method(const SparseConfig& cfg, const ModelConfig& model) {
+  // A stack "base+modifier[+modifier]" (e.g. quest+twilight, quest+twilight+blasst).
+  if (cfg.method.find('+') != std::string::npos) return make_stack(cfg.method, cfg.options, model);
   const MethodInfo& info = find_method(cfg.method);
   MethodOptions opts(info.name, info.options(), cfg.options);
   return info.make(opts, model);

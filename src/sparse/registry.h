@@ -19,7 +19,9 @@ struct MethodInfo {
 };
 
 const std::vector<MethodInfo>& all_methods();
-// Throws spade::Error listing the valid names when `name` is unknown.
+// Throws spade::Error listing the valid names when `name` is unknown. For a stack "a+b+c"
+// every stage is checked and the outermost stage's entry is returned (its options include
+// the ones it forwards to its base).
 const MethodInfo& find_method(const std::string& name);
 std::string method_names();  // "full, streaming, ..."
 // Builds the method of `cfg` for `model`; unknown methods / options are errors.

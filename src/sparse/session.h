@@ -77,7 +77,14 @@ class SparseSession {
   void reserve(int64_t max_len);
   // Forgets the method state and counters (a new request).
   void reset();
+  // Token text for methods that read it (see MethodState::append_token_text): the decoded
+  // bytes of each token, in position order, before the forward pass that writes it.
+  void append_token_text(std::string_view piece) {
+    if (state_) state_->append_token_text(piece);
+  }
   const SparseMethod& method() const { return *method_; }
+  // The method's per-request state (nullptr for stateless methods), e.g. for its counters.
+  MethodState* state() { return state_.get(); }
   const StepStats& last_step() const { return step_; }
   const SessionTotals& totals() const { return totals_; }
   // Called after the last layer of every decode step.

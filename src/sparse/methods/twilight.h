@@ -51,6 +51,9 @@ TopPResult topp_binary_search(const float* w, int64_t n, double p, double eps,
 // State of a stage that wraps a base: the base's own state lives inside.
 struct ComposedState : MethodState {
   std::unique_ptr<MethodState> base;
+  void append_token_text(std::string_view piece) override {
+    if (base) base->append_token_text(piece);
+  }
 };
 
 // A stage over a base method: by default every hook forwards to the base, which sees its
