@@ -39,7 +39,7 @@ TEST(ServerSparse, ResolveValidatesMethodsAndOptions) {
   ModelConfig cfg = test::tiny_config();
   ModelWeights w = test::random_model(cfg, 3);
   KVPool kv(KVLayout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16}, 64);
-  SparseMethods methods(cfg, kv, spec("full"));
+  SparseMethods methods(cfg, &kv, spec("full"));
   ResolvedSparse full = methods.resolve(std::nullopt);
   EXPECT_EQ(full.method, "full");
   EXPECT_FALSE(full.maker);  // the dense path: no session at all
@@ -55,7 +55,7 @@ TEST(ServerSparse, ResolveValidatesMethodsAndOptions) {
   EXPECT_THROW(methods.resolve(spec("lycheedecode", {{"roles", "/etc/passwd"}})), Error);
   EXPECT_THROW(methods.resolve(spec("lycheedecode", {{"roles", "roles.json"}})), Error);
   // A bad server default fails at start-up.
-  EXPECT_THROW(SparseMethods(cfg, kv, spec("nope")), Error);
+  EXPECT_THROW(SparseMethods(cfg, &kv, spec("nope")), Error);
 }
 
 TEST(ServerSparse, MixedMethodsShareABatch) {
@@ -63,7 +63,7 @@ TEST(ServerSparse, MixedMethodsShareABatch) {
   ModelWeights w = test::random_model(cfg, 5);
   KVPool kv(KVLayout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16}, 128);
   CpuModel model(w, kv);
-  SparseMethods methods(cfg, kv, spec("full"));
+  SparseMethods methods(cfg, &kv, spec("full"));
   NoText text;
   SchedulerOptions so;
   so.max_batch = 8;
@@ -108,4 +108,57 @@ TEST(ServerSparse, MixedMethodsShareABatch) {
   EXPECT_LT(m.methods["streaming"].density(), 0.25);
   EXPECT_LT(m.methods["quest"].density(), 1.0);
   EXPECT_GT(m.methods["quest"].dense_rows, 0);
+}
+
+// A server whose runner has no attention callbacks (the GPU runner): only full attention
+// resolves, the error names the device, and the scheduler refuses a sparse request even if
+// one slipped through (400, not a crash in the runner).
+TEST(ServerSparse, DenseOnlyRunnerRejectsSparseMethods) {
+  ModelConfig cfg = test::tiny_config();
+  ModelWeights w = test::random_model(cfg, 7);
+  SparseMethods gpu(cfg, nullptr, spec("full"), "NVIDIA H200");
+  EXPECT_FALSE(gpu.resolve(std::nullopt).maker);
+  try {
+    gpu.resolve(spec("quest", {{"budget", "16"}}));
+    ADD_FAILURE() << "quest resolved on a dense-only runner";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NVIDIA H200"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(SparseMethods(cfg, nullptr, spec("quest"), "NVIDIA H200"), Error);  // bad default
+  EXPECT_THROW(SparseMethods(cfg, nullptr, spec("full")), Error);                  // no pool, no device
+
+  // The scheduler side, with a CPU runner that claims no callback support.
+  KVPool kv(KVLayout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16}, 64);
+  CpuModel model(w, kv);
+  class DenseOnly final : public StepModel {
+   public:
+    explicit DenseOnly(CpuModel& m) : inner_(m) {}
+    const ModelConfig& config() const override { return inner_.config(); }
+    const std::vector<float>& forward(const std::vector<SeqInput>& b, std::vector<int64_t>& r) override {
+      return inner_.forward(b, r);
+    }
+    int page_size() const override { return inner_.page_size(); }
+    int64_t total_pages() const override { return inner_.total_pages(); }
+    int64_t free_pages() const override { return inner_.free_pages(); }
+    void release(PageTable& pt) override { inner_.release(pt); }
+    bool supports_attention_callbacks() const override { return false; }
+    std::string device() const override { return "a test GPU"; }
+
+   private:
+    CpuStepModel inner_;
+  } dense(model);
+  SparseMethods cpu(cfg, &kv, spec("full"));
+  NoText text;
+  Scheduler sched(dense, text, SchedulerOptions{});
+  EngineRequest r;
+  r.prompt = {1, 2, 3};
+  r.max_tokens = 2;
+  r.attention = cpu.resolve(spec("streaming", {{"budget", "16"}})).maker;
+  try {
+    sched.submit(std::move(r));
+    ADD_FAILURE() << "a sparse request was accepted by a dense-only runner";
+  } catch (const SubmitError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_NE(std::string(e.what()).find("a test GPU"), std::string::npos) << e.what();
+  }
 }

@@ -13,7 +13,11 @@
 #include "command.h"
 #include "core/thread_pool.h"
 #include "engine/scheduler.h"
+#include "engine/step_model.h"
 #include "model/cpu_model.h"
+#if defined(SPADE_HAVE_CUDA)
+#include "model/cuda_step_model.h"
+#endif
 #include "model/loader.h"
 #include "server/http_server.h"
 #include "server/sparse_adapter.h"
@@ -46,6 +50,9 @@ GET /v1/models, /health, /metrics (Prometheus), POST /tokenize, /detokenize.
   --budget N              shorthand for the default method's budget option
   --sparse-opt k=v,...    more options of the default method
   --sparse-config FILE    default method from a JSON file
+  --device cpu|cuda       where the model runs (default cpu). cuda (CUDA builds): bf16
+                          weights and the KV cache on the GPU, full attention only (a
+                          request asking for a sparse method gets a 400)
   --threads N             CPU threads for the model (default: all cores)
   --http-threads N        HTTP worker threads (default max-batch + max-queue + 8)
   --shutdown-timeout S    seconds to let running requests finish on SIGTERM (default 30)
@@ -69,7 +76,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--tokenizer", "--model-name", "--host", "--port", "--api-key", "--max-batch", "--max-queue",
           "--max-step-tokens", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
-          "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads",
+          "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device",
           "--shutdown-timeout"},
          {"--help"});
   if (a.has("--help")) {
@@ -107,8 +114,37 @@ int run(int argc, char** argv) {
       std::max<int64_t>(cfg.max_context, int64_t(so.max_batch) * std::min<int64_t>(cfg.max_context, 1024));
   const int64_t pages = a.integer("--kv-pages", (want_tokens + layout.page_size - 1) / layout.page_size);
   SPADE_CHECK(pages >= 1, "--kv-pages must be positive");
-  KVPool kv(layout, pages);
-  CpuModel model(*weights, kv);
+  const std::string device = a.str("--device", "cpu");
+  SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '", device, "'");
+  // The CPU pool also backs the sparse sessions; on the GPU the pool lives on the device and
+  // the host pool is not allocated.
+  std::unique_ptr<KVPool> kv;
+  std::unique_ptr<CpuModel> cpu_model;
+  std::unique_ptr<StepModel> model;
+#if defined(SPADE_HAVE_CUDA)
+  std::unique_ptr<CudaModel> gpu_model;
+#endif
+  double kv_mib = 0;
+  if (device == "cuda") {
+#if defined(SPADE_HAVE_CUDA)
+    CudaModelOptions copt;
+    copt.kv_pages = pages;
+    copt.page_size = layout.page_size;
+    copt.max_batch = so.max_batch;
+    so.max_step_tokens = std::max<int64_t>(so.max_step_tokens, so.max_batch);
+    copt.max_step_tokens = so.max_step_tokens;
+    gpu_model = std::make_unique<CudaModel>(*weights, copt);
+    model = std::make_unique<CudaStepModel>(*gpu_model);
+    kv_mib = double(pages) * layout.page_size * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * 2 / (1024.0 * 1024.0);
+#else
+    fail("--device cuda: this build has no CUDA backend");
+#endif
+  } else {
+    kv = std::make_unique<KVPool>(layout, pages);
+    cpu_model = std::make_unique<CpuModel>(*weights, *kv);
+    model = std::make_unique<CpuStepModel>(*cpu_model);
+    kv_mib = double(kv->bytes()) / (1024.0 * 1024.0);
+  }
 
   sparse::SparseConfig sc;
   if (a.has("--sparse-config")) sc.merge_json_file(a.str("--sparse-config"));
@@ -123,10 +159,10 @@ int run(int argc, char** argv) {
   fallback.method = sc.method;
   for (auto& [k, v] : sc.options) fallback.options.emplace_back(k, v);
   if (sc.measure_recall) fallback.options.emplace_back("recall", "1");
-  server::SparseMethods methods(cfg, kv, fallback);
+  server::SparseMethods methods(cfg, kv.get(), fallback, kv ? std::string() : model->device());
 
   server::TokenizerText text(*tok);
-  Scheduler sched(model, text, so);
+  Scheduler sched(*model, text, so);
 
   server::ServerOptions opt;
   opt.model_id = a.has("--model-name") ? a.str("--model-name") : default_model_name(path);
@@ -145,11 +181,11 @@ int run(int argc, char** argv) {
   const int port = http.bind(host, int(port_arg));
   std::fprintf(stderr,
                "[spade] serving %s (%s) on http://%s:%d | context %lld tokens | KV %lld pages x %d "
-               "tokens (%.1f MiB) | max batch %d, queue %d | default sparse: %s | threads %d%s\n",
+               "tokens (%.1f MiB) | max batch %d, queue %d | default sparse: %s | %s, threads %d%s\n",
                opt.model_id.c_str(), arch_name(cfg.arch), host.c_str(), port,
                (long long)sched.max_context(), (long long)pages, layout.page_size,
-               double(kv.bytes()) / (1024.0 * 1024.0), so.max_batch, so.max_queue,
-               sc.to_string().c_str(), ThreadPool::global().size(),
+               kv_mib, so.max_batch, so.max_queue, sc.to_string().c_str(), model->device().c_str(),
+               ThreadPool::global().size(),
                opt.api_key.empty() ? "" : " | API key required");
   std::fflush(stderr);
 

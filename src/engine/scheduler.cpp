@@ -32,14 +32,20 @@ struct Scheduler::Seq {
 };
 
 Scheduler::Scheduler(CpuModel& model, const TokenText& text, const SchedulerOptions& opt)
-    : model_(model), text_(text), opt_(opt) {
+    : Scheduler(std::make_unique<CpuStepModel>(model), nullptr, text, opt) {}
+
+Scheduler::Scheduler(StepModel& model, const TokenText& text, const SchedulerOptions& opt)
+    : Scheduler(nullptr, &model, text, opt) {}
+
+Scheduler::Scheduler(std::unique_ptr<StepModel> owned, StepModel* model, const TokenText& text,
+                     const SchedulerOptions& opt)
+    : owned_(std::move(owned)), model_(model ? *model : *owned_), text_(text), opt_(opt) {
   SPADE_CHECK(opt_.max_batch >= 1, "max batch must be >= 1");
   SPADE_CHECK(opt_.max_queue >= 1, "max queue must be >= 1");
   opt_.max_step_tokens = std::max<int64_t>(opt_.max_step_tokens, opt_.max_batch);
-  const KVPool& kv = model_.kv();
-  page_size_ = kv.layout().page_size;
-  max_context_ = std::min<int64_t>(model_.config().max_context, kv.n_pages() * page_size_);
-  metrics_.kv_pages_total = kv.n_pages();
+  page_size_ = model_.page_size();
+  max_context_ = std::min<int64_t>(model_.config().max_context, model_.total_pages() * page_size_);
+  metrics_.kv_pages_total = model_.total_pages();
   metrics_.max_batch = opt_.max_batch;
   thread_ = std::thread([this] { loop(); });
 }
@@ -49,6 +55,10 @@ Scheduler::~Scheduler() { shutdown(); }
 std::shared_ptr<RequestChannel> Scheduler::submit(EngineRequest req) {
   const int64_t P = int64_t(req.prompt.size());
   if (P == 0) throw SubmitError(400, "invalid_prompt", "the prompt is empty (no tokens)");
+  if (req.attention && !model_.supports_attention_callbacks())
+    throw SubmitError(400, "unsupported_sparse_method",
+                      cat("sparse methods run on the CPU backend; this server runs on ", model_.device(),
+                          " with full attention"));
   if (req.max_tokens < 1)
     throw SubmitError(400, "invalid_value", cat("max_tokens must be at least 1, got ", req.max_tokens));
   const int32_t vocab = model_.config().vocab;
@@ -126,7 +136,7 @@ EngineMetrics Scheduler::metrics() const {
 
 void Scheduler::finish(Seq& s, FinishReason r, const std::string& error) {
   if (!s.pt.pages.empty() || s.pt.length) {
-    model_.kv().release(s.pt);
+    model_.release(s.pt);
     hold_admission_ = false;  // pages came back: admission may resume after a preemption
   }
   if (s.attn) {
@@ -152,7 +162,7 @@ void Scheduler::finish(Seq& s, FinishReason r, const std::string& error) {
       m.dense_rows += s.dense_rows;
       m.attended_rows += s.req.attention ? s.attended_rows : s.dense_rows;  // dense path: all rows
     }
-    metrics_.kv_pages_used = model_.kv().used_pages();
+    metrics_.kv_pages_used = model_.used_pages();
   }
   s.ch->finish(r, s.n_prompt, s.generated, error);
 }
@@ -164,7 +174,7 @@ void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index
   // Admit nothing until a running request finishes: readmitting now would only recompute
   // this sequence and preempt it again at the next page boundary.
   hold_admission_ = true;
-  model_.kv().release(s->pt);
+  model_.release(s->pt);
   if (s->attn) {
     const int64_t a = s->attn->attended();
     s->attended_rows += a >= 0 ? a : 0;
@@ -183,7 +193,6 @@ void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index
 static int64_t pages_for(int64_t tokens, int page) { return (tokens + page - 1) / page; }
 
 bool Scheduler::admit_one(std::vector<std::unique_ptr<Seq>>& running) {
-  const KVPool& kv = model_.kv();
   // Pages the running sequences still need for their current input plus one decode token.
   int64_t committed = 0;
   for (const auto& r : running)
@@ -195,7 +204,7 @@ bool Scheduler::admit_one(std::vector<std::unique_ptr<Seq>>& running) {
     if (waiting_.empty()) return false;
     const Seq& w = *waiting_.front();
     const int64_t need = pages_for(int64_t(w.tokens.size()) + 1, page_size_);
-    if (!running.empty() && (hold_admission_ || committed + need > kv.free_pages())) return false;
+    if (!running.empty() && (hold_admission_ || committed + need > model_.free_pages())) return false;
     s = std::move(waiting_.front());
     waiting_.pop_front();
     ++n_running_;
@@ -270,7 +279,7 @@ void Scheduler::publish_gauges(const std::vector<std::unique_ptr<Seq>>& running)
     n_running_ = int64_t(running.size());
     metrics_.running = n_running_;
     metrics_.waiting = int64_t(waiting_.size());
-    metrics_.kv_pages_used = model_.kv().used_pages();
+    metrics_.kv_pages_used = model_.used_pages();
     idle = running.empty() && waiting_.empty();
   }
   if (idle) idle_cv_.notify_all();
@@ -278,7 +287,6 @@ void Scheduler::publish_gauges(const std::vector<std::unique_ptr<Seq>>& running)
 
 void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   const auto t0 = clock_type::now();
-  KVPool& kv = model_.kv();
   const ModelConfig& cfg = model_.config();
   // Plan: decode tokens first (one per sequence whose input is all cached but its last
   // sampled token), then prefill chunks in priority order with the rest of the budget.
@@ -305,7 +313,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
             0, pages_for(r->pt.length + n, page_size_) - int64_t(r->pt.pages.size()));
       }
     }
-    if (pages_needed <= kv.free_pages() || running.size() <= 1) break;
+    if (pages_needed <= model_.free_pages() || running.size() <= 1) break;
     preempt(running, running.size() - 1);
   }
   if (batch_.empty()) return;

@@ -1,4 +1,4 @@
-// Continuous batching over CpuModel: one engine thread runs steps; requests join the
+// Continuous batching over a StepModel (CpuModel or CudaModel): one engine thread runs steps; requests join the
 // running batch and leave it between steps. Each step feeds every running sequence what it
 // needs next -- one token for a decoding sequence, a chunk of its prompt for a prefilling
 // one -- in a single forward call (decode first, prefill chunks fill the rest of the step's
@@ -27,6 +27,7 @@
 #include "core/error.h"
 #include "engine/request.h"
 #include "engine/request_metrics.h"
+#include "engine/step_model.h"
 
 namespace spade {
 
@@ -49,6 +50,7 @@ class Scheduler {
  public:
   // `model` (and its KV pool) and `text` must outlive the scheduler, and the model must be
   // used by nobody else while the scheduler runs. Starts the engine thread.
+  Scheduler(StepModel& model, const TokenText& text, const SchedulerOptions& opt);
   Scheduler(CpuModel& model, const TokenText& text, const SchedulerOptions& opt);
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
@@ -75,6 +77,8 @@ class Scheduler {
 
  private:
   struct Seq;
+  Scheduler(std::unique_ptr<StepModel> owned, StepModel* model, const TokenText& text,
+            const SchedulerOptions& opt);
   void loop();
   void step(std::vector<std::unique_ptr<Seq>>& running);
   void finish(Seq& s, FinishReason r, const std::string& error = {});
@@ -83,7 +87,8 @@ class Scheduler {
   void on_token(Seq& s, int32_t tok, const float* logits);
   void publish_gauges(const std::vector<std::unique_ptr<Seq>>& running);
 
-  CpuModel& model_;
+  std::unique_ptr<StepModel> owned_;  // the CpuModel adapter of the CpuModel constructor
+  StepModel& model_;
   const TokenText& text_;
   SchedulerOptions opt_;
   int64_t max_context_ = 0;

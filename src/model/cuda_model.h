@@ -60,6 +60,8 @@ class CudaModel {
   void reserve(PageTable& pt, int64_t new_length);
   void release(PageTable& pt);
   int64_t free_pages() const { return int64_t(free_.size()); }
+  int64_t total_pages() const { return n_pages_; }
+  int page_size() const { return opt_.page_size; }
 
   // Same contract as CpuModel::forward (SeqInput::attention must be null): logits rows on
   // the host, row_of[i] = first row of sequence i.

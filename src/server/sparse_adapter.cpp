@@ -30,8 +30,10 @@ class SessionAttention : public SeqAttention {
 
 }  // namespace
 
-SparseMethods::SparseMethods(const ModelConfig& cfg, KVPool& kv, SparseSpec fallback)
-    : cfg_(cfg), kv_(kv), fallback_(std::move(fallback)) {
+SparseMethods::SparseMethods(const ModelConfig& cfg, KVPool* kv, SparseSpec fallback,
+                             std::string dense_only_device)
+    : cfg_(cfg), kv_(kv), fallback_(std::move(fallback)), dense_only_device_(std::move(dense_only_device)) {
+  SPADE_CHECK(kv_ || !dense_only_device_.empty(), "SparseMethods: no KV pool for sparse sessions");
   resolve(fallback_);  // a bad default fails at start-up
 }
 
@@ -71,8 +73,11 @@ ResolvedSparse SparseMethods::resolve(const std::optional<SparseSpec>& given) {
   }
   r.description = m->describe();
   if (spec.method == "full" && cfg.options.empty() && !cfg.measure_recall) return r;  // dense path
+  SPADE_CHECK(dense_only_device_.empty(), "sparse method '", spec.method, "' is not available: this "
+              "server runs on ", dense_only_device_, " with full attention (sparse methods run on "
+              "the CPU backend: spade serve --device cpu)");
   const ModelConfig& mc = cfg_;
-  KVPool& kv = kv_;
+  KVPool& kv = *kv_;
   const bool recall = cfg.measure_recall;
   r.maker = [m, &mc, &kv, recall]() -> std::unique_ptr<SeqAttention> {
     return std::make_unique<SessionAttention>(m, mc, kv, recall);

@@ -28,15 +28,20 @@ struct ResolvedSparse {
 class SparseMethods {
  public:
   // `fallback`: the server's default (from flags) for requests without `sparse`.
-  SparseMethods(const ModelConfig& cfg, KVPool& kv, SparseSpec fallback);
+  // `kv`: the CPU pool sparse sessions read. A server on the GPU passes nullptr and its
+  // device name in `dense_only_device`: only full attention resolves, anything else is an
+  // error naming the device.
+  SparseMethods(const ModelConfig& cfg, KVPool* kv, SparseSpec fallback,
+                std::string dense_only_device = {});
   // Throws spade::Error naming the method / option when the spec is invalid.
   ResolvedSparse resolve(const std::optional<SparseSpec>& spec);
   const SparseSpec& fallback() const { return fallback_; }
 
  private:
   const ModelConfig& cfg_;
-  KVPool& kv_;
+  KVPool* kv_;
   SparseSpec fallback_;
+  std::string dense_only_device_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<const sparse::SparseMethod>> cache_;
 };

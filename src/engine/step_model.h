@@ -1,0 +1,54 @@
+// What the scheduler needs from a model runner: one batched forward pass over paged
+// sequences and the page accounting of the KV cache the runner owns. Two runners:
+// CpuModel (host KV pool; honours SeqInput::attention, so sparse methods run there) and,
+// in CUDA builds, CudaModel (device KV pool; dense attention only), see
+// model/cuda_step_model.h.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/cpu_model.h"
+
+namespace spade {
+
+class StepModel {
+ public:
+  virtual ~StepModel() = default;
+  virtual const ModelConfig& config() const = 0;
+  // CpuModel::forward's contract: reserves the batch's pages first (throws with nothing
+  // written when the pool is short), returns logits rows on the host, row_of[i] = the row
+  // of sequence i, and advances every page table's length.
+  virtual const std::vector<float>& forward(const std::vector<SeqInput>& batch,
+                                            std::vector<int64_t>& row_of) = 0;
+  virtual int page_size() const = 0;
+  virtual int64_t total_pages() const = 0;
+  virtual int64_t free_pages() const = 0;
+  int64_t used_pages() const { return total_pages() - free_pages(); }
+  virtual void release(PageTable& pt) = 0;
+  // Whether SeqInput::attention callbacks (sparse methods) are honoured.
+  virtual bool supports_attention_callbacks() const = 0;
+  virtual std::string device() const = 0;  // "cpu", or the GPU's name
+};
+
+// CpuModel over its KVPool.
+class CpuStepModel final : public StepModel {
+ public:
+  explicit CpuStepModel(CpuModel& m) : m_(m) {}
+  const ModelConfig& config() const override { return m_.config(); }
+  const std::vector<float>& forward(const std::vector<SeqInput>& batch,
+                                    std::vector<int64_t>& row_of) override {
+    return m_.forward(batch, row_of);
+  }
+  int page_size() const override { return m_.kv().layout().page_size; }
+  int64_t total_pages() const override { return m_.kv().n_pages(); }
+  int64_t free_pages() const override { return m_.kv().free_pages(); }
+  void release(PageTable& pt) override { m_.kv().release(pt); }
+  bool supports_attention_callbacks() const override { return true; }
+  std::string device() const override { return "cpu"; }
+
+ private:
+  CpuModel& m_;
+};
+
+}  // namespace spade

@@ -1,0 +1,32 @@
+// CudaModel as the scheduler's StepModel (CUDA builds): the device KV pool's pages are
+// accounted on the host by CudaModel; attention is dense (sparse methods run on the CPU
+// runner until the CUDA sparse kernels are wired into CudaModel).
+#pragma once
+#if defined(SPADE_HAVE_CUDA)
+#include "backend/cuda/cuda_common.h"
+#include "engine/step_model.h"
+#include "model/cuda_model.h"
+
+namespace spade {
+
+class CudaStepModel final : public StepModel {
+ public:
+  explicit CudaStepModel(CudaModel& m) : m_(m) {}
+  const ModelConfig& config() const override { return m_.config(); }
+  const std::vector<float>& forward(const std::vector<SeqInput>& batch,
+                                    std::vector<int64_t>& row_of) override {
+    return m_.forward(batch, row_of);
+  }
+  int page_size() const override { return m_.page_size(); }
+  int64_t total_pages() const override { return m_.total_pages(); }
+  int64_t free_pages() const override { return m_.free_pages(); }
+  void release(PageTable& pt) override { m_.release(pt); }
+  bool supports_attention_callbacks() const override { return false; }
+  std::string device() const override { return cuda::device_summary(); }
+
+ private:
+  CudaModel& m_;
+};
+
+}  // namespace spade
+#endif  // SPADE_HAVE_CUDA
