@@ -31,6 +31,21 @@ def _rotary(model):
     return mod.apply_rotary_pos_emb
 
 
+def _causal_attention(q, k, v):
+    """Dense causal GQA attention [B, Hq, P, D] x [B, Hkv, P, D]: SDPA where this torch has
+    it with GQA (2.5+), else a plain softmax (CI's Debian torch 1.13)."""
+    try:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    except (AttributeError, TypeError):
+        G = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        P = q.shape[2]
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        causal = torch.ones(P, P, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~causal, float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+
+
 class HybridModel:
     def __init__(self, hf_model):
         self.hf = hf_model
@@ -72,7 +87,7 @@ class HybridModel:
             h = layer.input_layernorm(x)
             q, k, v = self._qkv(layer, h, pos)
             cache.append((k, v))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            o = _causal_attention(q, k, v)
             x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, P, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return cache

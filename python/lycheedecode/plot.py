@@ -16,7 +16,9 @@ def plot(record, path):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    methods = [m for m in ("direct", "hardkuma") if m in record["methods"]]
+    chosen = record.get("chosen", {})
+    methods = [chosen[m] for m in ("direct", "hardkuma") if m in chosen]
+    runs = list(record["methods"])
     hkv = record["n_kv_heads"]
     fig, axes = plt.subplots(2, max(2, len(methods)), figsize=(13, 10),
                              gridspec_kw={"height_ratios": [3, 1]})
@@ -27,29 +29,31 @@ def plot(record, path):
         ax = axes[0, i]
         im = ax.imshow(ez, aspect="auto", cmap="coolwarm", vmin=0, vmax=1, interpolation="nearest",
                        extent=[h["step"][0], h["step"][-1], ez.shape[0] - 0.5, -0.5])
-        ax.set_title(f"{titles[m]} (retrieval iff > 0.5: {record['methods'][m]['n_retrieval_gated']})")
+        ax.set_title(f"{titles[record['methods'][m]['method']]} [{m}]\n"
+                     f"(> 0.5: {record['methods'][m]['n_retrieval_gated']} heads)", fontsize=10)
         ax.set_xlabel("step")
         ticks = list(range(0, ez.shape[0], hkv * 2))
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"L{t // hkv + 1}H{t % hkv}" for t in ticks], fontsize=7)
         fig.colorbar(im, ax=ax, fraction=0.04)
     ax = axes[1, 0]
-    for m in methods:
+    for m in runs:
         h = record["methods"][m]["history"]
-        ax.plot(h["step"][1:], h["loss"][1:], label=f"{m} distill loss")
+        ax.plot(h["step"][1:], h["loss"][1:], label=f"{m} distill loss", lw=0.8)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.legend(fontsize=8)
     ax = axes[1, 1]
-    for m in methods:
+    ax2 = ax.twinx()
+    for m in runs:
         h = record["methods"][m]["history"]
-        ax.plot(h["step"], h["el0"], label=f"{m} E[L0]")
-        ax2 = ax.twinx() if m == methods[0] else ax2  # noqa: F821
-        ax2.plot(h["step"], h["lambda"], "--", label=f"{m} lambda")
+        line, = ax.plot(h["step"], h["el0"], label=f"{m} E[L0]")
+        ax2.plot(h["step"], h["lambda"], "--", color=line.get_color(), label=f"{m} lambda")
     ax.axhline(record["args"]["target"], color="k", lw=0.5)
     ax.set_xlabel("step")
     ax.legend(fontsize=8, loc="upper left")
-    ax2.legend(fontsize=8, loc="upper right")
+    ax2.legend(fontsize=7, loc="upper right")
+    ax2.set_ylabel("lambda (dashed)")
     fig.suptitle(f"{record['model']}: head specialization ({record['n_gates']} gated KV heads, "
                  f"N_target = {record['args']['target']:g})")
     fig.tight_layout()

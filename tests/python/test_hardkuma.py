@@ -206,16 +206,76 @@ class TrainingSteps(unittest.TestCase):
 
     def test_roles_file_has_the_loader_shape(self):
         from model import HybridModel
-        from train_roles import roles_json
+        from train_roles import model_dims, roles_json
 
         hm = HybridModel(tiny_llama(layers=3))
         mask = torch.tensor([True, False, False, True])
-        j = json.loads(roles_json("tiny", hm, mask, {"steps": 1}))
+        j = json.loads(roles_json("tiny", model_dims(hm), mask.tolist(), {"steps": 1}))
         self.assertEqual(j["model"], "tiny")
         self.assertEqual(j["n_layers"], 3)
         self.assertEqual(j["n_kv_heads"], 2)
         self.assertEqual(j["roles"], [["retrieval", "retrieval"], ["retrieval", "sparse"],
                                       ["sparse", "retrieval"]])
+
+
+class CharTokenizer:
+    """A stand-in for the HF tokenizer PasskeyData calls: one id per byte, mod the vocabulary."""
+
+    def __init__(self, vocab=64):
+        self.vocab = vocab
+
+    def __call__(self, s, add_special_tokens=False):
+        return {"input_ids": [b % self.vocab for b in s.encode("utf-8")]}
+
+
+@unittest.skipUnless(HAVE_TORCH, WHY)
+class TrainScript(unittest.TestCase):
+    def test_two_runs_in_parallel_then_merge(self):
+        """train_roles.py end to end on a tiny model: two runs (as made in parallel on the GPU
+        machine), then --merge chooses per method and writes the roles files and the record."""
+        import tempfile
+
+        import train_roles
+
+        model = tiny_llama(seed=4, layers=4)
+        train_roles.load_gguf = lambda path, dtype, device: (model, CharTokenizer())
+        text = " ".join(f"verse {i} of the filler text with words like garden and river" for i in range(300))
+        with tempfile.TemporaryDirectory() as tmp:
+            fill = os.path.join(tmp, "filler")
+            os.makedirs(fill)
+            for name in ("kjv_train.txt", "kjv_eval.txt"):
+                with open(os.path.join(fill, name), "w") as f:
+                    f.write(text)
+            common = ["--gguf", "tiny.gguf", "--filler-dir", fill, "--model-name", "tiny", "--target", "2",
+                      "--steps", "3", "--min-len", "800", "--max-len", "1000", "--min-keys", "1",
+                      "--max-keys", "1", "--eval-samples", "1", "--log-every", "1", "--dtype", "fp32",
+                      "--device", "cpu", "--roles-name", "tiny"]
+            train_roles.main(common + ["--out", os.path.join(tmp, "a"), "--runs", "hardkuma:0.01,hardkuma:0.1"])
+            train_roles.main(common + ["--out", os.path.join(tmp, "b"), "--runs", "direct:0.01", "--no-baselines"])
+            out = os.path.join(tmp, "out")
+            train_roles.main(["--merge", os.path.join(tmp, "a"), os.path.join(tmp, "b"), "--out", out,
+                              "--target", "2", "--roles-name", "tiny"])
+            with open(os.path.join(out, "lycheedecode_train.json")) as f:
+                rec = json.load(f)
+            self.assertEqual(sorted(rec["methods"]), ["direct@0.01", "hardkuma@0.01", "hardkuma@0.1"])
+            self.assertIn("baselines", rec)
+            self.assertEqual(set(rec["chosen"]), {"hardkuma", "direct"})
+            for name, res in rec["methods"].items():
+                self.assertEqual(res["steps_done"], 3)
+                self.assertEqual(res["history"]["step"], [0, 1, 2, 3])
+                self.assertEqual(len(res["final_ez"]), 6)  # (4 - 1) layers x 2 KV heads
+            with open(os.path.join(out, "lycheedecode_train.log")) as f:
+                rows = [x.split() for x in f if not x.startswith("#")]
+            self.assertEqual(len(rows), 9)  # 3 runs x 3 steps: run step loss lambda E[L0] ...
+            for suffix in ("", ".direct"):
+                with open(os.path.join(out, f"tiny{suffix}.json")) as f:
+                    j = json.load(f)
+                self.assertEqual(len(j["roles"]), 4)
+                self.assertEqual(j["roles"][0], ["retrieval", "retrieval"])
+                ez = j["training"]["E_z"]
+                flat = [r == "retrieval" for row in j["roles"][1:] for r in row]
+                self.assertEqual(flat, [x > 0.5 for x in ez])
+                self.assertEqual(j["training"]["run"], rec["chosen"][j["training"]["method"]])
 
 
 if __name__ == "__main__":

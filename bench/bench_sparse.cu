@@ -1,0 +1,309 @@
+// Sparse decode benchmark (issue 9): attention over selections and the Quest selector on the
+// GPU vs our full decode attention (v3, auto), Llama-3-8B attention shapes (Hq 32, Hkv 8,
+// D 128, bf16, page 16), contexts 32K / 128K, batch 1 / 8 / 32, budgets 1K / 2K / 4K tokens.
+// Writes JSON lines; bench/sparse_report.py merges them with the SDPA lines of the same run.
+//
+// Rows ("method"):
+//   full         our dense decode attention (AttentionWorkspace, auto kernel)
+//   token        SparseAttention over per-(request, KV head) token lists of `budget`
+//                stratified-random positions (one position drawn in each L/budget stretch)
+//   page16       SparseAttention over per-head lists of budget/16 random 16-token pages
+//   shared_token one token list per request shared by all KV heads (LessIsMore)
+//   quest        the whole Quest step: metadata update of each request's last page, page
+//                scores, top-k (radix select), attention over the selected pages
+//   quest_select the selection part of `quest` alone (quest_score / quest_topk: its two stages)
+//   hybrid90     every KV head sparse, token lists at 90% sparsity (L/10 tokens), 128K
+//   hybrid_2d    KV heads 0 and 1 dense (whole context), 6 sparse heads with `budget` tokens
+// Bytes (what each must read + write): K and V rows it attends (2 x D x 2 B per row and KV
+// head), index entries (4 B each), q + out, Quest metadata (4 x D B per page-head) + scores.
+// floor_us = bytes / the device-to-device copy bandwidth measured at start (read + write).
+// Rotation: R >= 2 disjoint cache regions of B x L tokens (>= 102400 pages = 6.7 GB in all);
+// call i uses region i % R (its own q, selection lists and Quest metadata), so consecutive
+// calls never find their rows in L2. Timing: events around a batch of calls, 30 batches,
+// median per call.
+//
+// Build: nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_sparse.cu
+//   <build>/libspade_cuda.a -lcublasLt -lcublas -o bench_sparse
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/ops.h"
+#include "backend/cuda/sparse_attention.h"
+
+using namespace spade;
+using namespace spade::cuda;
+
+namespace {
+
+const int Hq = 32, Hkv = 8, D = 128, P = 16;
+double g_bw = 0;  // measured copy bandwidth, bytes/s
+FILE* g_out = nullptr;
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median per-call time (us) of f(i), i cycling through R rotations.
+double time_calls(int R, const std::function<void(int)>& f, float* us_min = nullptr) {
+  for (int i = 0; i < 2 * R + 2; ++i) f(i % R);
+  SPADE_CUDA(cudaDeviceSynchronize());
+  const int calls = std::max(R, 8) / R * R;
+  cudaEvent_t a, b;
+  SPADE_CUDA(cudaEventCreate(&a));
+  SPADE_CUDA(cudaEventCreate(&b));
+  std::vector<float> per;
+  for (int rep = 0; rep < 30; ++rep) {
+    SPADE_CUDA(cudaEventRecord(a));
+    for (int i = 0; i < calls; ++i) f(i % R);
+    SPADE_CUDA(cudaEventRecord(b));
+    SPADE_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    SPADE_CUDA(cudaEventElapsedTime(&ms, a, b));
+    per.push_back(ms * 1000.f / calls);
+  }
+  SPADE_CUDA(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  if (us_min) *us_min = *std::min_element(per.begin(), per.end());
+  return median(per);
+}
+
+void measure_bw() {
+  const size_t n = size_t(1) << 30;
+  void *x, *y;
+  SPADE_CUDA(cudaMalloc(&x, n));
+  SPADE_CUDA(cudaMalloc(&y, n));
+  SPADE_CUDA(cudaMemset(x, 1, n));
+  const double us = time_calls(1, [&](int) { SPADE_CUDA(cudaMemcpyAsync(y, x, n, cudaMemcpyDeviceToDevice)); });
+  g_bw = 2.0 * n / (us * 1e-6);
+  std::fprintf(g_out, "{\"kind\":\"hbm\",\"what\":\"cudaMemcpy D2D 1 GiB, read+write\",\"us\":%.2f,\"GBps\":%.1f}\n", us, g_bw * 1e-9);
+  std::fprintf(stderr, "D2D copy: %.1f GB/s\n", g_bw * 1e-9);
+  cudaFree(x);
+  cudaFree(y);
+}
+
+void emit(const char* method, int L, int B, int budget, double us, float us_min, double bytes,
+          int R, int items, int max_split) {
+  const double floor_us = bytes / g_bw * 1e6;
+  std::fprintf(g_out,
+               "{\"kind\":\"sparse\",\"method\":\"%s\",\"L\":%d,\"B\":%d,\"budget\":%d,\"Hq\":%d,"
+               "\"Hkv\":%d,\"D\":%d,\"page\":%d,\"us\":%.3f,\"us_min\":%.3f,\"bytes\":%.0f,"
+               "\"GBps\":%.1f,\"floor_us\":%.3f,\"x_floor\":%.3f,\"rotations\":%d,\"items\":%d,"
+               "\"max_split\":%d}\n",
+               method, L, B, budget, Hq, Hkv, D, P, us, us_min, bytes, bytes / us * 1e-3,
+               floor_us, us / floor_us, R, items, max_split);
+  std::fflush(g_out);
+  std::fprintf(stderr, "%-12s L=%6d B=%2d budget=%5d  %9.2f us  %7.1f GB/s  x_floor %.2f\n", method,
+               L, B, budget, us, bytes / us * 1e-3, us / floor_us);
+}
+
+void bench_shape(int L, int B) {
+  const int pps = L / P;  // L is a multiple of 16
+  const int64_t region_pages = int64_t(B) * pps;
+  int R = int(std::max<int64_t>(2, (102400 + region_pages - 1) / region_pages));
+  const size_t page_elems = size_t(Hkv) * P * D;
+  const size_t meta_page = size_t(Hkv) * 2 * D;
+  size_t free_b = 0, total_b = 0;
+  SPADE_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  const size_t per_region = size_t(region_pages) * (2 * page_elems + meta_page) * 2;
+  while (R > 1 && size_t(R) * per_region + (4ull << 30) > free_b) --R;
+  if (size_t(R) * per_region + (3ull << 30) > free_b) {
+    std::fprintf(stderr, "L=%d B=%d: does not fit, skipped\n", L, B);
+    return;
+  }
+  const int64_t pool_pages = R * region_pages;
+  DeviceArena arena(size_t(R) * per_region + (1536ull << 20));
+  bf16* K = arena.alloc_n<bf16>(size_t(pool_pages) * page_elems, "K");
+  bf16* V = arena.alloc_n<bf16>(size_t(pool_pages) * page_elems, "V");
+  bf16* meta = arena.alloc_n<bf16>(size_t(pool_pages) * meta_page, "meta");
+  fill_random_bf16(K, int64_t(pool_pages * page_elems), 11 + L + B, 1.f, 0.f, 0);
+  fill_random_bf16(V, int64_t(pool_pages * page_elems), 22 + L + B, 1.f, 0.f, 0);
+  bf16* q = arena.alloc_n<bf16>(size_t(R) * B * Hq * D, "q");
+  bf16* o = arena.alloc_n<bf16>(size_t(B) * Hq * D, "out");
+  fill_random_bf16(q, int64_t(R) * B * Hq * D, 33, 1.f, 0.f, 0);
+  // Page table (same in every region): a shuffled permutation of the region's pages.
+  std::vector<int32_t> perm(region_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937 rng(L + B);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  // Quest metadata of every page of the pool (pool-wide page ids 0..pool_pages-1).
+  {
+    std::vector<int32_t> ids(pool_pages), nv(pool_pages, P);
+    std::iota(ids.begin(), ids.end(), 0);
+    int32_t* d = arena.alloc_n<int32_t>(2 * size_t(pool_pages), "meta ids");
+    SPADE_CUDA(cudaMemcpy(d, ids.data(), 4 * ids.size(), cudaMemcpyHostToDevice));
+    SPADE_CUDA(cudaMemcpy(d + pool_pages, nv.data(), 4 * nv.size(), cudaMemcpyHostToDevice));
+    quest_update_meta(K, meta, d, d + pool_pages, int(pool_pages), Hkv, P, D, 0);
+    SPADE_CUDA(cudaDeviceSynchronize());
+  }
+  auto Kr = [&](int r) { return K + size_t(r) * region_pages * page_elems; };
+  auto Vr = [&](int r) { return V + size_t(r) * region_pages * page_elems; };
+  auto Mr = [&](int r) { return meta + size_t(r) * region_pages * meta_page; };
+  auto Qr = [&](int r) { return q + size_t(r) * B * Hq * D; };
+  const float scale = 1.f / std::sqrt(float(D));
+  const double qo_bytes = 2.0 * B * Hq * D * 2;
+
+  // Full attention (v3 auto).
+  {
+    AttnLimits lim;
+    lim.max_batch = B;
+    lim.max_q_tokens = B;
+    lim.max_pages = region_pages;
+    const size_t mark = arena.used();
+    AttentionWorkspace ws(arena, lim, Hq, Hkv, D, P);
+    std::vector<AttnSeq> batch(B);
+    for (int b = 0; b < B; ++b) batch[b] = {perm.data() + size_t(b) * pps, pps, L, 1};
+    ws.plan(batch, 0, 0);
+    float mn;
+    const double us = time_calls(R, [&](int r) { ws.run(Qr(r), Kr(r), Vr(r), o, scale, 0); }, &mn);
+    emit("full", L, B, 0, us, mn, double(B) * L * Hkv * D * 2 * 2 + qo_bytes, R, ws.n_items(), ws.n_split());
+    SPADE_CUDA(cudaDeviceSynchronize());
+    arena.reset(mark);
+  }
+
+  std::vector<SparseSeq> seqs(B);
+  for (int b = 0; b < B; ++b) seqs[b] = {perm.data() + size_t(b) * pps, pps, L};
+  SparseAttention sa(arena, B, region_pages, Hq, Hkv, D, P, 64);
+  const int max_budget = L / 10 > 4096 ? L / 10 : 4096;
+  int32_t* d_off = arena.alloc_n<int32_t>(size_t(B) * Hkv + 1, "sel_off");
+  int32_t* d_idx = arena.alloc_n<int32_t>(size_t(R) * B * Hkv * max_budget, "sel_idx");
+  int32_t* d_qsel = arena.alloc_n<int32_t>(size_t(B) * Hkv * (4096 / 16), "quest sel");
+  float* d_scores = arena.alloc_n<float>(size_t(B) * Hkv * pps, "quest scores");
+  int32_t* d_qpt = arena.alloc_n<int32_t>(size_t(region_pages) + 2 * B + 2 * B, "quest pt");
+  int32_t* d_last = d_qpt + region_pages + 2 * B;  // [B] last page ids, then [B] n_valid
+  {
+    std::vector<int32_t> h(region_pages + 4 * B);
+    std::copy(perm.begin(), perm.end(), h.begin());
+    for (int b = 0; b < B; ++b) {
+      h[region_pages + b] = b * pps;               // page_off
+      h[region_pages + B + b] = L;                 // kv_len
+      h[region_pages + 2 * B + b] = perm[size_t(b) * pps + pps - 1];
+      h[region_pages + 3 * B + b] = P;
+    }
+    SPADE_CUDA(cudaMemcpy(d_qpt, h.data(), 4 * h.size(), cudaMemcpyHostToDevice));
+  }
+  // Uploads R sets of stratified-random lists (n entries of [0, range) per list, n_lists
+  // lists), CSR offsets at stride n.
+  auto upload_lists = [&](int n_lists, int n, int range) {
+    std::vector<int32_t> h(size_t(R) * n_lists * n);
+    const double w = double(range) / n;
+    for (size_t li = 0; li < size_t(R) * n_lists; ++li)
+      for (int j = 0; j < n; ++j) {
+        const int lo = int(j * w), hi = std::max(lo + 1, int((j + 1) * w));
+        h[li * n + j] = lo + int(rng() % uint32_t(hi - lo));
+      }
+    SPADE_CUDA(cudaMemcpy(d_idx, h.data(), 4 * h.size(), cudaMemcpyHostToDevice));
+    std::vector<int32_t> off(size_t(n_lists) + 1);
+    for (int l = 0; l <= n_lists; ++l) off[l] = l * n;
+    SPADE_CUDA(cudaMemcpy(d_off, off.data(), 4 * off.size(), cudaMemcpyHostToDevice));
+  };
+  auto Ir = [&](int r, int n_lists, int n) { return d_idx + size_t(r) * n_lists * n; };
+
+  for (int budget : {1024, 2048, 4096}) {
+    const double kv_row = 2.0 * D * 2;  // K + V bytes per row and KV head
+    float mn;
+    {  // token lists per (request, KV head)
+      const int nl = B * Hkv;
+      upload_lists(nl, budget, L);
+      sa.plan(seqs, SelGran::Token, Hkv, std::vector<int>(nl, budget), nullptr, 0);
+      const double us = time_calls(R, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, budget), o, scale, 0); }, &mn);
+      emit("token", L, B, budget, us, mn, double(nl) * budget * (kv_row + 4) + qo_bytes, R, sa.n_items(), sa.max_split_used());
+    }
+    {  // one shared token list per request
+      const int nl = B;
+      upload_lists(nl, budget, L);
+      sa.plan(seqs, SelGran::Token, 1, std::vector<int>(nl, budget), nullptr, 0);
+      const double us = time_calls(R, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, budget), o, scale, 0); }, &mn);
+      emit("shared_token", L, B, budget, us, mn, double(B) * Hkv * budget * kv_row + nl * budget * 4.0 + qo_bytes, R, sa.n_items(), sa.max_split_used());
+    }
+    const int kp = budget / 16;
+    {  // 16-token pages per (request, KV head)
+      const int nl = B * Hkv;
+      upload_lists(nl, kp, pps);
+      sa.plan(seqs, SelGran::Chunk16, Hkv, std::vector<int>(nl, kp), nullptr, 0);
+      const double us = time_calls(R, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, kp), o, scale, 0); }, &mn);
+      emit("page16", L, B, budget, us, mn, double(nl) * kp * (16 * kv_row + 4) + qo_bytes, R, sa.n_items(), sa.max_split_used());
+    }
+    {  // Quest: metadata update (last pages) + scores + top-k (+ attention)
+      const int nl = B * Hkv;
+      std::vector<int32_t> off(size_t(nl) + 1);
+      for (int l = 0; l <= nl; ++l) off[l] = l * kp;
+      SPADE_CUDA(cudaMemcpy(d_off, off.data(), 4 * off.size(), cudaMemcpyHostToDevice));
+      sa.plan(seqs, SelGran::Chunk16, Hkv, std::vector<int>(nl, kp), nullptr, 0);
+      auto qargs = [&](int r) {
+        return QuestArgs{Qr(r), Mr(r), d_qpt, d_qpt + region_pages, d_qpt + region_pages + B,
+                         d_scores, d_qsel, B, Hq, Hkv, D, pps, kp};
+      };
+      auto select = [&](int r) {
+        quest_update_meta(Kr(r), Mr(r), d_last, d_last + B, B, Hkv, P, D, 0);
+        quest_select(qargs(r), 0);
+      };
+      const double sel_bytes = double(nl) * (pps - 1) * 4 * D      // metadata
+                               + double(nl) * (pps - 1) * 4 * 2     // scores written + read
+                               + double(nl) * kp * 4                // selection
+                               + double(B) * Hkv * (P * D * 2 + 4 * D);  // last-page update
+      const double att_bytes = double(nl) * kp * (16 * kv_row + 4) + qo_bytes;
+      double us = time_calls(R, select, &mn);
+      emit("quest_select", L, B, budget, us, mn, sel_bytes, R, 0, 0);
+      if (budget == 4096) {  // the two big stages alone (top-k does not depend on the budget much)
+        us = time_calls(R, [&](int r) { quest_score(qargs(r), 0); }, &mn);
+        emit("quest_score", L, B, budget, us, mn, double(nl) * (pps - 1) * (4.0 * D + 4), R, 0, 0);
+        us = time_calls(R, [&](int r) { quest_topk(qargs(r), 0); }, &mn);
+        emit("quest_topk", L, B, budget, us, mn, double(nl) * ((pps - 1) * 4.0 + kp * 4), R, 0, 0);
+      }
+      us = time_calls(R, [&](int r) {
+        select(r);
+        sa.run(Qr(r), Kr(r), Vr(r), d_off, d_qsel, o, scale, 0);
+      }, &mn);
+      emit("quest", L, B, budget, us, mn, sel_bytes + att_bytes, R, sa.n_items(), sa.max_split_used());
+    }
+    if (L >= 131072 && B <= 8) {  // hybrid: 2 dense heads + 6 sparse heads
+      const int nl = B * Hkv;
+      upload_lists(nl, budget, L);
+      std::vector<uint8_t> dense = {1, 1, 0, 0, 0, 0, 0, 0};
+      sa.plan(seqs, SelGran::Token, Hkv, std::vector<int>(nl, budget), &dense, 0);
+      const double us = time_calls(R, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, budget), o, scale, 0); }, &mn);
+      const double bytes = double(B) * 2 * L * kv_row + double(B) * 6 * budget * (kv_row + 4) + qo_bytes;
+      emit("hybrid_2d", L, B, budget, us, mn, bytes, R, sa.n_items(), sa.max_split_used());
+    }
+  }
+  if (L >= 131072) {  // all 8 KV heads sparse at 90% sparsity (token lists of L/10)
+    const int n = L / 10, nl = B * Hkv;
+    upload_lists(nl, n, L);
+    sa.plan(seqs, SelGran::Token, Hkv, std::vector<int>(nl, n), nullptr, 0);
+    float mn;
+    const double us = time_calls(R, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, n), o, scale, 0); }, &mn);
+    emit("hybrid90", L, B, n, us, mn, double(nl) * n * (2.0 * D * 2 + 4) + qo_bytes, R, sa.n_items(), sa.max_split_used());
+  }
+  SPADE_CUDA(cudaDeviceSynchronize());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    g_out = argc > 1 ? std::fopen(argv[1], "w") : stdout;
+    if (!g_out) return 2;
+    if (argc > 2 && std::string(argv[2]) == "none") return 0;  // start-up check
+    std::fprintf(stderr, "%s\n", device_summary().c_str());
+    measure_bw();
+    std::vector<int> Ls = {32768, 131072}, Bs = {1, 8, 32};
+    if (argc > 2) Ls = {std::atoi(argv[2])};
+    if (argc > 3) Bs = {std::atoi(argv[3])};
+    for (int L : Ls)
+      for (int B : Bs) bench_shape(L, B);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_sparse: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

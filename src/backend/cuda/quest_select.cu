@@ -1,0 +1,387 @@
+// Quest on the GPU (issue 9): per-page key min/max metadata, page scoring, per-(request, KV
+// head) top-k by radix select. API in sparse_attention.h.
+//
+// quest_update_meta_kernel
+//   reads  K pages [page][Hkv][P][D] bf16: n_valid rows of each listed page-head (<= P*D*2 B)
+//   writes meta [page][Hkv][2][D] bf16 (min row, max row; 4*D bytes per page-head = 1/8 of
+//          the page-head's K+V at P = 16)
+//   one warp per (listed page, KV head); lane owns D/32 columns.
+// quest_score_kernel
+//   reads  meta of every page but the last of each (request, KV head): 4*D bytes per page-head
+//          (512 B at D = 128: 1/16 of the K+V bytes full attention reads), page table, q
+//   writes scores fp32 [B][Hkv][max_pages] (4 B per page-head)
+//   CTA = 128 pages of one (request, KV head), 256 threads: the 128 meta rows are staged in
+//   shared memory (16 independent 16-byte loads per thread in flight) as 32-bit words with a
+//   one-word pad per row (a thread reads its page's row: no bank conflicts); thread (page p,
+//   half) then sums max(q_g[d] kmax[d], q_g[d] kmin[d]) over d = 0..D-1 IN ORDER for the heads
+//   g = half, half + 2, ... (the CPU's quest_page_bound order, __fmul_rn / __fadd_rn: no FMA
+//   contraction, so the fp32 scores are bit-identical) and the group max is taken over both.
+//   Shared memory 75 KB at D = 128 (3 CTAs per SM).
+// topk_kernel (Quest and topk_rows)
+//   reads  n fp32 scores of one row once into shared memory as keys (rows up to 40960 entries;
+//          longer rows re-read L2 in each of the 6 passes: 4 digit histograms, 2 compaction)
+//   writes k int32 indices, ascending
+//   CTA = one row, 1024 threads. Scores map to order-preserving uint32 keys (NaN lowest, -0 =
+//   +0); 4 passes of 8-bit digit histograms in shared memory find the k-th largest key T; a
+//   block scan over position order then keeps every key > T and the lowest-index keys == T,
+//   i.e. exactly the CPU's ranks_before order (higher score, then lower position).
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/sparse_attention.h"
+
+namespace spade::cuda {
+namespace {
+
+constexpr int kQPB = 128;       // pages per scoring CTA
+constexpr int kQThreads = 256;  // 2 threads per page
+
+__global__ void quest_update_meta_kernel(const bf16* __restrict__ k, bf16* __restrict__ meta,
+                                         const int32_t* __restrict__ page_ids,
+                                         const int32_t* __restrict__ n_valid, int n, int Hkv,
+                                         int P, int D) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (warp >= n * Hkv) return;
+  const int i = warp / Hkv, h = warp % Hkv;
+  const int pid = page_ids[i], nv = n_valid[i];
+  const bf16* src = k + (int64_t(pid) * Hkv + h) * P * D;
+  bf16* dst = meta + (int64_t(pid) * Hkv + h) * 2 * D;
+  for (int d = lane; d < D; d += 32) {
+    float mn = INFINITY, mx = -INFINITY;
+    for (int r = 0; r < nv; ++r) {
+      const float x = __bfloat162float(src[r * D + d]);
+      mn = fminf(mn, x);
+      mx = fmaxf(mx, x);
+    }
+    dst[d] = __float2bfloat16(mn);  // exact: bf16 in, bf16 out (+-inf for an empty page)
+    dst[D + d] = __float2bfloat16(mx);
+  }
+}
+
+// GH: heads per thread (ceil(G / 2)); the two threads of a page take heads g = half + 2j.
+template <int D, int GH>
+__global__ void __launch_bounds__(kQThreads, 2) quest_score_kernel(const QuestArgs a) {
+  constexpr int RW = D + 1;  // 32-bit words per staged row (2*D bf16 + 1 pad word)
+  constexpr int V = D / 4;   // 16-byte pieces per meta row (2*D bf16 = 4*D bytes)
+  constexpr int IT = kQPB * V / kQThreads;
+  extern __shared__ uint32_t sm_words[];
+  uint32_t* rows = sm_words;                                     // [kQPB][RW]
+  float* sq = reinterpret_cast<float*>(sm_words + kQPB * RW);    // [G][D]
+  float* sbest = sq + 16 * D;                                    // [2][kQPB]
+  int* spid = reinterpret_cast<int*>(sbest + 2 * kQPB);          // [kQPB]
+  const int b = blockIdx.z, h = blockIdx.y, tid = threadIdx.x;
+  const int G = a.Hq / a.Hkv;
+  const int L = a.kv_len[b];
+  const int np = (L + 15) / 16;
+  const int n = np - 1;  // scored pages (the last one is always taken)
+  const int p0 = blockIdx.x * kQPB;
+  if (p0 >= n) return;
+  const int cnt = min(kQPB, n - p0);
+  const int* pt = a.page_table + a.page_off[b];
+  if (tid < cnt) spid[tid] = __ldg(pt + p0 + tid);
+  for (int i = tid; i < G * D; i += kQThreads)
+    sq[i] = __bfloat162float(a.q[(int64_t(b) * a.Hq + h * G) * D + i]);
+  __syncthreads();
+  // Stage the meta rows: IT independent 16-byte loads per thread in flight, then the stores.
+  {
+    uint4 w[IT];
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+      const int idx = tid + i * kQThreads, p = idx / V, c = idx % V;
+      if (p < cnt)
+        w[i] = __ldg(reinterpret_cast<const uint4*>(a.meta + (int64_t(spid[p]) * a.Hkv + h) * 2 * D) + c);
+    }
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+      const int idx = tid + i * kQThreads, p = idx / V, c = idx % V;
+      if (p < cnt) {
+        uint32_t* dst = rows + p * RW + c * 4;
+        dst[0] = w[i].x, dst[1] = w[i].y, dst[2] = w[i].z, dst[3] = w[i].w;
+      }
+    }
+  }
+  __syncthreads();
+  // Thread (page p, half): heads g = half, half + 2, ... (the max over g is order-free; each
+  // head's sum runs over d in order, as the CPU's).
+  const int p = tid % kQPB, half = tid / kQPB;
+  float best = -INFINITY;
+  if (p < cnt) {
+    const uint32_t* row = rows + p * RW;
+    float acc[GH];
+#pragma unroll
+    for (int j = 0; j < GH; ++j) acc[j] = 0.f;
+    const bool odd_tail = half + 2 * (GH - 1) >= G;  // last head slot empty (G odd, half 1)
+#pragma unroll 2
+    for (int d4 = 0; d4 < D / 4; ++d4) {
+      const uint32_t wmn0 = row[2 * d4], wmn1 = row[2 * d4 + 1];
+      const uint32_t wmx0 = row[D / 2 + 2 * d4], wmx1 = row[D / 2 + 2 * d4 + 1];
+      const float mn[4] = {__uint_as_float(wmn0 << 16), __uint_as_float(wmn0 & 0xffff0000u),
+                           __uint_as_float(wmn1 << 16), __uint_as_float(wmn1 & 0xffff0000u)};
+      const float mx[4] = {__uint_as_float(wmx0 << 16), __uint_as_float(wmx0 & 0xffff0000u),
+                           __uint_as_float(wmx1 << 16), __uint_as_float(wmx1 & 0xffff0000u)};
+#pragma unroll
+      for (int j = 0; j < GH; ++j) {
+        const int g = min(half + 2 * j, G - 1);  // clamped: an empty slot recomputes head G-1
+        const float4 qv = *reinterpret_cast<const float4*>(sq + g * D + 4 * d4);
+        const float qq[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc[j] = __fadd_rn(acc[j], fmaxf(__fmul_rn(qq[e], mx[e]), __fmul_rn(qq[e], mn[e])));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < GH; ++j)
+      if (j < GH - 1 || !odd_tail) best = fmaxf(best, acc[j]);
+  }
+  sbest[half * kQPB + p] = best;
+  __syncthreads();
+  if (tid < cnt)
+    a.scores[(int64_t(b) * a.Hkv + h) * a.max_pages + p0 + tid] = fmaxf(sbest[tid], sbest[kQPB + tid]);
+}
+
+__device__ __forceinline__ uint32_t order_key(float f) {
+  if (f != f) return 0u;  // NaN ranks last
+  if (f == 0.f) f = 0.f;  // -0 ties with +0
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+constexpr int kTopkThreads = 1024;
+
+// Exclusive block scan of v (kTopkThreads threads); returns the prefix, *total the sum.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) s_warp[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < kTopkThreads / 32 ? s_warp[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    s_warp[32 + lane] = w;  // inclusive prefix of warp sums
+  }
+  __syncthreads();
+  const int before = (warp > 0 ? s_warp[32 + warp - 1] : 0) + x - v;
+  *total = s_warp[32 + kTopkThreads / 32 - 1];
+  __syncthreads();
+  return before;
+}
+
+// Writes the k best of scores[0..n) (k < n) ascending into out[0..k). CACHED: the keys are
+// first copied into shared memory skeys[0..n) (8 loads in flight per thread), and every pass
+// reads them there; else each pass re-reads the scores (from L2).
+template <bool CACHED>
+__device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __restrict__ out,
+                         uint32_t* skeys) {
+  __shared__ uint32_t hist[256];
+  __shared__ int s_warp[64];
+  __shared__ uint32_t s_digit, s_above;
+  const int tid = threadIdx.x;
+  if (CACHED) {
+    int i = tid;
+    for (; i + 7 * kTopkThreads < n; i += 8 * kTopkThreads) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = sc[i + u * kTopkThreads];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) skeys[i + u * kTopkThreads] = order_key(v[u]);
+    }
+    for (; i < n; i += kTopkThreads) skeys[i] = order_key(sc[i]);
+    __syncthreads();
+  }
+  auto key = [&](int i) { return CACHED ? skeys[i] : order_key(sc[i]); };
+  uint32_t prefix = 0, mask = 0;
+  int rem = k;  // how many of the keys matching prefix are still to take
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = tid; i < 256; i += kTopkThreads) hist[i] = 0;
+    __syncthreads();
+    // Warp-aggregated: lanes with the same digit add once (scores cluster in a few digits,
+    // which would otherwise serialize on one shared-memory address).
+    for (int i0 = tid - (tid & 31); i0 < n; i0 += kTopkThreads) {
+      const int i = i0 + (tid & 31);
+      const uint32_t u = i < n ? key(i) : 0u;
+      const bool live = i < n && (u & mask) == prefix;
+      const uint32_t dig = live ? (u >> shift) & 255 : 256u;
+      const uint32_t peers = __match_any_sync(0xffffffffu, dig);
+      if (live && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[dig], uint32_t(__popc(peers)));
+    }
+    __syncthreads();
+    if (tid < 32) {
+      // Lane l owns bins 255 - 8l - 7 .. 255 - 8l (descending); suffix counts from the top.
+      uint32_t c[8], sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) c[j] = hist[255 - 8 * tid - j], sum += c[j];
+      uint32_t incl = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (tid >= o) incl += y;
+      }
+      const uint32_t excl = incl - sum;
+      if (excl < uint32_t(rem) && incl >= uint32_t(rem)) {  // exactly one lane
+        uint32_t run = excl;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (run + c[j] >= uint32_t(rem)) {
+            s_digit = 255 - 8 * tid - j;
+            s_above = run;
+            break;
+          }
+          run += c[j];
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= s_digit << shift;
+    mask |= 255u << shift;
+    rem -= int(s_above);
+    __syncthreads();
+  }
+  const uint32_t T = prefix;  // the k-th largest key; take `rem` of the keys equal to T
+  const int seg = (n + kTopkThreads - 1) / kTopkThreads;
+  const int i0 = min(n, tid * seg), i1 = min(n, i0 + seg);
+  int n_eq = 0;
+  for (int i = i0; i < i1; ++i) n_eq += key(i) == T;
+  int tot;
+  const int eq_before = block_exclusive_scan(n_eq, s_warp, &tot);
+  int n_sel = 0;
+  {
+    int e = eq_before;
+    for (int i = i0; i < i1; ++i) {
+      const uint32_t u = key(i);
+      if (u > T) ++n_sel;
+      else if (u == T && e++ < rem) ++n_sel;
+    }
+  }
+  int pos = block_exclusive_scan(n_sel, s_warp, &tot);
+  {
+    int e = eq_before;
+    for (int i = i0; i < i1; ++i) {
+      const uint32_t u = key(i);
+      if (u > T || (u == T && e++ < rem)) out[pos++] = i;
+    }
+  }
+}
+
+// Dynamic shared memory of the top-k kernels: keys of rows up to kTopkCache entries.
+constexpr int kTopkCache = 40960;  // 160 KB
+
+__global__ void __launch_bounds__(kTopkThreads) quest_topk_kernel(const QuestArgs a, int cache) {
+  extern __shared__ uint32_t skeys[];
+  const int row = blockIdx.x, b = row / a.Hkv;
+  const int L = a.kv_len[b];
+  const int np = (L + 15) / 16;
+  int32_t* out = a.sel_idx + int64_t(row) * a.k_pages;
+  if (a.k_pages >= np) {
+    for (int i = threadIdx.x; i < np; i += kTopkThreads) out[i] = i;
+    return;
+  }
+  if (a.k_pages > 1) {
+    const float* sc = a.scores + int64_t(row) * a.max_pages;
+    if (np - 1 <= cache) topk_row<true>(sc, np - 1, a.k_pages - 1, out, skeys);
+    else topk_row<false>(sc, np - 1, a.k_pages - 1, out, skeys);
+  }
+  if (threadIdx.x == 0) out[a.k_pages - 1] = np - 1;
+}
+
+__global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const float* sc, int64_t ld,
+                                                                 const int32_t* n, int k, int32_t* out,
+                                                                 int cache) {
+  extern __shared__ uint32_t skeys[];
+  const int row = blockIdx.x;
+  const int nr = n[row];
+  int32_t* o = out + int64_t(row) * k;
+  if (k >= nr) {
+    for (int i = threadIdx.x; i < nr; i += kTopkThreads) o[i] = i;
+    return;
+  }
+  if (k > 0) {
+    if (nr <= cache) topk_row<true>(sc + row * ld, nr, k, o, skeys);
+    else topk_row<false>(sc + row * ld, nr, k, o, skeys);
+  }
+}
+
+}  // namespace
+
+void quest_update_meta(const bf16* k_cache, bf16* meta, const int32_t* page_ids,
+                       const int32_t* n_valid, int n, int Hkv, int P, int D, cudaStream_t s) {
+  if (n <= 0) return;
+  const int warps = n * Hkv;
+  quest_update_meta_kernel<<<(warps + 7) / 8, 256, 0, s>>>(k_cache, meta, page_ids, n_valid, n, Hkv, P, D);
+  SPADE_CUDA_LAUNCH();
+}
+
+void quest_score(const QuestArgs& a, cudaStream_t s) {
+  SPADE_CHECK(a.D == 64 || a.D == 128, "quest_score: head dim ", a.D);
+  SPADE_CHECK(a.Hq % a.Hkv == 0 && a.Hq / a.Hkv <= 16, "quest_score: G must be <= 16");
+  const size_t smem = size_t(kQPB) * (a.D + 1) * 4 + size_t(16) * a.D * 4 + 3 * kQPB * 4;
+  dim3 grid((a.max_pages + kQPB - 1) / kQPB, a.Hkv, a.B);
+  const int GH = (a.Hq / a.Hkv + 1) / 2;
+  static bool attr_done[2][9] = {};
+  auto go = [&](auto kernel) {
+    bool& done = attr_done[a.D == 128][GH];
+    if (!done) {
+      SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 << 10));
+      done = true;
+    }
+    kernel<<<grid, kQThreads, smem, s>>>(a);
+  };
+  switch (GH * (a.D == 128 ? 1 : -1)) {
+    case 1: go(quest_score_kernel<128, 1>); break;
+    case 2: go(quest_score_kernel<128, 2>); break;
+    case 3: go(quest_score_kernel<128, 3>); break;
+    case 4: go(quest_score_kernel<128, 4>); break;
+    case 5: go(quest_score_kernel<128, 5>); break;
+    case 6: go(quest_score_kernel<128, 6>); break;
+    case 7: go(quest_score_kernel<128, 7>); break;
+    case 8: go(quest_score_kernel<128, 8>); break;
+    case -1: go(quest_score_kernel<64, 1>); break;
+    case -2: go(quest_score_kernel<64, 2>); break;
+    case -3: go(quest_score_kernel<64, 3>); break;
+    case -4: go(quest_score_kernel<64, 4>); break;
+    case -5: go(quest_score_kernel<64, 5>); break;
+    case -6: go(quest_score_kernel<64, 6>); break;
+    case -7: go(quest_score_kernel<64, 7>); break;
+    default: go(quest_score_kernel<64, 8>); break;
+  }
+  SPADE_CUDA_LAUNCH();
+}
+
+template <typename K>
+int topk_cache_attr(K kernel, int64_t max_n) {
+  static bool done = false;
+  if (!done) {
+    SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTopkCache * 4));
+    done = true;
+  }
+  return int(std::min<int64_t>(max_n, kTopkCache));
+}
+
+void quest_topk(const QuestArgs& a, cudaStream_t s) {
+  const int cache = topk_cache_attr(quest_topk_kernel, a.max_pages);
+  quest_topk_kernel<<<a.B * a.Hkv, kTopkThreads, size_t(cache) * 4, s>>>(a, cache);
+  SPADE_CUDA_LAUNCH();
+}
+
+void quest_select(const QuestArgs& a, cudaStream_t s) {
+  quest_score(a, s);
+  quest_topk(a, s);
+}
+
+void topk_rows(const float* scores, int64_t ld, const int32_t* n, int n_rows, int k, int32_t* out,
+               cudaStream_t s) {
+  if (n_rows <= 0) return;
+  const int cache = topk_cache_attr(topk_rows_kernel, ld);
+  topk_rows_kernel<<<n_rows, kTopkThreads, size_t(cache) * 4, s>>>(scores, ld, n, k, out, cache);
+  SPADE_CUDA_LAUNCH();
+}
+
+}  // namespace spade::cuda

@@ -1,0 +1,602 @@
+// Decode attention over selections (issue 9); API and selection formats in sparse_attention.h.
+//
+// Layout read: q bf16 [B, Hq, D]; K/V bf16 pages [page][Hkv][P][D] (HND, like KVPool and the
+// dense decode kernel); page table int32 per request; selection CSR sel_off / sel_idx int32.
+// Layout written: out bf16 [B, Hq, D]; with splits, partials fp32 [split][B*Hq][D] and
+// log2-sum-exp [split][B*Hq], combined by the LAST CTA of each (request, KV head) to arrive
+// (arrival counter per (request, KV head), reset by that CTA): one launch.
+//
+// Work: a CTA = work item {request, KV head (+ dense flag), split, nsplit} with W = 4 warps.
+// A list is cut into chunks of 16 rows (one mma k-step of P.V): Token lists -> 16 positions
+// per chunk, each row gathered through the page table on its own (a 256-byte K row and V row
+// at D = 128); Chunk16 / Block64 / dense heads -> one 16-token run of one page per chunk (needs
+// P % 16 == 0). Warp w of a CTA streams chunks w, w+4, ... of its split through a private
+// 3-stage cp.async ring (16-byte copies, rows swizzled for ldmatrix; invalid rows zero-filled),
+// exactly like the dense v3 kernel (attention_decode.cu); the row addresses of a chunk are
+// resolved two chunks ahead (list entry) and one chunk ahead (page id), so neither dependent
+// load sits in front of a copy. Token mode: lane l < 16 resolves row l, rows reach the copying
+// lanes by __shfl_sync. Compute per chunk: mma.sync m16n8k16 (bf16 -> fp32) with the G <= 16
+// query heads of the KV head as rows: S = Q K^T, online softmax in log2 units (lazy rescale),
+// O += P V; the 4 warps merge through shared memory.
+// Bytes (the floor the benchmark divides by HBM bandwidth): per (request, KV head) 2*n*D*2
+// bytes of K+V for n selected rows (+ 4n index bytes in token mode, 4 per entry otherwise),
+// q + out 2*Hq*D*2 per request, partials 2 * splits * G * (D + 1) * 4 per (request, KV head).
+// Shared memory: 4 KB Q + 4 warps x 3 stages x 8 KB (D = 128) + 1 KB alignment = 101 KB
+// (2 CTAs per SM).
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/sparse_attention.h"
+
+namespace spade::cuda {
+namespace {
+using namespace attn_detail;
+
+struct SpArgs {
+  const bf16* q;
+  bf16* out;
+  const bf16* k;
+  const bf16* v;
+  const int32_t* page_table;
+  const int32_t* page_off;
+  const int32_t* kv_len;
+  const int32_t* sel_off;
+  const int32_t* sel_idx;
+  const int4* items;
+  float* part_o;
+  float* part_lse;
+  int* counters;
+  int Hq, Hkv, G, P, lists_per_req, gran;  // gran: SelGran as int
+  int64_t total_rows;                      // B * Hq
+  float scale_log2;
+};
+
+constexpr int kTK = 16;  // rows per chunk
+
+template <int D, int W, int S>
+struct SpCfg {
+  static constexpr int kThreads = W * 32;
+  static constexpr int CH = D / 8;     // 16-byte chunks per row
+  static constexpr int RPI = 32 / CH;  // rows per warp-wide copy instruction
+  static constexpr int kTile = kTK * D;
+  static constexpr int kStage = 2 * kTile;
+  static constexpr size_t kQ = 4096;
+  static constexpr size_t kRing = size_t(W) * S * kStage * sizeof(bf16);
+  static constexpr size_t kMerge = size_t(W) * 16 * (D + 2) * sizeof(float);
+  static constexpr size_t kSmem = 1024 + ((kQ + kRing) > kMerge ? (kQ + kRing) : kMerge);
+};
+
+// TOKEN: Token lists (per-row gather); else Chunk16 / Block64 / dense (16-token runs).
+template <int D, int W, int S, bool TOKEN>
+__global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
+  using C = SpCfg<D, W, S>;
+  constexpr int CH = C::CH, RPI = C::RPI, NT = C::kThreads;
+  extern __shared__ __align__(1024) unsigned char smem_dyn[];
+  __shared__ int s_last;
+  unsigned char* smem_raw = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+  bf16* ring = reinterpret_cast<bf16*>(smem_raw + C::kQ);
+
+  const int4 item = a.items[blockIdx.x];
+  const int seq = item.x, kvh = item.y & 0xffff, split = item.z, nsplit = item.w;
+  const bool dense = (item.y >> 16) & 1;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = a.G, P = a.P;
+  const int L = a.kv_len[seq];
+  const int* pt = a.page_table + a.page_off[seq];
+  const int list = seq * a.lists_per_req + (a.lists_per_req == 1 ? 0 : kvh);
+  const int e0 = a.sel_off[list];
+  const int n_ent = dense ? 0 : a.sel_off[list + 1] - e0;
+  const int* sel = a.sel_idx + e0;
+  // Chunks of this (request, head), then this CTA's share of them.
+  int n_ch;
+  if (dense) n_ch = (L + kTK - 1) / kTK;
+  else if (TOKEN) n_ch = (n_ent + kTK - 1) / kTK;  // (gran == Token)
+  else n_ch = a.gran == int(SelGran::Block64) ? n_ent * 4 : n_ent;
+  const int per = (n_ch + nsplit - 1) / nsplit;
+  const int cb = split * per;
+  const int n_cta = max(0, min(n_ch, cb + per) - cb);
+  const int n_my = n_cta > warp ? (n_cta - warp + W - 1) / W : 0;
+
+  const int p_shift = (P & (P - 1)) == 0 ? __ffs(P) - 1 : -1;
+  auto pdiv = [&](int j) { return p_shift >= 0 ? j >> p_shift : j / P; };
+  auto pmod = [&](int j) { return p_shift >= 0 ? j & (P - 1) : j % P; };
+  const int cc = lane % CH, rl = lane / CH;
+  auto chunk_of = [&](int kk) { return cb + warp + kk * W; };
+
+  const bool tok_mode = TOKEN && !dense;  // CTA-uniform
+  // Stage A (two chunks ahead): the chunk's first token (page modes, all lanes) or the token
+  // of row lane & 15 (token mode); -1 = no row. Also the number of valid rows.
+  struct Ent {
+    int tok, lim;
+  };
+  auto stage_a = [&](int kk) -> Ent {
+    const int c = chunk_of(kk);
+    if (tok_mode) {
+      const int r = lane & 15;
+      const int j = c * kTK + r;
+      return {j < n_ent ? __ldg(sel + j) : -1, min(kTK, n_ent - c * kTK)};
+    }
+    int u;
+    if (dense) u = c;
+    else if (a.gran == int(SelGran::Block64)) u = __ldg(sel + (c >> 2)) * 4 + (c & 3);
+    else u = __ldg(sel + c);
+    const int t0 = u * kTK;
+    return {t0 < L ? t0 : -1, min(kTK, L - t0)};
+  };
+  // Stage B (one chunk ahead): row id (page * Hkv + kvh) * P + slot of that token.
+  auto stage_b = [&](int tok) -> int {
+    return tok < 0 ? -1 : (__ldg(pt + pdiv(tok)) * a.Hkv + kvh) * P + pmod(tok);
+  };
+  // Copies one chunk into ring stage st: token mode, row r from lane r's rid (shuffled);
+  // page modes, rows rid + r for r < lim. Invalid rows are zero-filled (V = 0: no 0 * NaN).
+  auto issue = [&](int st, int rid, int lim) {
+    bf16* dK = ring + (warp * S + st) * C::kStage;
+    bf16* dV = dK + C::kTile;
+#pragma unroll
+    for (int i = 0; i < kTK / RPI; ++i) {
+      const int r = rl + i * RPI;
+      int rr;
+      if (tok_mode) rr = __shfl_sync(0xffffffffu, rid, r);
+      else rr = (rid >= 0 && r < lim) ? rid + r : -1;
+      const bool valid = rr >= 0;
+      const int64_t off = valid ? int64_t(rr) * D + cc * 8 : 0;
+      cp_async16(dK + swz<D>(r, cc * 8), a.k + off, valid);
+      cp_async16(dV + swz<D>(r, cc * 8), a.v + off, valid);
+    }
+  };
+
+  // Q rows (the G heads of this KV head; rows >= G zero) in the first commit group.
+  for (int idx = tid; idx < 16 * CH; idx += NT) {
+    const int r = idx / CH, c = idx % CH;
+    const bool valid = r < G;
+    const bf16* src = a.q + (int64_t(seq) * a.Hq + kvh * G + r) * D + c * 8;
+    cp_async16(sQ + swz<D>(r, c * 8), valid ? src : a.q, valid);
+  }
+  // Ring prologue: chunks 0 .. S-2, with their entries resolved in place.
+  int lq[S];  // valid rows of chunks kk, kk + 1, ... (a register queue, shifted each step)
+#pragma unroll
+  for (int s = 0; s < S; ++s) lq[s] = 0;
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < n_my) {
+      const Ent e = stage_a(s);
+      lq[s] = e.lim;
+      issue(s, stage_b(e.tok), e.lim);
+    }
+    cp_async_commit();
+  }
+  // Pipeline registers: chunk S-1 resolved (rid), chunk S entry loaded (tok).
+  int rid_next = -1, lim_next = 0, tok_ahead = -1, lim_ahead = 0;
+  if (S - 1 < n_my) {
+    const Ent e = stage_a(S - 1);
+    lim_next = e.lim;
+    rid_next = stage_b(e.tok);
+  }
+  if (S < n_my) {
+    const Ent e = stage_a(S);
+    tok_ahead = e.tok;
+    lim_ahead = e.lim;
+  }
+  cp_async_wait<S - 2>();
+  __syncthreads();
+
+  uint32_t qa[D / 16][4];
+  {
+    const int mi = lane >> 3;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int r = (lane & 7) + ((mi & 1) ? 8 : 0);
+      const int col = kk * 16 + ((mi & 2) ? 8 : 0);
+      ldsm_x4(qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], sQ + swz<D>(r, col));
+    }
+  }
+  const bool hi_rows = G > 8;
+  float o[D / 8][4];
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nd][e] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int t4 = lane & 3;
+  const float sl2 = a.scale_log2;
+
+  int st_issue = S - 1, st_use = 0;
+  for (int kk = 0; kk < n_my; ++kk) {
+    __syncwarp();
+    const int kn = kk + S - 1;
+    if (kn < n_my) issue(st_issue, rid_next, lim_next);
+    lq[S - 1] = lim_next;
+    cp_async_commit();
+    // Advance the address pipeline: resolve chunk kn + 1 (page id), load chunk kn + 2's entry.
+    if (kn + 1 < n_my) {
+      rid_next = stage_b(tok_ahead);
+      lim_next = lim_ahead;
+    }
+    if (kn + 2 < n_my) {
+      const Ent e = stage_a(kn + 2);
+      tok_ahead = e.tok;
+      lim_ahead = e.lim;
+    }
+    const bf16* tK = ring + (warp * S + st_use) * C::kStage;
+    const bf16* tV = tK + C::kTile;
+    const int lim = lq[0];
+    cp_async_wait<S - 1>();
+    __syncwarp();
+    const unsigned char* bK = reinterpret_cast<const unsigned char*>(tK);
+    const unsigned char* bV = reinterpret_cast<const unsigned char*>(tV);
+    float s[kTK / 8][4], s2[kTK / 8][4];
+#pragma unroll
+    for (int nb = 0; nb < kTK / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nb][e] = 0.f, s2[nb][e] = 0.f;
+    const int mi = lane >> 3;
+#pragma unroll
+    for (int k16 = 0; k16 < D / 16; ++k16) {
+      const int r = (lane & 7) + ((mi & 2) ? 8 : 0);
+      const int col = k16 * 16 + ((mi & 1) ? 8 : 0);
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4(b0, b1, b2, b3, bK + swz<D>(r, col) * 2);
+      if (k16 & 1) {
+        mma16816(s2[0], qa[k16], b0, b1);
+        mma16816(s2[1], qa[k16], b2, b3);
+      } else {
+        mma16816(s[0], qa[k16], b0, b1);
+        mma16816(s[1], qa[k16], b2, b3);
+      }
+    }
+    const bool mask = lim < kTK;
+    float alpha[2] = {1.f, 1.f};
+    bool need = false;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (i == 1 && !hi_rows) break;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nb = 0; nb < kTK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = (s[nb][2 * i + e] + s2[nb][2 * i + e]) * sl2;
+          if (mask && nb * 8 + 2 * t4 + e >= lim) x = -INFINITY;
+          s[nb][2 * i + e] = x;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if (mx > m[i] + 8.f) {
+        alpha[i] = exp2f(m[i] - mx);
+        m[i] = mx;
+        need = true;
+      }
+      const float mu = m[i] == -INFINITY ? 0.f : m[i];
+      float rs = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < kTK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2f(s[nb][2 * i + e] - mu);
+          s[nb][2 * i + e] = p;
+          rs += p;
+        }
+      l[i] = l[i] * alpha[i] + rs;
+    }
+    if (__any_sync(0xffffffffu, need)) {
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        o[nd][0] *= alpha[0];
+        o[nd][1] *= alpha[0];
+        o[nd][2] *= alpha[1];
+        o[nd][3] *= alpha[1];
+      }
+    }
+    {
+      uint32_t pa[4];
+      pa[0] = pack_bf16(s[0][0], s[0][1]);
+      pa[1] = pack_bf16(s[0][2], s[0][3]);
+      pa[2] = pack_bf16(s[1][0], s[1][1]);
+      pa[3] = pack_bf16(s[1][2], s[1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int r = (lane & 7) + ((mi & 1) ? 8 : 0);
+        const int col = dp * 16 + ((mi & 2) ? 8 : 0);
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(b0, b1, b2, b3, bV + swz<D>(r, col) * 2);
+        mma16816(o[2 * dp], pa, b0, b1);
+        mma16816(o[2 * dp + 1], pa, b2, b3);
+      }
+    }
+    st_issue = st_issue + 1 == S ? 0 : st_issue + 1;
+    st_use = st_use + 1 == S ? 0 : st_use + 1;
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) lq[s] = lq[s + 1];
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+
+  // Merge the W warps (rows < G) through shared memory.
+  const int g8 = lane >> 2;
+  float* sO = reinterpret_cast<float*>(smem_raw);
+  float* sM = sO + W * 16 * D;
+  float* sL = sM + W * 16;
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = g8 + 8 * i;
+    if (r < G) {
+      float* dst = sO + (warp * 16 + r) * D;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd)
+        *reinterpret_cast<float2*>(dst + nd * 8 + 2 * t4) = make_float2(o[nd][2 * i], o[nd][2 * i + 1]);
+      if (t4 == 0) {
+        sM[warp * 16 + r] = m[i];
+        sL[warp * 16 + r] = l[i];
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t row_base = int64_t(seq) * a.Hq + kvh * G;
+  for (int idx = tid; idx < G * D; idx += NT) {
+    const int g = idx / D, d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, sM[w * 16 + g]);
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float sc = exp2f(sM[w * 16 + g] - mu);
+      num += sc * sO[(w * 16 + g) * D + d];
+      den += sc * sL[w * 16 + g];
+    }
+    const float val = den > 0.f ? num / den : 0.f;
+    const int64_t gr = row_base + g;
+    if (nsplit == 1) {
+      a.out[gr * D + d] = __float2bfloat16(val);
+    } else {
+      a.part_o[(int64_t(split) * a.total_rows + gr) * D + d] = val;
+      if (d == 0) a.part_lse[int64_t(split) * a.total_rows + gr] = den > 0.f ? mu + log2f(den) : -INFINITY;
+    }
+  }
+  if (nsplit == 1) return;
+
+  // Split combine by the last CTA of this (request, KV head) to finish.
+  __threadfence();
+  __syncthreads();
+  int* counter = a.counters + seq * a.Hkv + kvh;
+  if (tid == 0) s_last = atomicAdd(counter, 1) == nsplit - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int ns = nsplit;
+  constexpr int V4 = D / 4;
+  const int items = G * V4;
+  float* sW = reinterpret_cast<float*>(smem_raw);  // [ns][G]
+  float* sMu = sW + ns * G;
+  float* sInv = sMu + 16;
+  for (int idx = tid; idx < ns * G; idx += NT) {
+    const int sp = idx / G, g = idx % G;
+    sW[idx] = __ldcg(a.part_lse + int64_t(sp) * a.total_rows + row_base + g);
+  }
+  __syncthreads();
+  if (tid < G) {
+    float mx = -INFINITY;
+    for (int sp = 0; sp < ns; ++sp) mx = fmaxf(mx, sW[sp * G + tid]);
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float den = 0.f;
+    for (int sp = 0; sp < ns; ++sp) den += exp2f(sW[sp * G + tid] - mu);
+    sMu[tid] = mu;
+    sInv[tid] = den > 0.f ? 1.f / den : 0.f;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < ns * G; idx += NT) {
+    const int g = idx % G;
+    sW[idx] = exp2f(sW[idx] - sMu[g]) * sInv[g];
+  }
+  __syncthreads();
+  const int64_t sstride4 = a.total_rows * V4;
+  const float4* po4 = reinterpret_cast<const float4*>(a.part_o);
+  for (int i = tid; i < items; i += NT) {
+    const int g = i / V4;
+    const float4* src = po4 + (row_base + g) * V4 + (i % V4);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    int sp = 0;
+    for (; sp + 7 < ns; sp += 8) {
+      float4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = __ldcg(src + int64_t(sp + u) * sstride4);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const float w = sW[(sp + u) * G + g];
+        acc.x += w * v[u].x, acc.y += w * v[u].y, acc.z += w * v[u].z, acc.w += w * v[u].w;
+      }
+    }
+    for (; sp < ns; ++sp) {
+      const float4 v = __ldcg(src + int64_t(sp) * sstride4);
+      const float w = sW[sp * G + g];
+      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+    }
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + (row_base + g) * D + (i % V4) * 4);
+    dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
+    dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
+  }
+  if (tid == 0) *counter = 0;
+}
+
+constexpr int kW = 4, kS = 3;
+
+template <int D, bool TOKEN>
+void launch_one(const SpArgs& a, int n_items, cudaStream_t s) {
+  using C = SpCfg<D, kW, kS>;
+  static bool done = false;
+  if (!done) {
+    SPADE_CUDA(cudaFuncSetAttribute(sparse_decode_kernel<D, kW, kS, TOKEN>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmem)));
+    done = true;
+  }
+  sparse_decode_kernel<D, kW, kS, TOKEN><<<n_items, C::kThreads, C::kSmem, s>>>(a);
+  SPADE_CUDA_LAUNCH();
+}
+
+}  // namespace
+
+SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_pages, int Hq,
+                                 int Hkv, int D, int P, int max_split)
+    : Hq_(Hq), Hkv_(Hkv), D_(D), P_(P), max_batch_(max_batch), max_split_(max_split),
+      max_pages_(max_pages) {
+  SPADE_CHECK(D == 64 || D == 128, "sparse attention: head dim ", D, " (64 or 128 supported)");
+  SPADE_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "sparse attention: G = Hq / Hkv must be <= 16");
+  SPADE_CHECK(max_split >= 1 && max_split <= 1024, "sparse attention: max_split");
+  const int64_t max_items = int64_t(max_batch) * Hkv * max_split;
+  meta_cap_ = size_t(max_pages + 2 * max_batch + 8 + 4 * max_items);
+  meta_dev_ = arena.alloc_n<int32_t>(meta_cap_, "sparse attention metadata");
+  SPADE_CUDA(cudaMallocHost(&meta_host_, meta_cap_ * sizeof(int32_t)));
+  const size_t rows = size_t(max_batch) * Hq;
+  part_o_ = arena.alloc_n<float>(size_t(max_split) * rows * D, "sparse attention split partials");
+  part_lse_ = arena.alloc_n<float>(size_t(max_split) * rows, "sparse attention split lse");
+  counters_ = arena.alloc_n<int>(size_t(max_batch) * Hkv, "sparse attention split counters");
+  SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * size_t(max_batch) * Hkv));
+}
+
+int SparseAttention::ctas_per_sm() const {
+  int n = 0;
+  if (D_ == 128)
+    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<128, kW, kS, true>,
+                                                             kW * 32, SpCfg<128, kW, kS>::kSmem));
+  else
+    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<64, kW, kS, true>,
+                                                             kW * 32, SpCfg<64, kW, kS>::kSmem));
+  return std::max(n, 1);
+}
+
+void SparseAttention::plan(const std::vector<SparseSeq>& batch, SelGran gran, int lists_per_req,
+                           const std::vector<int>& max_entries,
+                           const std::vector<uint8_t>* dense_heads, cudaStream_t s,
+                           int force_split) {
+  const int B = int(batch.size());
+  SPADE_CHECK(B >= 1 && B <= max_batch_, "sparse attention: batch ", B, " outside [1, ", max_batch_, "]");
+  SPADE_CHECK(lists_per_req == 1 || lists_per_req == Hkv_, "sparse attention: lists_per_req must be 1 or Hkv");
+  SPADE_CHECK(int(max_entries.size()) == B * lists_per_req, "sparse attention: max_entries size");
+  SPADE_CHECK(gran == SelGran::Token || P_ % 16 == 0,
+              "sparse attention: page/block selections need P % 16 == 0");
+  SPADE_CHECK(!dense_heads || int(dense_heads->size()) == Hkv_, "sparse attention: dense_heads size");
+  const bool any_dense = dense_heads && std::any_of(dense_heads->begin(), dense_heads->end(),
+                                                   [](uint8_t d) { return d != 0; });
+  SPADE_CHECK(!any_dense || P_ % 16 == 0, "sparse attention: dense heads need P % 16 == 0");
+  B_ = B;
+  lists_per_req_ = lists_per_req;
+  gran_ = gran;
+  int64_t tot_pages = 0;
+  for (auto& q : batch) tot_pages += q.n_pages;
+  SPADE_CHECK(tot_pages <= max_pages_, "sparse attention: ", tot_pages, " pages > max ", max_pages_);
+  // Chunk counts per (request, head): the work the planner balances.
+  std::vector<int> nch(size_t(B) * Hkv_);
+  int64_t total = 0;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hkv_; ++h) {
+      int c;
+      if (dense_heads && (*dense_heads)[h]) c = (batch[b].kv_len + 15) / 16;
+      else {
+        const int e = max_entries[size_t(b) * lists_per_req + (lists_per_req == 1 ? 0 : h)];
+        c = gran == SelGran::Token ? (e + 15) / 16 : gran == SelGran::Block64 ? 4 * e : e;
+      }
+      nch[size_t(b) * Hkv_ + h] = c;
+      total += c;
+    }
+  // Equal work items: the smallest chunks-per-item t >= 8 whose items fit in W waves of CTA
+  // slots, W = the fewest waves that can hold one item per (request, head). Each head gets
+  // ceil(chunks / t) splits, so dense heads get proportionally more and a mix of dense and
+  // sparse heads ends together (LycheeDecode appendix C), and no wave runs a few stragglers.
+  const int64_t slots = int64_t(sm_count()) * ctas_per_sm();
+  const int64_t n_lists = int64_t(B) * Hkv_;
+  const int64_t cap = ((n_lists + slots - 1) / slots) * slots;
+  auto items_for = [&](int64_t t) {
+    int64_t n = 0;
+    for (int c : nch) n += std::min<int64_t>(max_split_, std::max<int64_t>(1, (c + t - 1) / t));
+    return n;
+  };
+  int64_t lo = 8, hi = std::max<int64_t>(8, *std::max_element(nch.begin(), nch.end()));
+  if (items_for(lo) > cap) {
+    while (lo < hi) {  // smallest t in (lo, hi] with items_for(t) <= cap
+      const int64_t mid = (lo + hi) / 2;
+      if (items_for(mid) <= cap) hi = mid;
+      else lo = mid + 1;
+    }
+  }
+  const int64_t target = lo;
+  (void)total;
+  int64_t off = 0;
+  off_pt_ = off;
+  off += tot_pages;
+  off_po_ = off;
+  off += B;
+  off_len_ = off;
+  off += B;
+  off = (off + 3) / 4 * 4;
+  off_items_ = off;
+  int64_t o = 0;
+  for (int b = 0; b < B; ++b) {
+    meta_host_[off_po_ + b] = int32_t(o);
+    meta_host_[off_len_ + b] = batch[b].kv_len;
+    for (int i = 0; i < batch[b].n_pages; ++i) meta_host_[off_pt_ + o + i] = batch[b].pages[i];
+    o += batch[b].n_pages;
+  }
+  int n_items = 0;
+  max_split_used_ = 0;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hkv_; ++h) {
+      const int c = nch[size_t(b) * Hkv_ + h];
+      int ns = force_split > 0 ? force_split : int(std::max<int64_t>(1, (c + target - 1) / target));
+      ns = std::min(ns, max_split_);
+      max_split_used_ = std::max(max_split_used_, ns);
+      const bool dn = dense_heads && (*dense_heads)[h];
+      for (int sp = 0; sp < ns; ++sp) {
+        SPADE_CHECK(off_items_ + 4 * (n_items + 1) <= int64_t(meta_cap_), "sparse attention: too many items");
+        int32_t* it = meta_host_ + off_items_ + 4 * n_items;
+        it[0] = b;
+        it[1] = h | (dn ? 1 << 16 : 0);
+        it[2] = sp;
+        it[3] = ns;
+        ++n_items;
+      }
+    }
+  n_items_ = n_items;
+  SPADE_CUDA(cudaMemcpyAsync(meta_dev_, meta_host_, sizeof(int32_t) * (off_items_ + 4 * n_items),
+                             cudaMemcpyHostToDevice, s));
+}
+
+void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                          const int32_t* sel_off, const int32_t* sel_idx, bf16* out, float scale,
+                          cudaStream_t s) const {
+  SpArgs a{};
+  a.q = q;
+  a.out = out;
+  a.k = k_cache;
+  a.v = v_cache;
+  a.page_table = meta_dev_ + off_pt_;
+  a.page_off = meta_dev_ + off_po_;
+  a.kv_len = meta_dev_ + off_len_;
+  a.sel_off = sel_off;
+  a.sel_idx = sel_idx;
+  a.items = reinterpret_cast<const int4*>(meta_dev_ + off_items_);
+  a.part_o = part_o_;
+  a.part_lse = part_lse_;
+  a.counters = counters_;
+  a.Hq = Hq_;
+  a.Hkv = Hkv_;
+  a.G = Hq_ / Hkv_;
+  a.P = P_;
+  a.lists_per_req = lists_per_req_;
+  a.gran = int(gran_);
+  a.total_rows = int64_t(B_) * Hq_;
+  a.scale_log2 = scale * 1.4426950408889634f;
+  const bool tok = gran_ == SelGran::Token;
+  if (D_ == 128) tok ? launch_one<128, true>(a, n_items_, s) : launch_one<128, false>(a, n_items_, s);
+  else tok ? launch_one<64, true>(a, n_items_, s) : launch_one<64, false>(a, n_items_, s);
+}
+
+}  // namespace spade::cuda

@@ -1,0 +1,108 @@
+// CUDA sparse decode (issue 9): attention over selections through the paged KV cache, and
+// the Quest selector on the GPU. Decode only (q_len == 1 per request).
+//
+// Selections are CSR lists in device memory: sel_off[n_lists + 1], sel_idx[...]. The list of
+// (request b, KV head h) is number b * lists_per_req + (lists_per_req == 1 ? 0 : h):
+//   lists_per_req == Hkv -> one list per (request, KV head) (Quest, Tidal, ...)
+//   lists_per_req == 1   -> one list shared by every KV head of a request (LessIsMore)
+// Entries (SelGran):
+//   Token   : token positions in [0, kv_len) (any order; duplicates count twice)
+//   Chunk16 : u names tokens [16u, 16u + 16) clipped to kv_len (Quest pages at P = 16)
+//   Block64 : u names tokens [64u, 64u + 64) clipped to kv_len
+// Each selected K/V row is read once per KV head for the whole GQA group (the G query heads
+// are the rows of one mma tile), split-K over the list with a log-sum-exp combine fused into
+// the last CTA of each (request, KV head). Hybrid heads (LycheeDecode appendix C): KV heads
+// flagged dense read their whole context in the same launch; the planner cuts every head's
+// work into items of (nearly) equal chunk counts, so dense heads get more splits and do not
+// set the critical path.
+//
+// Usage: SparseAttention (buffers from the arena) -> plan(...) on the host per step (uploads
+// page tables, lengths, work items; list lengths only as upper bounds, the kernel reads the
+// real ones from sel_off) -> run(...) per layer. Launches of one object must not overlap.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "backend/cuda/cuda_common.h"
+
+namespace spade::cuda {
+
+enum class SelGran : int { Token = 0, Chunk16 = 1, Block64 = 2 };
+
+struct SparseSeq {
+  const int32_t* pages = nullptr;  // host page ids in token order
+  int n_pages = 0;
+  int kv_len = 0;  // tokens in the cache, this step's token included
+};
+
+class SparseAttention {
+ public:
+  SparseAttention(DeviceArena& arena, int max_batch, int64_t max_pages, int Hq, int Hkv, int D,
+                  int P, int max_split = 64);
+
+  // max_entries[b * lists_per_req + l]: host upper bound of each list's length (entries);
+  // dense_heads (optional, size Hkv): heads that ignore their list and read all of
+  // [0, kv_len). force_split > 0 gives every (request, head) that many splits.
+  void plan(const std::vector<SparseSeq>& batch, SelGran gran, int lists_per_req,
+            const std::vector<int>& max_entries, const std::vector<uint8_t>* dense_heads,
+            cudaStream_t s, int force_split = 0);
+  // out[B, Hq, D] = attention of q[B, Hq, D] over the selected rows of this layer's cache
+  // (k, v: [page][Hkv][P][D] bf16).
+  void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* sel_off,
+           const int32_t* sel_idx, bf16* out, float scale, cudaStream_t s) const;
+
+  int n_items() const { return n_items_; }
+  int max_split_used() const { return max_split_used_; }
+  int ctas_per_sm() const;
+
+ private:
+  int Hq_, Hkv_, D_, P_, max_batch_, max_split_;
+  int64_t max_pages_;
+  int32_t* meta_dev_ = nullptr;
+  int32_t* meta_host_ = nullptr;
+  size_t meta_cap_ = 0;
+  float* part_o_ = nullptr;
+  float* part_lse_ = nullptr;
+  int* counters_ = nullptr;
+  int64_t off_pt_ = 0, off_po_ = 0, off_len_ = 0, off_items_ = 0;
+  int B_ = 0, n_items_ = 0, max_split_used_ = 0, lists_per_req_ = 1;
+  SelGran gran_ = SelGran::Token;
+};
+
+// ---- Quest on the GPU (quest_select.cu) ----
+// Per-page key metadata: meta[page][Hkv][2][D] bf16 (min row, then max row) of the keys
+// written into each physical page; min/max of bf16 keys are bf16 values, so it is exact.
+// Updates pages page_ids[i] (device) with their first n_valid[i] slots (device), e.g. the
+// last page of every request after an append, or every page after a prefill.
+void quest_update_meta(const bf16* k_cache, bf16* meta, const int32_t* page_ids,
+                       const int32_t* n_valid, int n, int Hkv, int P, int D, cudaStream_t s);
+
+// Quest selection for a decode batch (Quest page = 16 tokens = the KV page, P == 16):
+// score[b][h][i] = max_g sum_d max(q_g[d] kmax[d], q_g[d] kmin[d]) over pages i < n_pages-1
+// (fp32, summed in d order like the CPU's quest_page_bound), then per (b, h) the
+// k_pages - 1 best pages by score (ties: lower page; radix select, no sort) in ascending
+// order plus the last page: sel_idx[(b * Hkv + h) * k_pages + j] (SelGran::Chunk16 entries;
+// a request with n_pages <= k_pages gets all its pages). page_table / page_off / kv_len as
+// in SparseAttention (device). scores: scratch [B * Hkv * max_pages] fp32.
+struct QuestArgs {
+  const bf16* q;          // [B, Hq, D]
+  const bf16* meta;       // [page][Hkv][2][D]
+  const int32_t* page_table;
+  const int32_t* page_off;
+  const int32_t* kv_len;
+  float* scores;
+  int32_t* sel_idx;
+  int B, Hq, Hkv, D, max_pages, k_pages;
+};
+void quest_select(const QuestArgs& a, cudaStream_t s);
+// The two stages separately (timing): scoring, then top-k.
+void quest_score(const QuestArgs& a, cudaStream_t s);
+void quest_topk(const QuestArgs& a, cudaStream_t s);
+
+// Generic per-row top-k (token-level selectors): rows r < n_rows of scores[r * ld + i],
+// i < n[r] (device), k best (ties: lower index; NaN last) written ascending to
+// out[r * k + j]; rows with n[r] <= k get 0..n[r]-1.
+void topk_rows(const float* scores, int64_t ld, const int32_t* n, int n_rows, int k,
+               int32_t* out, cudaStream_t s);
+
+}  // namespace spade::cuda
