@@ -11,6 +11,7 @@
 
 #include "args.h"
 #include "command.h"
+#include "sampling_args.h"
 #include "core/thread_pool.h"
 #include "engine/generator.h"
 #include "model/loader.h"
@@ -73,12 +74,7 @@ int run(int argc, char** argv) {
   GenerateOptions opt;
   opt.max_new_tokens = a.has("-n") ? a.integer("-n", 512) : a.integer("--max-tokens", 512);
   SPADE_CHECK(opt.max_new_tokens > 0, "--max-tokens must be positive");
-  opt.sampling.temperature = float(a.number("--temperature", 0.7));
-  opt.sampling.top_k = int(a.integer("--top-k", 0));
-  opt.sampling.top_p = float(a.number("--top-p", 1));
-  opt.sampling.min_p = float(a.number("--min-p", 0));
-  opt.sampling.repetition_penalty = float(a.number("--repeat-penalty", 1));
-  opt.sampling.seed = uint64_t(a.integer("--seed", 0));
+  opt.sampling = sampling_from_args(a, 0.7);
   opt.stop_ids = tok->eos_ids();
   const bool reuse = !a.has("--no-cache-reuse");
 

@@ -9,6 +9,7 @@
 
 #include "args.h"
 #include "command.h"
+#include "sampling_args.h"
 #include "core/thread_pool.h"
 #include "engine/generator.h"
 #include "model/loader.h"
@@ -116,11 +117,7 @@ int run_synthetic(const Args& a) {
   GenerateOptions opt;
   opt.max_new_tokens = n;
   opt.prefill_chunk = std::min<long long>(a.integer("--prefill-chunk", 1024), 8192);
-  opt.sampling.temperature = float(a.number("--temperature", 0));
-  opt.sampling.top_k = int(a.integer("--top-k", 0));
-  opt.sampling.top_p = float(a.number("--top-p", 1));
-  opt.sampling.min_p = float(a.number("--min-p", 0));
-  opt.sampling.seed = uint64_t(a.integer("--seed", 0));
+  opt.sampling = sampling_from_args(a, 0);
   CudaModelOptions copt;
   copt.page_size = int(a.integer("--page-size", 16));
   copt.max_tokens = std::min<int64_t>(plen + n, cfg.max_context);
@@ -204,12 +201,7 @@ int run(int argc, char** argv) {
   SPADE_CHECK(n >= 0, "--max-tokens must be >= 0");
   opt.max_new_tokens = n;
   opt.prefill_chunk = a.integer("--prefill-chunk", 1024);
-  opt.sampling.temperature = float(a.number("--temperature", 0));
-  opt.sampling.top_k = int(a.integer("--top-k", 0));
-  opt.sampling.top_p = float(a.number("--top-p", 1));
-  opt.sampling.min_p = float(a.number("--min-p", 0));
-  opt.sampling.repetition_penalty = float(a.number("--repeat-penalty", 1));
-  opt.sampling.seed = uint64_t(a.integer("--seed", 0));
+  opt.sampling = sampling_from_args(a, 0);
   if (!a.has("--ignore-eos")) opt.stop_ids = tok->eos_ids();
 
   const int64_t need = int64_t(prompt.size()) + n;
