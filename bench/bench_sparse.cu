@@ -12,6 +12,7 @@
 //   quest        the whole Quest step: metadata update of each request's last page, page
 //                scores, top-k (radix select), attention over the selected pages
 //   quest_select the selection part of `quest` alone (quest_score / quest_topk: its two stages)
+//   quest_tc*    the same with the tensor-core page scores (QuestArgs::fast)
 //   hybrid90     every KV head sparse, token lists at 90% sparsity (L/10 tokens), 128K
 //   hybrid_2d    KV heads 0 and 1 dense (whole context), 6 sparse heads with `budget` tokens
 // Bytes (what each must read + write): K and V rows it attends (2 x D x 2 B per row and KV
@@ -233,15 +234,17 @@ void bench_shape(int L, int B) {
       const double us = time_calls(R, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, kp), o, scale, 0); }, &mn);
       emit("page16", L, B, budget, us, mn, double(nl) * kp * (16 * kv_row + 4) + qo_bytes, R, sa.n_items(), sa.max_split_used());
     }
-    {  // Quest: metadata update (last pages) + scores + top-k (+ attention)
+    for (int fast = 0; fast < 2; ++fast) {  // Quest: metadata update (last pages) + scores + top-k (+ attention)
       const int nl = B * Hkv;
       std::vector<int32_t> off(size_t(nl) + 1);
       for (int l = 0; l <= nl; ++l) off[l] = l * kp;
       SPADE_CUDA(cudaMemcpy(d_off, off.data(), 4 * off.size(), cudaMemcpyHostToDevice));
       sa.plan(seqs, SelGran::Chunk16, Hkv, std::vector<int>(nl, kp), nullptr, 0);
       auto qargs = [&](int r) {
-        return QuestArgs{Qr(r), Mr(r), d_qpt, d_qpt + region_pages, d_qpt + region_pages + B,
-                         d_scores, d_qsel, B, Hq, Hkv, D, pps, kp};
+        QuestArgs qa{Qr(r), Mr(r), d_qpt, d_qpt + region_pages, d_qpt + region_pages + B,
+                     d_scores, d_qsel, B, Hq, Hkv, D, pps, kp};
+        qa.fast = fast;
+        return qa;
       };
       auto select = [&](int r) {
         quest_update_meta(Kr(r), Mr(r), d_last, d_last + B, B, Hkv, P, D, 0);
@@ -252,19 +255,22 @@ void bench_shape(int L, int B) {
                                + double(nl) * kp * 4                // selection
                                + double(B) * Hkv * (P * D * 2 + 4 * D);  // last-page update
       const double att_bytes = double(nl) * kp * (16 * kv_row + 4) + qo_bytes;
+      const std::string tag = fast ? "quest_tc" : "quest";
       double us = time_calls(R, select, &mn);
-      emit("quest_select", L, B, budget, us, mn, sel_bytes, R, 0, 0);
+      emit((tag + "_select").c_str(), L, B, budget, us, mn, sel_bytes, R, 0, 0);
       if (budget == 4096) {  // the two big stages alone (top-k does not depend on the budget much)
         us = time_calls(R, [&](int r) { quest_score(qargs(r), 0); }, &mn);
-        emit("quest_score", L, B, budget, us, mn, double(nl) * (pps - 1) * (4.0 * D + 4), R, 0, 0);
-        us = time_calls(R, [&](int r) { quest_topk(qargs(r), 0); }, &mn);
-        emit("quest_topk", L, B, budget, us, mn, double(nl) * ((pps - 1) * 4.0 + kp * 4), R, 0, 0);
+        emit((tag + "_score").c_str(), L, B, budget, us, mn, double(nl) * (pps - 1) * (4.0 * D + 4), R, 0, 0);
+        if (!fast) {
+          us = time_calls(R, [&](int r) { quest_topk(qargs(r), 0); }, &mn);
+          emit("quest_topk", L, B, budget, us, mn, double(nl) * ((pps - 1) * 4.0 + kp * 4), R, 0, 0);
+        }
       }
       us = time_calls(R, [&](int r) {
         select(r);
         sa.run(Qr(r), Kr(r), Vr(r), d_off, d_qsel, o, scale, 0);
       }, &mn);
-      emit("quest", L, B, budget, us, mn, sel_bytes + att_bytes, R, sa.n_items(), sa.max_split_used());
+      emit(tag.c_str(), L, B, budget, us, mn, sel_bytes + att_bytes, R, sa.n_items(), sa.max_split_used());
     }
     if (L >= 131072 && B <= 8) {  // hybrid: 2 dense heads + 6 sparse heads
       const int nl = B * Hkv;

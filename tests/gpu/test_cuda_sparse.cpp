@@ -8,6 +8,8 @@
 //  - topk_rows with heavy ties and NaN vs sparse::top_k_range (identical sets).
 // Fresh random inputs per case; outputs poisoned (NaN) before each launch.
 #include <algorithm>
+#include <functional>
+#include <iterator>
 #include <numeric>
 
 #include "backend/cpu/attention.h"
@@ -230,9 +232,13 @@ TEST(CudaSparse, HybridDenseAndSparseHeads) {
   run_attn_case(c, 43);
 }
 
-void run_quest_case(int Hq, int Hkv, int D, const std::vector<int>& lens, int budget, uint32_t seed) {
+// fast = 1: tensor-core scores (QuestArgs::fast): scores within fp32 rounding of the CPU's,
+// selections equal to the CPU's except at near-ties (every page in the symmetric difference
+// scores within 1e-4 x the row's largest |score| of the CPU's k-th best).
+void run_quest_case(int Hq, int Hkv, int D, const std::vector<int>& lens, int budget, uint32_t seed,
+                    int fast = 0) {
   SCOPED_TRACE(testing::Message() << "quest Hq=" << Hq << " Hkv=" << Hkv << " D=" << D
-                                  << " budget=" << budget << " seed=" << seed);
+                                  << " budget=" << budget << " seed=" << seed << " fast=" << fast);
   std::mt19937 rng(seed);
   const int P = 16, B = int(lens.size());
   Pool pool = make_pool(Hkv, D, P, lens, rng);
@@ -306,10 +312,38 @@ void run_quest_case(int Hq, int Hkv, int D, const std::vector<int>& lens, int bu
   }
   DevBuf<int32_t> dpt(pt_all), dpo(po), dkl(kl);
   cuda::QuestArgs qa{dq.p, dmeta.p, dpt.p, dpo.p, dkl.p, dscores.p, dsel.p, B, Hq, Hkv, D, max_pages, k_pages};
+  qa.fast = fast;
   cuda::quest_select(qa, 0);
+  // CPU-order page bounds (group max), as QuestMethod computes them: [b][h][page].
+  auto cpu_scores = [&](int b, int h) {
+    const int np = (lens[b] + 15) / 16, G = Hq / Hkv;
+    std::vector<float> sc(size_t(std::max(0, np - 1)));
+    for (int i = 0; i + 1 < np; ++i) {
+      const int32_t pg = pool.pts[b].pages[size_t(i)];
+      float m = -INFINITY;
+      for (int g = 0; g < G; ++g)
+        m = std::max(m, sparse::quest_page_bound(q.data() + (size_t(b) * Hq + h * G + g) * D,
+                                                 pool.kv->page_kmin(0, pg, h), pool.kv->page_kmax(0, pg, h), D));
+      sc[size_t(i)] = m;
+    }
+    return sc;
+  };
+  if (fast) {  // scores vs the CPU's to fp32 rounding
+    auto gs = dscores.download();
+    double worst = 0;
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < Hkv; ++h) {
+        auto sc = cpu_scores(b, h);
+        double mx = 1e-30;
+        for (float x : sc) mx = std::max(mx, double(std::fabs(x)));
+        for (size_t i = 0; i < sc.size(); ++i)
+          worst = std::max(worst, std::fabs(double(gs[(size_t(b) * Hkv + h) * max_pages + i]) - sc[i]) / mx);
+      }
+    EXPECT_LT(worst, 1e-5) << "tensor-core scores vs CPU (relative to the row's max |score|)";
+  }
   auto gsel = dsel.download();
   std::vector<int32_t> csr_idx;
-  int64_t mismatched_heads = 0;
+  int64_t mismatched_heads = 0, near_ties = 0;
   for (int b = 0; b < B; ++b) {
     const auto& s = sels[size_t(b)];
     for (int h = 0; h < Hkv; ++h) {
@@ -327,10 +361,30 @@ void run_quest_case(int Hq, int Hkv, int D, const std::vector<int>& lens, int bu
       } else {
         want.assign(s.head(h), s.head(h) + s.count(h));
       }
-      if (got != want) ++mismatched_heads;
+      if (got != want) {
+        bool near_tie = false;
+        if (fast && !s.dense()) {  // every differing page must sit at the boundary
+          auto sc = cpu_scores(b, h);
+          std::vector<float> sorted(sc);
+          std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+          const float T = sorted[size_t(std::min<int64_t>(int64_t(sorted.size()), k_pages - 1) - 1)];
+          double mx = 1e-30;
+          for (float x : sc) mx = std::max(mx, double(std::fabs(x)));
+          std::vector<int32_t> diff;
+          std::set_symmetric_difference(got.begin(), got.end(), want.begin(), want.end(), std::back_inserter(diff));
+          near_tie = true;
+          for (int32_t pos : diff) {
+            const size_t pg = size_t(pos / 16);
+            if (pg >= sc.size() || std::fabs(double(sc[pg]) - T) > 1e-4 * mx) near_tie = false;
+          }
+          if (near_tie) ++near_ties;
+        }
+        if (!near_tie) ++mismatched_heads;
+      }
     }
   }
   EXPECT_EQ(mismatched_heads, 0) << "of " << B * Hkv << " (request, head) selections differ";
+  if (near_ties) std::printf("quest fast: %lld of %d selections differ only at near-ties\n", (long long)near_ties, B * Hkv);
   // Attention over the GPU's selection vs the CPU's attention over its own selection.
   DevBuf<int32_t> doff(offs), didx(csr_idx);
   dout.poison();
@@ -383,6 +437,15 @@ TEST(CudaSparse, QuestSelectAndAttend) {
   run_quest_case(32, 8, 128, {70000}, 4096, 52);
   run_quest_case(32, 4, 128, {9000, 3000}, 512, 53);  // G = 8
   run_quest_case(9, 3, 64, {5000, 700}, 256, 54);     // G = 3, D = 64
+}
+
+TEST(CudaSparse, QuestTensorCoreScores) {
+  SKIP_WITHOUT_GPU();
+  run_quest_case(32, 8, 128, {4000, 20000, 100, 2049}, 1024, 71, 1);
+  run_quest_case(32, 8, 128, {70000}, 4096, 72, 1);
+  run_quest_case(32, 4, 128, {9000, 3000}, 512, 73, 1);  // G = 8
+  run_quest_case(32, 2, 128, {9000}, 512, 75, 1);        // G = 16
+  run_quest_case(9, 3, 64, {5000, 700}, 256, 74, 1);     // G = 3, D = 64
 }
 
 TEST(CudaSparse, TopkRowsTiesAndNaN) {

@@ -320,6 +320,7 @@ void quest_update_meta(const bf16* k_cache, bf16* meta, const int32_t* page_ids,
 }
 
 void quest_score(const QuestArgs& a, cudaStream_t s) {
+  if (a.fast) return quest_score_fast(a, s);
   SPADE_CHECK(a.D == 64 || a.D == 128, "quest_score: head dim ", a.D);
   SPADE_CHECK(a.Hq % a.Hkv == 0 && a.Hq / a.Hkv <= 16, "quest_score: G must be <= 16");
   const size_t smem = size_t(kQPB) * (a.D + 1) * 4 + size_t(16) * a.D * 4 + 3 * kQPB * 4;

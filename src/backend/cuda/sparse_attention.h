@@ -93,11 +93,16 @@ struct QuestArgs {
   float* scores;
   int32_t* sel_idx;
   int B, Hq, Hkv, D, max_pages, k_pages;
+  // 0: CUDA cores, the CPU's summation order (bit-identical scores and selections);
+  // 1: tensor cores (quest_score_mma.cu): scores to fp32 rounding, selections equal except
+  //    where two pages tie to ~1e-6 relative.
+  int fast = 0;
 };
 void quest_select(const QuestArgs& a, cudaStream_t s);
 // The two stages separately (timing): scoring, then top-k.
 void quest_score(const QuestArgs& a, cudaStream_t s);
 void quest_topk(const QuestArgs& a, cudaStream_t s);
+void quest_score_fast(const QuestArgs& a, cudaStream_t s);  // tensor cores (a.fast)
 
 // Generic per-row top-k (token-level selectors): rows r < n_rows of scores[r * ld + i],
 // i < n[r] (device), k best (ties: lower index; NaN last) written ascending to
