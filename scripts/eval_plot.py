@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Plots of `spade eval` results (docs/eval.md): one PNG per JSON file.
+
+  tasks:  mean score vs budget per method, one panel per length (methods without a budget
+          are horizontal lines), and density vs length per method
+  ppl:    perplexity vs budget per method, one panel per prefix length
+  agree:  mean KL(full || method) and tokens until first divergence vs budget
+  recall: recall vs budget per method, one panel per prefix length, and density vs length
+
+Usage: python3 scripts/eval_plot.py RESULTS.json [OUT.png]   (needs python3-matplotlib)
+"""
+import json
+import math
+import sys
+from collections import OrderedDict, defaultdict
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def grouped(results, field, transform=None):
+    """{method_name: {length: {budget: mean(field)}}}, budget None for budget-less methods;
+    methods keyed by their label without the budget."""
+    acc = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in results:
+        if field not in r:
+            continue
+        label = r["method"]
+        if r.get("budget") is not None:
+            label = label.replace(f":budget={r['budget']}", "").replace(f",budget={r['budget']}", "")
+        acc[label][r["length"]][r.get("budget")].append(r[field])
+    out = OrderedDict()
+    for label, by_len in acc.items():
+        out[label] = {L: {b: (transform(mean(v)) if transform else mean(v)) for b, v in bb.items()}
+                      for L, bb in by_len.items()}
+    return out
+
+
+def panel_vs_budget(ax, data, length, ylabel, title):
+    budgets = sorted({b for m in data.values() for b in m.get(length, {}) if b is not None})
+    for i, (label, by_len) in enumerate(data.items()):
+        pts = by_len.get(length, {})
+        if None in pts:
+            ax.axhline(pts[None], linestyle="--", linewidth=1.2, color=f"C{i % 10}", label=label)
+        xs = [b for b in budgets if b in pts]
+        if xs:
+            ax.plot(xs, [pts[b] for b in xs], marker="o", color=f"C{i % 10}", label=label)
+    if budgets:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets)
+        ax.set_xticklabels([str(b) for b in budgets])
+    ax.set_xlabel("budget (tokens per KV head)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+
+
+def panel_vs_length(ax, results, field, ylabel, title):
+    acc = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        if field in r:
+            acc[r["method"]][r["length"]].append(r[field])
+    for i, (label, by_len) in enumerate(acc.items()):
+        xs = sorted(by_len)
+        ax.plot(xs, [mean(by_len[x]) for x in xs], marker="o", color=f"C{i % 10}", label=label)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+
+
+def plot(doc, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kind, rs = doc["kind"], doc["results"]
+    lengths = sorted({r["length"] for r in rs})
+    if kind == "tasks":
+        data = grouped(rs, "score")
+        specs = [(data, L, "mean score", f"score vs budget, length {L}") for L in lengths]
+        extra = ("density", "density", "density vs length")
+    elif kind == "ppl":
+        data = grouped(rs, "nll_mean", math.exp)
+        specs = [(data, L, "perplexity", f"perplexity vs budget, prefix {L}") for L in lengths]
+        extra = ("density", "density", "density vs length")
+    elif kind == "agree":
+        kl = grouped(rs, "kl_mean")
+        div = grouped(rs, "first_divergence")
+        specs = [(kl, L, "mean KL(full || method)", f"KL vs budget, length {L}") for L in lengths]
+        specs += [(div, L, "tokens to first divergence", f"divergence vs budget, length {L}")
+                  for L in lengths]
+        extra = None
+    else:
+        data = grouped(rs, "recall")
+        specs = [(data, L, "attention recall", f"recall vs budget, prefix {L}") for L in lengths]
+        extra = ("density", "density", "density vs length")
+    n = len(specs) + (1 if extra else 0)
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.5 * rows), squeeze=False)
+    flat = [a for row in axes for a in row]
+    for ax, (d, L, yl, t) in zip(flat, specs):
+        panel_vs_budget(ax, d, L, yl, t)
+    if extra:
+        panel_vs_length(flat[len(specs)], rs, *extra)
+    for ax in flat[n:]:
+        ax.axis("off")
+    handles, labels = flat[0].get_legend_handles_labels()
+    if extra:
+        h2, l2 = flat[len(specs)].get_legend_handles_labels()
+        handles, labels = h2, l2
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, max(1, len(labels))), fontsize=8)
+    meta = doc.get("meta", {})
+    fig.suptitle(f"spade eval {kind}: {meta.get('model', '')} ({meta.get('machine', '')})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main():
+    if len(sys.argv) < 2:
+        print(__doc__)
+        return 2
+    src = sys.argv[1]
+    out = sys.argv[2] if len(sys.argv) > 2 else src.rsplit(".json", 1)[0] + ".png"
+    with open(src) as f:
+        doc = json.load(f)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("eval_plot: python3-matplotlib is missing (apt-get install python3-matplotlib)",
+              file=sys.stderr)
+        return 1
+    plot(doc, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+// One dense prefill shared by several attention methods: `spade eval` prefills a prompt
+// once with dense attention, then every method decodes from a fork of that KV cache
+// (KVPool::fork shares the full pages), through its own SparseSession. Decoding is greedy,
+// or teacher-forced on given tokens (perplexity, KL against full attention); the caller
+// sees the logits of every step and the session's per-step counters. Given the tokenizer,
+// methods that read token text (LycheeCluster's structure-aware chunking) receive the text
+// of the prompt and of every generated token.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "kv/kv_pool.h"
+#include "model/cpu_model.h"
+#include "model/weights.h"
+#include "sparse/method.h"
+#include "sparse/session.h"
+#include "tokenizer/tokenizer.h"
+
+namespace spade::eval {
+
+struct DecodeOptions {
+  int64_t max_new = 32;             // tokens to emit at most
+  std::vector<int32_t> stop;        // greedy decoding stops after emitting one of these
+  const std::vector<int32_t>* forced = nullptr;  // teacher forcing: token i is (*forced)[i]
+  bool measure_recall = false;
+  // Logits [vocab] that predict token `step` (step 0: the prefill's last logits).
+  std::function<void(int64_t step, const float* logits)> on_logits;
+  std::function<void(const sparse::StepStats&)> on_step;  // after every decode step
+};
+
+struct DecodeResult {
+  std::vector<int32_t> tokens;
+  sparse::SessionTotals totals;
+  double seconds = 0;  // decode time, recall measurement excluded
+};
+
+class SharedPrefill {
+ public:
+  // A pool for prompts up to `max_prompt` tokens plus one decode of `max_new` tokens.
+  // `tok` (optional): token text for the methods that read it.
+  SharedPrefill(const ModelWeights& w, int64_t max_prompt, int64_t max_new, int page_size = 16,
+                int64_t chunk = 1024, const Tokenizer* tok = nullptr);
+  ~SharedPrefill();
+  SharedPrefill(const SharedPrefill&) = delete;
+  SharedPrefill& operator=(const SharedPrefill&) = delete;
+
+  // Dense prefill of `prompt` (the previous prefill is released). Returns its seconds.
+  double prefill(const std::vector<int32_t>& prompt);
+  int64_t length() const { return base_.length; }
+  const std::vector<float>& last_logits() const { return last_; }
+  // Decodes from a fork of the prefill through `method`.
+  DecodeResult decode(std::shared_ptr<const sparse::SparseMethod> method, const DecodeOptions& opt);
+  const ModelConfig& config() const { return w_.config; }
+  KVPool& kv() { return kv_; }
+
+ private:
+  const ModelWeights& w_;
+  KVPool kv_;
+  CpuModel model_;
+  PageTable base_;
+  int64_t chunk_;
+  const Tokenizer* tok_;
+  std::vector<std::string> text_;  // token text of the prompt (with tok_)
+  std::vector<float> last_;
+  std::vector<int64_t> row_of_;
+};
+
+}  // namespace spade::eval

@@ -1,0 +1,209 @@
+// markdown_report of src/eval/report.h.
+#include "eval/report.h"
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <vector>
+
+namespace spade::eval {
+namespace {
+
+using json = nlohmann::json;
+
+std::string fmt(double v, int prec) {
+  if (std::isnan(v)) return "-";
+  char b[64];
+  std::snprintf(b, sizeof b, "%.*f", prec, v);
+  return b;
+}
+
+// Distinct values of `field` in first-seen order.
+std::vector<std::string> order_of(const json& rs, const std::string& field) {
+  std::vector<std::string> out;
+  for (const auto& r : rs) {
+    const std::string v = r.at(field).is_string() ? r.at(field).get<std::string>() : r.at(field).dump();
+    bool seen = false;
+    for (const auto& o : out) seen |= o == v;
+    if (!seen) out.push_back(v);
+  }
+  return out;
+}
+
+std::string str_of(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+struct Mean {
+  double sum = 0;
+  int n = 0;
+  double get() const { return n ? sum / n : NAN; }
+};
+
+
+// Table of mean(value(r)) over records with filter(r), rows by `row`, columns by `col`,
+// plus an "all" column.
+std::string table(const json& rs, const std::string& row, const std::string& col,
+                  const std::function<double(const json&)>& value,
+                  const std::function<bool(const json&)>& filter, int prec,
+                  const std::string& corner,
+                  const std::function<double(double)>& post = nullptr) {
+  std::vector<json> sel;
+  for (const auto& r : rs)
+    if (!filter || filter(r)) sel.push_back(r);
+  if (sel.empty()) return "";
+  const json js = sel;
+  const auto rows = order_of(js, row), cols = order_of(js, col);
+  std::map<std::pair<std::string, std::string>, Mean> m;
+  std::map<std::string, Mean> all;
+  auto pp = [&](double v) { return post ? post(v) : v; };
+  for (const auto& r : sel) {
+    const double v = value(r);
+    if (std::isnan(v)) continue;
+    auto& c = m[{str_of(r.at(row)), str_of(r.at(col))}];
+    c.sum += v, ++c.n;
+    auto& a = all[str_of(r.at(row))];
+    a.sum += v, ++a.n;
+  }
+  std::string s = "| " + corner + " |";
+  for (const auto& c : cols) s += " " + c + " |";
+  if (cols.size() > 1) s += " all |";
+  s += "\n|---|";
+  for (size_t i = 0; i < cols.size() + (cols.size() > 1); ++i) s += "---:|";
+  s += "\n";
+  for (const auto& rw : rows) {
+    s += "| " + rw + " |";
+    for (const auto& c : cols) {
+      auto it = m.find({rw, c});
+      s += " " + (it == m.end() ? std::string("-") : fmt(pp(it->second.get()), prec)) + " |";
+    }
+    if (cols.size() > 1) s += " " + fmt(pp(all[rw].get()), prec) + " |";
+    s += "\n";
+  }
+  return s + "\n";
+}
+
+double num(const json& r, const char* k) {
+  return r.contains(k) && r.at(k).is_number() ? r.at(k).get<double>() : NAN;
+}
+
+std::string header(const json& doc, const std::string& title) {
+  std::string s = "# " + title + "\n\n";
+  const json& m = doc.at("meta");
+  for (auto it = m.begin(); it != m.end(); ++it)
+    s += "- " + it.key() + ": " + str_of(it.value()) + "\n";
+  s += "- records: " + std::to_string(doc.at("results").size()) + "\n";
+  if (doc.contains("commands") && !doc.at("commands").empty()) {
+    s += "\nCommand" + std::string(doc.at("commands").size() > 1 ? "s (the run was resumed)" : "") +
+         ":\n\n```\n";
+    for (const auto& c : doc.at("commands")) s += c.get<std::string>() + "\n";
+    s += "```\n";
+  }
+  return s + "\n";
+}
+
+std::string tasks_report(const json& doc) {
+  const json& rs = doc.at("results");
+  std::string s = header(doc, "spade eval tasks");
+  auto score = [](const json& r) { return num(r, "score"); };
+  s += "## Mean score (all tasks) per method and prompt length\n\n";
+  s += "Score: fraction of the expected answers found in the output (exact match, "
+       "case-insensitive), averaged over tasks and samples.\n\n";
+  s += table(rs, "method", "length", score, nullptr, 3, "method \\ length");
+  for (const auto& L : order_of(rs, "length")) {
+    s += "## Score per task, length " + L + "\n\n";
+    s += table(rs, "task", "method", score, [&](const json& r) { return str_of(r.at("length")) == L; }, 2,
+               "task \\ method");
+  }
+  s += "## Density (attended / context, mean over layers, KV heads and steps)\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "density"); }, nullptr, 3,
+             "method \\ length");
+  // Tasks full attention does not solve.
+  std::map<std::pair<std::string, std::string>, Mean> full;
+  for (const auto& r : rs)
+    if (r.at("method") == "full") {
+      auto& m = full[{r.at("task").get<std::string>(), str_of(r.at("length"))}];
+      m.sum += num(r, "score"), ++m.n;
+    }
+  std::string bad;
+  for (const auto& [k, m] : full)
+    if (m.get() < 0.5) bad += "| " + k.first + " | " + k.second + " | " + fmt(m.get(), 2) + " |\n";
+  s += "## Tasks full attention does not solve (mean score < 0.5)\n\n";
+  s += bad.empty() ? "None.\n\n"
+                   : "A sparse method cannot be judged on these: the model fails them with exact "
+                     "attention.\n\n| task | length | full score |\n|---|---:|---:|\n" + bad + "\n";
+  return s;
+}
+
+std::string ppl_report(const json& doc) {
+  const json& rs = doc.at("results");
+  std::string s = header(doc, "spade eval ppl");
+  s += "## Perplexity of the scored tokens (decode mode, dense prefix prefill) per method and "
+       "prefix length\n\nexp(mean NLL) over the samples' scored tokens.\n\n";
+  // The mean NLL over samples, then exp.
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "nll_mean"); }, nullptr, 3,
+             "method \\ prefix", [](double v) { return std::exp(v); });
+  s += "## Density\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "density"); }, nullptr, 3,
+             "method \\ prefix");
+  return s;
+}
+
+std::string agree_report(const json& doc) {
+  const json& rs = doc.at("results");
+  std::string s = header(doc, "spade eval agree");
+  s += "Greedy generation with each method vs full attention from the same prompt (task "
+       "prompts). Tokens until the first divergence; KL(full || method) per step along full "
+       "attention's tokens (teacher forced); top-1 agreement on those steps; output identical "
+       "to full attention's; task score.\n\n";
+  s += "## Tokens until first divergence\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "first_divergence"); }, nullptr, 1,
+             "method \\ length");
+  s += "## Mean per-step KL(full || method), nats\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "kl_mean"); }, nullptr, 4,
+             "method \\ length");
+  s += "## Top-1 agreement (teacher forced)\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "top1_agreement"); }, nullptr, 3,
+             "method \\ length");
+  s += "## Output identical to full attention's\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "same_output"); }, nullptr, 2,
+             "method \\ length");
+  s += "## Task score\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "score"); }, nullptr, 3,
+             "method \\ length");
+  return s;
+}
+
+std::string recall_report(const json& doc) {
+  const json& rs = doc.at("results");
+  std::string s = header(doc, "spade eval recall");
+  s += "Attention recall (true full-attention weight on the attended tokens, mean over layers, "
+       "query heads and decode steps; dense layers count 1) and density during teacher-forced "
+       "decoding of real text after a dense prefix. Per-layer and per-head values are in the "
+       "JSON.\n\n";
+  s += "## Recall (all layers)\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "recall"); }, nullptr, 4,
+             "method \\ prefix");
+  s += "## Recall (sparse layers only)\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "sparse_recall"); }, nullptr, 4,
+             "method \\ prefix");
+  s += "## Minimum recall (any layer, head, step)\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "min_recall"); }, nullptr, 4,
+             "method \\ prefix");
+  s += "## Density\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "density"); }, nullptr, 4,
+             "method \\ prefix");
+  return s;
+}
+
+}  // namespace
+
+std::string markdown_report(const json& doc) {
+  const std::string kind = doc.value("kind", "");
+  if (kind == "tasks") return tasks_report(doc);
+  if (kind == "ppl") return ppl_report(doc);
+  if (kind == "agree") return agree_report(doc);
+  if (kind == "recall") return recall_report(doc);
+  return "# spade eval\n\nunknown kind '" + kind + "'\n";
+}
+
+}  // namespace spade::eval

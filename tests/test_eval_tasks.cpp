@@ -1,0 +1,174 @@
+// `spade eval` pieces without a model: task generators are deterministic, fit their target
+// length and hold their answers; scoring gives 1 to a perfect answer and 0 to a wrong one on
+// every task; the method list expands over budgets; results files resume; reports render.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <regex>
+#include <sstream>
+
+#include "core/error.h"
+#include "eval/methods.h"
+#include "eval/report.h"
+#include "eval/results.h"
+#include "eval/rng.h"
+#include "eval/scoring.h"
+#include "eval/tasks.h"
+
+using namespace spade::eval;
+
+namespace {
+
+std::vector<std::string> haystack() {
+  std::vector<std::string> h;
+  for (int i = 0; i < 300; ++i)
+    h.push_back("And the " + std::to_string(i) + "th verse of this long text goes on and on.");
+  return h;
+}
+
+// About four characters per token, like English BPE.
+int64_t fake_count(const std::string& user, const std::string& prefix) {
+  return int64_t(user.size() + prefix.size() + 40) / 4;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+}  // namespace
+
+TEST(EvalTasks, GeneratorsAreDeterministicAndFitTheirLength) {
+  const auto hay = haystack();
+  for (const auto& t : all_tasks())
+    for (int64_t L : {600, 2000}) {
+      const TaskSample a = make_task(t.name, L, mix_seed(1, t.name, L, 0), hay, fake_count);
+      const TaskSample b = make_task(t.name, L, mix_seed(1, t.name, L, 0), hay, fake_count);
+      const TaskSample c = make_task(t.name, L, mix_seed(1, t.name, L, 1), hay, fake_count);
+      EXPECT_EQ(a.user, b.user) << t.name;
+      EXPECT_EQ(a.answer_prefix, b.answer_prefix) << t.name;
+      EXPECT_EQ(a.answers, b.answers) << t.name;
+      EXPECT_NE(a.user, c.user) << t.name << ": another sample draws another task";
+      EXPECT_LE(fake_count(a.user, a.answer_prefix), L) << t.name;
+      EXPECT_GT(fake_count(a.user, a.answer_prefix), L * 8 / 10) << t.name << " fills its length";
+      EXPECT_GT(a.filler, 0) << t.name;
+      ASSERT_FALSE(a.answers.empty()) << t.name;
+      for (const auto& ans : a.answers)
+        EXPECT_NE(a.user.find(ans), std::string::npos) << t.name << ": answer " << ans << " in the context";
+    }
+}
+
+TEST(EvalTasks, SeedsAreStableAcrossRuns) {
+  // The content of a task must not depend on the platform: pin one draw.
+  Rng r(42);
+  EXPECT_EQ(r.next(), Rng(42).next());
+  EXPECT_NE(mix_seed(1, "a", 2048, 0), mix_seed(1, "a", 2048, 1));
+  EXPECT_NE(mix_seed(1, "a", 2048, 0), mix_seed(1, "b", 2048, 0));
+  EXPECT_NE(mix_seed(1, "a", 2048, 0), mix_seed(1, "a", 4096, 0));
+}
+
+TEST(EvalTasks, PerfectAnswerScoresOneWrongScoresZero) {
+  const auto hay = haystack();
+  for (const auto& t : all_tasks())
+    for (int k = 0; k < 3; ++k) {
+      const TaskSample s = make_task(t.name, 1200, mix_seed(5, t.name, 1200, k), hay, fake_count);
+      EXPECT_EQ(score_answer(s, " " + join(s.answers) + "."), 1.0) << t.name;
+      // Case does not matter.
+      std::string upper = join(s.answers);
+      for (auto& c : upper) c = char(std::toupper((unsigned char)c));
+      EXPECT_EQ(score_answer(s, upper), 1.0) << t.name;
+      EXPECT_EQ(score_answer(s, " I do not know the answer."), 0.0) << t.name;
+      EXPECT_EQ(score_answer(s, ""), 0.0) << t.name;
+      EXPECT_EQ(score_answer(s, " 0000000, XXXXX, qqqqqqqq"), 0.0) << t.name;
+      if (s.answers.size() > 1) {
+        const double part = score_answer(s, s.answers[0]);
+        EXPECT_GT(part, 0.0) << t.name;
+        EXPECT_LT(part, 1.0) << t.name;
+      }
+    }
+}
+
+TEST(EvalTasks, FrequentWordsAnswersAreTheTopThree) {
+  const TaskSample s = make_task("frequent_words", 3000, 9, {}, fake_count);
+  std::map<std::string, int> n;
+  std::stringstream ss(s.user.substr(s.user.find("words. ") + 7));
+  std::string w;
+  while (ss >> w)
+    if (w != "....") ++n[w];
+  std::vector<std::pair<int, std::string>> by;
+  for (const auto& [k, v] : n) by.push_back({v, k});
+  std::sort(by.rbegin(), by.rend());
+  ASSERT_GE(by.size(), 4u);
+  EXPECT_EQ(by[0].second, s.answers[0]);
+  EXPECT_EQ(by[1].second, s.answers[1]);
+  EXPECT_EQ(by[2].second, s.answers[2]);
+  EXPECT_GT(by[2].first, by[3].first);
+}
+
+TEST(EvalTasks, VariableTrackingChainResolvesToTheAnswers) {
+  const TaskSample s = make_task("variable_tracking", 1500, 3, haystack(), fake_count);
+  std::map<std::string, std::string> assign;
+  std::regex re("VAR ([A-Z]{5}) = (VAR )?([A-Z0-9]+)");
+  for (std::sregex_iterator it(s.user.begin(), s.user.end(), re), end; it != end; ++it)
+    assign[(*it)[1]] = (*it)[3];
+  ASSERT_EQ(assign.size(), s.answers.size());
+  for (const auto& name : s.answers) {
+    std::string v = name;
+    while (assign.count(v)) v = assign[v];
+    EXPECT_NE(s.user.find("assigned the value " + v), std::string::npos) << name;
+  }
+}
+
+TEST(EvalTasks, UnknownTaskAndTooShortLengthAreErrors) {
+  EXPECT_THROW(parse_task_list("niah_single_number,nope"), spade::Error);
+  EXPECT_EQ(parse_task_list("all").size(), all_tasks().size());
+  EXPECT_THROW(make_task("json_lookup", 10, 1, {}, fake_count), spade::Error);
+  EXPECT_THROW(make_task("niah_single_word", 1000, 1, {}, fake_count), spade::Error);
+}
+
+TEST(EvalMethods, BudgetsExpandOnlyMethodsThatTakeOne) {
+  const auto r = expand_methods("full;quest;tidal:dense_layers=3;oracle-topp;streaming:budget=64;blasst",
+                                {128, 512});
+  std::vector<std::string> labels;
+  for (const auto& m : r) labels.push_back(m.label);
+  EXPECT_EQ(labels, (std::vector<std::string>{"full", "quest:budget=128", "quest:budget=512",
+                                              "tidal:dense_layers=3,budget=128",
+                                              "tidal:dense_layers=3,budget=512", "oracle-topp",
+                                              "streaming:budget=64", "blasst"}));
+  EXPECT_EQ(r[1].budget, 128);
+  EXPECT_EQ(r[0].budget, -1);
+  EXPECT_EQ(r[6].budget, 64);
+  EXPECT_EQ(r[4].config.options.at("budget"), "512");
+  EXPECT_THROW(expand_methods("full;nosuch", {1}), spade::Error);
+  EXPECT_THROW(expand_methods("quest;quest", {1}), spade::Error);
+}
+
+TEST(EvalResults, ResumeSkipsRecordedKeysAndReportRenders) {
+  const std::string path = testing::TempDir() + "spade_eval_results_test.json";
+  std::remove(path.c_str());
+  {
+    ResultFile f(path, "tasks", {{"model", "m"}}, "spade eval tasks x");
+    EXPECT_FALSE(f.has("k1"));
+    f.add({{"key", "k1"}, {"task", "niah_single_number"}, {"length", 2048}, {"method", "full"},
+           {"score", 0.0}, {"density", 1.0}});
+    f.add({{"key", "k2"}, {"task", "niah_single_number"}, {"length", 2048},
+           {"method", "quest:budget=256"}, {"score", 1.0}, {"density", 0.2}});
+    EXPECT_THROW(f.add({{"key", "k1"}}), spade::Error);
+    f.save();
+  }
+  ResultFile g(path, "tasks", {{"model", "other"}}, "spade eval tasks y");
+  EXPECT_EQ(g.loaded(), 2u);
+  EXPECT_TRUE(g.has("k1"));
+  EXPECT_TRUE(g.has("k2"));
+  EXPECT_EQ(g.doc()["meta"]["model"], "m");
+  EXPECT_EQ(g.doc()["commands"].size(), 2u);
+  EXPECT_THROW(ResultFile(path, "ppl", {}, "z"), spade::Error);
+  const std::string md = markdown_report(g.doc());
+  EXPECT_NE(md.find("| quest:budget=256 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("Tasks full attention does not solve"), std::string::npos);
+  EXPECT_NE(md.find("| niah_single_number | 2048 | 0.00 |"), std::string::npos) << md;
+  std::remove(path.c_str());
+}
