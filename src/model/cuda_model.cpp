@@ -20,8 +20,10 @@
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/sampling.h"
+#include "backend/cuda/sparse_attention.h"
 #include "core/half.h"
 #include "io/hf_config.h"
+#include "sparse/registry.h"
 
 namespace spade {
 
@@ -53,6 +55,54 @@ void upload_f32(float* dst, const float* src, size_t n) {
 }
 
 }  // namespace
+
+std::string CudaSparse::describe() const {
+  switch (method) {
+    case Method::None: return "full";
+    case Method::Streaming:
+      return cat("streaming budget=", budget, " sinks=", sinks, " dense_layers=", dense_layers);
+    case Method::Quest:
+      return cat("quest budget=", budget, " page_size=16 pages=", budget / 16,
+                 " dense_layers=", dense_layers, " group=max scores=", quest_fast ? "fast" : "exact");
+  }
+  return "?";
+}
+
+CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelConfig& model,
+                              int kv_page_size) {
+  CudaSparse r;
+  sparse::SparseConfig cfg = cfg_in;
+  // GPU-only option, removed before the CPU's option table checks the rest.
+  std::string scores = "exact";
+  if (auto it = cfg.options.find("gpu_scores"); it != cfg.options.end()) {
+    scores = it->second;
+    cfg.options.erase(it);
+  }
+  SPADE_CHECK(scores == "exact" || scores == "fast", "gpu_scores must be exact or fast, got '",
+              scores, "'");
+  const sparse::MethodInfo& info = sparse::find_method(cfg.method);
+  if (info.name == "full") return r;
+  SPADE_CHECK(info.name == "quest" || info.name == "streaming", "--device cuda: sparse method '",
+              cfg.method, "' has no GPU path (GPU methods: full, streaming, quest; the others "
+              "run with --device cpu)");
+  sparse::make_method(cfg, model);  // the CPU method's own checks (budget vs page, layers)
+  sparse::MethodOptions o(info.name, info.options(), cfg.options);
+  r.budget = o.integer("budget");
+  r.dense_layers = int(o.integer("dense_layers"));
+  if (info.name == "streaming") {
+    r.method = CudaSparse::Method::Streaming;
+    r.sinks = int(o.integer("sinks"));
+  } else {
+    r.method = CudaSparse::Method::Quest;
+    SPADE_CHECK(o.str("group") == "max", "--device cuda: quest supports group=max only");
+    SPADE_CHECK(o.integer("page_size") == 16 && kv_page_size == 16,
+                "--device cuda: quest needs page_size 16 and a KV page size of 16 (got ",
+                o.integer("page_size"), " and ", kv_page_size, ")");
+    r.quest_fast = scores == "fast" ? 1 : 0;
+  }
+  SPADE_CHECK(r.budget > 0 && r.budget <= (int64_t(1) << 30), "sparse budget out of range");
+  return r;
+}
 
 ModelConfig synthetic_config(const std::string& name) {
   // config.json values of the published models (weights are random in synthetic mode).
@@ -108,6 +158,8 @@ CudaModel::~CudaModel() {
   if (ev1_) cudaEventDestroy(static_cast<cudaEvent_t>(ev1_));
   if (tok_host_) cudaFreeHost(tok_host_);
   if (sampled_host_) cudaFreeHost(sampled_host_);
+  if (upd_host_) cudaFreeHost(upd_host_);
+  sparse_.reset();
   attn_.reset();
   gemm_.reset();
   arena_.reset();
@@ -144,7 +196,32 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       size_t(max_rows_) * V * 4 + size_t(4 * S + 4 * max_rows_ + 64) * 4 + (32u << 20) +
       size_t(64) * opt_.max_batch * Hq * (D + 1) * 4 + size_t(n_pages_ + 8 * S + 64 * opt_.max_batch) * 4 * 6 +
       (1u << 20) * 8;
-  const size_t total = wb + small + kv_bytes + ws_bytes;
+  // Sparse decode buffers (see cuda_model.h).
+  const CudaSparse& sp = opt_.sparse;
+  size_t sp_bytes = 0;
+  seq_pages_cap_ = std::min<int64_t>(n_pages_, (int64_t(c.max_context) + P - 1) / P + 1);
+  upd_cap_ = S + opt_.max_batch;
+  int64_t sel_cap = 0;
+  if (sp.method != CudaSparse::Method::None) {
+    SPADE_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "--device cuda sparse decode: GQA group ",
+                Hq / Hkv, " > 16 is not supported");
+    const int64_t mb = opt_.max_batch;
+    const int64_t kp = sp.budget / 16;
+    if (sp.method == CudaSparse::Method::Quest) {
+      SPADE_CHECK(P == 16, "--device cuda: quest needs KV pages of 16 tokens (got ", P, ")");
+      sel_cap = mb * Hkv * std::max<int64_t>(1, std::min(kp, seq_pages_cap_));
+      sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D) * 2;  // metadata
+      sp_bytes += size_t(mb * Hkv * seq_pages_cap_) * 4;                   // scores
+      sp_bytes += size_t(mb * Hkv * std::max<int64_t>(1, kp)) * 4;         // strided top-k
+    } else {
+      sel_cap = mb * std::min<int64_t>(sp.budget, c.max_context);
+    }
+    sp_bytes += size_t(sel_cap + mb * Hkv + 1) * 4 + size_t(2 * upd_cap_) * 4;
+    // SparseAttention: metadata + work items, split partials, counters.
+    sp_bytes += size_t(n_pages_ + 2 * mb + 8 + 4 * mb * Hkv * 64) * 4 +
+                size_t(64 * mb * Hq) * (D + 1) * 4 + size_t(mb * Hkv) * 4 + (4u << 20);
+  }
+  const size_t total = wb + small + kv_bytes + ws_bytes + sp_bytes;
   {
     size_t free_b = 0, total_b = 0;
     SPADE_CUDA(cudaMemGetInfo(&free_b, &total_b));
@@ -264,6 +341,24 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   lim.max_pages = n_pages_;
   lim.max_split = 64;
   attn_ = std::make_unique<cuda::AttentionWorkspace>(A, lim, int(Hq), int(Hkv), int(D), P);
+  if (sp.method != CudaSparse::Method::None) {
+    SPADE_CHECK(sp.dense_layers >= 0 && sp.dense_layers <= NL, "sparse dense_layers outside [0, ",
+                NL, "]");
+    sparse_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
+                                                      int(Hkv), int(D), P, 64);
+    if (sp.method == CudaSparse::Method::Quest) {
+      const size_t me = size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D);
+      quest_meta_ = A.alloc_n<bf16>(me, "quest page metadata");
+      SPADE_CUDA(cudaMemset(quest_meta_, 0, me * 2));
+      quest_scores_ = A.alloc_n<float>(size_t(opt_.max_batch * Hkv * seq_pages_cap_), "quest scores");
+      quest_strided_ = A.alloc_n<int32_t>(
+          size_t(opt_.max_batch * Hkv * std::max<int64_t>(1, sp.budget / 16)), "quest top-k");
+    }
+    sel_off_ = A.alloc_n<int32_t>(size_t(opt_.max_batch * Hkv + 1), "selection offsets");
+    sel_idx_ = A.alloc_n<int32_t>(size_t(sel_cap), "selection entries");
+    upd_ = A.alloc_n<int32_t>(size_t(2 * upd_cap_), "quest metadata updates");
+    SPADE_CUDA(cudaMallocHost(&upd_host_, sizeof(int32_t) * size_t(2 * upd_cap_)));
+  }
 }
 
 void CudaModel::reserve(PageTable& pt, int64_t new_length) {
@@ -358,6 +453,58 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   SPADE_CUDA(cudaMemcpyAsync(tok_in_ + 2 * S, page, sizeof(int32_t) * size_t(T), cudaMemcpyHostToDevice, st));
   SPADE_CUDA(cudaMemcpyAsync(tok_in_ + 3 * S, rows, sizeof(int32_t) * size_t(R), cudaMemcpyHostToDevice, st));
   attn_->plan(aseq, st);  // uploads and waits, so the pinned inputs above are consumed too
+  // Sparse decode: metadata updates of the pages this step writes (Quest), and the plan of
+  // the attention over selections when every sequence decodes one token.
+  const CudaSparse& sp = opt_.sparse;
+  upd_n_ = 0;
+  sparse_step_ = false;
+  if (sp.method == CudaSparse::Method::Quest) {
+    for (const SeqInput& s : batch) {
+      const int64_t p0 = s.pages->length, p1 = p0 + s.n_tokens;
+      for (int64_t pg = p0 / P; pg * P < p1; ++pg) {
+        upd_host_[upd_n_] = s.pages->pages[size_t(pg)];
+        upd_host_[upd_cap_ + upd_n_] = int32_t(std::min<int64_t>(P, p1 - pg * P));
+        ++upd_n_;
+      }
+    }
+    SPADE_CUDA(cudaMemcpyAsync(upd_, upd_host_, sizeof(int32_t) * size_t(upd_n_),
+                               cudaMemcpyHostToDevice, st));
+    SPADE_CUDA(cudaMemcpyAsync(upd_ + upd_cap_, upd_host_ + upd_cap_,
+                               sizeof(int32_t) * size_t(upd_n_), cudaMemcpyHostToDevice, st));
+  }
+  if (sp.method != CudaSparse::Method::None && T == int64_t(batch.size()) &&
+      sp.dense_layers < c.n_layers) {
+    const bool quest = sp.method == CudaSparse::Method::Quest;
+    const int Hkv = c.n_kv_heads;
+    const int64_t kp = sp.budget / 16;
+    std::vector<cuda::SparseSeq> sseq(batch.size());
+    std::vector<int> max_entries;
+    bool any_sparse = sp.force_lists;
+    int max_np = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const PageTable& pt = *batch[i].pages;
+      const int64_t L = pt.length + 1;
+      const int np = int((L + P - 1) / P);
+      sseq[i] = {pt.pages.data(), np, int(L)};
+      max_np = std::max(max_np, np);
+      if (quest) {
+        any_sparse |= kp < np;
+        for (int h = 0; h < Hkv; ++h) max_entries.push_back(int(std::min<int64_t>(kp, np)));
+      } else {
+        any_sparse |= sp.budget < L;
+        max_entries.push_back(int(std::min<int64_t>(sp.budget, L)));
+      }
+    }
+    // Every list covering the whole context: the dense kernel (the CPU's set_dense).
+    if (any_sparse) {
+      sparse_->plan(sseq, quest ? cuda::SelGran::Chunk16 : cuda::SelGran::Token, quest ? Hkv : 1,
+                    max_entries, nullptr, st);
+      sparse_step_ = true;
+      step_B_ = int(batch.size());
+      step_max_pages_ = max_np;
+    }
+  }
+  if (upd_n_ > 0 || sparse_step_) SPADE_CUDA(cudaStreamSynchronize(st));  // pinned inputs consumed
   for (const SeqInput& s : batch) s.pages->length += s.n_tokens;
 }
 
@@ -377,6 +524,13 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   const size_t layer_kv = size_t(n_pages_) * size_t(Hkv) * opt_.page_size * D;
   const float scale = 1.f / std::sqrt(float(D));
   cuda::embedding(static_cast<const bf16*>(embed_), tok_in_, x_, T, H, V, st);
+  const CudaSparse& spc = opt_.sparse;
+  const bool quest = spc.method == CudaSparse::Method::Quest;
+  const int k_pages = int(spc.budget / 16);
+  const size_t layer_meta = size_t(n_pages_) * size_t(Hkv) * 2 * D;
+  if (sparse_step_ && spc.method == CudaSparse::Method::Streaming)
+    cuda::streaming_lists(sparse_->dev_kv_len(), step_B_, int(spc.budget), spc.sinks, sel_off_,
+                          sel_idx_, st);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
     bf16* kc = static_cast<bf16*>(k_cache_) + l * layer_kv;
@@ -396,7 +550,24 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     a.v_cache = vc;
     a.T = T, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.P = opt_.page_size, a.eps = c.rms_eps;
     cuda::qkv_post(a, st);
-    attn_->run(q, kc, vc, att, scale, st);
+    bf16* meta = quest ? static_cast<bf16*>(quest_meta_) + l * layer_meta : nullptr;
+    if (quest && upd_n_ > 0)
+      cuda::quest_update_meta(kc, meta, upd_, upd_ + upd_cap_, upd_n_, Hkv, opt_.page_size, D, st);
+    if (sparse_step_ && int(l) >= spc.dense_layers) {
+      if (quest) {
+        cuda::QuestArgs qa{q, meta, sparse_->dev_page_table(), sparse_->dev_page_off(),
+                           sparse_->dev_kv_len(), quest_scores_, quest_strided_, step_B_, Hq, Hkv,
+                           D, step_max_pages_, k_pages};
+        qa.fast = spc.quest_fast;
+        cuda::quest_select(qa, st);
+        cuda::quest_compact_lists(quest_strided_, sparse_->dev_kv_len(), step_B_, Hkv, k_pages,
+                                  sel_off_, sel_idx_, st);
+        if (quest_trace) trace_quest(int(l));
+      }
+      sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st);
+    } else {
+      attn_->run(q, kc, vc, att, scale, st);
+    }
     gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, 1.f, st);
     cuda::rmsnorm(x_, nullptr, L.ffn_norm, c.rms_eps, xn, T, H, st);
     gemm_->run_f32(xn, L.wgu, gu_, T, 2 * F, H, 0.f, st);
@@ -419,7 +590,9 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
                                cudaMemcpyHostToDevice, st));
   }
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev0_), st));
-  const bool graphable = opt_.cuda_graphs && attn_->decode();
+  // Sparse decode steps run eagerly (the plan's work-item count, the top-k grid and the
+  // metadata update count vary per step; no graph is captured for them).
+  const bool graphable = opt_.cuda_graphs && attn_->decode() && !sparse_step_ && upd_n_ == 0;
   if (graphable) {
     // Key: batch size, split count, and whether the step samples (with which parameters).
     int mode = sample ? 1 : 0;
@@ -450,6 +623,23 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
     enqueue(sample, sp, step);
   }
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev1_), st));
+}
+
+void CudaModel::trace_quest(int layer) {
+  const int Hkv = cfg_.n_kv_heads, rows = step_B_ * Hkv;
+  std::vector<int32_t> off(size_t(rows) + 1);
+  SPADE_CUDA(cudaMemcpyAsync(off.data(), sel_off_, sizeof(int32_t) * off.size(),
+                             cudaMemcpyDeviceToHost, S_(stream_)));
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  std::vector<int32_t> idx(size_t(off.back()));
+  SPADE_CUDA(cudaMemcpyAsync(idx.data(), sel_idx_, sizeof(int32_t) * idx.size(),
+                             cudaMemcpyDeviceToHost, S_(stream_)));
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  auto& t = quest_trace->sel;
+  if (t.size() <= size_t(layer)) t.resize(size_t(layer) + 1);
+  t[size_t(layer)].assign(size_t(rows), {});
+  for (int r = 0; r < rows; ++r)
+    t[size_t(layer)][size_t(r)].assign(idx.begin() + off[size_t(r)], idx.begin() + off[size_t(r) + 1]);
 }
 
 const std::vector<float>& CudaModel::forward(const std::vector<SeqInput>& batch,

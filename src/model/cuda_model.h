@@ -21,6 +21,7 @@
 #include "kv/kv_pool.h"
 #include "model/cpu_model.h"
 #include "model/weights.h"
+#include "sparse/options.h"
 
 namespace spade {
 
@@ -28,7 +29,31 @@ namespace cuda {
 class DeviceArena;
 class Gemm;
 class AttentionWorkspace;
+class SparseAttention;
 }  // namespace cuda
+
+// Sparse decode on the GPU (issue 9): the methods with a GPU selector, with the CPU method's
+// parameters. Prefill stays dense; decode steps (every sequence q_len == 1) attend over the
+// selection in layers >= dense_layers. Quest: per-page key min/max kept on every append for
+// every layer, page scores + radix top-k + attention over the selected pages (the CPU's
+// QuestMethod with group=max and page_size == KV page size == 16). Streaming: sinks + the
+// recent window, one list shared by the KV heads (StreamingMethod).
+struct CudaSparse {
+  enum class Method { None, Streaming, Quest };
+  Method method = Method::None;
+  int64_t budget = 0;
+  int sinks = 0;         // streaming
+  int dense_layers = 0;  // leading full-attention layers
+  int quest_fast = 0;    // 1: tensor-core page scores (fp32 rounding; near-tie selections)
+  bool force_lists = false;  // tests: attend over lists even when they cover the whole context
+  std::string describe() const;
+};
+// The GPU form of a sparse::SparseConfig, through the same option table and checks as the
+// CPU method (sparse/registry.h). "full" -> Method::None; methods without a GPU path and
+// unsupported options (quest group=sum, page_size != 16) throw spade::Error. Extra option
+// "gpu_scores=exact|fast" is read by the GPU only (fast: tensor-core Quest scores).
+CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg, const ModelConfig& model,
+                              int kv_page_size);
 
 struct CudaModelOptions {
   int64_t kv_pages = 0;          // pages in the KV pool (0: enough for max_tokens)
@@ -38,6 +63,7 @@ struct CudaModelOptions {
   int64_t max_step_tokens = 2048;  // new tokens per forward() (prefill chunk cap)
   int64_t max_logit_rows = 0;    // 0: max(max_batch, 64)
   bool cuda_graphs = true;       // decode steps (all q_len == 1) replay a captured graph
+  CudaSparse sparse;             // sparse decode (default: none; dense attention)
 };
 
 // Configs for synthetic-weight runs: "llama3-8b" (Llama-3.1-8B: 128K context, llama3 RoPE
@@ -81,6 +107,14 @@ class CudaModel {
   // Time of the last forward*() on the device (ms, CUDA events around the step).
   float last_step_ms() const { return last_ms_; }
   int graphs_captured() const { return int(graphs_.size()); }
+  const CudaSparse& sparse() const { return opt_.sparse; }
+  // Tests: when set, each sparse decode step copies every sparse layer's Quest selection to
+  // the host: sel[layer][b * Hkv + h] = the ascending page indices (within the request) read
+  // (layers that ran dense keep an empty list). Forces a sync per layer.
+  struct QuestTrace {
+    std::vector<std::vector<std::vector<int32_t>>> sel;
+  };
+  QuestTrace* quest_trace = nullptr;
 
  private:
   struct Layer;
@@ -89,12 +123,28 @@ class CudaModel {
   void prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>& row_of, bool sample);
   void enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void launch(bool sample, const cuda::GpuSampling* sp, uint64_t step);
+  void trace_quest(int layer);
 
   ModelConfig cfg_;
   CudaModelOptions opt_;
   std::unique_ptr<cuda::DeviceArena> arena_;
   std::unique_ptr<cuda::Gemm> gemm_;
   std::unique_ptr<cuda::AttentionWorkspace> attn_;
+  std::unique_ptr<cuda::SparseAttention> sparse_;
+  // Sparse decode state (arena): Quest metadata [L][pages][Hkv][2][D] bf16, page scores,
+  // strided top-k output, CSR lists; metadata update list (page ids | slots filled).
+  void* quest_meta_ = nullptr;
+  float* quest_scores_ = nullptr;
+  int32_t* quest_strided_ = nullptr;
+  int32_t* sel_off_ = nullptr;
+  int32_t* sel_idx_ = nullptr;
+  int32_t* upd_ = nullptr;       // device [2 * upd_cap_]
+  int32_t* upd_host_ = nullptr;  // pinned mirror
+  int64_t upd_cap_ = 0;
+  int upd_n_ = 0;
+  int64_t seq_pages_cap_ = 0;  // most pages of one sequence
+  bool sparse_step_ = false;   // this step attends over selections
+  int step_B_ = 0, step_max_pages_ = 0;
   void* stream_ = nullptr;  // cudaStream_t
   void* ev0_ = nullptr;
   void* ev1_ = nullptr;

@@ -1,6 +1,7 @@
 // CudaModel as the scheduler's StepModel (CUDA builds): the device KV pool's pages are
-// accounted on the host by CudaModel; attention is dense (sparse methods run on the CPU
-// runner until the CUDA sparse kernels are wired into CudaModel).
+// accounted on the host by CudaModel; attention is dense (per-request sparse methods run on
+// the CPU runner; CudaModel's own sparse decode, CudaModelOptions::sparse, is not yet
+// exposed through the server).
 #pragma once
 #if defined(SPADE_HAVE_CUDA)
 #include "backend/cuda/cuda_common.h"

@@ -52,6 +52,11 @@ class SparseAttention {
            const int32_t* sel_idx, bf16* out, float scale, cudaStream_t s) const;
 
   int n_items() const { return n_items_; }
+  // Device copies of the last plan's page table / per-request page offsets / lengths (valid
+  // in stream order after plan()), for selectors that read them (QuestArgs).
+  const int32_t* dev_page_table() const { return meta_dev_ + off_pt_; }
+  const int32_t* dev_page_off() const { return meta_dev_ + off_po_; }
+  const int32_t* dev_kv_len() const { return meta_dev_ + off_len_; }
   int max_split_used() const { return max_split_used_; }
   int ctas_per_sm() const;
 
@@ -109,5 +114,15 @@ void quest_score_fast(const QuestArgs& a, cudaStream_t s);  // tensor cores (a.f
 // out[r * k + j]; rows with n[r] <= k get 0..n[r]-1.
 void topk_rows(const float* scores, int64_t ld, const int32_t* n, int n_rows, int k,
                int32_t* out, cudaStream_t s);
+
+// Model decode step helpers (sparse_lists.cu), lists built from the device lengths kv_len[B]:
+// quest_compact_lists: quest_select's output (k_pages entries per (b, h) row at stride k_pages,
+// min(k_pages, pages of b) of them valid) -> CSR sel_off[B * Hkv + 1] / sel_idx (Chunk16).
+void quest_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, int Hkv,
+                         int k_pages, int32_t* sel_off, int32_t* sel_idx, cudaStream_t s);
+// streaming_lists: one shared Token list per request (lists_per_req = 1): all of [0, L) when
+// L <= budget, else the first `sinks` tokens and the last budget - sinks (StreamingMethod).
+void streaming_lists(const int32_t* kv_len, int B, int budget, int sinks, int32_t* sel_off,
+                     int32_t* sel_idx, cudaStream_t s);
 
 }  // namespace spade::cuda

@@ -1,0 +1,62 @@
+// Selection lists built on the GPU for the model's sparse decode step (cuda_model.cpp):
+// CSR offsets and entries from the device copy of the step's context lengths, so a decode
+// step needs no host work between the selector and the attention. See sparse_attention.h.
+#include "backend/cuda/sparse_attention.h"
+
+namespace spade::cuda {
+
+namespace {
+
+__device__ __forceinline__ int quest_len(const int32_t* kv_len, int b, int k_pages) {
+  const int np = (kv_len[b] + 15) / 16;
+  return np < k_pages ? np : k_pages;
+}
+
+// One CTA per list row = b * Hkv + h. The row's CSR start is the sum of the lengths before
+// it (B is small: a serial sum per CTA).
+__global__ void quest_compact_kernel(const int32_t* strided, const int32_t* kv_len, int Hkv,
+                                     int k_pages, int n_rows, int32_t* off, int32_t* idx) {
+  const int row = blockIdx.x, b = row / Hkv, h = row % Hkv;
+  int start = 0;
+  for (int bb = 0; bb < b; ++bb) start += Hkv * quest_len(kv_len, bb, k_pages);
+  const int n = quest_len(kv_len, b, k_pages);
+  start += h * n;
+  for (int j = threadIdx.x; j < n; j += blockDim.x)
+    idx[start + j] = strided[int64_t(row) * k_pages + j];
+  if (threadIdx.x == 0) {
+    off[row] = start;
+    if (row == n_rows - 1) off[row + 1] = start + n;
+  }
+}
+
+__global__ void streaming_lists_kernel(const int32_t* kv_len, int B, int budget, int sinks,
+                                       int32_t* off, int32_t* idx) {
+  const int b = blockIdx.x;
+  int start = 0;
+  for (int bb = 0; bb < b; ++bb) start += min(kv_len[bb], budget);
+  const int L = kv_len[b];
+  const int n = min(L, budget);
+  for (int j = threadIdx.x; j < n; j += blockDim.x)
+    idx[start + j] = (L <= budget || j < sinks) ? j : L - budget + j;
+  if (threadIdx.x == 0) {
+    off[b] = start;
+    if (b == B - 1) off[b + 1] = start + n;
+  }
+}
+
+}  // namespace
+
+void quest_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, int Hkv,
+                         int k_pages, int32_t* sel_off, int32_t* sel_idx, cudaStream_t s) {
+  quest_compact_kernel<<<B * Hkv, 128, 0, s>>>(strided, kv_len, Hkv, k_pages, B * Hkv, sel_off,
+                                               sel_idx);
+  SPADE_CUDA(cudaGetLastError());
+}
+
+void streaming_lists(const int32_t* kv_len, int B, int budget, int sinks, int32_t* sel_off,
+                     int32_t* sel_idx, cudaStream_t s) {
+  streaming_lists_kernel<<<B, 256, 0, s>>>(kv_len, B, budget, sinks, sel_off, sel_idx);
+  SPADE_CUDA(cudaGetLastError());
+}
+
+}  // namespace spade::cuda
