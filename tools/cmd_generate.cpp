@@ -45,7 +45,9 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   --stats               print token counts and speeds to stderr; with a sparse method also
                         each decode step's density (and recall with --recall)
   --device cpu|cuda     where the model runs (default cpu; cuda: bf16 weights on the GPU,
-                        full attention only)
+                        dense attention or --sparse streaming|quest; quest on the GPU
+                        needs page_size 16, group=max; --sparse-opt gpu_scores=fast uses
+                        tensor-core page scores)
   --synthetic NAME      no weights: random weights of NAME's shapes on the GPU (llama3-8b,
                         qwen3-8b, or a config.json path); the prompt is --prompt-len random
                         token ids and the output is token ids (speed measurements)
@@ -108,7 +110,7 @@ void print_modifier_stats(sparse::MethodState* state) {
 }
 
 // --synthetic: random weights with a real model's shapes on the GPU; random prompt ids.
-int run_synthetic(const Args& a) {
+int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
 #if defined(SPADE_HAVE_CUDA)
   ModelConfig cfg = synthetic_config(a.str("--synthetic"));
   long long n = a.has("-n") ? a.integer("-n", 128) : a.integer("--max-tokens", 128);
@@ -123,6 +125,9 @@ int run_synthetic(const Args& a) {
   copt.max_tokens = std::min<int64_t>(plen + n, cfg.max_context);
   copt.max_batch = 1;
   copt.max_step_tokens = opt.prefill_chunk;
+  copt.sparse = cuda_sparse_config(scfg, cfg, copt.page_size);
+  if (a.has("--stats"))
+    std::fprintf(stderr, "[spade] attention (GPU): %s\n", copt.sparse.describe().c_str());
   CudaModel model(cfg, copt, uint64_t(a.integer("--seed", 0)) + 1);
   std::mt19937 rng(uint32_t(a.integer("--seed", 0)));
   std::vector<int32_t> prompt(static_cast<size_t>(plen));
@@ -169,9 +174,15 @@ int run(int argc, char** argv) {
   sparse::find_method(scfg.method);  // unknown names fail before the model loads
   const std::string device = a.str("--device", a.has("--synthetic") ? "cuda" : "cpu");
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda");
-  SPADE_CHECK(device == "cpu" || scfg.method == "full",
-              "--device cuda runs full attention only (sparse methods are CPU-only for now)");
-  if (a.has("--synthetic")) return run_synthetic(a);
+  // GPU sparse decode: streaming and quest (cuda_sparse_config checks the options once the
+  // model's config is known); other methods fail here, before the model loads.
+  SPADE_CHECK(device == "cpu" || scfg.method == "full" || scfg.method == "streaming" ||
+                  scfg.method == "quest",
+              "--device cuda: sparse method '", scfg.method,
+              "' has no GPU path (GPU methods: full, streaming, quest; the others run with "
+              "--device cpu)");
+  SPADE_CHECK(device == "cpu" || !scfg.measure_recall, "--recall is CPU-only (--device cpu)");
+  if (a.has("--synthetic")) return run_synthetic(a, scfg);
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   SPADE_CHECK(a.has("--prompt") != a.has("--prompt-file"),
               "give exactly one of --prompt and --prompt-file");
@@ -217,7 +228,7 @@ int run(int argc, char** argv) {
   sparse::SparseSession session(method, cfg, kv, {scfg.measure_recall, false});
   session.reserve(tokens);
   const bool stats = a.has("--stats");
-  if (stats) {
+  if (stats && device == "cpu") {
     std::fprintf(stderr, "[spade] attention: %s%s\n", method->describe().c_str(),
                  scfg.measure_recall ? " (measuring recall)" : "");
     session.on_step = [&](const sparse::StepStats& s) {
@@ -253,6 +264,9 @@ int run(int argc, char** argv) {
     copt.max_step_tokens = std::min<int64_t>(opt.prefill_chunk, 8192);
     opt.prefill_chunk = copt.max_step_tokens;
     opt.attention = nullptr;
+    copt.sparse = cuda_sparse_config(scfg, cfg, layout.page_size);
+    if (stats)
+      std::fprintf(stderr, "[spade] attention (GPU): %s\n", copt.sparse.describe().c_str());
     CudaModel gpu(*weights, copt);
     st = generate_cuda(gpu, pt, prompt, opt, emit);
 #else
@@ -264,7 +278,7 @@ int run(int argc, char** argv) {
   std::string rest = dec.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
   std::fputc('\n', stdout);
-  if (stats) {
+  if (stats && device == "cpu") {
     const sparse::SessionTotals& t = session.totals();
     std::fprintf(stderr, "[spade] %s: %lld decode steps, mean density %.4f (sparse layers %.4f), "
                  "tokens/head %.1f",
@@ -275,6 +289,8 @@ int run(int argc, char** argv) {
                    t.mean_sparse_recall(), t.min_recall);
     std::fputc('\n', stderr);
     print_modifier_stats(session.state());
+  }
+  if (stats) {
     std::fprintf(stderr,
                  "[spade] model load %.2f s | prompt %lld tokens, %.1f tok/s | generated %lld "
                  "tokens, %.1f tok/s | threads %d\n",
