@@ -27,9 +27,7 @@ def grouped(results, field, transform=None):
     for r in results:
         if field not in r:
             continue
-        label = r["method"]
-        if r.get("budget") is not None:
-            label = label.replace(f":budget={r['budget']}", "").replace(f",budget={r['budget']}", "")
+        label = strip_budget(r)
         acc[label][r["length"]][r.get("budget")].append(r[field])
     out = OrderedDict()
     for label, by_len in acc.items():
@@ -38,15 +36,32 @@ def grouped(results, field, transform=None):
     return out
 
 
+COLORS = {}
+
+
+def color(group):
+    """One color per method (budget stripped), the same in every panel."""
+    if group not in COLORS:
+        COLORS[group] = f"C{len(COLORS) % 10}"
+    return COLORS[group]
+
+
+def strip_budget(r):
+    label = r["method"]
+    if r.get("budget") is not None:
+        label = label.replace(f":budget={r['budget']}", "").replace(f",budget={r['budget']}", "")
+    return label
+
+
 def panel_vs_budget(ax, data, length, ylabel, title):
     budgets = sorted({b for m in data.values() for b in m.get(length, {}) if b is not None})
-    for i, (label, by_len) in enumerate(data.items()):
+    for label, by_len in data.items():
         pts = by_len.get(length, {})
         if None in pts:
-            ax.axhline(pts[None], linestyle="--", linewidth=1.2, color=f"C{i % 10}", label=label)
+            ax.axhline(pts[None], linestyle="--", linewidth=1.2, color=color(label), label=label)
         xs = [b for b in budgets if b in pts]
         if xs:
-            ax.plot(xs, [pts[b] for b in xs], marker="o", color=f"C{i % 10}", label=label)
+            ax.plot(xs, [pts[b] for b in xs], marker="o", color=color(label), label=label)
     if budgets:
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets)
@@ -58,13 +73,21 @@ def panel_vs_budget(ax, data, length, ylabel, title):
 
 
 def panel_vs_length(ax, results, field, ylabel, title):
+    """One line per method and budget: the method's color, a marker / line style per budget."""
     acc = defaultdict(lambda: defaultdict(list))
     for r in results:
         if field in r:
-            acc[r["method"]][r["length"]].append(r[field])
-    for i, (label, by_len) in enumerate(acc.items()):
+            acc[(strip_budget(r), r.get("budget"))][r["length"]].append(r[field])
+    budgets = sorted({b for (_, b) in acc if b is not None})
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]
+    for (group, b), by_len in acc.items():
         xs = sorted(by_len)
-        ax.plot(xs, [mean(by_len[x]) for x in xs], marker="o", color=f"C{i % 10}", label=label)
+        mk, ls = styles[budgets.index(b) % len(styles)] if b is not None else ("x", "-")
+        ax.plot(xs, [mean(by_len[x]) for x in xs], marker=mk, linestyle=ls, color=color(group),
+                label=f"{group} {b}" if b is not None else group)
+    if budgets:
+        title += "\n(budgets: " + ", ".join(
+            f"{b} {styles[i % len(styles)][0]}{styles[i % len(styles)][1]}" for i, b in enumerate(budgets)) + ")"
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -110,13 +133,10 @@ def plot(doc, path):
     for ax in flat[n:]:
         ax.axis("off")
     handles, labels = flat[0].get_legend_handles_labels()
-    if extra:
-        h2, l2 = flat[len(specs)].get_legend_handles_labels()
-        handles, labels = h2, l2
     fig.legend(handles, labels, loc="lower center", ncol=min(6, max(1, len(labels))), fontsize=8)
     meta = doc.get("meta", {})
     fig.suptitle(f"spade eval {kind}: {meta.get('model', '')} ({meta.get('machine', '')})", fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    fig.tight_layout(rect=(0, 0.1, 1, 0.96))
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 

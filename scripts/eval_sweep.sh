@@ -26,12 +26,19 @@ prefix=${PREFIX:-eval_}
 command -v bible >/dev/null || { echo "eval_sweep: the 'bible' program (Debian package bible-kjv) is missing; run scripts/install_deps.sh" >&2; exit 1; }
 [ -x "$spade" ] || { echo "eval_sweep: $spade not built" >&2; exit 1; }
 [ -f "$model" ] || { echo "eval_sweep: $model missing; run scripts/fetch_model.sh" >&2; exit 1; }
-# Plots need python3-matplotlib (Debian); installed here rather than in install_deps.sh, which
-# CI runs and which does not need it.
-if ! python3 -c "import matplotlib" 2>/dev/null; then
+# Plots need python3-matplotlib (Debian), installed here rather than in install_deps.sh (CI
+# does not need it). Debian's package is for the system python (/usr/bin/python3).
+py=""
+for p in python3 /usr/bin/python3; do
+  if command -v "$p" >/dev/null && "$p" -c "import matplotlib" 2>/dev/null; then py=$p; break; fi
+done
+if [ -z "$py" ]; then
   SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo
-  $SUDO apt-get install -y -qq --no-install-recommends python3-matplotlib >/dev/null ||
+  if $SUDO apt-get install -y -qq --no-install-recommends python3-matplotlib >/dev/null; then
+    py=/usr/bin/python3
+  else
     echo "eval_sweep: could not install python3-matplotlib; no plots" >&2
+  fi
 fi
 mkdir -p "$out"
 text="$out/.${prefix}kjv_gen_exo.txt"
@@ -48,6 +55,6 @@ for kind in $kinds; do
     *) echo "eval_sweep: unknown kind $kind" >&2; exit 1 ;;
   esac
   echo "== eval $kind took $(( $(date +%s) - start )) s" >&2
-  python3 "$root/scripts/eval_plot.py" "$out/${prefix}$kind.json" || echo "eval_sweep: no plot (python3-matplotlib missing?)" >&2
+  if [ -n "$py" ]; then "$py" "$root/scripts/eval_plot.py" "$out/${prefix}$kind.json"; fi
 done
 rm -f "$text"

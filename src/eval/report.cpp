@@ -1,6 +1,7 @@
 // markdown_report of src/eval/report.h.
 #include "eval/report.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -52,7 +53,11 @@ std::string table(const json& rs, const std::string& row, const std::string& col
     if (!filter || filter(r)) sel.push_back(r);
   if (sel.empty()) return "";
   const json js = sel;
-  const auto rows = order_of(js, row), cols = order_of(js, col);
+  const auto rows = order_of(js, row);
+  auto cols = order_of(js, col);
+  if (col == "length")  // numeric order, whatever order the (resumed) runs met them in
+    std::sort(cols.begin(), cols.end(),
+              [](const std::string& a, const std::string& b) { return std::stoll(a) < std::stoll(b); });
   std::map<std::pair<std::string, std::string>, Mean> m;
   std::map<std::string, Mean> all;
   auto pp = [&](double v) { return post ? post(v) : v; };
@@ -92,6 +97,8 @@ std::string header(const json& doc, const std::string& title) {
   for (auto it = m.begin(); it != m.end(); ++it)
     s += "- " + it.key() + ": " + str_of(it.value()) + "\n";
   s += "- records: " + std::to_string(doc.at("results").size()) + "\n";
+  if (doc.contains("notes"))  // free-text remarks added to the JSON by hand
+    for (const auto& n : doc.at("notes")) s += "- note: " + str_of(n) + "\n";
   if (doc.contains("commands") && !doc.at("commands").empty()) {
     s += "\nCommand" + std::string(doc.at("commands").size() > 1 ? "s (the run was resumed)" : "") +
          ":\n\n```\n";
