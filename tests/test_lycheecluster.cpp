@@ -654,6 +654,7 @@ TEST(LycheeClusterMethod, TokenTextReachesTheMethodThroughTheSessionAndModifiers
   for (const std::string spec : {"lycheecluster:budget=64", "twilight:base=lycheecluster,budget=64",
                                  "blasst:base=lycheecluster,budget=64"}) {
     SparseSession s(make_method(SparseConfig::parse_spec(spec), cfg), cfg, b.kv);
+    EXPECT_TRUE(s.wants_token_text()) << spec;
     for (const auto& t : text) s.append_token_text(t);
     for (int l = 0; l < cfg.n_layers; ++l) s.attend(l, b.pt, q.data(), b.pt.length - 1, 1, out.data());
     MethodState* st = s.state();
@@ -666,6 +667,9 @@ TEST(LycheeClusterMethod, TokenTextReachesTheMethodThroughTheSessionAndModifiers
     EXPECT_EQ(starts[0], 16) << spec;
     for (size_t i = 1; i < starts.size(); ++i) EXPECT_EQ(starts[i], 20 + 10 * int32_t(i)) << spec << " " << i;
   }
+  // Methods that do not read text say so (callers then skip decoding it).
+  for (const std::string spec : {"quest:budget=64", "full", "quest+twilight:budget=64"})
+    EXPECT_FALSE(SparseSession(make_method(SparseConfig::parse_spec(spec), cfg), cfg, b.kv).wants_token_text()) << spec;
 }
 
 TEST(LycheeClusterMethod, StabilityCounters) {

@@ -244,10 +244,12 @@ int run(int argc, char** argv) {
   opt.attention = &session.attention();
   // Token text for methods that chunk by it (LycheeCluster): the prompt now, each generated
   // token before the step that feeds it.
-  for (int32_t id : prompt) session.append_token_text(tok->token_bytes(id));
+  const bool wants_text = session.wants_token_text();
+  if (wants_text)
+    for (int32_t id : prompt) session.append_token_text(tok->token_bytes(id));
   StreamDecoder dec(*tok);
   auto emit = [&](int32_t id) {
-    session.append_token_text(tok->token_bytes(id));
+    if (wants_text) session.append_token_text(tok->token_bytes(id));
     if (tok->is_special(id)) return true;  // end markers are not text
     std::string s = dec.push(id);
     std::fwrite(s.data(), 1, s.size(), stdout);

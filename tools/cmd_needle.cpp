@@ -181,14 +181,16 @@ int run(int argc, char** argv) {
     PageTable pt = kv.fork(base);
     sparse::SparseSession session(methods[m], cfg, kv, {recall, false});
     session.reserve(int64_t(prompt.size()) + n_new);
-    for (int32_t id : prompt) session.append_token_text(tok->token_bytes(id));
+    const bool wants_text = session.wants_token_text();
+    if (wants_text)
+      for (int32_t id : prompt) session.append_token_text(tok->token_bytes(id));
     std::vector<int32_t> out;
     int32_t t = argmax(last_logits.data(), cfg.vocab);
     auto t_dec = clock_::now();
     int64_t steps = 0;
     for (long long i = 0; i < n_new; ++i) {
       out.push_back(t);
-      session.append_token_text(tok->token_bytes(t));
+      if (wants_text) session.append_token_text(tok->token_bytes(t));
       const auto& eos = tok->eos_ids();
       if (std::find(eos.begin(), eos.end(), t) != eos.end() || i + 1 == n_new) break;
       batch[0] = {&pt, &out.back(), 1, false, &session.attention()};

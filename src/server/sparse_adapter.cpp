@@ -17,6 +17,7 @@ class SessionAttention : public SeqAttention {
         rows_per_token_(int64_t(cfg.n_layers) * cfg.n_kv_heads) {}
   const AttentionFn* fn() override { return &session_.attention(); }
   void on_tokens(const int32_t* ids, int64_t n, const TokenText& text) override {
+    if (!session_.wants_token_text()) return;  // no per-token text work for other methods
     for (int64_t i = 0; i < n; ++i) session_.append_token_text(text.piece(ids[i]));
   }
   int64_t attended() const override {

@@ -33,6 +33,8 @@ struct MethodState {
   // position order, prompt first, for methods that read token text (LycheeCluster's
   // structure-aware chunking). Others ignore it.
   virtual void append_token_text(std::string_view piece) { (void)piece; }
+  // Whether append_token_text is used (callers skip decoding token text otherwise).
+  virtual bool wants_token_text() const { return false; }
 };
 
 // Grow-only scratch for selection code (no allocation once warm).

@@ -82,6 +82,7 @@ class SparseSession {
   void append_token_text(std::string_view piece) {
     if (state_) state_->append_token_text(piece);
   }
+  bool wants_token_text() const { return state_ && state_->wants_token_text(); }
   const SparseMethod& method() const { return *method_; }
   // The method's per-request state (nullptr for stateless methods), e.g. for its counters.
   MethodState* state() { return state_.get(); }

@@ -80,6 +80,7 @@ class LycheeClusterState final : public MethodState {
   // text[pos] = the decoded bytes of the token at position pos (Tokenizer::token_bytes).
   void set_token_text(std::vector<std::string> text) { text_ = std::move(text); }
   void append_token_text(std::string_view piece) override { text_.emplace_back(piece); }
+  bool wants_token_text() const override { return true; }
   const std::vector<std::string>& token_text() const { return text_; }
 
   // Closed chunks: chunk c covers [chunk_starts()[c], chunk_starts()[c + 1]); the last entry

@@ -54,6 +54,7 @@ struct ComposedState : MethodState {
   void append_token_text(std::string_view piece) override {
     if (base) base->append_token_text(piece);
   }
+  bool wants_token_text() const override { return base && base->wants_token_text(); }
 };
 
 // A stage over a base method: by default every hook forwards to the base, which sees its
