@@ -49,6 +49,30 @@ std::string LayerSchedule::describe() const {
   return s;
 }
 
+void select_scheduled(const LayerSchedule& sched, int64_t budget, const char* method,
+                      StepContext& c, Selection& out) {
+  auto& st = static_cast<ScheduledSet&>(*c.state);
+  switch (sched.role(c.layer)) {
+    case LayerSchedule::Role::Dense:
+      out.set_dense(c.Hkv, c.L);
+      return;
+    case LayerSchedule::Role::Select:
+      out.set_dense(c.Hkv, c.L);
+      if (budget >= c.L) {
+        st.set.set_dense(c.Hkv, c.L);
+        st.step = c.step;
+      } else {
+        c.request_scores();
+      }
+      return;
+    case LayerSchedule::Role::Reuse:
+      SPADE_CHECK(st.step == c.step && st.set.length == c.L,
+                  method, ": layer ", c.layer, " has no token set from this step");
+      out = st.set;  // vector assignment reuses capacity
+      return;
+  }
+}
+
 OptionSpec dense_layers_option() {
   return {"dense_layers", OptKind::Int, "auto",
           "leading full-attention layers (auto: per-model table, 2; TidalDecode)"};

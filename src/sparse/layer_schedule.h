@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "sparse/method.h"
 #include "sparse/options.h"
 
 namespace spade::sparse {
@@ -21,6 +22,19 @@ struct LayerSchedule {
   static LayerSchedule from_options(const MethodOptions& o, const ModelConfig& cfg);
   std::string describe() const;  // "dense 0-1, select 2,12"
 };
+
+// Per-request state of a scheduled method: the set chosen by the latest selection layer of
+// the current decode step (filled by the method's on_scores).
+struct ScheduledSet : MethodState {
+  Selection set;
+  int64_t step = -1;
+};
+
+// select() of a scheduled method (state: ScheduledSet): dense layers and selection layers
+// attend fully (a selection layer asks for its scores unless budget >= L, where the set is
+// everything); other layers reuse the step's set. `method` names it in errors.
+void select_scheduled(const LayerSchedule& sched, int64_t budget, const char* method,
+                      StepContext& c, Selection& out);
 
 // Option specs shared by the methods that use a LayerSchedule.
 OptionSpec dense_layers_option();

@@ -9,13 +9,6 @@
 
 namespace spade::sparse {
 
-namespace {
-struct LessIsMoreState : MethodState {
-  Selection set;
-  int64_t step = -1;
-};
-}  // namespace
-
 LessIsMoreMethod::LessIsMoreMethod(int64_t budget, double recent_ratio, int sinks,
                                    LayerSchedule sched)
     : budget_(budget), ratio_(recent_ratio), sinks_(sinks), sched_(std::move(sched)) {
@@ -34,34 +27,15 @@ std::string LessIsMoreMethod::describe() const {
 }
 
 std::unique_ptr<MethodState> LessIsMoreMethod::new_state() const {
-  return std::make_unique<LessIsMoreState>();
+  return std::make_unique<ScheduledSet>();
 }
 
 void LessIsMoreMethod::select(StepContext& c, Selection& out) const {
-  auto& st = static_cast<LessIsMoreState&>(*c.state);
-  switch (sched_.role(c.layer)) {
-    case LayerSchedule::Role::Dense:
-      out.set_dense(c.Hkv, c.L);
-      return;
-    case LayerSchedule::Role::Select:
-      out.set_dense(c.Hkv, c.L);
-      if (budget_ >= c.L) {
-        st.set.set_dense(c.Hkv, c.L);
-        st.step = c.step;
-      } else {
-        c.request_scores();
-      }
-      return;
-    case LayerSchedule::Role::Reuse:
-      SPADE_CHECK(st.step == c.step && st.set.length == c.L,
-                  "lessismore: layer ", c.layer, " has no token set from this step");
-      out = st.set;
-      return;
-  }
+  select_scheduled(sched_, budget_, "lessismore", c, out);
 }
 
 void LessIsMoreMethod::on_scores(StepContext& c, const Selection&, const float* scores) const {
-  auto& st = static_cast<LessIsMoreState&>(*c.state);
+  auto& st = static_cast<ScheduledSet&>(*c.state);
   const int64_t L = c.L;
   const int64_t hi = L - n_recent_;                    // candidates [sinks, hi)
   const int64_t n_uni = budget_ - n_recent_ - sinks_;  // merged tokens besides the sinks

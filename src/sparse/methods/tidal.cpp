@@ -8,14 +8,6 @@
 
 namespace spade::sparse {
 
-namespace {
-// The set chosen by the latest selection layer of the current decode step.
-struct TidalState : MethodState {
-  Selection set;
-  int64_t step = -1;
-};
-}  // namespace
-
 TidalMethod::TidalMethod(int64_t budget, LayerSchedule sched)
     : budget_(budget), sched_(std::move(sched)) {
   SPADE_CHECK(budget > 0, "tidal: budget must be positive");
@@ -26,34 +18,15 @@ std::string TidalMethod::describe() const {
 }
 
 std::unique_ptr<MethodState> TidalMethod::new_state() const {
-  return std::make_unique<TidalState>();
+  return std::make_unique<ScheduledSet>();
 }
 
 void TidalMethod::select(StepContext& c, Selection& out) const {
-  auto& st = static_cast<TidalState&>(*c.state);
-  switch (sched_.role(c.layer)) {
-    case LayerSchedule::Role::Dense:
-      out.set_dense(c.Hkv, c.L);
-      return;
-    case LayerSchedule::Role::Select:
-      out.set_dense(c.Hkv, c.L);
-      if (budget_ >= c.L) {
-        st.set.set_dense(c.Hkv, c.L);
-        st.step = c.step;
-      } else {
-        c.request_scores();
-      }
-      return;
-    case LayerSchedule::Role::Reuse:
-      SPADE_CHECK(st.step == c.step && st.set.length == c.L,
-                  "tidal: layer ", c.layer, " has no token set from this step");
-      out = st.set;  // vector assignment reuses capacity
-      return;
-  }
+  select_scheduled(sched_, budget_, "tidal", c, out);
 }
 
 void TidalMethod::on_scores(StepContext& c, const Selection&, const float* scores) const {
-  auto& st = static_cast<TidalState&>(*c.state);
+  auto& st = static_cast<ScheduledSet&>(*c.state);
   const int64_t L = c.L;
   float* avg = SelectScratch::ensure(c.scratch.f0, size_t(L));
   st.set.begin_per_head(c.Hkv, L);
