@@ -630,7 +630,7 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
 }
 
 void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out,
-                             float scale, cudaStream_t s) const {
+                             float scale, cudaStream_t s, const BlasstSkip& skip) const {
   AttnArgs a;
   a.q = q;
   a.out = out;
@@ -651,10 +651,20 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
   a.nsplit = n_split_;
   a.total_rows = int64_t(total_q_) * Hq_;
   a.scale_log2 = scale * 1.4426950408889634f;
+  if (skip.active()) {
+    SPADE_CHECK(!(skip.log_lambda > 0.f), "BLASST: lambda must be <= 1 (ln lambda = ",
+                skip.log_lambda, ")");
+    SPADE_CHECK(decode_ ? variant_ > 0 : (prefill_kernel_ >= 1 && prefill_wgmma_ok(D_)),
+                "BLASST skipping runs in the v3 decode and the wgmma prefill kernels; this ",
+                decode_ ? "decode step uses the v2 kernel" : "prefill uses the generic kernel",
+                " (head_dim ", D_, ")");
+    a.skip_log2 = skip.log_lambda * 1.4426950408889634f;
+    a.skip_counts = skip.counts;
+  }
   dim3 grid(n_items_, Hkv_);
   if (decode_ && variant_ > 0) {
     const CUtensorMap *tmk = nullptr, *tmv = nullptr;
-    if (tma_ok_ && decode_v3_variant(variant_).tma) {
+    if (tma_ok_ && decode_v3_variant(variant_).tma && !skip.active()) {
       tmk = tmaps_->get(k_cache, D_);
       tmv = tmaps_->get(v_cache, D_);
     }

@@ -17,6 +17,7 @@
 // host for a batch (uploads page tables, lengths, work items; picks the split count) ->
 // run(...) per layer. plan() is done once per step and reused by all layers.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -39,6 +40,19 @@ struct AttnLimits {
   int max_split = 64;
 };
 
+// BLASST tile skipping (Yuan et al., Algorithm 1) inside the v3 decode and the wgmma prefill
+// kernels: a key tile is skipped when, for every query row the tile's warp (decode: a warp's
+// 16-token chunk, rows = the G heads of the KV head) or consumer warpgroup (prefill: 64 packed
+// rows x 128 keys) owns, (row max of the tile - running row max) < ln(lambda). A skipped tile
+// costs only Q.K^T: no exp, no row sum, no P.V and, in decode, no V load. The running max is
+// the warp's / warpgroup's own (split-K: each split starts afresh), as in a FlashAttention CTA.
+struct BlasstSkip {
+  float log_lambda = -INFINITY;          // natural log of lambda (<= 0); -inf: no skipping
+  unsigned long long* counts = nullptr;  // optional device [Hkv][2]: tiles seen, tiles skipped
+                                         // (accumulated; zero it yourself)
+  bool active() const { return log_lambda > -INFINITY; }
+};
+
 class AttentionWorkspace {
  public:
   AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim, int Hq, int Hkv, int D, int P);
@@ -49,8 +63,10 @@ class AttentionWorkspace {
   // splits are used only when every sequence has q_len == 1 (pure decode).
   void plan(const std::vector<AttnSeq>& batch, cudaStream_t s, int force_split = 0);
   // out[T, Hq, D] = attention(q[T, Hq, D]) over this layer's cache (k, v: [page][Hkv][P][D]).
+  // With skip.active(): BLASST skipping (decode: v3 kernel, its cp.async twin when a TMA
+  // variant is selected; prefill: wgmma kernel); other kernels throw spade::Error.
   void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out, float scale,
-           cudaStream_t s) const;
+           cudaStream_t s, const BlasstSkip& skip = {}) const;
 
   int n_split() const { return n_split_; }
   bool decode() const { return decode_; }

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "backend/cuda/cuda_common.h"
@@ -29,6 +30,10 @@ struct AttnArgs {
   int64_t total_rows;  // T * Hq
   float scale_log2;
   unsigned long long* trace = nullptr;  // prefill: per-CTA {start ns, end ns, smid, tiles} (bench)
+  // BLASST (attention.h BlasstSkip): skip threshold in the kernels' log2 score units
+  // (log2(lambda); -inf: the dense instantiation runs) and optional [Hkv][2] tile counters.
+  float skip_log2 = -INFINITY;
+  unsigned long long* skip_counts = nullptr;
 };
 
 // v3/v4 decode kernels (attention_decode.cu). Variant v (1-based) of the table there.
