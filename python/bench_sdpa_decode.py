@@ -34,7 +34,7 @@ def timed(fn, calls, reps):
     return per[len(per) // 2], per[0]
 
 
-def decode(out, L, B):
+def decode(out, L, B, HQ=HQ, HKV=HKV):
     kv_bytes = B * L * HKV * D * 2 * 2
     free, _ = torch.cuda.mem_get_info()
     if kv_bytes > free - (6 << 30):
@@ -102,7 +102,7 @@ def prefill(out, L):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["decode", "prefill", "all"])
+    ap.add_argument("mode", choices=["decode", "prefill", "all", "blasst"])
     ap.add_argument("--out", default="-")
     a = ap.parse_args()
     out = sys.stdout if a.out == "-" else open(a.out, "w")
@@ -111,6 +111,11 @@ def main():
         for L in (8192, 32768, 131072):
             for B in (1, 8, 32):
                 decode(out, L, B)
+    if a.mode == "blasst":  # bench/bench_blasst.cu's decode shapes (BLASST table 4; Llama-3-8B)
+        for L in (32768, 65536):
+            decode(out, L, 64, HQ=32, HKV=4)
+        for B in (1, 8):
+            decode(out, 32768, B)
     if a.mode in ("prefill", "all"):
         for L in (8192, 32768):
             prefill(out, L)

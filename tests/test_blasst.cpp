@@ -392,6 +392,58 @@ TEST(Blasst, ReadsValueRowsOnlyForKeptTiles) {
   EXPECT_GE(tc.skipped, 8);  // everything after tile 1 is ~27 below the max
 }
 
+TEST(Blasst, InitialMaxSeedsTheSkipTestOnly) {
+  // A seeded running max lets the first tiles be skipped too; the kept tiles' softmax stays
+  // exact: the output equals brute-force attention over exactly the kept tiles.
+  std::mt19937 rng(12);
+  const int64_t M = 2, n = 96, D = 8, tile = 16;
+  std::vector<float> S(size_t(M * n)), V(size_t(n * D));
+  test::fill_random(S.data(), S.size(), rng, 1.f);
+  test::fill_random(V.data(), V.size(), rng);
+  for (int64_t r = 0; r < M; ++r) S[size_t(r * n + 70)] = 12.f;  // the max sits in tile 4
+  cpu::VRowsFn v_rows = [&](int64_t start, int64_t) { return V.data() + start * D; };
+  cpu::BlasstScratch sc;
+  for (bool seeded : {false, true}) {
+    SCOPED_TRACE(seeded);
+    const std::vector<float> seed(size_t(M), 12.f);
+    cpu::BlasstParams p{float(std::log(1e-2)), tile, TileOrder::Sequential,
+                        seeded ? seed.data() : nullptr};
+    std::vector<float> s2 = S, O(size_t(M * D));
+    std::vector<uint8_t> skipped;
+    cpu::BlasstTrace tr;
+    tr.skipped = &skipped;
+    const cpu::TileCounts tc = cpu::blasst_rows(s2.data(), n, M, n, nullptr, D, p, v_rows, O.data(),
+                                                D, sc, &tr);
+    ASSERT_EQ(skipped.size(), size_t(6));
+    // Unseeded, tiles 0..3 each hold their row's running max at some point (kept at least
+    // tile 0); seeded, every tile but the max's is ~10 below it.
+    if (seeded) {
+      EXPECT_EQ(tc.skipped, 5);
+      EXPECT_EQ(skipped[4], 0);
+    } else {
+      EXPECT_EQ(skipped[0], 0);
+      EXPECT_LT(tc.skipped, 5);
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      double mx = -INFINITY, den = 0;
+      for (size_t t = 0; t < skipped.size(); ++t)
+        if (!skipped[t])
+          for (int64_t j = int64_t(t) * tile; j < std::min(n, int64_t(t + 1) * tile); ++j)
+            mx = std::max(mx, double(S[size_t(r * n + j)]));
+      std::vector<double> o(size_t(D), 0.0);
+      for (size_t t = 0; t < skipped.size(); ++t)
+        if (!skipped[t])
+          for (int64_t j = int64_t(t) * tile; j < std::min(n, int64_t(t + 1) * tile); ++j) {
+            const double w = std::exp(double(S[size_t(r * n + j)]) - mx);
+            den += w;
+            for (int64_t d = 0; d < D; ++d) o[size_t(d)] += w * V[size_t(j * D + d)];
+          }
+      for (int64_t d = 0; d < D; ++d)
+        EXPECT_NEAR(O[size_t(r * D + d)], o[size_t(d)] / den, 1e-5) << "row " << r << " dim " << d;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- one-pass gaps
 
 TEST(Blasst, GapTracePredictsTheSparsityOfEveryLambda) {

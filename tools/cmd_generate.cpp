@@ -12,6 +12,7 @@
 #include "sampling_args.h"
 #include "core/thread_pool.h"
 #include "engine/generator.h"
+#include "model/cuda_methods.h"
 #include "model/loader.h"
 #if defined(SPADE_HAVE_CUDA)
 #include "model/cuda_model.h"
@@ -45,7 +46,7 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   --stats               print token counts and speeds to stderr; with a sparse method also
                         each decode step's density (and recall with --recall)
   --device cpu|cuda     where the model runs (default cpu; cuda: bf16 weights on the GPU,
-                        dense attention or --sparse streaming|quest; quest on the GPU
+                        dense attention or --sparse streaming|quest|blasst; quest on the GPU
                         needs page_size 16, group=max; --sparse-opt gpu_scores=fast uses
                         tensor-core page scores)
   --synthetic NAME      no weights: random weights of NAME's shapes on the GPU (llama3-8b,
@@ -108,6 +109,21 @@ void print_modifier_stats(sparse::MethodState* state) {
     std::fprintf(stderr, "[spade] blasst: tiles skipped in prefill %.1f%%, in decode %.1f%%\n",
                  100.0 * bs->stats.prefill_sparsity(), 100.0 * bs->stats.decode_sparsity());
 }
+
+#if defined(SPADE_HAVE_CUDA)
+// BLASST on the GPU: skipped / visited tiles over all layers and KV heads, per phase.
+void print_gpu_blasst_stats(const CudaModel& m) {
+  double r[2] = {0, 0};
+  for (int ph = 0; ph < 2; ++ph) {
+    uint64_t t = 0, k = 0;
+    const std::vector<uint64_t> c = m.blasst_counts(ph == 1);
+    for (size_t i = 0; i + 1 < c.size(); i += 2) t += c[i], k += c[i + 1];
+    r[ph] = t ? 100.0 * double(k) / double(t) : 0.0;
+  }
+  std::fprintf(stderr, "[spade] blasst (GPU): tiles skipped in prefill %s, in decode %.1f%%\n",
+               m.blasst_prefill_active() ? cat(r[1], "%").c_str() : "(dense prefill)", r[0]);
+}
+#endif
 
 // --synthetic: random weights with a real model's shapes on the GPU; random prompt ids.
 int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
@@ -174,13 +190,11 @@ int run(int argc, char** argv) {
   sparse::find_method(scfg.method);  // unknown names fail before the model loads
   const std::string device = a.str("--device", a.has("--synthetic") ? "cuda" : "cpu");
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda");
-  // GPU sparse decode: streaming and quest (cuda_sparse_config checks the options once the
-  // model's config is known); other methods fail here, before the model loads.
-  SPADE_CHECK(device == "cpu" || scfg.method == "full" || scfg.method == "streaming" ||
-                  scfg.method == "quest",
-              "--device cuda: sparse method '", scfg.method,
-              "' has no GPU path (GPU methods: full, streaming, quest; the others run with "
-              "--device cpu)");
+  // GPU sparse decode (cuda_sparse_config checks the options once the model's config is
+  // known); methods without a GPU path fail here, before the model loads.
+  SPADE_CHECK(device == "cpu" || has_cuda_path(scfg.method), "--device cuda: sparse method '",
+              scfg.method, "' has no GPU path (GPU methods: ", cuda_method_list(),
+              "; the others run with --device cpu)");
   SPADE_CHECK(device == "cpu" || !scfg.measure_recall, "--recall is CPU-only (--device cpu)");
   if (a.has("--synthetic")) return run_synthetic(a, scfg);
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
@@ -271,6 +285,7 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, "[spade] attention (GPU): %s\n", copt.sparse.describe().c_str());
     CudaModel gpu(*weights, copt);
     st = generate_cuda(gpu, pt, prompt, opt, emit);
+    if (stats && copt.sparse.method == CudaSparse::Method::Blasst) print_gpu_blasst_stats(gpu);
 #else
     fail("--device cuda: this build has no CUDA backend");
 #endif

@@ -23,6 +23,8 @@
 #include "backend/cuda/sparse_attention.h"
 #include "core/half.h"
 #include "io/hf_config.h"
+#include "model/cuda_methods.h"
+#include "sparse/methods/blasst.h"
 #include "sparse/registry.h"
 
 namespace spade {
@@ -64,6 +66,17 @@ std::string CudaSparse::describe() const {
     case Method::Quest:
       return cat("quest budget=", budget, " page_size=16 pages=", budget / 16,
                  " dense_layers=", dense_layers, " group=max scores=", quest_fast ? "fast" : "exact");
+    case Method::Blasst: {
+      const std::string lam = blasst_lambda >= 0 ? cat("lambda=", blasst_lambda)
+                                                 : cat("lambda=", blasst_a, "/L");
+      const std::string plam = blasst_lambda >= 0 ? lam : cat("lambda=", blasst_prefill_a, "/L");
+      return cat("blasst over full: decode ", blasst_decode ? lam + " (tiles: 16-token warp chunks)" : "off",
+                 ", prefill ",
+                 !blasst_prefill ? "off"
+                 : head_dim == 128 ? plam + " (tiles: 64 rows x 128 keys)"
+                                   : cat("dense (head_dim ", head_dim, ": the prefill kernel of this "
+                                         "head dim has no skipping)"));
+    }
   }
   return "?";
 }
@@ -82,11 +95,29 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
               scores, "'");
   const sparse::MethodInfo& info = sparse::find_method(cfg.method);
   if (info.name == "full") return r;
-  SPADE_CHECK(info.name == "quest" || info.name == "streaming", "--device cuda: sparse method '",
-              cfg.method, "' has no GPU path (GPU methods: full, streaming, quest; the others "
-              "run with --device cpu)");
-  sparse::make_method(cfg, model);  // the CPU method's own checks (budget vs page, layers)
+  SPADE_CHECK(has_cuda_path(info.name), "--device cuda: sparse method '", cfg.method,
+              "' has no GPU path (GPU methods: ", cuda_method_list(),
+              "; the others run with --device cpu)");
+  auto method = sparse::make_method(cfg, model);  // the CPU method's own checks
   sparse::MethodOptions o(info.name, info.options(), cfg.options);
+  r.head_dim = model.head_dim;
+  if (info.name == "blasst") {
+    const sparse::BlasstMethod* bm = sparse::as_blasst(*method);
+    SPADE_CHECK(bm && o.str("base") == "full", "--device cuda: blasst runs over full attention "
+                "only (base=", o.str("base"), " needs the selection kernels' skipping)");
+    for (const char* k : {"tile", "prefill_tile", "q_block"})
+      SPADE_CHECK(!cfg.options.count(k), "--device cuda: blasst option '", k, "' is fixed by the "
+                  "GPU kernels (decode tiles: 16-token warp chunks; prefill: 64 rows x 128 keys)");
+    SPADE_CHECK(bm->params().order == cpu::TileOrder::Sequential,
+                "--device cuda: blasst visits tiles in sequential order only");
+    r.method = CudaSparse::Method::Blasst;
+    r.blasst_lambda = bm->params().lambda;
+    r.blasst_a = bm->params().a;
+    r.blasst_prefill_a = bm->params().prefill_a >= 0 ? bm->params().prefill_a : bm->params().a;
+    r.blasst_decode = bm->params().decode;
+    r.blasst_prefill = bm->params().prefill;
+    return r;
+  }
   r.budget = o.integer("budget");
   r.dense_layers = int(o.integer("dense_layers"));
   if (info.name == "streaming") {
@@ -202,7 +233,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   seq_pages_cap_ = std::min<int64_t>(n_pages_, (int64_t(c.max_context) + P - 1) / P + 1);
   upd_cap_ = S + opt_.max_batch;
   int64_t sel_cap = 0;
-  if (sp.method != CudaSparse::Method::None) {
+  if (sp.selects()) {
     SPADE_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "--device cuda sparse decode: GQA group ",
                 Hq / Hkv, " > 16 is not supported");
     const int64_t mb = opt_.max_batch;
@@ -221,6 +252,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
     sp_bytes += size_t(n_pages_ + 2 * mb + 8 + 4 * mb * Hkv * 64) * 4 +
                 size_t(64 * mb * Hq) * (D + 1) * 4 + size_t(mb * Hkv) * 4 + (4u << 20);
   }
+  if (sp.method == CudaSparse::Method::Blasst) sp_bytes += size_t(4) * NL * Hkv * 8 + 1024;
   const size_t total = wb + small + kv_bytes + ws_bytes + sp_bytes;
   {
     size_t free_b = 0, total_b = 0;
@@ -341,7 +373,12 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   lim.max_pages = n_pages_;
   lim.max_split = 64;
   attn_ = std::make_unique<cuda::AttentionWorkspace>(A, lim, int(Hq), int(Hkv), int(D), P);
-  if (sp.method != CudaSparse::Method::None) {
+  if (sp.method == CudaSparse::Method::Blasst) {
+    const size_t n = size_t(4) * NL * Hkv;
+    blasst_counts_ = A.alloc_n<unsigned long long>(n, "blasst tile counters");
+    SPADE_CUDA(cudaMemset(blasst_counts_, 0, n * 8));
+  }
+  if (sp.selects()) {
     SPADE_CHECK(sp.dense_layers >= 0 && sp.dense_layers <= NL, "sparse dense_layers outside [0, ",
                 NL, "]");
     sparse_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
@@ -472,7 +509,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
     SPADE_CUDA(cudaMemcpyAsync(upd_ + upd_cap_, upd_host_ + upd_cap_,
                                sizeof(int32_t) * size_t(upd_n_), cudaMemcpyHostToDevice, st));
   }
-  if (sp.method != CudaSparse::Method::None && T == int64_t(batch.size()) &&
+  if (sp.selects() && T == int64_t(batch.size()) &&
       sp.dense_layers < c.n_layers) {
     const bool quest = sp.method == CudaSparse::Method::Quest;
     const int Hkv = c.n_kv_heads;
@@ -566,7 +603,7 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
       }
       sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st);
     } else {
-      attn_->run(q, kc, vc, att, scale, st);
+      attn_->run(q, kc, vc, att, scale, st, blasst_skip(int(l)));
     }
     gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, 1.f, st);
     cuda::rmsnorm(x_, nullptr, L.ffn_norm, c.rms_eps, xn, T, H, st);
@@ -579,6 +616,44 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   if (sample)
     cuda::sample(logits_, R, V, *sp, 0, sampled_, st,
                  reinterpret_cast<const uint64_t*>(tok_in_ + step_off_));
+}
+
+cuda::BlasstSkip CudaModel::blasst_skip(int layer) const {
+  const CudaSparse& sp = opt_.sparse;
+  cuda::BlasstSkip k;
+  const bool dec = attn_->decode();
+  if (sp.method != CudaSparse::Method::Blasst || !(dec ? sp.blasst_decode : blasst_prefill_active()))
+    return k;
+  if (sp.blasst_lambda >= 0) {
+    if (sp.blasst_lambda > 0) k.log_lambda = float(std::log(sp.blasst_lambda));
+  } else {
+    const double a = dec ? sp.blasst_a : sp.blasst_prefill_a;
+    if (a > 0) k.log_lambda = float(std::log(a)), k.per_length = true;
+  }
+  const int Hkv = cfg_.n_kv_heads;
+  if (count_blasst_)
+    k.counts = blasst_counts_ + (size_t(dec ? 0 : 1) * cfg_.n_layers + size_t(layer)) * Hkv * 2;
+  return k;
+}
+
+bool CudaModel::blasst_prefill_active() const {
+  return opt_.sparse.method == CudaSparse::Method::Blasst && opt_.sparse.blasst_prefill &&
+         attn_->prefill_wgmma_active();
+}
+
+std::vector<uint64_t> CudaModel::blasst_counts(bool prefill) const {
+  const size_t n = size_t(cfg_.n_layers) * cfg_.n_kv_heads * 2;
+  std::vector<uint64_t> h(n, 0);
+  if (!blasst_counts_) return h;
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  SPADE_CUDA(cudaMemcpy(h.data(), blasst_counts_ + (prefill ? n : 0), n * 8, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+void CudaModel::reset_blasst_counts() {
+  if (!blasst_counts_) return;
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  SPADE_CUDA(cudaMemset(blasst_counts_, 0, size_t(4) * cfg_.n_layers * cfg_.n_kv_heads * 8));
 }
 
 void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) {
@@ -603,8 +678,11 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
         cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(it->second));
         graphs_.erase(it);
       }
-      // First use: run eagerly (plans GEMM algorithms outside any capture), then capture.
+      // First use: run eagerly (plans GEMM algorithms outside any capture), then capture. The
+      // replay below redoes this step, so the eager run does not count BLASST tiles.
+      count_blasst_ = false;
       enqueue(sample, sp, step);
+      count_blasst_ = true;
       SPADE_CUDA(cudaStreamSynchronize(st));
       cudaGraph_t g;
       SPADE_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));

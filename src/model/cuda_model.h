@@ -30,6 +30,7 @@ class DeviceArena;
 class Gemm;
 class AttentionWorkspace;
 class SparseAttention;
+struct BlasstSkip;
 }  // namespace cuda
 
 // Sparse decode on the GPU (issue 9): the methods with a GPU selector, with the CPU method's
@@ -37,16 +38,26 @@ class SparseAttention;
 // selection in layers >= dense_layers. Quest: per-page key min/max kept on every append for
 // every layer, page scores + radix top-k + attention over the selected pages (the CPU's
 // QuestMethod with group=max and page_size == KV page size == 16). Streaming: sinks + the
-// recent window, one list shared by the KV heads (StreamingMethod).
+// recent window, one list shared by the KV heads (StreamingMethod). BLASST (over full
+// attention): tile skipping inside the dense kernels (backend/cuda/attention.h BlasstSkip)
+// with the CPU method's lambda (fixed, or a / L per sequence); decode tiles are each warp's
+// 16-token chunks, prefill tiles 64 packed rows x 128 keys (wgmma prefill, head_dim 128 only:
+// other head dims prefill densely, which describe() says).
 struct CudaSparse {
-  enum class Method { None, Streaming, Quest };
+  enum class Method { None, Streaming, Quest, Blasst };
   Method method = Method::None;
   int64_t budget = 0;
   int sinks = 0;         // streaming
   int dense_layers = 0;  // leading full-attention layers
   int quest_fast = 0;    // 1: tensor-core page scores (fp32 rounding; near-tie selections)
   bool force_lists = false;  // tests: attend over lists even when they cover the whole context
+  // blasst: lambda >= 0 fixed (0 = never skip), else a / L (decode a, prefill prefill_a)
+  double blasst_lambda = -1, blasst_a = 0, blasst_prefill_a = 0;
+  bool blasst_decode = true, blasst_prefill = true;
+  int head_dim = 0;  // set by cuda_sparse_config (describe: prefill skipping needs 128)
   std::string describe() const;
+  // Attends over selection lists (streaming, quest); BLASST skips inside the dense kernels.
+  bool selects() const { return method == Method::Streaming || method == Method::Quest; }
 };
 // The GPU form of a sparse::SparseConfig, through the same option table and checks as the
 // CPU method (sparse/registry.h). "full" -> Method::None; methods without a GPU path and
@@ -115,6 +126,12 @@ class CudaModel {
     std::vector<std::vector<std::vector<int32_t>>> sel;
   };
   QuestTrace* quest_trace = nullptr;
+  // BLASST tile counters since the last reset, per layer and KV head: {tiles, skipped} pairs,
+  // [n_layers][Hkv][2] (decode or prefill launches).
+  std::vector<uint64_t> blasst_counts(bool prefill) const;
+  void reset_blasst_counts();
+  // Whether prefill chunks skip tiles (BLASST with prefill on and the wgmma prefill kernel).
+  bool blasst_prefill_active() const;
 
  private:
   struct Layer;
@@ -124,6 +141,7 @@ class CudaModel {
   void enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void launch(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void trace_quest(int layer);
+  cuda::BlasstSkip blasst_skip(int layer) const;  // this step's skipping in `layer` (or none)
 
   ModelConfig cfg_;
   CudaModelOptions opt_;
@@ -138,6 +156,8 @@ class CudaModel {
   int32_t* quest_strided_ = nullptr;
   int32_t* sel_off_ = nullptr;
   int32_t* sel_idx_ = nullptr;
+  unsigned long long* blasst_counts_ = nullptr;  // [2 (decode, prefill)][NL][Hkv][2]
+  bool count_blasst_ = true;  // false while a step runs eagerly before its graph capture
   int32_t* upd_ = nullptr;       // device [2 * upd_cap_]
   int32_t* upd_host_ = nullptr;  // pinned mirror
   int64_t upd_cap_ = 0;

@@ -86,7 +86,7 @@ TileCounts blasst_rows(float* S, int64_t ss, int64_t M, int64_t n, const int64_t
   }
   tile_visit_order(p.order, nt, ord);
   for (int64_t r = 0; r < M; ++r) {
-    m[r] = -INFINITY;
+    m[r] = p.init_max ? p.init_max[r] : -INFINITY;
     l[r] = 0.f;
     std::fill_n(O + r * os, D, 0.f);
   }

@@ -46,6 +46,10 @@ struct BlasstParams {
   float log_lambda = -INFINITY;  // ln(lambda); -inf (lambda = 0): never skip
   int64_t tile = 64;             // keys per tile
   TileOrder order = TileOrder::Sequential;
+  // Optional per-row initial running max (M floats): the skip test then starts from scores
+  // seen elsewhere (the GPU decode seeds each warp with the sequence's first and last chunk).
+  // Decisions only; the softmax of the kept tiles stays exact.
+  const float* init_max = nullptr;
 };
 
 // Tiles processed / skipped by one call (a tile = one row block x one key tile).

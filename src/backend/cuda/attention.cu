@@ -520,6 +520,11 @@ AttentionWorkspace::~AttentionWorkspace() {
   if (meta_host_) cudaFreeHost(meta_host_);
 }
 
+int AttentionWorkspace::decode_warps() const {
+  if (variant_ == 0) return 0;
+  return D_ == 64 ? 4 : decode_v3_variant(variant_).warps;  // D = 64 has 4-warp kernels only
+}
+
 int AttentionWorkspace::resolve_variant(int B) const {
   return decode_kernel_ == 0 ? 0 : decode_kernel_ == 1 ? auto_variant(B) : decode_kernel_ - 1;
 }
@@ -652,13 +657,14 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
   a.total_rows = int64_t(total_q_) * Hq_;
   a.scale_log2 = scale * 1.4426950408889634f;
   if (skip.active()) {
-    SPADE_CHECK(!(skip.log_lambda > 0.f), "BLASST: lambda must be <= 1 (ln lambda = ",
-                skip.log_lambda, ")");
+    SPADE_CHECK(skip.per_length || !(skip.log_lambda > 0.f),
+                "BLASST: lambda must be <= 1 (ln lambda = ", skip.log_lambda, ")");
     SPADE_CHECK(decode_ ? variant_ > 0 : (prefill_kernel_ >= 1 && prefill_wgmma_ok(D_)),
                 "BLASST skipping runs in the v3 decode and the wgmma prefill kernels; this ",
                 decode_ ? "decode step uses the v2 kernel" : "prefill uses the generic kernel",
                 " (head_dim ", D_, ")");
     a.skip_log2 = skip.log_lambda * 1.4426950408889634f;
+    a.skip_per_length = skip.per_length;
     a.skip_counts = skip.counts;
   }
   dim3 grid(n_items_, Hkv_);

@@ -50,6 +50,10 @@ struct BlasstSkip {
   float log_lambda = -INFINITY;          // natural log of lambda (<= 0); -inf: no skipping
   unsigned long long* counts = nullptr;  // optional device [Hkv][2]: tiles seen, tiles skipped
                                          // (accumulated; zero it yourself)
+  // BLASST eq. 3, lambda = a / L: log_lambda holds ln(a) and each sequence's threshold is
+  // ln(a) - ln(L) with L its kv_len (decode: the context; prefill: p0 + T, the context at the
+  // end of the chunk), capped at 0 (lambda <= 1).
+  bool per_length = false;
   bool active() const { return log_lambda > -INFINITY; }
 };
 
@@ -81,6 +85,10 @@ class AttentionWorkspace {
   void set_decode_kernel(int v);
   int decode_kernel() const { return decode_kernel_; }
   int decode_variant() const { return variant_; }
+  // Warps per CTA of that variant (0 for v2): with n_split(), the work partition of a v3
+  // decode (a CTA's chunks of 16 tokens go to its warps round-robin), e.g. to emulate BLASST
+  // decisions, which each warp takes from its own running max.
+  int decode_warps() const;
   // v3 split count: 0 = smallest count whose CTAs fill >= 96% of their last wave; 1 = exact
   // waves when each warp keeps >= 8 chunks (else as 0). Takes effect at the next plan().
   void set_split_policy(int p) { split_policy_ = p; }

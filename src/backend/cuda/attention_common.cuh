@@ -33,6 +33,7 @@ struct AttnArgs {
   // BLASST (attention.h BlasstSkip): skip threshold in the kernels' log2 score units
   // (log2(lambda); -inf: the dense instantiation runs) and optional [Hkv][2] tile counters.
   float skip_log2 = -INFINITY;
+  bool skip_per_length = false;  // threshold = min(0, skip_log2 - log2(kv_len)) per sequence
   unsigned long long* skip_counts = nullptr;
 };
 

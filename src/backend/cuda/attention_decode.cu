@@ -94,11 +94,12 @@ __device__ __forceinline__ uint32_t kv_off(int r, int col) {
     return uint32_t(swz<D>(r, col)) * 2;
 }
 
-template <int D, int W, int S, int TK, bool TMA>
+template <int D, int W, int S, int TK, bool TMA, bool SKIP>
 __global__ void __launch_bounds__(W * 32)
     decode_v3_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap tmk,
                      const __grid_constant__ CUtensorMap tmv) {
   using C = DecCfg<D, W, S, TK>;
+  static_assert(!(SKIP && TMA), "BLASST skipping runs in the cp.async kernel");
   constexpr int CH = C::CH, RPI = C::RPI, NT = C::kThreads;
   extern __shared__ __align__(1024) unsigned char smem_dyn[];
   __shared__ int s_last;
@@ -132,7 +133,8 @@ __global__ void __launch_bounds__(W * 32)
   auto chunk_j0 = [&](int k) { return (cb + warp + k * W) * TK; };
 
   auto bar_of = [&](int st) { return smem_u32(&s_bar[warp * S + st]); };
-  auto issue = [&](int k, int st, int pid) {
+  // parts: 1 = the K tile, 2 = the V tile, 3 = both (BLASST loads V only for kept chunks).
+  auto issue = [&](int k, int st, int pid, int parts = 3) {
     const int j0 = chunk_j0(k);
     bf16* dK = ring + (warp * S + st) * C::kStage;
     bf16* dV = dK + C::kTile;
@@ -156,8 +158,8 @@ __global__ void __launch_bounds__(W * 32)
       for (int i = 0; i < TK / RPI; ++i) {
         const int r = rl + i * RPI;
         const bool valid = j0 + r < L;
-        cp_async16(dK + swz<D>(r, cc * 8), valid ? gk + r * D : a.k, valid);
-        cp_async16(dV + swz<D>(r, cc * 8), valid ? gv + r * D : a.v, valid);
+        if (parts & 1) cp_async16(dK + swz<D>(r, cc * 8), valid ? gk + r * D : a.k, valid);
+        if (parts & 2) cp_async16(dV + swz<D>(r, cc * 8), valid ? gv + r * D : a.v, valid);
       }
     } else {
 #pragma unroll
@@ -169,9 +171,24 @@ __global__ void __launch_bounds__(W * 32)
         if (valid)
           off = int64_t(pt[pdiv(j)]) * page_stride + kvh * head_stride + int64_t(pmod(j)) * D +
                 cc * 8;
-        cp_async16(dK + swz<D>(r, cc * 8), a.k + off, valid);
-        cp_async16(dV + swz<D>(r, cc * 8), a.v + off, valid);
+        if (parts & 1) cp_async16(dK + swz<D>(r, cc * 8), a.k + off, valid);
+        if (parts & 2) cp_async16(dV + swz<D>(r, cc * 8), a.v + off, valid);
       }
+    }
+  };
+
+  // BLASST seeds: K rows of the sequence's first (attention sink) and last (most recent) chunk,
+  // any page size, into the K and V halves of ring stage S - 1 (unused until iteration 0).
+  auto issue_keys = [&](int j0, bf16* dst) {
+#pragma unroll
+    for (int i = 0; i < TK / RPI; ++i) {
+      const int r = rl + i * RPI;
+      const int j = j0 + r;
+      const bool valid = j < L;
+      int64_t off = 0;
+      if (valid)
+        off = int64_t(pt[pdiv(j)]) * page_stride + kvh * head_stride + int64_t(pmod(j)) * D + cc * 8;
+      cp_async16(dst + swz<D>(r, cc * 8), a.k + off, valid);
     }
   };
 
@@ -189,14 +206,21 @@ __global__ void __launch_bounds__(W * 32)
     const bf16* src = a.q + (int64_t(q0) * a.Hq + kvh * G + r) * D + c * 8;
     cp_async16(sQ + swz<D>(r, c * 8), valid ? src : a.q, valid);
   }
+  if constexpr (SKIP) {  // in group 0 with Q
+    bf16* seed = ring + (warp * S + S - 1) * C::kStage;
+    issue_keys(0, seed);
+    if (n_ch > 1) issue_keys((n_ch - 1) * TK, seed + C::kTile);
+  }
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (s < n_my) issue(s, s, fast ? pt[pdiv(chunk_j0(s))] : 0);
+    if constexpr (SKIP) cp_async_commit();  // the (empty) V group of chunk s - S + 1
+    if (s < n_my) issue(s, s, fast ? pt[pdiv(chunk_j0(s))] : 0, SKIP ? 1 : 3);
     cp_async_commit();
   }
   int pid_next = 0;  // page id of the next chunk to issue (S - 1), loaded one iteration early
   if (fast && S - 1 < n_my) pid_next = pt[pdiv(chunk_j0(S - 1))];
   if constexpr (TMA) cp_async_wait<0>();
+  else if constexpr (SKIP) cp_async_wait<2 * S - 3>();  // Q (group 0) has landed
   else cp_async_wait<S - 2>();  // this thread's Q part (group 0) has landed
   __syncthreads();
 
@@ -220,6 +244,114 @@ __global__ void __launch_bounds__(W * 32)
   const int t4 = lane & 3, g8 = lane >> 2;
   const float sl2 = a.scale_log2;
 
+  const int mi = lane >> 3;
+  // S = Q K^T of one chunk (two accumulator chains: even / odd k-steps).
+  auto qk = [&](const unsigned char* bK, float (&sc)[TK / 8][4], float (&sc2)[TK / 8][4]) {
+#pragma unroll
+    for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nb][e] = 0.f, sc2[nb][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < TK / 16; ++np) {
+        const int r = np * 16 + (lane & 7) + ((mi & 2) ? 8 : 0);
+        const int col = kk * 16 + ((mi & 1) ? 8 : 0);
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(b0, b1, b2, b3, bK + kv_off<D, TK, TMA>(r, col));
+        if (kk & 1) {
+          mma16816(sc2[2 * np], qa[kk], b0, b1);
+          mma16816(sc2[2 * np + 1], qa[kk], b2, b3);
+        } else {
+          mma16816(sc[2 * np], qa[kk], b0, b1);
+          mma16816(sc[2 * np + 1], qa[kk], b2, b3);
+        }
+      }
+    }
+  };
+  // P (bf16 A fragments) of one chunk from the probabilities in sc.
+  auto pack_p = [&](const float (&sc)[TK / 8][4], uint32_t (&pa)[TK / 16][4]) {
+#pragma unroll
+    for (int k2 = 0; k2 < TK / 16; ++k2) {
+      pa[k2][0] = pack_bf16(sc[2 * k2][0], sc[2 * k2][1]);
+      pa[k2][1] = pack_bf16(sc[2 * k2][2], sc[2 * k2][3]);
+      pa[k2][2] = pack_bf16(sc[2 * k2 + 1][0], sc[2 * k2 + 1][1]);
+      pa[k2][3] = pack_bf16(sc[2 * k2 + 1][2], sc[2 * k2 + 1][3]);
+    }
+  };
+  // O += P V (rows >= 8 carry junk when G <= 8; they are never written out).
+  auto pv = [&](const uint32_t (&pa)[TK / 16][4], const unsigned char* bV) {
+#pragma unroll
+    for (int k2 = 0; k2 < TK / 16; ++k2) {
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int r = k2 * 16 + (lane & 7) + ((mi & 1) ? 8 : 0);
+        const int col = dp * 16 + ((mi & 2) ? 8 : 0);
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(b0, b1, b2, b3, bV + kv_off<D, TK, TMA>(r, col));
+        mma16816(o[2 * dp], pa[k2], b0, b1);
+        mma16816(o[2 * dp + 1], pa[k2], b2, b3);
+      }
+    }
+  };
+  // Scale to log2 units, mask columns past L, row maxima of the chunk (quad-reduced).
+  auto chunk_max = [&](int j0, float (&sc)[TK / 8][4], const float (&sc2)[TK / 8][4],
+                       float (&mx)[2]) {
+    const bool mask = j0 + TK > L;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = -INFINITY;
+      if (i == 1 && !hi_rows) break;
+#pragma unroll
+      for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = (sc[nb][2 * i + e] + sc2[nb][2 * i + e]) * sl2;
+          if (mask && j0 + nb * 8 + 2 * t4 + e >= L) x = -INFINITY;
+          sc[nb][2 * i + e] = x;
+          mx[i] = fmaxf(mx[i], x);
+        }
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    }
+  };
+  // Online softmax with a lazy rescale: the reference max m moves only when the chunk's max
+  // exceeds it by > 8 (p <= 256), so o is rescaled rarely. sc becomes the probabilities.
+  auto softmax = [&](float (&sc)[TK / 8][4], const float (&mx)[2]) {
+    float alpha[2] = {1.f, 1.f};
+    bool need = false;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (i == 1 && !hi_rows) break;
+      if (mx[i] > m[i] + 8.f) {
+        alpha[i] = exp2f(m[i] - mx[i]);
+        m[i] = mx[i];
+        need = true;
+      }
+      const float mu = m[i] == -INFINITY ? 0.f : m[i];
+      float rs = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2f(sc[nb][2 * i + e] - mu);
+          sc[nb][2 * i + e] = p;
+          rs += p;
+        }
+      l[i] = l[i] * alpha[i] + rs;
+    }
+    if (__any_sync(0xffffffffu, need)) {
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        o[nd][0] *= alpha[0];
+        o[nd][1] *= alpha[0];
+        o[nd][2] *= alpha[1];
+        o[nd][3] *= alpha[1];
+      }
+    }
+  };
+
+  if constexpr (!SKIP) {
   int st_issue = S - 1, st_use = 0, phase = 0;
   for (int k = 0; k < n_my; ++k) {
     __syncwarp();  // every lane is done reading the stage about to be overwritten
@@ -245,95 +377,104 @@ __global__ void __launch_bounds__(W * 32)
       cp_async_wait<S - 1>();
       __syncwarp();  // make every lane's copies of chunk k visible to the warp
     }
-    const unsigned char* bK = reinterpret_cast<const unsigned char*>(tK);
-    const unsigned char* bV = reinterpret_cast<const unsigned char*>(tV);
-    float s[TK / 8][4], s2[TK / 8][4];
-#pragma unroll
-    for (int nb = 0; nb < TK / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nb][e] = 0.f, s2[nb][e] = 0.f;
-    const int mi = lane >> 3;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < TK / 16; ++np) {
-        const int r = np * 16 + (lane & 7) + ((mi & 2) ? 8 : 0);
-        const int col = kk * 16 + ((mi & 1) ? 8 : 0);
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4(b0, b1, b2, b3, bK + kv_off<D, TK, TMA>(r, col));
-        if (kk & 1) {
-          mma16816(s2[2 * np], qa[kk], b0, b1);
-          mma16816(s2[2 * np + 1], qa[kk], b2, b3);
-        } else {
-          mma16816(s[2 * np], qa[kk], b0, b1);
-          mma16816(s[2 * np + 1], qa[kk], b2, b3);
-        }
-      }
-    }
-    const bool mask = j0 + TK > L;
-    float alpha[2] = {1.f, 1.f};
-    bool need = false;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (i == 1 && !hi_rows) break;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nb = 0; nb < TK / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = (s[nb][2 * i + e] + s2[nb][2 * i + e]) * sl2;
-          if (mask && j0 + nb * 8 + 2 * t4 + e >= L) x = -INFINITY;
-          s[nb][2 * i + e] = x;
-          mx = fmaxf(mx, x);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      if (mx > m[i] + 8.f) {  // lazy rescale: move the reference max only when it grows a lot
-        alpha[i] = exp2f(m[i] - mx);
-        m[i] = mx;
-        need = true;
-      }
-      const float mu = m[i] == -INFINITY ? 0.f : m[i];
-      float rs = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < TK / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2f(s[nb][2 * i + e] - mu);
-          s[nb][2 * i + e] = p;
-          rs += p;
-        }
-      l[i] = l[i] * alpha[i] + rs;
-    }
-    if (__any_sync(0xffffffffu, need)) {
-#pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
-        o[nd][0] *= alpha[0];
-        o[nd][1] *= alpha[0];
-        o[nd][2] *= alpha[1];
-        o[nd][3] *= alpha[1];
-      }
-    }
-    // O += P V (rows >= 8 carry junk when G <= 8; they are never written out).
-#pragma unroll
-    for (int k2 = 0; k2 < TK / 16; ++k2) {
-      uint32_t pa[4];
-      pa[0] = pack_bf16(s[2 * k2][0], s[2 * k2][1]);
-      pa[1] = pack_bf16(s[2 * k2][2], s[2 * k2][3]);
-      pa[2] = pack_bf16(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
-      pa[3] = pack_bf16(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        const int r = k2 * 16 + (lane & 7) + ((mi & 1) ? 8 : 0);
-        const int col = dp * 16 + ((mi & 2) ? 8 : 0);
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(b0, b1, b2, b3, bV + kv_off<D, TK, TMA>(r, col));
-        mma16816(o[2 * dp], pa, b0, b1);
-        mma16816(o[2 * dp + 1], pa, b2, b3);
-      }
-    }
+    float sc[TK / 8][4], sc2[TK / 8][4], mx[2];
+    uint32_t pa[TK / 16][4];
+    qk(reinterpret_cast<const unsigned char*>(tK), sc, sc2);
+    chunk_max(j0, sc, sc2, mx);
+    softmax(sc, mx);
+    pack_p(sc, pa);
+    pv(pa, reinterpret_cast<const unsigned char*>(tV));
     st_issue = st_issue + 1 == S ? 0 : st_issue + 1;
     if (++st_use == S) st_use = 0, phase ^= 1;
+  }
+  } else {
+    // BLASST: chunk k's V tile is loaded only if the chunk is kept, so P V runs one chunk
+    // behind (P of chunk k waits in registers while V_k lands). Commit groups, in order:
+    // per iteration k [V_k or empty] then [K_{k+S-1}] (prologue: [empty] [K_s]); hence K_k is
+    // complete when <= 2S-4 groups are pending, V_{k-1} when <= 3 are (after iteration k's
+    // two commits). K_{k+S-1} goes to stage (k-1) % S, whose V half still holds V_{k-1}: the
+    // halves are disjoint, and V_{k-S} (the previous occupant of V half k % S) was consumed
+    // in iteration k-S+1.
+    const float thr = a.skip_per_length ? fminf(0.f, a.skip_log2 - log2f(float(L))) : a.skip_log2;
+    // The skip test's running max (m, the softmax reference, lags it by up to 8), seeded with
+    // the row maxima of the sequence's first and last chunks: with split-KV a warp may own
+    // only a few chunks, and without a seed its first chunk could never be skipped. The
+    // seed only sharpens the decisions; the softmax of the kept chunks stays exact.
+    float mt[2] = {-INFINITY, -INFINITY};
+    {
+      const unsigned char* seed =
+          reinterpret_cast<const unsigned char*>(ring + (warp * S + S - 1) * C::kStage);
+      float sc[TK / 8][4], sc2[TK / 8][4];
+      qk(seed, sc, sc2);
+      chunk_max(0, sc, sc2, mt);
+      if (n_ch > 1) {
+        float mx[2];
+        qk(seed + C::kTile * sizeof(bf16), sc, sc2);
+        chunk_max((n_ch - 1) * TK, sc, sc2, mx);
+        mt[0] = fmaxf(mt[0], mx[0]);
+        mt[1] = fmaxf(mt[1], mx[1]);
+      }
+      __syncwarp();  // seed reads done before iteration 0 reuses stage S - 1
+    }
+    uint32_t pend[TK / 16][4];             // P of the kept chunk k-1
+    bool have_pend = false;
+    int st_use = 0, st_prev = S - 1;
+    unsigned tiles = 0, skipped = 0;
+    for (int k = 0; k < n_my; ++k) {
+      __syncwarp();  // every lane is done with iteration k-1's shared-memory reads
+      const int j0 = chunk_j0(k);
+      const int pid_cur = fast ? pt[pdiv(j0)] : 0;  // for V_k (in flight during the wait)
+      cp_async_wait<2 * S - 4>();
+      __syncwarp();  // K_k visible to the warp
+      bf16* tK = ring + (warp * S + st_use) * C::kStage;
+      float sc[TK / 8][4], sc2[TK / 8][4], mx[2];
+      qk(reinterpret_cast<const unsigned char*>(tK), sc, sc2);
+      chunk_max(j0, sc, sc2, mx);
+      // Skip vote (every lane of a quad holds its row's max; rows >= G do not vote).
+      bool keep_row = false;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (i == 1 && !hi_rows) break;
+        if (g8 + 8 * i < G && !(mx[i] - fmaxf(mt[i], mx[i]) < thr)) keep_row = true;
+      }
+      const bool keep = __any_sync(0xffffffffu, keep_row);
+      ++tiles;
+      if (keep) {
+        issue(k, st_use, pid_cur, 2);
+        mt[0] = fmaxf(mt[0], mx[0]);
+        mt[1] = fmaxf(mt[1], mx[1]);
+      } else {
+        ++skipped;
+      }
+      cp_async_commit();  // [V_k] (empty when skipped)
+      const int kn = k + S - 1;
+      if (kn < n_my) issue(kn, st_prev, pid_next, 1);
+      cp_async_commit();  // [K_{k+S-1}]
+      if (fast && kn + 1 < n_my) pid_next = pt[pdiv(chunk_j0(kn + 1))];
+      if (have_pend) {  // O += P_{k-1} V_{k-1}, before chunk k may rescale O
+        cp_async_wait<3>();
+        __syncwarp();
+        pv(pend, reinterpret_cast<const unsigned char*>(ring + (warp * S + st_prev) * C::kStage +
+                                                        C::kTile));
+      }
+      have_pend = keep;
+      if (keep) {
+        softmax(sc, mx);
+        pack_p(sc, pend);
+      }
+      st_prev = st_use;
+      if (++st_use == S) st_use = 0;
+    }
+    if (have_pend) {
+      cp_async_wait<0>();
+      __syncwarp();
+      pv(pend, reinterpret_cast<const unsigned char*>(ring + (warp * S + st_prev) * C::kStage +
+                                                      C::kTile));
+    }
+    if (a.skip_counts && lane == 0) {
+      atomicAdd(a.skip_counts + 2 * kvh, (unsigned long long)tiles);
+      atomicAdd(a.skip_counts + 2 * kvh + 1, (unsigned long long)skipped);
+    }
   }
   if constexpr (!TMA) cp_async_wait<0>();
 #pragma unroll
@@ -483,13 +624,13 @@ constexpr DecodeVariant kVariants[] = {
 // cp.async L2::256B prefetch hint (-3..-7%), 4-warp 2-stage and 2-warp 4-stage rings.
 constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
 
-template <int D, int W, int S, int TK, bool TMA>
+template <int D, int W, int S, int TK, bool TMA, bool SKIP = false>
 struct Inst {
   using C = DecCfg<D, W, S, TK>;
   static void prepare() {
     static bool done = false;
     if (!done) {
-      SPADE_CUDA(cudaFuncSetAttribute(decode_v3_kernel<D, W, S, TK, TMA>,
+      SPADE_CUDA(cudaFuncSetAttribute(decode_v3_kernel<D, W, S, TK, TMA, SKIP>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmem)));
       done = true;
     }
@@ -498,33 +639,37 @@ struct Inst {
     prepare();
     int n = 0;
     SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, decode_v3_kernel<D, W, S, TK, TMA>, C::kThreads, C::kSmem));
+        &n, decode_v3_kernel<D, W, S, TK, TMA, SKIP>, C::kThreads, C::kSmem));
     return n;
   }
   static void launch(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* tmk,
                      const CUtensorMap* tmv) {
     prepare();
     CUtensorMap zero{};
-    decode_v3_kernel<D, W, S, TK, TMA><<<grid, C::kThreads, C::kSmem, s>>>(
+    decode_v3_kernel<D, W, S, TK, TMA, SKIP><<<grid, C::kThreads, C::kSmem, s>>>(
         a, tmk ? *tmk : zero, tmv ? *tmv : zero);
     SPADE_CUDA_LAUNCH();
   }
 };
 
 // tma: whether the TMA instance may run (maps present, P % 16 == 0); else the cp.async twin.
+// skip: the BLASST instance (cp.async only).
 template <typename F>
-void dispatch(int D, int v, bool tma, F&& f) {
+void dispatch(int D, int v, bool tma, bool skip, F&& f) {
   const int vi = (v >= 1 && v <= kNumVariants ? v : 1) - 1;
   const DecodeVariant dv = kVariants[vi];
-  const bool t = tma && dv.tma;
+  const bool t = tma && dv.tma && !skip;
   if (D == 64) {
+    if (skip) return f(Inst<64, 4, 3, 16, false, true>{});
     if (t) return f(Inst<64, 4, 3, 16, true>{});
     return f(Inst<64, 4, 3, 16, false>{});
   }
   if (dv.warps == 8) {
+    if (skip) return f(Inst<128, 8, 3, 16, false, true>{});
     if (t) return f(Inst<128, 8, 3, 16, true>{});
     return f(Inst<128, 8, 3, 16, false>{});
   }
+  if (skip) return f(Inst<128, 4, 3, 16, false, true>{});
   if (t) return f(Inst<128, 4, 3, 16, true>{});
   return f(Inst<128, 4, 3, 16, false>{});
 }
@@ -535,13 +680,14 @@ int decode_v3_count() { return kNumVariants; }
 DecodeVariant decode_v3_variant(int v) { return kVariants[(v >= 1 && v <= kNumVariants ? v : 1) - 1]; }
 int decode_v3_occupancy(int D, int v) {
   int n = 0;
-  dispatch(D, v, true, [&](auto inst) { n = decltype(inst)::occupancy(); });
+  dispatch(D, v, true, false, [&](auto inst) { n = decltype(inst)::occupancy(); });
   return n;
 }
 void launch_decode_v3(int D, int v, const AttnArgs& a, dim3 grid, cudaStream_t s,
                       const CUtensorMap* tmk, const CUtensorMap* tmv) {
   const bool tma = tmk && tmv && a.P % 16 == 0;
-  dispatch(D, v, tma, [&](auto inst) { decltype(inst)::launch(a, grid, s, tmk, tmv); });
+  dispatch(D, v, tma, a.skip_log2 > -INFINITY,
+           [&](auto inst) { decltype(inst)::launch(a, grid, s, tmk, tmv); });
 }
 
 bool encode_kv_tensor_map(CUtensorMap* map, const void* base, int D) {

@@ -1,0 +1,23 @@
+// The sparse methods that have a GPU path (CudaModel, cuda_sparse_config), as plain data so
+// that CPU-only builds can name them in their errors too.
+#pragma once
+#include <string>
+
+namespace spade {
+
+inline constexpr const char* kCudaSparseMethods[] = {"full", "streaming", "quest", "blasst"};
+
+inline bool has_cuda_path(const std::string& method) {
+  for (const char* m : kCudaSparseMethods)
+    if (method == m) return true;
+  return false;
+}
+
+// "full, streaming, quest, blasst"
+inline std::string cuda_method_list() {
+  std::string s;
+  for (const char* m : kCudaSparseMethods) s += (s.empty() ? "" : ", ") + std::string(m);
+  return s;
+}
+
+}  // namespace spade

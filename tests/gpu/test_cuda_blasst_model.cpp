@@ -1,0 +1,168 @@
+// BLASST inside CudaModel (`--device cuda --sparse blasst`): the CPU method's options map to
+// the GPU kernels' skipping; lambda = 0 is the dense path; a lambda too small to skip runs the
+// skipping kernels and must give dense attention's logits; the tile counters count every
+// 16-token chunk of every decode step exactly once per (layer, KV head); a / L skips tiles.
+// Random bf16-rounded weights (as test_cuda_sparse_model.cpp), two requests batched.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "../test_util.h"
+#include "gpu_util.h"
+#include "model/cuda_model.h"
+#include "sparse/registry.h"
+
+namespace spade::test {
+namespace {
+
+ModelConfig blasst_cfg(int D) {
+  ModelConfig c;
+  c.arch = Arch::Llama;
+  c.n_layers = 2;
+  c.hidden = 256;
+  c.n_heads = 8;
+  c.n_kv_heads = 2;
+  c.head_dim = D;
+  c.ffn = 512;
+  c.vocab = 1000;
+  c.max_context = 4096;
+  c.rope_theta = 10000.f;
+  c.tie_embeddings = true;
+  return c;
+}
+
+ModelWeights bf16_model(const ModelConfig& c, uint32_t seed) {
+  ModelWeights w = random_model(c, seed);
+  auto r = [](HostTensor& t) {
+    for (auto& x : t.storage) x = round_bf16(x);
+  };
+  r(w.tok_embeddings);
+  r(w.lm_head);
+  r(w.final_norm);
+  for (auto& L : w.layers)
+    for (HostTensor* t : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_norm, &L.w_gate,
+                          &L.w_up, &L.w_down})
+      r(*t);
+  return w;
+}
+
+CudaModelOptions opts(const ModelConfig& c, const std::string& spec) {
+  CudaModelOptions o;
+  o.max_tokens = 2048;
+  o.max_batch = 4;
+  o.max_step_tokens = 1024;
+  o.max_logit_rows = 64;
+  if (!spec.empty()) o.sparse = cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);
+  return o;
+}
+
+struct Run {
+  std::vector<std::vector<float>> logits;  // per decode step
+  std::vector<int64_t> lens;               // context of each decode step (request 0, request 1)
+};
+
+// Prefill 700 + 300 tokens, then `steps` batched decode steps with fixed random tokens.
+Run run_model(CudaModel& m, const ModelConfig& c, int steps) {
+  std::mt19937 rng(5);
+  auto toks = [&](int n) {
+    std::vector<int32_t> t(static_cast<size_t>(n));
+    for (auto& x : t) x = int32_t(rng() % uint32_t(c.vocab));
+    return t;
+  };
+  auto a = toks(700), b = toks(300);
+  PageTable p[2];
+  std::vector<int64_t> rows;
+  m.forward({{&p[0], a.data(), 700, false}, {&p[1], b.data(), 300, false}}, rows);
+  Run r;
+  for (int s = 0; s < steps; ++s) {
+    int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
+    r.lens.push_back(p[0].length + 1);
+    r.lens.push_back(p[1].length + 1);
+    r.logits.push_back(m.forward({{&p[0], &ta, 1, false}, {&p[1], &tb, 1, false}}, rows));
+  }
+  m.release(p[0]);
+  m.release(p[1]);
+  return r;
+}
+
+void check(int D) {
+  SCOPED_TRACE(testing::Message() << "head_dim " << D);
+  const ModelConfig c = blasst_cfg(D);
+  const ModelWeights w = bf16_model(c, 31);
+  const int steps = 12;
+  CudaModel dense(w, opts(c, ""));
+  const Run ref = run_model(dense, c, steps);
+  // Expected decode tiles per (layer, KV head): every 16-token chunk of every step.
+  int64_t chunks = 0;
+  for (int64_t L : ref.lens) chunks += (L + 15) / 16;
+  for (const char* spec : {"blasst:lambda=0", "blasst:lambda=1e-30", "blasst:a=300"}) {
+    SCOPED_TRACE(spec);
+    CudaModel m(w, opts(c, spec));
+    m.reset_blasst_counts();
+    const Run got = run_model(m, c, steps);
+    const bool exact = std::string(spec) == "blasst:lambda=0";
+    const bool skips = std::string(spec) == "blasst:a=300";
+    double worst = 0;
+    for (int s = 0; s < steps; ++s) {
+      const double e = rel_err(got.logits[size_t(s)], ref.logits[size_t(s)]);
+      worst = std::max(worst, e);
+      if (exact) EXPECT_EQ(e, 0.0) << "step " << s;  // the dense kernels themselves
+      else if (!skips) EXPECT_LT(e, 1e-2) << "step " << s;
+      else EXPECT_TRUE(std::isfinite(e)) << "step " << s;
+    }
+    const std::vector<uint64_t> dc = m.blasst_counts(false), pc = m.blasst_counts(true);
+    uint64_t tiles = 0, skipped = 0;
+    for (int l = 0; l < c.n_layers; ++l)
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        const size_t i = (size_t(l) * c.n_kv_heads + h) * 2;
+        EXPECT_EQ(int64_t(dc[i]), exact ? 0 : chunks) << "decode tiles, layer " << l << " head " << h;
+        EXPECT_LE(dc[i + 1], dc[i]);
+        tiles += dc[i], skipped += dc[i + 1];
+      }
+    if (!skips) EXPECT_EQ(skipped, 0u);
+    else EXPECT_GT(skipped, 0u) << "lambda = 300 / L (0.42-1 here) skips some tiles";
+    uint64_t ptiles = 0, pskipped = 0;
+    for (size_t i = 0; i + 1 < pc.size(); i += 2) ptiles += pc[i], pskipped += pc[i + 1];
+    if (!m.blasst_prefill_active() || exact) EXPECT_EQ(ptiles, 0u);
+    std::printf("[ blasst model ] D=%d %s: worst logits rel err vs dense %.3g, decode tiles "
+                "skipped %llu/%llu, prefill %llu/%llu (prefill skipping %s)\n",
+                D, spec, worst, (unsigned long long)skipped, (unsigned long long)tiles,
+                (unsigned long long)pskipped, (unsigned long long)ptiles,
+                m.blasst_prefill_active() ? "on" : "off");
+  }
+}
+
+TEST(CudaBlasstModel, HeadDim128) {
+  SKIP_WITHOUT_GPU();
+  check(128);
+}
+
+TEST(CudaBlasstModel, HeadDim64) {
+  SKIP_WITHOUT_GPU();
+  check(64);
+}
+
+TEST(CudaBlasstModel, OptionsMapOrFailClearly) {
+  const ModelConfig c = blasst_cfg(64);
+  auto expect_error = [&](const std::string& spec, const char* what) {
+    try {
+      cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);
+      ADD_FAILURE() << spec << ": expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  expect_error("blasst:base=quest", "over full attention only");
+  expect_error("blasst:tile=32", "fixed by the GPU kernels");
+  expect_error("blasst:order=reverse", "sequential");
+  const CudaSparse d = cuda_sparse_config(sparse::SparseConfig::parse_spec("blasst"), c, 16);
+  EXPECT_EQ(d.method, CudaSparse::Method::Blasst);
+  EXPECT_LT(d.blasst_lambda, 0);
+  EXPECT_NEAR(d.blasst_a, 26.96, 1e-9);  // the CPU method's default calibration
+  const CudaSparse f = cuda_sparse_config(sparse::SparseConfig::parse_spec("blasst:lambda=0.01"), c, 16);
+  EXPECT_NEAR(f.blasst_lambda, 0.01, 1e-12);
+  EXPECT_NE(f.describe().find("prefill dense (head_dim 64"), std::string::npos) << f.describe();
+}
+
+}  // namespace
+}  // namespace spade::test
