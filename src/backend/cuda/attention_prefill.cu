@@ -19,6 +19,21 @@
 // matrix work.
 // Shared memory: Q 32 KB + ST x (K 32 KB + V 32 KB) = 160 KB (ST = 2) or 224 KB (ST = 3), +1 KB
 // alignment: 1 CTA/SM.
+// BLASST (SKIP = true, chosen when a.skip_log2 > -inf; attention.h BlasstSkip): after S = Q K^T
+// and the causal mask, each of the 64 rows of a consumer warpgroup votes "skip" when its tile
+// max x (log2 units) satisfies x - max(m, x) < skip_log2 (m = the row's running max, which
+// here is the exact running max: a skipped tile leaves it, l and O untouched), or when the row
+// sees no key of the tile, or lies past the item's rows (padding). The 128 votes are combined
+// by one `bar.red.and.pred` on a warpgroup-local named barrier (id 3 + wg, 128 threads; the
+// ping-pong barriers 1/2 are untouched, so the S-issue turns stay as in the dense kernel).
+// A skipped tile costs S = Q K^T, the mask and the max: no exp, row sum, O rescale, P packing
+// or P V wgmma. The producer still loads V (prefill is compute-bound); the consumer still waits
+// on the tile's V "full" barrier before releasing the stage, so the mbarrier phases and the
+// ring's reuse order are those of the dense kernel. No extra shared memory; one counter register
+// (skipped tiles); at the end the warpgroup's first thread adds the tiles its rows see (t * BN <
+// the causal limit of its last valid row) and the skipped ones among them to
+// skip_counts[kvh][0/1] (tiles no row sees are skipped by the vote and counted in neither).
+// The dense instantiation (SKIP = false) compiles to the same code as before.
 // Napkin math (Llama-3-8B shapes, 8K causal): 4*8192^2/2*128*32 = 550 GFLOP -> 0.9 ms at
 // 600 TFLOP/s; the bf16 tensor roof measured here is ~790 TFLOP/s.
 #include <cmath>
@@ -82,6 +97,17 @@ __device__ __forceinline__ void named_sync(int id, int n) {
 __device__ __forceinline__ void named_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
+// bar.red.and over the `n` threads of named barrier `id`: true iff every one passes true.
+__device__ __forceinline__ bool named_all(int id, int n, bool v) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.and.pred q, %2, %3, p;\n"
+      "selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(uint32_t(v)), "r"(id), "r"(n)
+      : "memory");
+  return r != 0;
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -118,7 +144,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uin
 }
 #endif  // SPADE_WGMMA
 
-template <int ST>
+template <int ST, bool SKIP>
 __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const AttnArgs a) {
 #ifdef SPADE_WGMMA
   constexpr int D = kPfD, BN = kPfBN;
@@ -252,6 +278,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
   float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
   const uint32_t q_wg = sQ + wg * 64 * 128;
   const int bar_me = 1 + wg, bar_other = 2 - wg;
+  uint32_t n_skip = 0;  // BLASST: tiles this warpgroup skipped
 
   mbar_wait(bar_q, 0);
   if (wg == 1) named_arrive(1, 256);  // warpgroup 0 issues first
@@ -296,53 +323,85 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
     mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
     mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
     const float nA = fmaxf(mA, mxA * sl2), nB = fmaxf(mB, mxB * sl2);
-    const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;
-    const float alA = exp2f(mA - uA), alB = exp2f(mB - uB);
-    mA = nA;
-    mB = nB;
-    float rsA = 0.f, rsB = 0.f;
+    bool skip = false;  // BLASST: this warpgroup skips the tile (uniform over its 128 threads)
+    if constexpr (SKIP) {
+      // Vote (BLASST Algorithm 1): m~ - max(m, m~) < ln(lambda) for every visible row; rows
+      // past the item (padding) and rows that see no key of the tile do not object.
+      const bool vA = row0 + rA >= n_rows || mxA == -INFINITY || mxA * sl2 - nA < a.skip_log2;
+      const bool vB = row0 + rB >= n_rows || mxB == -INFINITY || mxB * sl2 - nB < a.skip_log2;
+      skip = named_all(3 + wg, 128, __all_sync(0xffffffffu, vA && vB));
+      n_skip += skip;
+    }
+    if (!SKIP || !skip) {
+      const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;
+      const float alA = exp2f(mA - uA), alB = exp2f(mB - uB);
+      mA = nA;
+      mB = nB;
+      float rsA = 0.f, rsB = 0.f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < 16; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pA = exp2f(fmaf(sc[4 * j + e], sl2, -uA));
-        const float pB = exp2f(fmaf(sc[4 * j + 2 + e], sl2, -uB));
-        sc[4 * j + e] = pA;
-        sc[4 * j + 2 + e] = pB;
-        rsA += pA;
-        rsB += pB;
+        for (int e = 0; e < 2; ++e) {
+          const float pA = exp2f(fmaf(sc[4 * j + e], sl2, -uA));
+          const float pB = exp2f(fmaf(sc[4 * j + 2 + e], sl2, -uB));
+          sc[4 * j + e] = pA;
+          sc[4 * j + 2 + e] = pB;
+          rsA += pA;
+          rsB += pB;
+        }
+        o[4 * j] *= alA;
+        o[4 * j + 1] *= alA;
+        o[4 * j + 2] *= alB;
+        o[4 * j + 3] *= alB;
       }
-      o[4 * j] *= alA;
-      o[4 * j + 1] *= alA;
-      o[4 * j + 2] *= alB;
-      o[4 * j + 3] *= alB;
-    }
-    lA = lA * alA + rsA;
-    lB = lB * alB + rsB;
-    uint32_t pa[8][4];
+      lA = lA * alA + rsA;
+      lB = lB * alB + rsB;
+      if constexpr (SKIP) {
+        // Scheduling anchor: o feeds the P.V wgmma, so (l * 0 = +0 for the finite l) ptxas
+        // finishes the row-sum adds before the wgmma issues, which then go back to back as in
+        // the dense kernel (without it they were split by ~50 adds; the measured time of the
+        // SKIP instantiation did not change either way). The value of o does not change.
+        o[0] = fmaf(lA, 0.f, o[0]);
+        o[2] = fmaf(lB, 0.f, o[2]);
+      }
+      uint32_t pa[8][4];
 #pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      pa[kt][0] = pack_bf16(sc[8 * kt + 0], sc[8 * kt + 1]);
-      pa[kt][1] = pack_bf16(sc[8 * kt + 2], sc[8 * kt + 3]);
-      pa[kt][2] = pack_bf16(sc[8 * kt + 4], sc[8 * kt + 5]);
-      pa[kt][3] = pack_bf16(sc[8 * kt + 6], sc[8 * kt + 7]);
-    }
-    mbar_wait(bar_fv(s), ph);
-    fence_proxy_async();
-    reg_fence(o);
-    wgmma_fence();
+      for (int kt = 0; kt < 8; ++kt) {
+        pa[kt][0] = pack_bf16(sc[8 * kt + 0], sc[8 * kt + 1]);
+        pa[kt][1] = pack_bf16(sc[8 * kt + 2], sc[8 * kt + 3]);
+        pa[kt][2] = pack_bf16(sc[8 * kt + 4], sc[8 * kt + 5]);
+        pa[kt][3] = pack_bf16(sc[8 * kt + 6], sc[8 * kt + 7]);
+      }
+      mbar_wait(bar_fv(s), ph);
+      fence_proxy_async();
+      reg_fence(o);
+      wgmma_fence();
 #pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      const uint64_t db = gmma_desc(sV(s) + kt * 2048, kHalf, 1024);
-      wgmma_m64n128k16_rs_tb(o, pa[kt], db);
+      for (int kt = 0; kt < 8; ++kt) {
+        const uint64_t db = gmma_desc(sV(s) + kt * 2048, kHalf, 1024);
+        wgmma_m64n128k16_rs_tb(o, pa[kt], db);
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      reg_fence(o);
+    } else {  // skipped: running max, row sums and O stay; release the stage once V has landed
+      mbar_wait(bar_fv(s), ph);
     }
-    wgmma_commit();
-    wgmma_wait0();
-    reg_fence(o);
     mbar_arrive(bar_em(s));
     if (++s == ST) s = 0, ph ^= 1;
   }
   if (wg == 0) named_sync(1, 256);  // consume warpgroup 1's last turn signal
+  if constexpr (SKIP) {
+    if (a.skip_counts && tid == 128 * wg) {
+      // Tiles the warpgroup's rows see: t * BN < the causal limit of its last valid row. Those
+      // past it (only on the diagonal end of the item) had every vote "skip": not counted.
+      const int first = row0 + 64 * wg, last = min(first + 63, n_rows - 1);
+      const int keys = first < n_rows ? L - Tq + last / G + 1 : 0;
+      const int seen = (keys + BN - 1) / BN;
+      atomicAdd(a.skip_counts + 2 * kvh, (unsigned long long)seen);
+      atomicAdd(a.skip_counts + 2 * kvh + 1, (unsigned long long)(n_skip - (n_tiles - seen)));
+    }
+  }
 
   lA += __shfl_xor_sync(0xffffffffu, lA, 1);
   lA += __shfl_xor_sync(0xffffffffu, lA, 2);
@@ -384,11 +443,11 @@ __global__ void wgmma_probe(int* flag) {
 #endif
 }
 
-template <int ST>
+template <int ST, bool SKIP>
 void prepare_prefill() {
   static bool done = false;
   if (!done) {
-    SPADE_CUDA(cudaFuncSetAttribute(prefill_wgmma_kernel<ST>,
+    SPADE_CUDA(cudaFuncSetAttribute(prefill_wgmma_kernel<ST, SKIP>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(pf_smem<ST>())));
     done = true;
   }
@@ -420,14 +479,19 @@ bool prefill_wgmma_ok(int D) {
   return ok == 1;
 }
 
+namespace {
+template <int ST, bool SKIP>
+void launch_pf(const AttnArgs& a, dim3 grid, cudaStream_t s) {
+  prepare_prefill<ST, SKIP>();
+  prefill_wgmma_kernel<ST, SKIP><<<grid, kPfThreads, pf_smem<ST>(), s>>>(a);
+}
+
+}  // namespace
+
 void launch_prefill_wgmma(const AttnArgs& a, dim3 grid, cudaStream_t s, int stages) {
-  if (stages == 3) {
-    prepare_prefill<3>();
-    prefill_wgmma_kernel<3><<<grid, kPfThreads, pf_smem<3>(), s>>>(a);
-  } else {
-    prepare_prefill<2>();
-    prefill_wgmma_kernel<2><<<grid, kPfThreads, pf_smem<2>(), s>>>(a);
-  }
+  const bool skip = a.skip_log2 > -INFINITY;
+  if (stages == 3) skip ? launch_pf<3, true>(a, grid, s) : launch_pf<3, false>(a, grid, s);
+  else skip ? launch_pf<2, true>(a, grid, s) : launch_pf<2, false>(a, grid, s);
   SPADE_CUDA_LAUNCH();
 }
 
