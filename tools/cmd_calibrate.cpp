@@ -18,6 +18,7 @@
 #include "args.h"
 #include "command.h"
 #include "core/thread_pool.h"
+#include "model/cuda_blasst_probe.h"
 #include "model/loader.h"
 #include "sparse/blasst_calibration.h"
 #include "sparse/methods/blasst.h"
@@ -57,6 +58,10 @@ blasst (BLASST Algorithm 2):
   --verify-lengths L,.. lengths of the verification (default: the calibration lengths)
   --gaps-dir D          cache the gap traces in D (reused by later runs)
   --out F               write the config JSON (default configs/blasst_calibrated.json)
+  --device cpu|cuda     where the BLASST runs happen (default cpu). cuda: the GPU kernels'
+                        own tiles (decode: 16-token warp chunks with a seeded running max;
+                        prefill: 64 rows x 128 keys, head_dim 128 only), exact measurement
+                        only; the --tile options are the CPU's
 twilight (decode comparison against full attention, teacher forced):
   --length L            context length before decoding (default 2048)
   --decode N            decode steps (default 32)
@@ -154,6 +159,16 @@ int run_blasst(const Args& a) {
   SPADE_CHECK(verify == "exact" || verify == "gaps" || verify == "none",
               "--verify must be exact, gaps or none");
   SPADE_CHECK(verify != "gaps" || mode == "gaps", "--verify gaps needs --measure gaps");
+  const std::string device = a.str("--device", "cpu");
+  SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda");
+  if (device == "cuda") {
+    SPADE_CHECK(mode == "exact", "--device cuda measures exact runs only (--measure exact)");
+    for (const char* o : {"--tile", "--prefill-tile", "--q-block", "--order", "--gaps-dir"})
+      SPADE_CHECK(!a.has(o), o, " is a CPU option: the GPU kernels fix their tiles and order");
+#if !defined(SPADE_HAVE_CUDA)
+    fail("--device cuda: this build has no CUDA backend");
+#endif
+  }
   const auto verify_lengths =
       a.has("--verify-lengths") ? parse_lengths(a.str("--verify-lengths")) : lengths;
   const auto grid = log_grid(a.number("--lambda-min", 1e-6), a.number("--lambda-max", 1.0),
@@ -199,7 +214,7 @@ int run_blasst(const Args& a) {
   int64_t pool_tokens = need + 4 * (dsteps + 64);
   if (phase == "decode")
     for (int64_t L : all_lengths) pool_tokens += samples * (L + 64);
-  ModelRunner runner(*ld.w, pool_tokens);
+  ModelRunner runner(*ld.w, device == "cuda" ? 64 : pool_tokens);  // CPU runs only
   std::map<std::pair<int, int64_t>, PageTable> prefixes;
   auto resume_prefix = [&](int k, int64_t L, const std::vector<int32_t>& toks) {
     auto key = std::make_pair(k, L);
@@ -251,12 +266,35 @@ int run_blasst(const Args& a) {
     }
     return gap_cache.emplace(key, std::move(g)).first->second;
   };
-  // Exact runs; `layers` (optional) receives the skip ratio per layer (over heads, samples).
-  auto measure_exact = [&](const std::shared_ptr<BlasstMethod>& m, int64_t L,
+#if defined(SPADE_HAVE_CUDA)
+  std::unique_ptr<CudaBlasstProbe> gpu;
+  if (device == "cuda") {
+    int64_t gpu_tokens = need + 64;
+    if (phase == "decode")
+      for (int64_t L : all_lengths) gpu_tokens += samples * (L + dsteps + 32);
+    gpu = std::make_unique<CudaBlasstProbe>(*ld.w, gpu_tokens, phase == "decode");
+  }
+#endif
+  // Exact runs of BLASST with lambda (>= 0) or lambda = a / L (lambda < 0); `layers`
+  // (optional) receives the skip ratio per layer (over heads, samples).
+  auto measure_exact = [&](double lambda, double a_over_l, int64_t L,
                            std::vector<double>* layers = nullptr) {
     double s = 0;
     BlasstStats st;
     if (layers) layers->assign(size_t(cfg.n_layers), 0.0);
+#if defined(SPADE_HAVE_CUDA)
+    if (gpu) {
+      std::vector<double> pl;
+      for (int k = 0; k < samples; ++k) {
+        s += gpu->measure(k, sample_tokens(k, L), L, dsteps, lambda, a_over_l, layers ? &pl : nullptr);
+        if (layers)
+          for (int l = 0; l < cfg.n_layers; ++l) (*layers)[size_t(l)] += pl[size_t(l)] / samples;
+        ++runs;
+      }
+      return s / samples;
+    }
+#endif
+    const auto m = method_for(lambda, a_over_l);
     for (int k = 0; k < samples; ++k) {
       auto toks = sample_tokens(k, L);
       if (phase == "prefill") {
@@ -280,7 +318,7 @@ int run_blasst(const Args& a) {
     return s / samples;
   };
   SparsityFn measure = [&](double lambda, int64_t L) {
-    return mode == "gaps" ? measure_gaps(lambda, L) : measure_exact(method_for(lambda, -1), L);
+    return mode == "gaps" ? measure_gaps(lambda, L) : measure_exact(lambda, -1, L);
   };
 
   for (double target : targets) {
@@ -307,8 +345,15 @@ int run_blasst(const Args& a) {
     j["samples"] = samples;
     j["model"] = a.str("--model");
     j["text"] = a.str("--text");
-    j["tile"] = phase == "prefill" ? base_prm.prefill_tile : base_prm.tile;
-    if (phase == "prefill") j["q_block"] = base_prm.q_block;
+    j["device"] = device;
+    if (device == "cuda") {  // the GPU kernels' own tiles
+      j["tile"] = phase == "prefill" ? 128 : 16;
+      if (phase == "prefill") j["q_block"] = 64;
+      if (phase == "decode") j["tile_note"] = "16-token warp chunks, running max seeded with the first and last chunk";
+    } else {
+      j["tile"] = phase == "prefill" ? base_prm.prefill_tile : base_prm.tile;
+      if (phase == "prefill") j["q_block"] = base_prm.q_block;
+    }
     if (phase == "decode") j["decode_steps"] = dsteps;
     j["order"] = cpu::tile_order_name(base_prm.order);
     j["calibration_seconds"] = cal_s;
@@ -333,9 +378,9 @@ int run_blasst(const Args& a) {
       for (int64_t L : verify_lengths) {
         const double lc = std::min(1.0, cal.a / double(L));
         std::vector<double> per_layer;
-        const double sc = verify == "exact" ? measure_exact(method_for(-1, cal.a), L, &per_layer)
+        const double sc = verify == "exact" ? measure_exact(-1, cal.a, L, &per_layer)
                                             : measure_gaps(lc, L);
-        const double sf = verify == "exact" ? measure_exact(method_for(fixed, -1), L)
+        const double sf = verify == "exact" ? measure_exact(fixed, -1, L)
                                             : measure_gaps(fixed, L);
         err_cal += std::fabs(sc - target);
         err_fixed += std::fabs(sf - target);
@@ -492,7 +537,7 @@ int run(int argc, char** argv) {
          {"--model", "--text", "--target-sparsity", "--lengths", "--phase", "--measure",
           "--lambda-min", "--lambda-max", "--per-decade", "--refine", "--delta", "--samples",
           "--decode-steps", "--tile", "--prefill-tile", "--q-block", "--order", "--fixed-lambda",
-          "--verify", "--verify-lengths", "--gaps-dir",
+          "--verify", "--verify-lengths", "--gaps-dir", "--device",
           "--out", "--offset", "--threads", "--length", "--decode", "--p", "--bases", "--budget",
           "--methods", "--json"},
          {"--help", "--own-prefill"});

@@ -183,8 +183,13 @@ CudaModel::CudaModel(const ModelConfig& c, const CudaModelOptions& opt, uint64_t
   init(nullptr, seed);
 }
 
-CudaModel::~CudaModel() {
+void CudaModel::drop_graphs() {
   for (auto& [k, g] : graphs_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g));
+  graphs_.clear();
+}
+
+CudaModel::~CudaModel() {
+  drop_graphs();
   if (ev0_) cudaEventDestroy(static_cast<cudaEvent_t>(ev0_));
   if (ev1_) cudaEventDestroy(static_cast<cudaEvent_t>(ev1_));
   if (tok_host_) cudaFreeHost(tok_host_);
@@ -648,6 +653,14 @@ std::vector<uint64_t> CudaModel::blasst_counts(bool prefill) const {
   SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
   SPADE_CUDA(cudaMemcpy(h.data(), blasst_counts_ + (prefill ? n : 0), n * 8, cudaMemcpyDeviceToHost));
   return h;
+}
+
+void CudaModel::set_blasst(const CudaSparse& s) {
+  SPADE_CHECK(opt_.sparse.method == CudaSparse::Method::Blasst && s.method == CudaSparse::Method::Blasst,
+              "set_blasst: the model was not built with BLASST");
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  opt_.sparse = s;
+  drop_graphs();
 }
 
 void CudaModel::reset_blasst_counts() {

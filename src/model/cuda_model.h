@@ -132,6 +132,10 @@ class CudaModel {
   void reset_blasst_counts();
   // Whether prefill chunks skip tiles (BLASST with prefill on and the wgmma prefill kernel).
   bool blasst_prefill_active() const;
+  // Replaces the BLASST parameters (blasst_* fields of `s`; the model must have been built
+  // with Method::Blasst). Captured decode graphs are dropped: their launches hold the
+  // threshold. For calibration sweeps (one model, many lambdas).
+  void set_blasst(const CudaSparse& s);
 
  private:
   struct Layer;
@@ -141,6 +145,7 @@ class CudaModel {
   void enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void launch(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void trace_quest(int layer);
+  void drop_graphs();
   cuda::BlasstSkip blasst_skip(int layer) const;  // this step's skipping in `layer` (or none)
 
   ModelConfig cfg_;

@@ -9,6 +9,7 @@
 
 #include "../test_util.h"
 #include "gpu_util.h"
+#include "model/cuda_blasst_probe.h"
 #include "model/cuda_model.h"
 #include "sparse/registry.h"
 
@@ -140,6 +141,33 @@ TEST(CudaBlasstModel, HeadDim128) {
 TEST(CudaBlasstModel, HeadDim64) {
   SKIP_WITHOUT_GPU();
   check(64);
+}
+
+TEST(CudaBlasstModel, CalibrationProbe) {
+  // The probe behind `spade calibrate blasst --device cuda`: lambda 0 and a lambda too small
+  // to skip give 0; lambda = a / L with a = lambda * L (one step: L fixed) gives the lambda's
+  // own sparsity; prefixes are reused across lambdas (the same answer twice).
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = blasst_cfg(64);
+  const ModelWeights w = bf16_model(c, 41);
+  std::mt19937 rng(9);
+  std::vector<int32_t> toks(900);
+  for (auto& t : toks) t = int32_t(rng() % uint32_t(c.vocab));
+  CudaBlasstProbe probe(w, 2048, true);
+  const int64_t L = 800;
+  EXPECT_EQ(probe.measure(0, toks, L, 1, 0.0, -1), 0.0);
+  EXPECT_EQ(probe.measure(0, toks, L, 1, 1e-30, -1), 0.0);
+  std::vector<double> layers;
+  const double s1 = probe.measure(0, toks, L, 1, 0.5, -1, &layers);
+  EXPECT_GT(s1, 0.0);
+  ASSERT_EQ(layers.size(), size_t(c.n_layers));
+  EXPECT_NEAR(probe.measure(0, toks, L, 1, -1, 0.5 * double(L + 1)), s1, 0.02);
+  EXPECT_EQ(probe.measure(0, toks, L, 1, 0.5, -1), s1);  // prefix reused, same decisions
+  const double s4 = probe.measure(1, toks, L, 4, 0.5, -1);
+  EXPECT_GT(s4, 0.0);
+  std::printf("[ blasst probe ] lambda 0.5: decode sparsity %.3f (1 step), %.3f (4 steps)\n", s1, s4);
+  // Prefill skipping needs head_dim 128 on the GPU.
+  EXPECT_THROW(CudaBlasstProbe(w, 2048, false), Error);
 }
 
 TEST(CudaBlasstModel, OptionsMapOrFailClearly) {

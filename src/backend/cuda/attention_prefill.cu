@@ -171,6 +171,8 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
   const int G = a.G;
   const int q0 = a.q_off[seq], Tq = a.q_off[seq + 1] - q0;
   const int L = a.kv_len[seq];
+  // BLASST threshold (log2 units): fixed, or lambda = a / L with L = this chunk's end (p0 + T).
+  const float thr = a.skip_per_length ? fminf(0.f, a.skip_log2 - log2f(float(L))) : a.skip_log2;
   const int n_rows = Tq * G;
   const int t_last = min((row0 + kPfBM - 1) / G, Tq - 1);
   const int t_first = row0 / G;
@@ -327,8 +329,8 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
     if constexpr (SKIP) {
       // Vote (BLASST Algorithm 1): m~ - max(m, m~) < ln(lambda) for every visible row; rows
       // past the item (padding) and rows that see no key of the tile do not object.
-      const bool vA = row0 + rA >= n_rows || mxA == -INFINITY || mxA * sl2 - nA < a.skip_log2;
-      const bool vB = row0 + rB >= n_rows || mxB == -INFINITY || mxB * sl2 - nB < a.skip_log2;
+      const bool vA = row0 + rA >= n_rows || mxA == -INFINITY || mxA * sl2 - nA < thr;
+      const bool vB = row0 + rB >= n_rows || mxB == -INFINITY || mxB * sl2 - nB < thr;
       skip = named_all(3 + wg, 128, __all_sync(0xffffffffu, vA && vB));
       n_skip += skip;
     }
