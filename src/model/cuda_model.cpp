@@ -72,7 +72,7 @@ std::string CudaSparse::describe() const {
       const std::string plam = blasst_lambda >= 0 ? lam : cat("lambda=", blasst_prefill_a, "/L");
       return cat("blasst over full: decode ", blasst_decode ? lam + " (tiles: 16-token warp chunks)" : "off",
                  ", prefill ",
-                 !blasst_prefill ? "off"
+                 !blasst_prefill ? "dense (prefill=1 turns skipping on)"
                  : head_dim == 128 ? plam + " (tiles: 64 rows x 128 keys)"
                                    : cat("dense (head_dim ", head_dim, ": the prefill kernel of this "
                                          "head dim has no skipping)"));
@@ -113,9 +113,16 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
     r.method = CudaSparse::Method::Blasst;
     r.blasst_lambda = bm->params().lambda;
     r.blasst_a = bm->params().a;
+    // Decode default (no lambda, a or config given): the GPU kernels' own 50% calibration of
+    // SmolLM2-135M (configs/blasst_smollm2_gpu_decode_s50.json): their 16-token seeded tiles
+    // skip more than the CPU's 64-token tiles at the same a.
+    if (!cfg.options.count("lambda") && !cfg.options.count("a") && !cfg.options.count("config"))
+      r.blasst_a = kBlasstDefaultGpuDecodeA;
     r.blasst_prefill_a = bm->params().prefill_a >= 0 ? bm->params().prefill_a : bm->params().a;
     r.blasst_decode = bm->params().decode;
-    r.blasst_prefill = bm->params().prefill;
+    // Prefill skipping on the GPU only when asked for (prefill=1): the skipping prefill
+    // kernel costs ~25% at zero sparsity and gains only 1.1x at 75% (docs/cuda.md).
+    r.blasst_prefill = bm->params().prefill && cfg.options.count("prefill");
     return r;
   }
   r.budget = o.integer("budget");

@@ -43,6 +43,10 @@ struct BlasstSkip;
 // with the CPU method's lambda (fixed, or a / L per sequence); decode tiles are each warp's
 // 16-token chunks, prefill tiles 64 packed rows x 128 keys (wgmma prefill, head_dim 128 only:
 // other head dims prefill densely, which describe() says).
+// BLASST decode default a on the GPU (lambda = a / L): SmolLM2-135M-Instruct calibrated for
+// 50% sparsity with the GPU kernels (configs/blasst_smollm2_gpu_decode_s50.json).
+constexpr double kBlasstDefaultGpuDecodeA = 4.128;
+
 struct CudaSparse {
   enum class Method { None, Streaming, Quest, Blasst };
   Method method = Method::None;

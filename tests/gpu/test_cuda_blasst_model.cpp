@@ -96,13 +96,13 @@ void check(int D) {
   // Expected decode tiles per (layer, KV head): every 16-token chunk of every step.
   int64_t chunks = 0;
   for (int64_t L : ref.lens) chunks += (L + 15) / 16;
-  for (const char* spec : {"blasst:lambda=0", "blasst:lambda=1e-30", "blasst:a=300"}) {
+  for (const char* spec : {"blasst:lambda=0,prefill=1", "blasst:lambda=1e-30,prefill=1", "blasst:a=300,prefill=1"}) {
     SCOPED_TRACE(spec);
     CudaModel m(w, opts(c, spec));
     m.reset_blasst_counts();
     const Run got = run_model(m, c, steps);
-    const bool exact = std::string(spec) == "blasst:lambda=0";
-    const bool skips = std::string(spec) == "blasst:a=300";
+    const bool exact = std::string(spec).rfind("blasst:lambda=0,", 0) == 0;
+    const bool skips = std::string(spec).rfind("blasst:a=300", 0) == 0;
     double worst = 0;
     for (int s = 0; s < steps; ++s) {
       const double e = rel_err(got.logits[size_t(s)], ref.logits[size_t(s)]);
@@ -186,10 +186,15 @@ TEST(CudaBlasstModel, OptionsMapOrFailClearly) {
   const CudaSparse d = cuda_sparse_config(sparse::SparseConfig::parse_spec("blasst"), c, 16);
   EXPECT_EQ(d.method, CudaSparse::Method::Blasst);
   EXPECT_LT(d.blasst_lambda, 0);
-  EXPECT_NEAR(d.blasst_a, 26.96, 1e-9);  // the CPU method's default calibration
+  EXPECT_NEAR(d.blasst_a, kBlasstDefaultGpuDecodeA, 1e-9);  // the GPU's own calibration
+  EXPECT_NEAR(cuda_sparse_config(sparse::SparseConfig::parse_spec("blasst:a=7"), c, 16).blasst_a, 7.0, 1e-12);
   const CudaSparse f = cuda_sparse_config(sparse::SparseConfig::parse_spec("blasst:lambda=0.01"), c, 16);
   EXPECT_NEAR(f.blasst_lambda, 0.01, 1e-12);
-  EXPECT_NE(f.describe().find("prefill dense (head_dim 64"), std::string::npos) << f.describe();
+  EXPECT_NE(f.describe().find("prefill dense (prefill=1"), std::string::npos) << f.describe();
+  const CudaSparse fp =
+      cuda_sparse_config(sparse::SparseConfig::parse_spec("blasst:lambda=0.01,prefill=1"), c, 16);
+  EXPECT_TRUE(fp.blasst_prefill);
+  EXPECT_NE(fp.describe().find("prefill dense (head_dim 64"), std::string::npos) << fp.describe();
 }
 
 }  // namespace
