@@ -66,6 +66,9 @@ std::string CudaSparse::describe() const {
     case Method::Quest:
       return cat("quest budget=", budget, " page_size=16 pages=", budget / 16,
                  " dense_layers=", dense_layers, " group=max scores=", quest_fast ? "fast" : "exact");
+    case Method::Tidal:
+      return cat("tidal budget=", budget, " ", schedule.describe(),
+                 " (selection layers: scores from the dense kernel, token top-k on the GPU)");
     case Method::Blasst: {
       const std::string lam = blasst_lambda >= 0 ? cat("lambda=", blasst_lambda)
                                                  : cat("lambda=", blasst_a, "/L");
@@ -126,8 +129,12 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
     return r;
   }
   r.budget = o.integer("budget");
-  r.dense_layers = int(o.integer("dense_layers"));
-  if (info.name == "streaming") {
+  if (info.name != "tidal") r.dense_layers = int(o.integer("dense_layers"));  // tidal: "auto"
+  if (info.name == "tidal") {
+    r.method = CudaSparse::Method::Tidal;
+    r.schedule = sparse::LayerSchedule::from_options(o, model);
+    r.dense_layers = r.schedule.dense_layers;  // (make_method checked the schedule)
+  } else if (info.name == "streaming") {
     r.method = CudaSparse::Method::Streaming;
     r.sinks = int(o.integer("sinks"));
   } else {
@@ -256,6 +263,11 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D) * 2;  // metadata
       sp_bytes += size_t(mb * Hkv * seq_pages_cap_) * 4;                   // scores
       sp_bytes += size_t(mb * Hkv * std::max<int64_t>(1, kp)) * 4;         // strided top-k
+    } else if (sp.method == CudaSparse::Method::Tidal) {
+      const int64_t k = std::min<int64_t>(sp.budget, c.max_context);
+      sel_cap = mb * Hkv * k;
+      sp_bytes += size_t(mb * Hkv) * size_t(seq_pages_cap_ * P) * 4 + size_t(mb * Hkv) * 4 +
+                  size_t(mb * Hkv * k) * 4 + 3 * 256;
     } else {
       sel_cap = mb * std::min<int64_t>(sp.budget, c.max_context);
     }
@@ -403,6 +415,13 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       quest_strided_ = A.alloc_n<int32_t>(
           size_t(opt_.max_batch * Hkv * std::max<int64_t>(1, sp.budget / 16)), "quest top-k");
     }
+    if (sp.method == CudaSparse::Method::Tidal) {
+      const int64_t rows = int64_t(opt_.max_batch) * Hkv;
+      tidal_scores_ = A.alloc_n<float>(size_t(rows) * size_t(seq_pages_cap_ * P), "tidal scores");
+      tidal_rown_ = A.alloc_n<int32_t>(size_t(rows), "tidal row lengths");
+      tidal_strided_ = A.alloc_n<int32_t>(
+          size_t(rows) * size_t(std::min<int64_t>(sp.budget, c.max_context)), "tidal top-k");
+    }
     sel_off_ = A.alloc_n<int32_t>(size_t(opt_.max_batch * Hkv + 1), "selection offsets");
     sel_idx_ = A.alloc_n<int32_t>(size_t(sel_cap), "selection entries");
     upd_ = A.alloc_n<int32_t>(size_t(2 * upd_cap_), "quest metadata updates");
@@ -524,6 +543,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   if (sp.selects() && T == int64_t(batch.size()) &&
       sp.dense_layers < c.n_layers) {
     const bool quest = sp.method == CudaSparse::Method::Quest;
+    const bool per_head = quest || sp.method == CudaSparse::Method::Tidal;  // lists per KV head
     const int Hkv = c.n_kv_heads;
     const int64_t kp = sp.budget / 16;
     std::vector<cuda::SparseSeq> sseq(batch.size());
@@ -541,13 +561,14 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
         for (int h = 0; h < Hkv; ++h) max_entries.push_back(int(std::min<int64_t>(kp, np)));
       } else {
         any_sparse |= sp.budget < L;
-        max_entries.push_back(int(std::min<int64_t>(sp.budget, L)));
+        for (int h = 0; h < (per_head ? Hkv : 1); ++h)
+          max_entries.push_back(int(std::min<int64_t>(sp.budget, L)));
       }
     }
     // Every list covering the whole context: the dense kernel (the CPU's set_dense).
     if (any_sparse) {
-      sparse_->plan(sseq, quest ? cuda::SelGran::Chunk16 : cuda::SelGran::Token, quest ? Hkv : 1,
-                    max_entries, nullptr, st);
+      sparse_->plan(sseq, quest ? cuda::SelGran::Chunk16 : cuda::SelGran::Token,
+                    per_head ? Hkv : 1, max_entries, nullptr, st);
       sparse_step_ = true;
       step_B_ = int(batch.size());
       step_max_pages_ = max_np;
@@ -580,6 +601,10 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   if (sparse_step_ && spc.method == CudaSparse::Method::Streaming)
     cuda::streaming_lists(sparse_->dev_kv_len(), step_B_, int(spc.budget), spc.sinks, sel_off_,
                           sel_idx_, st);
+  const bool tidal = spc.method == CudaSparse::Method::Tidal;
+  const int tidal_k = int(std::min<int64_t>(spc.budget, c.max_context));
+  const int64_t tidal_ld = seq_pages_cap_ * opt_.page_size;
+  if (sparse_step_ && tidal) cuda::row_lengths(sparse_->dev_kv_len(), step_B_, Hkv, tidal_rown_, st);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
     bf16* kc = static_cast<bf16*>(k_cache_) + l * layer_kv;
@@ -602,7 +627,18 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     bf16* meta = quest ? static_cast<bf16*>(quest_meta_) + l * layer_meta : nullptr;
     if (quest && upd_n_ > 0)
       cuda::quest_update_meta(kc, meta, upd_, upd_ + upd_cap_, upd_n_, Hkv, opt_.page_size, D, st);
-    if (sparse_step_ && int(l) >= spc.dense_layers) {
+    const sparse::LayerSchedule::Role role =
+        tidal ? spc.schedule.role(int(l)) : sparse::LayerSchedule::Role::Reuse;
+    if (sparse_step_ && tidal && role == sparse::LayerSchedule::Role::Select) {
+      // Full attention that also emits the group-mean scores; the top-k of each (request, KV
+      // head) becomes the token lists of the following layers.
+      const cuda::DecodeScores ds{tidal_scores_, tidal_ld};
+      attn_->run(q, kc, vc, att, scale, st, {}, &ds);
+      cuda::topk_rows(tidal_scores_, tidal_ld, tidal_rown_, step_B_ * Hkv, tidal_k, tidal_strided_, st);
+      cuda::token_compact_lists(tidal_strided_, sparse_->dev_kv_len(), step_B_, Hkv, tidal_k,
+                                sel_off_, sel_idx_, st);
+      if (quest_trace) trace_quest(int(l)), trace_scores(int(l));
+    } else if (sparse_step_ && int(l) >= spc.dense_layers) {
       if (quest) {
         cuda::QuestArgs qa{q, meta, sparse_->dev_page_table(), sparse_->dev_page_off(),
                            sparse_->dev_kv_len(), quest_scores_, quest_strided_, step_B_, Hq, Hkv,
@@ -738,6 +774,24 @@ void CudaModel::trace_quest(int layer) {
   t[size_t(layer)].assign(size_t(rows), {});
   for (int r = 0; r < rows; ++r)
     t[size_t(layer)][size_t(r)].assign(idx.begin() + off[size_t(r)], idx.begin() + off[size_t(r) + 1]);
+}
+
+void CudaModel::trace_scores(int layer) {
+  const int Hkv = cfg_.n_kv_heads, rows = step_B_ * Hkv;
+  const int64_t ld = seq_pages_cap_ * opt_.page_size;
+  std::vector<int32_t> len(static_cast<size_t>(step_B_));
+  SPADE_CUDA(cudaMemcpyAsync(len.data(), sparse_->dev_kv_len(), sizeof(int32_t) * len.size(),
+                             cudaMemcpyDeviceToHost, S_(stream_)));
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  auto& t = quest_trace->scores;
+  if (t.size() <= size_t(layer)) t.resize(size_t(layer) + 1);
+  t[size_t(layer)].assign(size_t(rows), {});
+  for (int r = 0; r < rows; ++r) {
+    auto& v = t[size_t(layer)][size_t(r)];
+    v.resize(size_t(len[size_t(r / Hkv)]));
+    SPADE_CUDA(cudaMemcpy(v.data(), tidal_scores_ + int64_t(r) * ld, sizeof(float) * v.size(),
+                          cudaMemcpyDeviceToHost));
+  }
 }
 
 const std::vector<float>& CudaModel::forward(const std::vector<SeqInput>& batch,

@@ -21,6 +21,7 @@
 #include "kv/kv_pool.h"
 #include "model/cpu_model.h"
 #include "model/weights.h"
+#include "sparse/layer_schedule.h"
 #include "sparse/options.h"
 
 namespace spade {
@@ -48,7 +49,7 @@ struct BlasstSkip;
 constexpr double kBlasstDefaultGpuDecodeA = 4.128;
 
 struct CudaSparse {
-  enum class Method { None, Streaming, Quest, Blasst };
+  enum class Method { None, Streaming, Quest, Tidal, Blasst };
   Method method = Method::None;
   int64_t budget = 0;
   int sinks = 0;         // streaming
@@ -59,9 +60,13 @@ struct CudaSparse {
   double blasst_lambda = -1, blasst_a = 0, blasst_prefill_a = 0;
   bool blasst_decode = true, blasst_prefill = true;
   int head_dim = 0;  // set by cuda_sparse_config (describe: prefill skipping needs 128)
+  // tidal: layer roles (dense / select / reuse); dense_layers above mirrors schedule's
+  sparse::LayerSchedule schedule;
   std::string describe() const;
   // Attends over selection lists (streaming, quest); BLASST skips inside the dense kernels.
-  bool selects() const { return method == Method::Streaming || method == Method::Quest; }
+  bool selects() const {
+    return method == Method::Streaming || method == Method::Quest || method == Method::Tidal;
+  }
 };
 // The GPU form of a sparse::SparseConfig, through the same option table and checks as the
 // CPU method (sparse/registry.h). "full" -> Method::None; methods without a GPU path and
@@ -123,11 +128,14 @@ class CudaModel {
   float last_step_ms() const { return last_ms_; }
   int graphs_captured() const { return int(graphs_.size()); }
   const CudaSparse& sparse() const { return opt_.sparse; }
-  // Tests: when set, each sparse decode step copies every sparse layer's Quest selection to
+  // Tests: when set, each sparse decode step copies every sparse layer's Quest selection (Tidal:
+  // each selection layer's token lists) to
   // the host: sel[layer][b * Hkv + h] = the ascending page indices (within the request) read
   // (layers that ran dense keep an empty list). Forces a sync per layer.
   struct QuestTrace {
     std::vector<std::vector<std::vector<int32_t>>> sel;
+    // Tidal: each selection layer's group-mean scores [layer][b * Hkv + h][kv_len of b].
+    std::vector<std::vector<std::vector<float>>> scores;
   };
   QuestTrace* quest_trace = nullptr;
   // BLASST tile counters since the last reset, per layer and KV head: {tiles, skipped} pairs,
@@ -149,6 +157,7 @@ class CudaModel {
   void enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void launch(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void trace_quest(int layer);
+  void trace_scores(int layer);  // Tidal: the selection layer's scores into quest_trace
   void drop_graphs();
   cuda::BlasstSkip blasst_skip(int layer) const;  // this step's skipping in `layer` (or none)
 
@@ -165,6 +174,11 @@ class CudaModel {
   int32_t* quest_strided_ = nullptr;
   int32_t* sel_off_ = nullptr;
   int32_t* sel_idx_ = nullptr;
+  // Tidal: group-mean scores of a selection layer [max_batch * Hkv][seq_pages_cap_ * P], the
+  // per-row context lengths and the strided top-k [max_batch * Hkv][budget].
+  float* tidal_scores_ = nullptr;
+  int32_t* tidal_rown_ = nullptr;
+  int32_t* tidal_strided_ = nullptr;
   unsigned long long* blasst_counts_ = nullptr;  // [2 (decode, prefill)][NL][Hkv][2]
   bool count_blasst_ = true;  // false while a step runs eagerly before its graph capture
   int32_t* upd_ = nullptr;       // device [2 * upd_cap_]

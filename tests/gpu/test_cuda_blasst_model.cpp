@@ -8,7 +8,7 @@
 #include <cstdio>
 
 #include "../test_util.h"
-#include "gpu_util.h"
+#include "gpu_model_util.h"
 #include "model/cuda_blasst_probe.h"
 #include "model/cuda_model.h"
 #include "sparse/registry.h"
@@ -34,16 +34,7 @@ ModelConfig blasst_cfg(int D) {
 
 ModelWeights bf16_model(const ModelConfig& c, uint32_t seed) {
   ModelWeights w = random_model(c, seed);
-  auto r = [](HostTensor& t) {
-    for (auto& x : t.storage) x = round_bf16(x);
-  };
-  r(w.tok_embeddings);
-  r(w.lm_head);
-  r(w.final_norm);
-  for (auto& L : w.layers)
-    for (HostTensor* t : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_norm, &L.w_gate,
-                          &L.w_up, &L.w_down})
-      r(*t);
+  round_weights_bf16(w);
   return w;
 }
 

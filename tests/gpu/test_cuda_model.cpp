@@ -12,25 +12,12 @@
 #include "gpu_util.h"
 #include "model/cpu_model.h"
 #include "model/cuda_model.h"
+#include "gpu_model_util.h"
 #include "model/loader.h"
 #include "tokenizer/tokenizer.h"
 
 namespace spade::test {
 namespace {
-
-void round_weights_bf16(ModelWeights& w) {
-  auto r = [](HostTensor& t) {
-    for (auto& x : t.storage) x = round_bf16(x);
-  };
-  r(w.tok_embeddings);
-  r(w.lm_head);
-  r(w.final_norm);
-  for (auto& L : w.layers) {
-    for (HostTensor* t : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.bq, &L.bk, &L.bv,
-                          &L.q_norm, &L.k_norm, &L.ffn_norm, &L.w_gate, &L.w_up, &L.w_down})
-      r(*t);
-  }
-}
 
 ModelConfig small_config(Arch arch, int D) {
   ModelConfig c;

@@ -28,7 +28,7 @@
 #include <tuple>
 
 #include "../test_util.h"
-#include "gpu_util.h"
+#include "gpu_model_util.h"
 #include "model/cpu_model.h"
 #include "model/cuda_model.h"
 #include "sparse/methods/quest.h"
@@ -37,19 +37,6 @@
 
 namespace spade::test {
 namespace {
-
-void round_weights(ModelWeights& w) {
-  auto r = [](HostTensor& t) {
-    for (auto& x : t.storage) x = round_bf16(x);
-  };
-  r(w.tok_embeddings);
-  r(w.lm_head);
-  r(w.final_norm);
-  for (auto& L : w.layers)
-    for (HostTensor* t : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.bq, &L.bk, &L.bv,
-                          &L.q_norm, &L.k_norm, &L.ffn_norm, &L.w_gate, &L.w_up, &L.w_down})
-      r(*t);
-}
 
 ModelConfig cfg_of(Arch arch, int D) {
   ModelConfig c;
@@ -154,12 +141,6 @@ class TracingQuest final : public sparse::SparseMethod {
   sparse::QuestMethod inner_;
 };
 
-std::vector<int32_t> random_tokens(std::mt19937& rng, int n, int vocab) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = int32_t(rng() % uint32_t(vocab));
-  return t;
-}
-
 CudaModelOptions small_opts() {
   CudaModelOptions opt;
   opt.max_tokens = 1024;
@@ -178,7 +159,7 @@ void compare_quest(Arch arch, int D, int budget, int dense_layers, int na, int n
                                   << " budget=" << budget << " dense_layers=" << dense_layers);
   const ModelConfig c = cfg_of(arch, D);
   ModelWeights w = random_model(c, 91);
-  round_weights(w);
+  round_weights_bf16(w);
   KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
   CpuModel cpu(w, kv);
   auto method = std::make_shared<TracingQuest>(budget, dense_layers);
@@ -241,7 +222,7 @@ TEST(CudaSparseModel, StreamingMatchesCpuSession) {
     SCOPED_TRACE(testing::Message() << "streaming " << arch_name(arch) << " D=" << D);
     const ModelConfig c = cfg_of(arch, D);
     ModelWeights w = random_model(c, 17);
-    round_weights(w);
+    round_weights_bf16(w);
     KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
     CpuModel cpu(w, kv);
     sparse::SparseConfig sc;
@@ -285,7 +266,7 @@ TEST(CudaSparseModel, FullBudgetEqualsDenseGpu) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = cfg_of(Arch::Llama, 128);
   ModelWeights w = random_model(c, 23);
-  round_weights(w);
+  round_weights_bf16(w);
   for (const char* method : {"quest", "streaming"})
     for (bool force : {true, false}) {
       SCOPED_TRACE(testing::Message() << method << " force_lists=" << force);
@@ -330,7 +311,7 @@ TEST(CudaSparseModel, MethodsWithoutGpuPathAreClearErrors) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
     }
   };
-  expect_error("tidal", "no GPU path");
+  expect_error("lessismore", "no GPU path");
   expect_error("quest:group=sum", "group=max");
   expect_error("quest:page_size=32", "page_size 16");
   expect_error("quest:budget=8", "budget");

@@ -635,7 +635,8 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
 }
 
 void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out,
-                             float scale, cudaStream_t s, const BlasstSkip& skip) const {
+                             float scale, cudaStream_t s, const BlasstSkip& skip,
+                             const DecodeScores* scores) const {
   AttnArgs a;
   a.q = q;
   a.out = out;
@@ -667,10 +668,16 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
     a.skip_per_length = skip.per_length;
     a.skip_counts = skip.counts;
   }
+  if (scores) {
+    SPADE_CHECK(decode_ && variant_ > 0 && !skip.active() && scores->out && scores->ld > 0,
+                "attention scores: decode steps with the v3 kernel only, not with BLASST");
+    a.scores_out = scores->out;
+    a.scores_ld = scores->ld;
+  }
   dim3 grid(n_items_, Hkv_);
   if (decode_ && variant_ > 0) {
     const CUtensorMap *tmk = nullptr, *tmv = nullptr;
-    if (tma_ok_ && decode_v3_variant(variant_).tma && !skip.active()) {
+    if (tma_ok_ && decode_v3_variant(variant_).tma && !skip.active() && !scores) {
       tmk = tmaps_->get(k_cache, D_);
       tmv = tmaps_->get(v_cache, D_);
     }

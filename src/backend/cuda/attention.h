@@ -57,6 +57,15 @@ struct BlasstSkip {
   bool active() const { return log_lambda > -INFINITY; }
 };
 
+// Decode only (v3 kernel): the attention also writes, for every cached token j of sequence b
+// and KV head h, the group-mean score out[(b * Hkv + h) * ld + j] = mean over the G query
+// heads of q.k_j * scale (fp32), from the same tensor-core products the softmax uses: no
+// second pass over K (TidalDecode-style selection layers rank tokens by it).
+struct DecodeScores {
+  float* out = nullptr;
+  int64_t ld = 0;  // >= the longest kv_len of the batch
+};
+
 class AttentionWorkspace {
  public:
   AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim, int Hq, int Hkv, int D, int P);
@@ -69,8 +78,9 @@ class AttentionWorkspace {
   // out[T, Hq, D] = attention(q[T, Hq, D]) over this layer's cache (k, v: [page][Hkv][P][D]).
   // With skip.active(): BLASST skipping (decode: v3 kernel, its cp.async twin when a TMA
   // variant is selected; prefill: wgmma kernel); other kernels throw spade::Error.
+  // With scores (decode only, not with skip): also the group-mean scores (DecodeScores).
   void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out, float scale,
-           cudaStream_t s, const BlasstSkip& skip = {}) const;
+           cudaStream_t s, const BlasstSkip& skip = {}, const DecodeScores* scores = nullptr) const;
 
   int n_split() const { return n_split_; }
   bool decode() const { return decode_; }

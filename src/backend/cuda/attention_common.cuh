@@ -34,6 +34,10 @@ struct AttnArgs {
   // (log2(lambda); -inf: the dense instantiation runs) and optional [Hkv][2] tile counters.
   float skip_log2 = -INFINITY;
   bool skip_per_length = false;  // threshold = min(0, skip_log2 - log2(kv_len)) per sequence
+  // Decode score emission (attention.h DecodeScores): scores_out[(seq * Hkv + kvh) * ld + j] =
+  // mean over the G query heads of q.k_j * scale (nullptr: none).
+  float* scores_out = nullptr;
+  int64_t scores_ld = 0;
   unsigned long long* skip_counts = nullptr;
 };
 

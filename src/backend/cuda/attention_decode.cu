@@ -94,12 +94,13 @@ __device__ __forceinline__ uint32_t kv_off(int r, int col) {
     return uint32_t(swz<D>(r, col)) * 2;
 }
 
-template <int D, int W, int S, int TK, bool TMA, bool SKIP>
+template <int D, int W, int S, int TK, bool TMA, bool SKIP, bool EMIT>
 __global__ void __launch_bounds__(W * 32)
     decode_v3_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap tmk,
                      const __grid_constant__ CUtensorMap tmv) {
   using C = DecCfg<D, W, S, TK>;
-  static_assert(!(SKIP && TMA), "BLASST skipping runs in the cp.async kernel");
+  static_assert(!(SKIP && TMA) && !(EMIT && (TMA || SKIP)),
+                "BLASST skipping and score emission run in the cp.async kernel, not together");
   constexpr int CH = C::CH, RPI = C::RPI, NT = C::kThreads;
   extern __shared__ __align__(1024) unsigned char smem_dyn[];
   __shared__ int s_last;
@@ -380,6 +381,23 @@ __global__ void __launch_bounds__(W * 32)
     float sc[TK / 8][4], sc2[TK / 8][4], mx[2];
     uint32_t pa[TK / 16][4];
     qk(reinterpret_cast<const unsigned char*>(tK), sc, sc2);
+    if constexpr (EMIT) {
+      // Group-mean score of each column: rows 0..15 of a column live in the 8 lanes with the
+      // same t4 (row g8 in c[e], row g8 + 8 in c[2 + e]); rows >= G have q = 0 and add 0.
+      const float f = sl2 * 0.6931471805599453f / float(G);  // log2 units -> natural / G
+      float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
+#pragma unroll
+      for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = sc[nb][e] + sc2[nb][e] + sc[nb][2 + e] + sc2[nb][2 + e];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          const int j = j0 + nb * 8 + 2 * t4 + e;
+          if (g8 == 0 && j < L) dst[j] = v * f;
+        }
+    }
     chunk_max(j0, sc, sc2, mx);
     softmax(sc, mx);
     pack_p(sc, pa);
@@ -624,13 +642,13 @@ constexpr DecodeVariant kVariants[] = {
 // cp.async L2::256B prefetch hint (-3..-7%), 4-warp 2-stage and 2-warp 4-stage rings.
 constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
 
-template <int D, int W, int S, int TK, bool TMA, bool SKIP = false>
+template <int D, int W, int S, int TK, bool TMA, bool SKIP = false, bool EMIT = false>
 struct Inst {
   using C = DecCfg<D, W, S, TK>;
   static void prepare() {
     static bool done = false;
     if (!done) {
-      SPADE_CUDA(cudaFuncSetAttribute(decode_v3_kernel<D, W, S, TK, TMA, SKIP>,
+      SPADE_CUDA(cudaFuncSetAttribute(decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmem)));
       done = true;
     }
@@ -639,14 +657,14 @@ struct Inst {
     prepare();
     int n = 0;
     SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, decode_v3_kernel<D, W, S, TK, TMA, SKIP>, C::kThreads, C::kSmem));
+        &n, decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT>, C::kThreads, C::kSmem));
     return n;
   }
   static void launch(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* tmk,
                      const CUtensorMap* tmv) {
     prepare();
     CUtensorMap zero{};
-    decode_v3_kernel<D, W, S, TK, TMA, SKIP><<<grid, C::kThreads, C::kSmem, s>>>(
+    decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT><<<grid, C::kThreads, C::kSmem, s>>>(
         a, tmk ? *tmk : zero, tmv ? *tmv : zero);
     SPADE_CUDA_LAUNCH();
   }
@@ -655,20 +673,23 @@ struct Inst {
 // tma: whether the TMA instance may run (maps present, P % 16 == 0); else the cp.async twin.
 // skip: the BLASST instance (cp.async only).
 template <typename F>
-void dispatch(int D, int v, bool tma, bool skip, F&& f) {
+void dispatch(int D, int v, bool tma, bool skip, bool emit, F&& f) {
   const int vi = (v >= 1 && v <= kNumVariants ? v : 1) - 1;
   const DecodeVariant dv = kVariants[vi];
-  const bool t = tma && dv.tma && !skip;
+  const bool t = tma && dv.tma && !skip && !emit;
   if (D == 64) {
+    if (emit) return f(Inst<64, 4, 3, 16, false, false, true>{});
     if (skip) return f(Inst<64, 4, 3, 16, false, true>{});
     if (t) return f(Inst<64, 4, 3, 16, true>{});
     return f(Inst<64, 4, 3, 16, false>{});
   }
   if (dv.warps == 8) {
+    if (emit) return f(Inst<128, 8, 3, 16, false, false, true>{});
     if (skip) return f(Inst<128, 8, 3, 16, false, true>{});
     if (t) return f(Inst<128, 8, 3, 16, true>{});
     return f(Inst<128, 8, 3, 16, false>{});
   }
+  if (emit) return f(Inst<128, 4, 3, 16, false, false, true>{});
   if (skip) return f(Inst<128, 4, 3, 16, false, true>{});
   if (t) return f(Inst<128, 4, 3, 16, true>{});
   return f(Inst<128, 4, 3, 16, false>{});
@@ -680,13 +701,13 @@ int decode_v3_count() { return kNumVariants; }
 DecodeVariant decode_v3_variant(int v) { return kVariants[(v >= 1 && v <= kNumVariants ? v : 1) - 1]; }
 int decode_v3_occupancy(int D, int v) {
   int n = 0;
-  dispatch(D, v, true, false, [&](auto inst) { n = decltype(inst)::occupancy(); });
+  dispatch(D, v, true, false, false, [&](auto inst) { n = decltype(inst)::occupancy(); });
   return n;
 }
 void launch_decode_v3(int D, int v, const AttnArgs& a, dim3 grid, cudaStream_t s,
                       const CUtensorMap* tmk, const CUtensorMap* tmv) {
   const bool tma = tmk && tmv && a.P % 16 == 0;
-  dispatch(D, v, tma, a.skip_log2 > -INFINITY,
+  dispatch(D, v, tma, a.skip_log2 > -INFINITY, a.scores_out != nullptr,
            [&](auto inst) { decltype(inst)::launch(a, grid, s, tmk, tmv); });
 }
 

@@ -120,6 +120,12 @@ void topk_rows(const float* scores, int64_t ld, const int32_t* n, int n_rows, in
 // min(k_pages, pages of b) of them valid) -> CSR sel_off[B * Hkv + 1] / sel_idx (Chunk16).
 void quest_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, int Hkv,
                          int k_pages, int32_t* sel_off, int32_t* sel_idx, cudaStream_t s);
+// token_compact_lists: topk_rows' output for rows b * Hkv + h (k entries per row at stride k,
+// min(k, kv_len[b]) of them valid) -> CSR sel_off[B * Hkv + 1] / sel_idx (Token).
+void token_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, int Hkv, int k,
+                         int32_t* sel_off, int32_t* sel_idx, cudaStream_t s);
+// row_lengths: out[b * Hkv + h] = kv_len[b] (topk_rows' per-row counts).
+void row_lengths(const int32_t* kv_len, int B, int Hkv, int32_t* out, cudaStream_t s);
 // streaming_lists: one shared Token list per request (lists_per_req = 1): all of [0, L) when
 // L <= budget, else the first `sinks` tokens and the last budget - sinks (StreamingMethod).
 void streaming_lists(const int32_t* kv_len, int B, int budget, int sinks, int32_t* sel_off,

@@ -7,26 +7,32 @@ namespace spade::cuda {
 
 namespace {
 
-__device__ __forceinline__ int quest_len(const int32_t* kv_len, int b, int k_pages) {
-  const int np = (kv_len[b] + 15) / 16;
-  return np < k_pages ? np : k_pages;
+// Valid entries of request b's rows: min(k, units of its context), units of `unit` tokens.
+__device__ __forceinline__ int list_len(const int32_t* kv_len, int b, int k, int unit) {
+  const int nu = (kv_len[b] + unit - 1) / unit;
+  return nu < k ? nu : k;
 }
 
 // One CTA per list row = b * Hkv + h. The row's CSR start is the sum of the lengths before
 // it (B is small: a serial sum per CTA).
-__global__ void quest_compact_kernel(const int32_t* strided, const int32_t* kv_len, int Hkv,
-                                     int k_pages, int n_rows, int32_t* off, int32_t* idx) {
+__global__ void topk_compact_kernel(const int32_t* strided, const int32_t* kv_len, int Hkv,
+                                    int k, int unit, int n_rows, int32_t* off, int32_t* idx) {
   const int row = blockIdx.x, b = row / Hkv, h = row % Hkv;
   int start = 0;
-  for (int bb = 0; bb < b; ++bb) start += Hkv * quest_len(kv_len, bb, k_pages);
-  const int n = quest_len(kv_len, b, k_pages);
+  for (int bb = 0; bb < b; ++bb) start += Hkv * list_len(kv_len, bb, k, unit);
+  const int n = list_len(kv_len, b, k, unit);
   start += h * n;
   for (int j = threadIdx.x; j < n; j += blockDim.x)
-    idx[start + j] = strided[int64_t(row) * k_pages + j];
+    idx[start + j] = strided[int64_t(row) * k + j];
   if (threadIdx.x == 0) {
     off[row] = start;
     if (row == n_rows - 1) off[row + 1] = start + n;
   }
+}
+
+__global__ void row_lengths_kernel(const int32_t* kv_len, int n_rows, int Hkv, int32_t* out) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r < n_rows) out[r] = kv_len[r / Hkv];
 }
 
 __global__ void streaming_lists_kernel(const int32_t* kv_len, int B, int budget, int sinks,
@@ -48,8 +54,21 @@ __global__ void streaming_lists_kernel(const int32_t* kv_len, int B, int budget,
 
 void quest_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, int Hkv,
                          int k_pages, int32_t* sel_off, int32_t* sel_idx, cudaStream_t s) {
-  quest_compact_kernel<<<B * Hkv, 128, 0, s>>>(strided, kv_len, Hkv, k_pages, B * Hkv, sel_off,
-                                               sel_idx);
+  topk_compact_kernel<<<B * Hkv, 128, 0, s>>>(strided, kv_len, Hkv, k_pages, 16, B * Hkv, sel_off,
+                                              sel_idx);
+  SPADE_CUDA(cudaGetLastError());
+}
+
+void token_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, int Hkv, int k,
+                         int32_t* sel_off, int32_t* sel_idx, cudaStream_t s) {
+  topk_compact_kernel<<<B * Hkv, 128, 0, s>>>(strided, kv_len, Hkv, k, 1, B * Hkv, sel_off,
+                                              sel_idx);
+  SPADE_CUDA(cudaGetLastError());
+}
+
+void row_lengths(const int32_t* kv_len, int B, int Hkv, int32_t* out, cudaStream_t s) {
+  const int n = B * Hkv;
+  row_lengths_kernel<<<(n + 255) / 256, 256, 0, s>>>(kv_len, n, Hkv, out);
   SPADE_CUDA(cudaGetLastError());
 }
 
