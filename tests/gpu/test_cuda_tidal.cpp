@@ -12,7 +12,9 @@
 // the CPU continues with the GPU's set (teacher-forced selection, so one near-tie does not
 // cascade); the logits must then agree within kTolLogits = 5e-2 at every step (the dense
 // random-model comparison reaches 0.025, test_cuda_model.cpp; attending 48-64 tokens per head
-// in 3 of 4 layers measured up to 0.046), and at least 70% of the selections must be identical.
+// in 3 of 4 layers measured up to 0.046). The rule is only meaningful while the score error is
+// small: it must stay below 5% of the row's largest |score|, and near-ties may swap at most
+// 25% of a set (measured: 44-74% of the selections identical, the rest near-ties).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -173,12 +175,16 @@ class TracingTidal final : public sparse::SparseMethod {
       for (int64_t j = 0; j < std::min<int64_t>(L, int64_t(gs.size())); ++j)
         err = std::max(err, std::fabs(gs[size_t(j)] - avg[size_t(j)]));
       max_err = std::max(max_err, double(err));
+      float mx = 0;
+      for (float x : avg) mx = std::max(mx, std::fabs(x));
+      max_rel_err = std::max(max_rel_err, double(err) / std::max(1e-30, double(mx)));
       std::vector<int32_t> diff;
       std::set_symmetric_difference(g.begin(), g.end(), cs.begin(), cs.end(),
                                     std::back_inserter(diff));
       bool tie = true;
       for (int32_t t : diff)
         if (t < 0 || t >= L || std::fabs(avg[size_t(t)] - kth) > 2.f * err) tie = false;
+      max_diff_frac = std::max(max_diff_frac, double(diff.size()) / 2.0 / double(k));
       if (tie) {
         ++near_tie;
       } else {
@@ -198,7 +204,9 @@ class TracingTidal final : public sparse::SparseMethod {
   const CudaModel::QuestTrace* gpu = nullptr;
   std::map<const PageTable*, int> req_of;
   mutable int rows = 0, identical = 0, near_tie = 0, bad = 0;
-  mutable double max_err = 0;  // largest |GPU - CPU| group-mean score seen
+  mutable double max_err = 0;        // largest |GPU - CPU| group-mean score seen
+  mutable double max_rel_err = 0;    // ... relative to its row's largest |score|
+  mutable double max_diff_frac = 0;  // largest share of a set swapped by near-ties
 
  private:
   int64_t budget_;
@@ -256,12 +264,17 @@ void compare_tidal(int D, int budget, int na, int nb, int steps) {
     EXPECT_LT(e, kTolLogits) << "decode step " << s;
   }
   std::printf("[ tidal-model ] D=%d budget=%d: %d selections (step, selection layer, request, KV "
-              "head), %d identical, %d near-tie, %d bad; largest score error %.3g; worst decode "
-              "logits rel err %.3g over %d steps\n",
+              "head), %d identical, %d near-tie, %d bad; largest score error %.3g (%.3g of the "
+              "row's max |score|); at most %.1f%% of a set swapped; worst decode logits rel err "
+              "%.3g over %d steps\n",
               D, budget, method->rows, method->identical, method->near_tie, method->bad,
-              method->max_err, worst, steps);
+              method->max_err, method->max_rel_err, 100 * method->max_diff_frac, worst, steps);
   EXPECT_EQ(method->bad, 0);
-  EXPECT_GE(method->identical, int(0.70 * method->rows));
+  EXPECT_GT(method->identical, 0);
+  // The near-tie rule is only as strong as the score error is small: bf16 activations and
+  // keys give ~1% per score; near-ties may swap only a few boundary tokens of a set.
+  EXPECT_LT(method->max_rel_err, 5e-2);
+  EXPECT_LE(method->max_diff_frac, 0.25);
   EXPECT_EQ(method->rows, steps * 2 * 2 * c.n_kv_heads);  // 2 selection layers, 2 requests
 }
 
