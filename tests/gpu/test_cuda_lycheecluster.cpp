@@ -401,3 +401,105 @@ TEST(CudaLycheeCluster, CompactCsr) {
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < counts[size_t(i)]; ++j) EXPECT_EQ(hi[size_t(ho[size_t(i)] + j)], lists[size_t(i) * cap + j]);
 }
+
+// A decode batch over several slots in one shared paged cache: request b reads slot[b] (here
+// permuted), its own kv_len (un-indexed tails of different lengths), G = 4; lists equal to each
+// request's CPU selection. Then one insert_batch of 2 chunks per request (from the tails) and
+// the same inserts on the CPU: indexes and selections still equal.
+TEST(CudaLycheeCluster, SearchBatchSlots) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(15);
+  const int Hkv = 2, D = 128, P = 16, sink = 16, Hq = 8, G = Hq / Hkv, NS = 3;
+  const int64_t budget = 512;
+  cuda::DeviceArena arena(size_t(512) << 20);
+  cuda::LcIndexConfig cfg = cfg_for(Hkv, D, P, 2048);
+  cfg.slots = NS;
+  cuda::LcIndexGpu g(arena, cfg);
+  std::vector<std::vector<int32_t>> st(NS);
+  std::vector<Keys> keys;
+  std::vector<std::vector<sparse::ClusterIndex>> cpu;
+  const std::vector<int64_t> L = {5000, 7300, 3100};
+  // One cache: request s owns pages [base_s, base_s + np_s) of a shuffled id pool.
+  int64_t total = 0;
+  std::vector<int64_t> base;
+  for (int s = 0; s < NS; ++s) {
+    base.push_back(total);
+    total += (L[size_t(s)] + P - 1) / P;
+  }
+  std::vector<int32_t> ids(static_cast<size_t>(total));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<float> host(size_t(total) * Hkv * P * D, 0.f);
+  std::vector<std::unique_ptr<DevBuf<int32_t>>> pts;
+  for (int s = 0; s < NS; ++s) {
+    st[size_t(s)] = make_starts(L[size_t(s)] - 30 - 100 * s, sink, rng);
+    if (st[size_t(s)].size() % 2 == 0) st[size_t(s)].pop_back();
+    keys.push_back(separated_keys(Hkv, D, P, st[size_t(s)], L[size_t(s)], 30 + s));
+    const Keys& K = keys.back();
+    std::vector<int32_t> pages(ids.begin() + base[size_t(s)], ids.begin() + base[size_t(s)] + (K.L + P - 1) / P);
+    for (int h = 0; h < Hkv; ++h)
+      for (int64_t p = 0; p < K.L; ++p)
+        std::copy_n(K.row(h, p), D, host.data() + ((size_t(pages[size_t(p / P)]) * Hkv + h) * P + p % P) * D);
+    pts.push_back(std::make_unique<DevBuf<int32_t>>(pages));
+    const int M = int(st[size_t(s)].size()) - 1;
+    cpu.push_back(cpu_build(K, st[size_t(s)], M));
+  }
+  DevBuf<bf16> cache(to_bf16(host));
+  for (int s = 0; s < NS; ++s)
+    g.build(s, cache.p, pts[size_t(s)]->p, st[size_t(s)].data(), int(st[size_t(s)].size()) - 1, nullptr);
+  const std::vector<int32_t> slot = {2, 0, 1};
+  std::vector<int32_t> len;
+  for (int32_t s : slot) len.push_back(int32_t(L[size_t(s)]));
+  const int B = NS, cap = sink + int(budget) + 400;
+  DevBuf<int32_t> dslot(slot), dlen(len), lists(size_t(B) * Hkv * cap), counts(size_t(B) * Hkv);
+  auto check = [&](const char* when) {
+    const auto qf = round_bf16(randn(size_t(B) * Hq * D, rng, 1.f, 0.3f));
+    DevBuf<bf16> q(to_bf16(qf));
+    cuda::LcSearchArgs a;
+    a.q = q.p;
+    a.slot = dslot.p;
+    a.kv_len = dlen.p;
+    a.B = B;
+    a.Hq = Hq;
+    a.budget = budget;
+    a.sink = sink;
+    a.cap = cap;
+    a.lists = lists.p;
+    a.counts = counts.p;
+    g.search(a, nullptr);
+    const auto hl = lists.download();
+    const auto hc = counts.download();
+    sparse::SearchParams sp;
+    sp.budget = budget;
+    for (int b = 0; b < B; ++b) {
+      const int s = slot[size_t(b)];
+      for (int h = 0; h < Hkv; ++h) {
+        const auto want = cpu_selection(cpu[size_t(s)][size_t(h)], qf.data() + (size_t(b) * Hq + size_t(h) * G) * D,
+                                        G, sp, st[size_t(s)], sink, L[size_t(s)]);
+        const size_t li = size_t(b) * Hkv + h;
+        ASSERT_LT(hc[li], cap);
+        std::vector<int32_t> got(hl.begin() + li * cap, hl.begin() + li * cap + hc[li]);
+        EXPECT_EQ(got, want) << when << ": request " << b << " head " << h;
+      }
+    }
+  };
+  check("after build");
+  std::vector<std::vector<int32_t>> ends(NS);
+  std::vector<cuda::LcInsert> reqs;
+  for (int s = 0; s < NS; ++s) {
+    const int M = int(st[size_t(s)].size()) - 1;
+    ends[size_t(s)] = {st[size_t(s)].back() + 10, st[size_t(s)].back() + 20};
+    reqs.push_back({s, pts[size_t(s)]->p, M, ends[size_t(s)].data(), 2});
+  }
+  g.insert_batch(reqs, cache.p, nullptr);
+  for (int s = 0; s < NS; ++s) {
+    const int M = int(st[size_t(s)].size()) - 1;
+    for (int i = 0; i < 2; ++i) {
+      st[size_t(s)].push_back(ends[size_t(s)][size_t(i)]);
+      for (int h = 0; h < Hkv; ++h)
+        cpu[size_t(s)][size_t(h)].insert([&](int64_t p) { return keys[size_t(s)].row(h, p); }, st[size_t(s)].data(), M + i);
+    }
+    for (int h = 0; h < Hkv; ++h) expect_same_index(g, s, h, cpu[size_t(s)][size_t(h)], D);
+  }
+  check("after insert_batch");
+}

@@ -561,37 +561,72 @@ __global__ void lc_radius_final_kernel(SlotPtrs s, const unsigned long long* rad
 
 // ---------------------------------------------------------------------------------------
 // Lazy update.
-struct InsertArgs {
-  static constexpr int kMax = 64;
+struct InsertReq {
+  static constexpr int kMax = 32;
+  int slot, n_old, n_new;
+  const int32_t* pt;
   int ends[kMax];
-  int n_old, n_new;
+};
+struct InsertBatch {
+  static constexpr int kReq = 16;
+  InsertReq r[kReq];
 };
 
-// lc_insert_kernel: inserts chunks n_old .. n_old + n_new - 1 of one slot in order.
-//   CTA per head, blockDim = 128 (>= 32 tokens per chunk handled by a loop).
-//   reads the chunk's K rows (2*D B per token), every coarse center and the chosen unit's
-//   fine centers (2*D B each); writes the two nodes' center/radius/counters and the links.
-//   Similarities: fp32 dots (warp-reduced) over float(c) / float(|c|), ties -> lower id.
-__global__ void __launch_bounds__(128) lc_insert_kernel(SlotPtrs s, int32_t* starts_rw, const bf16* k,
-                                                        const int32_t* pt, InsertArgs ia) {
+__device__ SlotPtrs slot_ptrs(const SlotPtrs& z, int slot) {  // z: the pointers of slot 0
+  SlotPtrs s = z;
+  const int64_t so = int64_t(slot) * z.Hkv;
+  s.starts = z.starts + int64_t(slot) * (z.maxC + 1);
+  s.n_chunks += so; s.n_fine += so; s.n_coarse += so;
+  s.fc += so * z.maxF * z.D; s.fr += so * z.maxF; s.ftok += so * z.maxF; s.fcnt += so * z.maxF;
+  s.fhead += so * z.maxF; s.ftail += so * z.maxF; s.fnch += so * z.maxF;
+  s.gc += so * z.maxG * z.D; s.gr += so * z.maxG; s.gtok += so * z.maxG; s.gcnt += so * z.maxG;
+  s.gfirst += so * (z.maxG + 1); s.cnext += so * z.maxC; s.cfine += so * z.maxC;
+  return s;
+}
+
+// lc_insert_kernel: inserts, for each request r of the batch (blockIdx.y), its chunks
+//   n_old .. n_old + n_new - 1 in order. CTA per (KV head, request), 256 threads.
+//   reads  the chunk's K rows once (2*D B per token, staged in shared memory as bf16 for
+//          chunks <= 32 tokens; longer chunks read global memory), every coarse center and the
+//          chosen unit's fine centers (2*D B each)
+//   writes the two nodes' fp16 center (2*D B), radius, counters, the chunk's links; head 0's
+//          CTA appends the chunk end to the slot's starts.
+//   Pooling, norms and distances in double in the CPU's order; similarities fp32 dots
+//   (warp-reduced) / float(|c|), ties -> lower id.
+constexpr int kInsThreads = 256, kInsTok = 32;
+__global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, const bf16* k, InsertBatch batch) {
+  const InsertReq& rq = batch.r[blockIdx.y];
+  const SlotPtrs s = slot_ptrs(z, rq.slot);
+  int32_t* starts_rw = const_cast<int32_t*>(s.starts);
+  const int32_t* pt = rq.pt;
   const int h = blockIdx.x, t = threadIdx.x, lane = t & 31, w = t >> 5, nw = blockDim.x >> 5;
   const int D = s.D;
   __shared__ double mean[256];
   __shared__ float unit[256], oldc[256], newc[256];
   __shared__ double sq[256];
-  __shared__ float wbest[8];
-  __shared__ int wbk[8];
+  __shared__ float wbest[32];
+  __shared__ int wbk[32];
   __shared__ int sel[2];
-  __shared__ double rmax[128];
+  __shared__ double rmax[kInsThreads];
+  __shared__ bf16 kr[kInsTok][256];
   const int64_t fo = int64_t(h) * s.maxF, go = int64_t(h) * s.maxG, co = int64_t(h) * s.maxC;
-  for (int i = 0; i < ia.n_new; ++i) {
-    const int c = ia.n_old + i;
-    const int b = i == 0 ? starts_rw[c] : ia.ends[i - 1], e = ia.ends[i];
+  for (int i = 0; i < rq.n_new; ++i) {
+    const int c = rq.n_old + i;
+    const int b = i == 0 ? starts_rw[c] : rq.ends[i - 1], e = rq.ends[i];
+    const bool staged = e - b <= kInsTok;
+    __syncthreads();
     if (h == 0 && t == 0) starts_rw[c + 1] = e;
+    if (staged)
+      for (int x = t; x < (e - b) * D; x += blockDim.x)
+        kr[x / D][x % D] = key_row(k, pt, b + x / D, h, s.Hkv, s.P, D)[x % D];
+    __syncthreads();
+    auto kv = [&](int p, int d) {
+      return staged ? __bfloat162float(kr[p - b][d]) : __bfloat162float(key_row(k, pt, p, h, s.Hkv, s.P, D)[d]);
+    };
     // Pool.
     for (int d = t; d < D; d += blockDim.x) {
       double a = 0.0;
-      for (int p = b; p < e; ++p) a = __dadd_rn(a, double(__bfloat162float(key_row(k, pt, p, h, s.Hkv, s.P, D)[d])));
+      for (int p = b; p < e; ++p) a = __dadd_rn(a, double(kv(p, d)));
       const double m = __dmul_rn(a, 1.0 / double(max(1, e - b)));
       mean[d] = m;
       unit[d] = __double2float_rn(m);
@@ -615,26 +650,37 @@ __global__ void __launch_bounds__(128) lc_insert_kernel(SlotPtrs s, int32_t* sta
     for (int level = 1; level >= 0; --level) {
       const int lo = level ? 0 : s.gfirst[int64_t(h) * (s.maxG + 1) + sel[1]];
       const int hi = level ? s.n_coarse[h] : s.gfirst[int64_t(h) * (s.maxG + 1) + sel[1] + 1];
+      // Thread per node: float dot in d order without FMA and the double norm, as the CPU's
+      // most_similar (bit-identical similarities); best per warp (ties: lower id).
       float bsim = -INFINITY;
       int bk = -1;
-      for (int n = lo + w; n < hi; n += nw) {
+      for (int n = lo + t; n < hi; n += blockDim.x) {
         const __half* cen = level ? s.gc + (go + n) * D : s.fc + (fo + n) * D;
         float dp = 0.f;
         double nn = 0.0;
-        for (int d = lane; d < D; d += 32) {
-          const float cv = __half2float(cen[d]);
-          dp = fmaf(unit[d], cv, dp);
-          nn = __dadd_rn(nn, __dmul_rn(double(cv), double(cv)));
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-          dp += __shfl_xor_sync(kFull, dp, o);
-          nn += __shfl_xor_sync(kFull, nn, o);
+        for (int d0 = 0; d0 < D; d0 += 8) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(cen + d0);
+          const __half* hv = reinterpret_cast<const __half*>(&raw);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float cv = __half2float(hv[j]);
+            dp = __fadd_rn(dp, __fmul_rn(unit[d0 + j], cv));
+            nn = __dadd_rn(nn, __dmul_rn(double(cv), double(cv)));
+          }
         }
         const float nf = __double2float_rn(sqrt(nn));
         const float sim = nf > 0 ? dp / nf : -INFINITY;
         if (bk < 0 || sim > bsim) {
           bsim = sim;
           bk = n;
+        }
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        const float os = __shfl_xor_sync(kFull, bsim, o);
+        const int ok = __shfl_xor_sync(kFull, bk, o);
+        if (ok >= 0 && (bk < 0 || os > bsim || (os == bsim && ok < bk))) {
+          bsim = os;
+          bk = ok;
         }
       }
       if (lane == 0) {
@@ -685,10 +731,9 @@ __global__ void __launch_bounds__(128) lc_insert_kernel(SlotPtrs s, int32_t* sta
         r = __dadd_rn(double(*radp), sqrt(ss));
       }
       for (int p = b + t; p < e; p += blockDim.x) {
-        const bf16* row = key_row(k, pt, p, h, s.Hkv, s.P, D);
         double ss = 0.0;
         for (int d = 0; d < D; ++d) {
-          const double x = __dsub_rn(double(__bfloat162float(row[d])), double(newc[d]));
+          const double x = __dsub_rn(double(kv(p, d)), double(newc[d]));
           ss = __dadd_rn(ss, __dmul_rn(x, x));
         }
         r = fmax(r, sqrt(ss));
@@ -731,14 +776,27 @@ struct SearchK {
   int maxF, maxG, maxC, D, Hkv;
 };
 
-// lc_search_kernel: CTA per (KV head, request), 1024 threads.
-//   reads  q of the G heads (2*D B each); coarse centers (2*D B each) + radii; the kept units'
-//          fine centers (2*D B each) + radii; per-fine chunk counts and links, starts of the
-//          candidate chunks; starts of all M chunks (output pass)
-//   writes the strided Token list (4 B per token: sink + chosen chunks + tail) and counts
-//   shared: q [G][D] f32, coarse scores/order, candidate fine ids [maxF], sort keys
-//   [pow2(maxF)] u64, flat chunk ids [maxC] i32 + lengths [maxC] i16, chosen flags [maxC] u8.
-__global__ void __launch_bounds__(1024) lc_search_kernel(SearchK k) {
+// lc_search_kernel: CTA per (KV head, request), kSearchThreads threads.
+//   reads  q of the G heads (2*D B each); coarse centers (2*D B each) + radii + token counts;
+//          the kept units' fine centers (2*D B each) + radii; per-fine chunk counts and links
+//          and the candidate chunks' starts
+//   writes the strided Token list (4 B per token: sink + chosen chunks ascending + tail) and
+//          the count
+//   shared: sort keys [pow2(maxF)] u64, candidate fine ids [maxF], flat chunk ids [maxC] i32,
+//   q [G][D] f32, flat lengths [maxC] i16, chosen flags [maxC] u8; coarse scores / order /
+//   tokens / ranges; up to 256 chosen chunk ids (sorted for the output; more: a flag scan).
+//   Every serial step runs over shared memory (the coarse k_g rule, the budget tail) so the
+//   latency of one search is a few block-wide phases.
+constexpr int kSearchThreads = 512;
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long x;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(x));
+  return x;
+}
+// Phase timestamps (bench only, a.trace non-null): [list][8] ns.
+#define LC_TRACE(i) \
+  if (a.trace && t == 0) a.trace[(int64_t(b) * k.Hkv + h) * 8 + (i)] = global_ns()
+__global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   extern __shared__ unsigned long long smem_u64[];
   const LcSearchArgs& a = k.a;
   const int h = blockIdx.x, b = blockIdx.y, t = threadIdx.x, lane = t & 31, w = t >> 5;
@@ -748,20 +806,32 @@ __global__ void __launch_bounds__(1024) lc_search_kernel(SearchK k) {
   const int32_t* starts = k.starts + int64_t(slot) * (k.maxC + 1);
   const int M = k.n_chunks[sh_], NG = k.n_coarse[sh_];
   const int L = a.kv_len[b];
+  LC_TRACE(0);
   const int n2max = pow2_at_least(k.maxF);
   unsigned long long* keys = smem_u64;                         // [n2max]
   int32_t* cand = reinterpret_cast<int32_t*>(keys + n2max);   // [maxF]
   int32_t* flat = cand + k.maxF;                               // [maxC]
   float* q = reinterpret_cast<float*>(flat + k.maxC);          // [G][D]
   int16_t* lens = reinterpret_cast<int16_t*>(q + G * D);       // [maxC]
-  uint8_t* flag = reinterpret_cast<uint8_t*>(lens + k.maxC);   // [maxC]
+  uint8_t* flag = reinterpret_cast<uint8_t*>(lens + k.maxC);   // [maxC] chosen chunks
   __shared__ float qn[64], gscore[64];
-  __shared__ int gorder[64], goff[65], keep[64];
+  __shared__ int gorder[64], goff[65], keep[64], gtok[64], gfirst[65];
   __shared__ int sh[33];
+  __shared__ int s_nsel, s_minlen;
+  __shared__ unsigned long long selk[256];  // chosen chunk ids (sorted for the output)
 
   for (int e = t; e < G * D; e += blockDim.x)
     q[e] = __bfloat162float(a.q[(int64_t(b) * a.Hq + h * G) * D + e]);
+  if (t < NG) {
+    gtok[t] = k.gtok[int64_t(sh_) * k.maxG + t];
+    keep[t] = 0;
+  }
+  if (t <= NG) gfirst[t] = k.gfirst[int64_t(sh_) * (k.maxG + 1) + t];
   for (int c = t; c < M; c += blockDim.x) flag[c] = 0;
+  if (t == 0) {
+    s_nsel = 0;
+    s_minlen = 1 << 30;
+  }
   __syncthreads();
   for (int g = w; g < G; g += nw) {
     float v[kMaxDPL];
@@ -771,23 +841,39 @@ __global__ void __launch_bounds__(1024) lc_search_kernel(SearchK k) {
     if (lane == 0) qn[g] = __double2float_rn(sqrt(s));
   }
   __syncthreads();
-  // Bound of one node aggregated (max) over the group: warp-cooperative.
+    LC_TRACE(1);
+  // Bound of one node aggregated (max) over the group, one thread per node: q_g . c summed
+  // in d order with __fmul_rn / __fadd_rn (the CPU's dot(), no FMA) plus |q_g| * r, so the
+  // scores are bit-identical to ClusterIndex::search's.
   auto bound = [&](const __half* cen, float r) {
     float best = -INFINITY;
-    for (int g = 0; g < G; ++g) {
-      float dp = 0.f;
-      for (int d = lane; d < D; d += 32) dp = fmaf(q[g * D + d], __half2float(cen[d]), dp);
-      for (int o = 16; o > 0; o >>= 1) dp += __shfl_xor_sync(kFull, dp, o);
-      best = fmaxf(best, dp + qn[g] * r);
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int d0 = 0; d0 < D; d0 += 8) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(cen + d0);
+        const __half* hv = reinterpret_cast<const __half*>(&raw);
+        float c[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) c[j] = __half2float(hv[j]);
+#pragma unroll
+        for (int gg = 0; gg < 4; ++gg) {
+          if (g0 + gg < G) {
+            const float* qg = q + (g0 + gg) * D + d0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qg[j], c[j]));
+          }
+        }
+      }
+#pragma unroll
+      for (int gg = 0; gg < 4; ++gg)
+        if (g0 + gg < G) best = fmaxf(best, __fadd_rn(acc[gg], __fmul_rn(qn[g0 + gg], r)));
     }
     return best;
   };
   const bool run = M > 0 && a.budget > 0 && NG > 0;
   if (run) {
-    for (int g = w; g < NG; g += nw) {
-      const float sc = bound(k.gc + (int64_t(sh_) * k.maxG + g) * D, k.gr[int64_t(sh_) * k.maxG + g]);
-      if (lane == 0) gscore[g] = sc;
-    }
+    for (int g = t; g < NG; g += blockDim.x)
+      gscore[g] = bound(k.gc + (int64_t(sh_) * k.maxG + g) * D, k.gr[int64_t(sh_) * k.maxG + g]);
     __syncthreads();
     if (t < NG) {
       const float x = gscore[t];
@@ -799,7 +885,6 @@ __global__ void __launch_bounds__(1024) lc_search_kernel(SearchK k) {
         r += before;
       }
       gorder[r] = t;
-      keep[t] = 0;
     }
     __syncthreads();
     if (t == 0) {
@@ -809,36 +894,37 @@ __global__ void __launch_bounds__(1024) lc_search_kernel(SearchK k) {
       } else {
         const double want = a.coarse_cover * double(a.budget);
         double have = 0;
-        for (kg = 0; kg < NG && have < want; ++kg) have += double(k.gtok[int64_t(sh_) * k.maxG + gorder[kg]]);
+        for (kg = 0; kg < NG && have < want; ++kg) have += double(gtok[gorder[kg]]);
       }
       for (int j = 0; j < kg; ++j) keep[gorder[j]] = 1;
-      const int32_t* first = k.gfirst + int64_t(sh_) * (k.maxG + 1);
       int o = 0;
       for (int g = 0; g < NG; ++g) {
         goff[g] = o;
-        if (keep[g]) o += first[g + 1] - first[g];
+        if (keep[g]) o += gfirst[g + 1] - gfirst[g];
       }
       goff[NG] = o;
     }
     __syncthreads();
     const int nc = goff[NG];
-    const int32_t* first = k.gfirst + int64_t(sh_) * (k.maxG + 1);
     for (int g = w; g < NG; g += nw)
       if (keep[g])
-        for (int f = first[g] + lane; f < first[g + 1]; f += 32) cand[goff[g] + f - first[g]] = f;
+        for (int f = gfirst[g] + lane; f < gfirst[g + 1]; f += 32) cand[goff[g] + f - gfirst[g]] = f;
     __syncthreads();
+    LC_TRACE(2);
     const int n2 = pow2_at_least(max(nc, 1));
-    for (int j = w; j < n2; j += nw) {
+    for (int j = t; j < n2; j += blockDim.x) {
       unsigned long long key = ~0ull;
       if (j < nc) {
         const int f = cand[j];
         const float sc = bound(k.fc + (int64_t(sh_) * k.maxF + f) * D, k.fr[int64_t(sh_) * k.maxF + f]);
         key = (static_cast<unsigned long long>(~okey(sc)) << 32) | unsigned(j);
       }
-      if (lane == 0) keys[j] = key;
+      keys[j] = key;
     }
     __syncthreads();
+    LC_TRACE(3);
     block_bitonic(keys, n2);
+    LC_TRACE(4);
     // Flatten: chunks of the ranked clusters, in rank order, each list in position order.
     int base = 0;
     for (int j0 = 0; j0 < nc; j0 += blockDim.x) {
@@ -858,8 +944,11 @@ __global__ void __launch_bounds__(1024) lc_search_kernel(SearchK k) {
       base += tot;
     }
     __syncthreads();
+    LC_TRACE(5);
     const int nflat = base;
-    // Greedy fill: the prefix whose running sum fits is taken as is; the rest sequentially.
+    // Greedy fill: the prefix whose running sum fits the budget is taken as is (a chunk is
+    // never skipped before the first one that does not fit); the rest sequentially from
+    // i0, stopping once `left` is below the shortest remaining chunk.
     int carry = 0, i0 = nflat;
     for (int j0 = 0; j0 < nflat; j0 += blockDim.x) {
       const int j = j0 + t;
@@ -867,7 +956,11 @@ __global__ void __launch_bounds__(1024) lc_search_kernel(SearchK k) {
       int tot = 0;
       const int ex = block_excl_scan(len, sh, tot) + carry;
       const bool fits = j < nflat && int64_t(ex) + len <= a.budget;
-      if (fits) flag[flat[j]] = 1;
+      if (fits) {
+        flag[flat[j]] = 1;
+        const int r = atomicAdd(&s_nsel, 1);
+        if (r < 256) selk[r] = static_cast<unsigned long long>(flat[j]);
+      }
       const int nfit = __syncthreads_count(fits);
       carry += tot;
       if (nfit < min(int(blockDim.x), nflat - j0)) {
@@ -875,32 +968,63 @@ __global__ void __launch_bounds__(1024) lc_search_kernel(SearchK k) {
         break;
       }
     }
+    int used = 0;
+    {
+      int part = 0, mn = 1 << 30;
+      for (int j = t; j < nflat; j += blockDim.x) {
+        if (j < i0) part += lens[j];
+        else mn = min(mn, int(lens[j]));
+      }
+      int tot = 0;
+      block_excl_scan(part, sh, tot);
+      used = tot;
+      if (mn < (1 << 30)) atomicMin(&s_minlen, mn);
+    }
+    __syncthreads();
     if (t == 0) {
-      int64_t used = 0;
-      for (int j = 0; j < i0; ++j) used += lens[j];
       int64_t left = a.budget - used;
-      for (int j = i0; j < nflat && left > 0; ++j)
+      const int mn = s_minlen;
+      for (int j = i0; j < nflat && left >= mn; ++j)
         if (lens[j] <= left) {
           flag[flat[j]] = 1;
+          if (s_nsel < 256) selk[s_nsel] = static_cast<unsigned long long>(flat[j]);
+          ++s_nsel;
           left -= lens[j];
         }
     }
     __syncthreads();
+    LC_TRACE(6);
   }
-  __syncthreads();
   // Emit: sink, chosen chunks ascending, tail.
   int32_t* out = a.lists + int64_t(b * k.Hkv + h) * a.cap;
   const int sink = min(a.sink, L);
   for (int p = t; p < sink && p < a.cap; p += blockDim.x) out[p] = p;
   int pos = sink;
-  for (int c0 = 0; c0 < M; c0 += blockDim.x) {
-    const int c = c0 + t;
-    const int len = (c < M && flag[c]) ? starts[c + 1] - starts[c] : 0;
+  const int nsel = s_nsel;
+  if (nsel > 0 && nsel <= 256) {
+    // Few chunks (<= 256; budget / 8-token chunks): sort their ids, scan their lengths.
+    const int n2 = pow2_at_least(nsel);
+    for (int i = nsel + t; i < n2; i += blockDim.x) selk[i] = ~0ull;
+    __syncthreads();
+    block_bitonic(selk, n2);
+    const int c = t < nsel ? int(selk[t]) : -1;
+    const int len = c >= 0 ? starts[c + 1] - starts[c] : 0;
     int tot = 0;
     const int off = block_excl_scan(len, sh, tot) + pos;
     for (int i = 0; i < len; ++i)
       if (off + i < a.cap) out[off + i] = starts[c] + i;
     pos += tot;
+  } else if (nsel > 256) {
+    // Many chunks: scan all M chunks in position order over the chosen flags.
+    for (int c0 = 0; c0 < M; c0 += blockDim.x) {
+      const int c = c0 + t;
+      const int len = (c < M && flag[c]) ? starts[c + 1] - starts[c] : 0;
+      int tot = 0;
+      const int off = block_excl_scan(len, sh, tot) + pos;
+      for (int i = 0; i < len; ++i)
+        if (off + i < a.cap) out[off + i] = starts[c] + i;
+      pos += tot;
+    }
   }
   const int rb = M > 0 ? starts[M] : sink;
   const int tb = max(rb, sink);
@@ -909,29 +1033,28 @@ __global__ void __launch_bounds__(1024) lc_search_kernel(SearchK k) {
   if (t == 0) {
     const int total = pos + max(0, L - tb);
     a.counts[b * k.Hkv + h] = min(total, a.cap);
+    if (a.trace) a.trace[(int64_t(b) * k.Hkv + h) * 8 + 7] = global_ns();
     if (a.chosen) a.chosen[b * k.Hkv + h] = pos - sink;
   }
 }
 
-// lc_compact_kernel: strided lists -> CSR. One CTA; offsets by a serial prefix (n_lists is
-//   B * Hkv), copies by the whole CTA (4 B read + 4 B written per entry).
+// lc_compact_kernel: strided lists -> CSR. CTA per list: its offset = sum of the earlier
+//   counts (block reduction over <= n_lists ints), then a coalesced copy (4 B read + 4 B
+//   written per entry); the last CTA writes off[n].
 __global__ void lc_compact_kernel(const int32_t* lists, const int32_t* counts, int n, int cap,
                                   int32_t* off, int32_t* idx) {
-  __shared__ int so[2049];
+  __shared__ int sh[33];
+  const int i = blockIdx.x;
+  int part = 0;
+  for (int j = threadIdx.x; j < i; j += blockDim.x) part += counts[j];
+  int o = 0;
+  block_excl_scan(part, sh, o);
   if (threadIdx.x == 0) {
-    int o = 0;
-    for (int i = 0; i < n; ++i) {
-      so[i] = o;
-      off[i] = o;
-      o += counts[i];
-    }
-    off[n] = o;
-    so[n] = o;
+    off[i] = o;
+    if (i == n - 1) off[n] = o + counts[i];
   }
-  __syncthreads();
-  for (int i = 0; i < n; ++i)
-    for (int j = threadIdx.x; j < so[i + 1] - so[i]; j += blockDim.x)
-      idx[so[i] + j] = lists[int64_t(i) * cap + j];
+  const int cnt = counts[i];
+  for (int j = threadIdx.x; j < cnt; j += blockDim.x) idx[o + j] = lists[int64_t(i) * cap + j];
 }
 
 template <typename T>
@@ -1034,12 +1157,17 @@ void LcIndexGpu::build(int slot, const bf16* k_cache, const int32_t* page_table,
   const int H = cfg_.Hkv, D = cfg_.D, C = cfg_.max_chunks, F = max_fine_, G = cfg_.max_coarse;
   int32_t* st = starts_ + int64_t(slot) * (C + 1);
   SPADE_CUDA(cudaMemcpyAsync(st, starts, sizeof(int32_t) * (M + 1), cudaMemcpyHostToDevice, s));
+  auto mark = [&](int i) {
+    if (timing_) SPADE_CUDA(cudaEventRecord(ev_[i], s));
+  };
+  mark(0);
   const int64_t ld = int64_t(C) * D;
   launch_dpl(D, [&](auto dpl) {
     lc_pool_kernel<decltype(dpl)::value><<<(M * H + 3) / 4, 128, 0, s>>>(
         k_cache, page_table, st, M, H, cfg_.P, D, ld, mean_, X_);
   });
   SPADE_CUDA_LAUNCH();
+  mark(1);
   // Fine level.
   const int K = int(std::clamp<double>(std::ceil(double(M) / cfg_.chunks_per_fine), 1.0, double(M)));
   std::vector<int32_t> ctl(size_t(2) * H * 8, 0);
@@ -1055,6 +1183,7 @@ void LcIndexGpu::build(int slot, const bf16* k_cache, const int32_t* page_table,
     km_normalize_kernel<decltype(dpl)::value><<<dim3(K, H), 32, 0, s>>>(fa, remap_, 1);
     km_apply_remap_kernel<<<dim3((M + 255) / 256, H), 256, 0, s>>>(fa, remap_);
   });
+  mark(2);
   // Coarse level over the fine centroids.
   int* ctlG = ctl_ + H * 8;
   lc_coarse_params_kernel<<<1, 32 * ((H + 31) / 32), 0, s>>>(ctl_, ctlG, H, cfg_.max_coarse);
@@ -1067,6 +1196,7 @@ void LcIndexGpu::build(int slot, const bf16* k_cache, const int32_t* page_table,
     km_apply_remap_kernel<<<dim3((K + 255) / 256, H), 256, 0, s>>>(ga, remap_);
   });
   SPADE_CUDA_LAUNCH();
+  mark(3);
   // Assembly.
   const int64_t so = int64_t(slot) * H;
   SlotPtrs sp{st, n_chunks_ + so, n_fine_ + so, n_coarse_ + so, fc_ + so * F * D, fr_ + so * F,
@@ -1087,25 +1217,66 @@ void LcIndexGpu::build(int slot, const bf16* k_cache, const int32_t* page_table,
   lc_radius_kernel<<<(M * H + 3) / 4, 128, 0, s>>>(sp, M, k_cache, page_table, gof_, rad2_);
   lc_radius_final_kernel<<<dim3((F + G + 255) / 256, H), 256, 0, s>>>(sp, rad2_);
   SPADE_CUDA_LAUNCH();
+  mark(4);
+}
+
+void LcIndexGpu::set_build_timing(bool on) {
+  if (on && !ev_[0])
+    for (auto& e : ev_) SPADE_CUDA(cudaEventCreate(&e));
+  timing_ = on;
+}
+
+std::vector<float> LcIndexGpu::build_phase_ms() const {
+  std::vector<float> r;
+  if (!ev_[0]) return r;
+  SPADE_CUDA(cudaEventSynchronize(ev_[4]));
+  for (int i = 0; i < 4; ++i) {
+    float ms = 0;
+    SPADE_CUDA(cudaEventElapsedTime(&ms, ev_[i], ev_[i + 1]));
+    r.push_back(ms);
+  }
+  return r;
 }
 
 void LcIndexGpu::insert(int slot, const bf16* k_cache, const int32_t* page_table, int n_old,
                         const int32_t* new_ends, int n_new, cudaStream_t s) {
-  SPADE_CHECK(slot >= 0 && slot < cfg_.slots, "LcIndexGpu::insert: bad slot");
-  SPADE_CHECK(n_old + n_new <= cfg_.max_chunks, "LcIndexGpu::insert: more than max_chunks chunks");
-  const int H = cfg_.Hkv, D = cfg_.D, C = cfg_.max_chunks, F = max_fine_, G = cfg_.max_coarse;
-  const int64_t so = int64_t(slot) * H;
-  int32_t* st = starts_ + int64_t(slot) * (C + 1);
-  SlotPtrs sp{st, n_chunks_ + so, n_fine_ + so, n_coarse_ + so, fc_ + so * F * D, fr_ + so * F,
-              ftok_ + so * F, fcnt_ + so * F, fhead_ + so * F, ftail_ + so * F, fnch_ + so * F,
-              gc_ + so * G * D, gr_ + so * G, gtok_ + so * G, gcnt_ + so * G,
-              gfirst_ + so * (G + 1), cnext_ + so * C, cfine_ + so * C, F, G, C, D, H, cfg_.P};
-  for (int i0 = 0; i0 < n_new; i0 += InsertArgs::kMax) {
-    InsertArgs ia{};
-    ia.n_old = n_old + i0;
-    ia.n_new = std::min(InsertArgs::kMax, n_new - i0);
-    for (int i = 0; i < ia.n_new; ++i) ia.ends[i] = new_ends[i0 + i];
-    lc_insert_kernel<<<H, 128, 0, s>>>(sp, st, k_cache, page_table, ia);
+  insert_batch({LcInsert{slot, page_table, n_old, new_ends, n_new}}, k_cache, s);
+}
+
+void LcIndexGpu::insert_batch(const std::vector<LcInsert>& reqs, const bf16* k_cache, cudaStream_t s) {
+  const int H = cfg_.Hkv, C = cfg_.max_chunks;
+  std::vector<uint8_t> seen(size_t(cfg_.slots), 0);
+  for (const auto& r : reqs) {
+    SPADE_CHECK(r.slot >= 0 && r.slot < cfg_.slots, "LcIndexGpu::insert: bad slot");
+    SPADE_CHECK(!seen[size_t(r.slot)], "LcIndexGpu::insert_batch: slot ", r.slot, " twice");
+    seen[size_t(r.slot)] = 1;
+    SPADE_CHECK(r.n_old >= 1 && r.n_old + r.n_new <= C, "LcIndexGpu::insert: chunk count out of range");
+  }
+  const SlotPtrs z{starts_, n_chunks_, n_fine_, n_coarse_, fc_, fr_, ftok_, fcnt_, fhead_, ftail_, fnch_,
+                   gc_, gr_, gtok_, gcnt_, gfirst_, cnext_, cfine_, max_fine_, cfg_.max_coarse, C,
+                   cfg_.D, H, cfg_.P};
+  // Rounds of <= kMax chunks per request, <= kReq requests per launch.
+  for (int done = 0;; done += InsertReq::kMax) {
+    InsertBatch ib{};
+    int n = 0;
+    auto flush = [&] {
+      if (n) lc_insert_kernel<<<dim3(H, n), kInsThreads, 0, s>>>(z, k_cache, ib);
+      n = 0;
+    };
+    bool any = false;
+    for (const auto& r : reqs) {
+      if (r.n_new <= done) continue;
+      any = true;
+      InsertReq& q = ib.r[n++];
+      q.slot = r.slot;
+      q.n_old = r.n_old + done;
+      q.n_new = std::min(InsertReq::kMax, r.n_new - done);
+      q.pt = r.page_table;
+      for (int i = 0; i < q.n_new; ++i) q.ends[i] = r.new_ends[done + i];
+      if (n == InsertBatch::kReq) flush();
+    }
+    flush();
+    if (!any) break;
   }
   SPADE_CUDA_LAUNCH();
 }
@@ -1123,14 +1294,13 @@ void LcIndexGpu::search(const LcSearchArgs& a, cudaStream_t s) const {
     SPADE_CUDA(cudaFuncSetAttribute(lc_search_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     set_bytes = smem;
   }
-  lc_search_kernel<<<dim3(cfg_.Hkv, a.B), 1024, smem, s>>>(k);
+  lc_search_kernel<<<dim3(cfg_.Hkv, a.B), kSearchThreads, smem, s>>>(k);
   SPADE_CUDA_LAUNCH();
 }
 
 void LcIndexGpu::compact(const int32_t* lists, const int32_t* counts, int n_lists, int cap,
                          int32_t* sel_off, int32_t* sel_idx, cudaStream_t s) {
-  SPADE_CHECK(n_lists <= 2048, "LcIndexGpu::compact: at most 2048 lists");
-  lc_compact_kernel<<<1, 1024, 0, s>>>(lists, counts, n_lists, cap, sel_off, sel_idx);
+  lc_compact_kernel<<<n_lists, 256, 0, s>>>(lists, counts, n_lists, cap, sel_off, sel_idx);
   SPADE_CUDA_LAUNCH();
 }
 

@@ -51,6 +51,16 @@ struct LcIndexConfig {
   int iterations = 10;
 };
 
+// One request's lazy update: chunks [n_old, n_old + n_new) of `slot` end at new_ends[i]
+// (host); page_table: the request's device page ids in token order.
+struct LcInsert {
+  int slot = 0;
+  const int32_t* page_table = nullptr;
+  int n_old = 0;
+  const int32_t* new_ends = nullptr;
+  int n_new = 0;
+};
+
 struct LcSearchArgs {
   const bf16* q = nullptr;          // [B, Hq, D]
   const int32_t* slot = nullptr;    // [B] device: slot of each request
@@ -64,6 +74,7 @@ struct LcSearchArgs {
   int32_t* lists = nullptr;         // [B * Hkv][cap] strided output
   int32_t* counts = nullptr;        // [B * Hkv]
   int32_t* chosen = nullptr;        // optional [B * Hkv]: chunk tokens chosen
+  unsigned long long* trace = nullptr;  // optional [B * Hkv][8]: phase timestamps (ns, bench)
 };
 
 class LcIndexGpu {
@@ -80,11 +91,18 @@ class LcIndexGpu {
   // chunk count as known by the host.
   void insert(int slot, const bf16* k_cache, const int32_t* page_table, int n_old,
               const int32_t* new_ends, int n_new, cudaStream_t s);
+  // The same for several requests (distinct slots) in one launch per <= 32 chunks each.
+  void insert_batch(const std::vector<LcInsert>& reqs, const bf16* k_cache, cudaStream_t s);
   // Selection lists for a decode batch (strided; then compact() for CSR).
   void search(const LcSearchArgs& a, cudaStream_t s) const;
   // Strided lists -> CSR sel_off[n_lists + 1] / sel_idx (one CTA).
   static void compact(const int32_t* lists, const int32_t* counts, int n_lists, int cap,
                       int32_t* sel_off, int32_t* sel_idx, cudaStream_t s);
+
+  // Bench: record events between the build phases (pool, fine k-means, coarse k-means,
+  // assembly); build_phase_ms() synchronizes and returns the 4 durations of the last build.
+  void set_build_timing(bool on);
+  std::vector<float> build_phase_ms() const;
 
   const LcIndexConfig& config() const { return cfg_; }
   int max_fine() const { return max_fine_; }
@@ -105,6 +123,8 @@ class LcIndexGpu {
  private:
   LcIndexConfig cfg_;
   int max_fine_ = 0, sort_cap_ = 0;
+  bool timing_ = false;
+  cudaEvent_t ev_[5] = {};
   size_t bytes_ = 0;
   // Persistent index, all [slots][Hkv][...] unless noted.
   int32_t* starts_ = nullptr;      // [slots][max_chunks + 1]
