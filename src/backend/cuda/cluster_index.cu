@@ -193,10 +193,12 @@ __global__ void km_seed_kernel(KmArgs a) {
 // km_assign_kernel: a_i = argmax_k x_i . c_k (ties: lowest k), best_sim, changed flag.
 //   reads  64 points x D fp32 per CTA once per centroid tile, all K centroids (fp32, L2)
 //   writes assign[i] int32, best[i] fp32
-//   CTA = 64 points, 256 threads: thread (ty = t/16, tx = t%16) owns points 4ty..4ty+3 and
-//   centroids tx + 16 j (j < 4) of each 64-centroid tile; 32-dim slices staged in shared
-//   memory (d-major, padded); the 16 threads of a point reduce (max, lower k) by shuffles.
-constexpr int kAP = 64, kAC = 64, kAD = 32;
+//   CTA = 64 points x 128-centroid tiles, 256 threads: thread (ty = t/16, tx = t%16) owns
+//   points 4ty..4ty+3 and centroids 4tx..4tx+3, 64+4tx..64+4tx+3 of each tile (4 x 8 fp32
+//   accumulators; per dim one 16-byte load of x and two of c for 32 FMAs); 32-dim slices of
+//   both staged in shared memory d-major with padded rows (16-byte aligned, conflict-free);
+//   the 16 threads of a point reduce (max, lower k) by shuffles.
+constexpr int kAP = 64, kAC = 128, kAD = 32;
 __global__ void __launch_bounds__(256) km_assign_kernel(KmArgs a, int force) {
   const int h = blockIdx.y;
   int* ctl = a.ctl + h * 8;
@@ -204,8 +206,8 @@ __global__ void __launch_bounds__(256) km_assign_kernel(KmArgs a, int force) {
   const int N = ctl[0], K = ctl[1], D = a.D;
   const int p0 = blockIdx.x * kAP;
   if (p0 >= N) return;
-  __shared__ float xs[kAD][kAP + 4];
-  __shared__ float cs[kAD][kAC + 4];
+  __shared__ __align__(16) float xs[kAD][kAP + 4];
+  __shared__ __align__(16) float cs[kAD][kAC + 4];
   const int t = threadIdx.x, ty = t >> 4, tx = t & 15;
   const float* X = a.X + h * a.ldX;
   const float* C = a.C + h * a.ldC;
@@ -217,35 +219,48 @@ __global__ void __launch_bounds__(256) km_assign_kernel(KmArgs a, int force) {
     bk[i] = -1;
   }
   for (int k0 = 0; k0 < K; k0 += kAC) {
-    float acc[4][4] = {};
+    float acc[4][8] = {};
     for (int d0 = 0; d0 < D; d0 += kAD) {
-      for (int e = t; e < kAP * kAD; e += 256) {
-        const int r = e / kAD, d = e % kAD;
-        xs[d][r] = (p0 + r < N) ? X[int64_t(p0 + r) * D + d0 + d] : 0.f;
-        cs[d][r] = (k0 + r < K) ? C[int64_t(k0 + r) * D + d0 + d] : 0.f;
+      for (int e = t; e < kAP * kAD / 4; e += 256) {
+        const int r = e / (kAD / 4), d4 = (e % (kAD / 4)) * 4;
+        const float4 v = (p0 + r < N) ? *reinterpret_cast<const float4*>(X + int64_t(p0 + r) * D + d0 + d4)
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+        xs[d4][r] = v.x;
+        xs[d4 + 1][r] = v.y;
+        xs[d4 + 2][r] = v.z;
+        xs[d4 + 3][r] = v.w;
+      }
+      for (int e = t; e < kAC * kAD / 4; e += 256) {
+        const int r = e / (kAD / 4), d4 = (e % (kAD / 4)) * 4;
+        const float4 v = (k0 + r < K) ? *reinterpret_cast<const float4*>(C + int64_t(k0 + r) * D + d0 + d4)
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+        cs[d4][r] = v.x;
+        cs[d4 + 1][r] = v.y;
+        cs[d4 + 2][r] = v.z;
+        cs[d4 + 3][r] = v.w;
       }
       __syncthreads();
 #pragma unroll 8
       for (int d = 0; d < kAD; ++d) {
-        float xv[4], cv[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) xv[i] = xs[d][ty * 4 + i];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) cv[j] = cs[d][tx + 16 * j];
+        const float4 xv = *reinterpret_cast<const float4*>(&xs[d][ty * 4]);
+        const float4 c0 = *reinterpret_cast<const float4*>(&cs[d][tx * 4]);
+        const float4 c1 = *reinterpret_cast<const float4*>(&cs[d][64 + tx * 4]);
+        const float xa[4] = {xv.x, xv.y, xv.z, xv.w};
+        const float ca[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(xv[i], cv[j], acc[i][j]);
+          for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(xa[i], ca[j], acc[i][j]);
       }
       __syncthreads();
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int k = k0 + tx + 16 * j;
+    for (int j = 0; j < 8; ++j) {
+      const int k = k0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
       if (k < K)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          if (acc[i][j] > bs[i] || bk[i] < 0) {
+          if (bk[i] < 0 || acc[i][j] > bs[i] || (acc[i][j] == bs[i] && k < bk[i])) {
             bs[i] = acc[i][j];
             bk[i] = k;
           }
@@ -766,6 +781,7 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
 
 // ---------------------------------------------------------------------------------------
 // Search.
+constexpr int kSearchThreadsHost = 512;
 struct SearchK {
   LcSearchArgs a;
   const int32_t* starts;  // [slots][maxC + 1]
@@ -774,7 +790,31 @@ struct SearchK {
   const float *fr, *gr;
   const int32_t *gtok, *gfirst, *fhead, *fnch, *cnext;
   int maxF, maxG, maxC, D, Hkv;
+  int64_t off_cand, off_flat, off_q, off_lens, off_flag;  // shared-memory layout (bytes)
+  int stage_rows;                                         // node rows per staging tile
 };
+
+// Shared-memory layout of lc_search_kernel (bytes, 16-aligned regions): keys [pow2(maxF)] u64 |
+// cand [maxF] i32 | flat [maxC] i32, also the node-row staging area (>= 128 rows of 2*D + 16 B)
+// | q [G][D] f32 | lens [maxC] i16 | flag [maxC] u8.
+inline size_t search_smem_layout(SearchK& k, int G) {
+  auto al = [](size_t x) { return (x + 15) / 16 * 16; };
+  size_t o = al(size_t(pow2_at_least(k.maxF)) * 8);
+  k.off_cand = int64_t(o);
+  o += al(size_t(k.maxF) * 4);
+  k.off_flat = int64_t(o);
+  const size_t rs = size_t(2 * k.D + 16);
+  const size_t flat_bytes = std::max(size_t(k.maxC) * 4, 128 * rs);
+  k.stage_rows = int(std::min<size_t>(flat_bytes / rs, size_t(kSearchThreadsHost)));
+  o += al(flat_bytes);
+  k.off_q = int64_t(o);
+  o += al(size_t(G) * k.D * 4);
+  k.off_lens = int64_t(o);
+  o += al(size_t(k.maxC) * 2);
+  k.off_flag = int64_t(o);
+  o += al(size_t(k.maxC));
+  return o;
+}
 
 // lc_search_kernel: CTA per (KV head, request), kSearchThreads threads.
 //   reads  q of the G heads (2*D B each); coarse centers (2*D B each) + radii + token counts;
@@ -787,7 +827,7 @@ struct SearchK {
 //   tokens / ranges; up to 256 chosen chunk ids (sorted for the output; more: a flag scan).
 //   Every serial step runs over shared memory (the coarse k_g rule, the budget tail) so the
 //   latency of one search is a few block-wide phases.
-constexpr int kSearchThreads = 512;
+constexpr int kSearchThreads = kSearchThreadsHost;
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long x;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(x));
@@ -808,12 +848,16 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   const int L = a.kv_len[b];
   LC_TRACE(0);
   const int n2max = pow2_at_least(k.maxF);
-  unsigned long long* keys = smem_u64;                         // [n2max]
-  int32_t* cand = reinterpret_cast<int32_t*>(keys + n2max);   // [maxF]
-  int32_t* flat = cand + k.maxF;                               // [maxC]
-  float* q = reinterpret_cast<float*>(flat + k.maxC);          // [G][D]
-  int16_t* lens = reinterpret_cast<int16_t*>(q + G * D);       // [maxC]
-  uint8_t* flag = reinterpret_cast<uint8_t*>(lens + k.maxC);   // [maxC] chosen chunks
+  (void)n2max;
+  char* smem_b = reinterpret_cast<char*>(smem_u64);
+  unsigned long long* keys = smem_u64;                                  // [pow2(maxF)]
+  int32_t* cand = reinterpret_cast<int32_t*>(smem_b + k.off_cand);     // [maxF]
+  int32_t* flat = reinterpret_cast<int32_t*>(smem_b + k.off_flat);     // [maxC]
+  char* stage = smem_b + k.off_flat;                                    // node rows (aliases flat)
+  float* q = reinterpret_cast<float*>(smem_b + k.off_q);               // [G][D]
+  int16_t* lens = reinterpret_cast<int16_t*>(smem_b + k.off_lens);     // [maxC]
+  uint8_t* flag = reinterpret_cast<uint8_t*>(smem_b + k.off_flag);     // [maxC] chosen chunks
+  const int RS = 2 * D + 16;  // staged row stride (bytes): 16-byte loads conflict-free
   __shared__ float qn[64], gscore[64];
   __shared__ int gorder[64], goff[65], keep[64], gtok[64], gfirst[65];
   __shared__ int sh[33];
@@ -872,9 +916,25 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   };
   const bool run = M > 0 && a.budget > 0 && NG > 0;
   if (run) {
-    for (int g = t; g < NG; g += blockDim.x)
-      gscore[g] = bound(k.gc + (int64_t(sh_) * k.maxG + g) * D, k.gr[int64_t(sh_) * k.maxG + g]);
-    __syncthreads();
+    // Scores of `count` nodes: rows staged in shared memory tile by tile (every 16-byte load
+    // of a tile in flight at once), then one thread per node.
+    auto score_nodes = [&](int count, auto row_of, auto rad_of, auto store) {
+      const int pieces = D / 8;
+      for (int n0 = 0; n0 < count; n0 += k.stage_rows) {
+        const int cnt = min(k.stage_rows, count - n0);
+        for (int e = t; e < cnt * pieces; e += blockDim.x) {
+          const int i = e / pieces, pc = e % pieces;
+          *reinterpret_cast<uint4*>(stage + i * RS + pc * 16) = reinterpret_cast<const uint4*>(row_of(n0 + i))[pc];
+        }
+        const float r = t < cnt ? rad_of(n0 + t) : 0.f;
+        __syncthreads();
+        if (t < cnt) store(n0 + t, bound(reinterpret_cast<const __half*>(stage + t * RS), r));
+        __syncthreads();
+      }
+    };
+    score_nodes(
+        NG, [&](int g) { return k.gc + (int64_t(sh_) * k.maxG + g) * D; },
+        [&](int g) { return k.gr[int64_t(sh_) * k.maxG + g]; }, [&](int g, float sc) { gscore[g] = sc; });
     if (t < NG) {
       const float x = gscore[t];
       int r = 0;
@@ -912,18 +972,25 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     __syncthreads();
     LC_TRACE(2);
     const int n2 = pow2_at_least(max(nc, 1));
-    for (int j = t; j < n2; j += blockDim.x) {
-      unsigned long long key = ~0ull;
-      if (j < nc) {
-        const int f = cand[j];
-        const float sc = bound(k.fc + (int64_t(sh_) * k.maxF + f) * D, k.fr[int64_t(sh_) * k.maxF + f]);
-        key = (static_cast<unsigned long long>(~okey(sc)) << 32) | unsigned(j);
-      }
-      keys[j] = key;
-    }
+    score_nodes(
+        nc, [&](int j) { return k.fc + (int64_t(sh_) * k.maxF + cand[j]) * D; },
+        [&](int j) { return k.fr[int64_t(sh_) * k.maxF + cand[j]]; },
+        [&](int j, float sc) { keys[j] = (static_cast<unsigned long long>(~okey(sc)) << 32) | unsigned(j); });
+    for (int j = nc + t; j < n2; j += blockDim.x) keys[j] = ~0ull;
     __syncthreads();
     LC_TRACE(3);
-    block_bitonic(keys, n2);
+    if (nc <= int(blockDim.x)) {
+      // Rank by counting (keys are distinct): few candidates, one pass over shared memory.
+      const unsigned long long my = t < nc ? keys[t] : 0ull;
+      int r = 0;
+      if (t < nc)
+        for (int i = 0; i < nc; ++i) r += keys[i] < my;
+      __syncthreads();
+      if (t < nc) keys[r] = my;
+      __syncthreads();
+    } else {
+      block_bitonic(keys, n2);
+    }
     LC_TRACE(4);
     // Flatten: chunks of the ranked clusters, in rank order, each list in position order.
     int base = 0;
@@ -1003,11 +1070,15 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   const int nsel = s_nsel;
   if (nsel > 0 && nsel <= 256) {
     // Few chunks (<= 256; budget / 8-token chunks): sort their ids, scan their lengths.
-    const int n2 = pow2_at_least(nsel);
-    for (int i = nsel + t; i < n2; i += blockDim.x) selk[i] = ~0ull;
+    // Rank by counting (chunk ids are distinct) into flat (free now; >= 128 * (2D + 16) B).
+    if (t < nsel) {
+      const unsigned long long my = selk[t];
+      int r = 0;
+      for (int i = 0; i < nsel; ++i) r += selk[i] < my;
+      flat[r] = int(my);
+    }
     __syncthreads();
-    block_bitonic(selk, n2);
-    const int c = t < nsel ? int(selk[t]) : -1;
+    const int c = t < nsel ? flat[t] : -1;
     const int len = c >= 0 ? starts[c + 1] - starts[c] : 0;
     int tot = 0;
     const int off = block_excl_scan(len, sh, tot) + pos;
@@ -1286,9 +1357,7 @@ void LcIndexGpu::search(const LcSearchArgs& a, cudaStream_t s) const {
   SearchK k{a, starts_, n_chunks_, n_fine_, n_coarse_, fc_, gc_, fr_, gr_, gtok_, gfirst_,
             fhead_, fnch_, cnext_, max_fine_, cfg_.max_coarse, cfg_.max_chunks, cfg_.D, cfg_.Hkv};
   const int G = a.Hq / cfg_.Hkv;
-  const size_t smem = size_t(pow2_at_least(max_fine_)) * 8 + size_t(max_fine_) * 4 +
-                      size_t(cfg_.max_chunks) * 4 + size_t(G) * cfg_.D * 4 +
-                      size_t(cfg_.max_chunks) * 2 + size_t(cfg_.max_chunks) + 16;
+  const size_t smem = search_smem_layout(k, G);
   static size_t set_bytes = 0;
   if (smem > 48 * 1024 && smem > set_bytes) {
     SPADE_CUDA(cudaFuncSetAttribute(lc_search_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
