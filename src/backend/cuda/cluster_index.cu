@@ -673,6 +673,7 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
         const __half* cen = level ? s.gc + (go + n) * D : s.fc + (fo + n) * D;
         float dp = 0.f;
         double nn = 0.0;
+#pragma unroll 4
         for (int d0 = 0; d0 < D; d0 += 8) {
           const uint4 raw = *reinterpret_cast<const uint4*>(cen + d0);
           const __half* hv = reinterpret_cast<const __half*>(&raw);
@@ -791,21 +792,18 @@ struct SearchK {
   const int32_t *gtok, *gfirst, *fhead, *fnch, *cnext;
   int maxF, maxG, maxC, D, Hkv;
   int64_t off_cand, off_flat, off_q, off_lens, off_flag;  // shared-memory layout (bytes)
-  int stage_rows;                                         // node rows per staging tile
 };
 
 // Shared-memory layout of lc_search_kernel (bytes, 16-aligned regions): keys [pow2(maxF)] u64 |
-// cand [maxF] i32 | flat [maxC] i32, also the node-row staging area (>= 128 rows of 2*D + 16 B)
-// | q [G][D] f32 | lens [maxC] i16 | flag [maxC] u8.
+// cand [maxF] i32 | flat [max(maxC, 256)] i32 (also the sorted chosen chunks of the output) |
+// q [G][D] f32 | lens [maxC] i16 | flag [maxC] u8.
 inline size_t search_smem_layout(SearchK& k, int G) {
   auto al = [](size_t x) { return (x + 15) / 16 * 16; };
   size_t o = al(size_t(pow2_at_least(k.maxF)) * 8);
   k.off_cand = int64_t(o);
   o += al(size_t(k.maxF) * 4);
   k.off_flat = int64_t(o);
-  const size_t rs = size_t(2 * k.D + 16);
-  const size_t flat_bytes = std::max(size_t(k.maxC) * 4, 128 * rs);
-  k.stage_rows = int(std::min<size_t>(flat_bytes / rs, size_t(kSearchThreadsHost)));
+  const size_t flat_bytes = std::max(size_t(k.maxC), size_t(256)) * 4;  // >= 256: output ranks
   o += al(flat_bytes);
   k.off_q = int64_t(o);
   o += al(size_t(G) * k.D * 4);
@@ -853,11 +851,9 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   unsigned long long* keys = smem_u64;                                  // [pow2(maxF)]
   int32_t* cand = reinterpret_cast<int32_t*>(smem_b + k.off_cand);     // [maxF]
   int32_t* flat = reinterpret_cast<int32_t*>(smem_b + k.off_flat);     // [maxC]
-  char* stage = smem_b + k.off_flat;                                    // node rows (aliases flat)
   float* q = reinterpret_cast<float*>(smem_b + k.off_q);               // [G][D]
   int16_t* lens = reinterpret_cast<int16_t*>(smem_b + k.off_lens);     // [maxC]
   uint8_t* flag = reinterpret_cast<uint8_t*>(smem_b + k.off_flag);     // [maxC] chosen chunks
-  const int RS = 2 * D + 16;  // staged row stride (bytes): 16-byte loads conflict-free
   __shared__ float qn[64], gscore[64];
   __shared__ int gorder[64], goff[65], keep[64], gtok[64], gfirst[65];
   __shared__ int sh[33];
@@ -893,6 +889,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     float best = -INFINITY;
     for (int g0 = 0; g0 < G; g0 += 4) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
       for (int d0 = 0; d0 < D; d0 += 8) {
         const uint4 raw = *reinterpret_cast<const uint4*>(cen + d0);
         const __half* hv = reinterpret_cast<const __half*>(&raw);
@@ -916,25 +913,11 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   };
   const bool run = M > 0 && a.budget > 0 && NG > 0;
   if (run) {
-    // Scores of `count` nodes: rows staged in shared memory tile by tile (every 16-byte load
-    // of a tile in flight at once), then one thread per node.
-    auto score_nodes = [&](int count, auto row_of, auto rad_of, auto store) {
-      const int pieces = D / 8;
-      for (int n0 = 0; n0 < count; n0 += k.stage_rows) {
-        const int cnt = min(k.stage_rows, count - n0);
-        for (int e = t; e < cnt * pieces; e += blockDim.x) {
-          const int i = e / pieces, pc = e % pieces;
-          *reinterpret_cast<uint4*>(stage + i * RS + pc * 16) = reinterpret_cast<const uint4*>(row_of(n0 + i))[pc];
-        }
-        const float r = t < cnt ? rad_of(n0 + t) : 0.f;
-        __syncthreads();
-        if (t < cnt) store(n0 + t, bound(reinterpret_cast<const __half*>(stage + t * RS), r));
-        __syncthreads();
-      }
-    };
-    score_nodes(
-        NG, [&](int g) { return k.gc + (int64_t(sh_) * k.maxG + g) * D; },
-        [&](int g) { return k.gr[int64_t(sh_) * k.maxG + g]; }, [&](int g, float sc) { gscore[g] = sc; });
+    // One thread per node (a staged-rows variant measured slower: the sequential dot chain
+    // dominates, and tiles of staged rows serialize it).
+    for (int g = t; g < NG; g += blockDim.x)
+      gscore[g] = bound(k.gc + (int64_t(sh_) * k.maxG + g) * D, k.gr[int64_t(sh_) * k.maxG + g]);
+    __syncthreads();
     if (t < NG) {
       const float x = gscore[t];
       int r = 0;
@@ -972,11 +955,15 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     __syncthreads();
     LC_TRACE(2);
     const int n2 = pow2_at_least(max(nc, 1));
-    score_nodes(
-        nc, [&](int j) { return k.fc + (int64_t(sh_) * k.maxF + cand[j]) * D; },
-        [&](int j) { return k.fr[int64_t(sh_) * k.maxF + cand[j]]; },
-        [&](int j, float sc) { keys[j] = (static_cast<unsigned long long>(~okey(sc)) << 32) | unsigned(j); });
-    for (int j = nc + t; j < n2; j += blockDim.x) keys[j] = ~0ull;
+    for (int j = t; j < n2; j += blockDim.x) {
+      unsigned long long key = ~0ull;
+      if (j < nc) {
+        const int f = cand[j];
+        const float sc = bound(k.fc + (int64_t(sh_) * k.maxF + f) * D, k.fr[int64_t(sh_) * k.maxF + f]);
+        key = (static_cast<unsigned long long>(~okey(sc)) << 32) | unsigned(j);
+      }
+      keys[j] = key;
+    }
     __syncthreads();
     LC_TRACE(3);
     if (nc <= int(blockDim.x)) {
@@ -1070,7 +1057,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   const int nsel = s_nsel;
   if (nsel > 0 && nsel <= 256) {
     // Few chunks (<= 256; budget / 8-token chunks): sort their ids, scan their lengths.
-    // Rank by counting (chunk ids are distinct) into flat (free now; >= 128 * (2D + 16) B).
+    // Rank by counting (chunk ids are distinct) into flat (free now; >= 256 entries).
     if (t < nsel) {
       const unsigned long long my = selk[t];
       int r = 0;
