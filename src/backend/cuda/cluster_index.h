@@ -1,0 +1,157 @@
+// LycheeCluster's hierarchical index on the GPU (the CPU reference: sparse/cluster_index.h,
+// docs/lycheecluster.md; this file: docs/cuda_lycheecluster.md). Token bound space (the CPU
+// default), fp16 centers, mean pooling, stride-seeded spherical k-means.
+//
+// One LcIndexGpu holds the indexes of `slots` (request, layer) pairs, each with Hkv heads,
+// in fixed-capacity device arrays taken from a DeviceArena at construction:
+//   per slot        starts[max_chunks + 1] int32 (absolute token positions, from the CPU
+//                   chunker), n_chunks
+//   per (slot, h)   fine  : c16 [max_fine][D] fp16, radius/tokens/count/head/tail/nch [max_fine]
+//                   coarse: c16 [max_coarse][D] fp16, radius/tokens/count [max_coarse],
+//                           first[max_coarse + 1] (fine ids of unit g: [first[g], first[g+1]))
+//                   chunk : next[max_chunks] (per-fine linked lists in position order),
+//                           fine_of[max_chunks]
+//                   n_fine, n_coarse
+// Build scratch (chunk keys, k-means state) is a separate arena region used by build() only.
+//
+// Build (prefill, one slot = one request's one layer, all Hkv heads in each launch):
+//   pool      chunk means (double, token order: bit-identical to the CPU) -> unit chunk keys
+//   k-means   fine: K = ceil(M / chunks_per_fine) over the chunk keys; coarse:
+//             P = min(max_coarse, ceil(sqrt(NF))) over the fine centroids; per-head N, K live
+//             on the device (no host sync inside the build)
+//   assemble  fine ids renumbered (stable by coarse unit), per-fine chunk lists, centers
+//             (token-weighted means of raw keys, fp16), covering radii over every token
+//             (double distances, rounded up to float like round_up_float)
+// Search (decode, one CTA per (request, KV head)): coarse bound max_g(q_g.c + |q_g| r), ranked
+// (ties: lower id), k_g = coarse_topk or the auto cover rule; candidate fine clusters (fine
+// ids ascending) ranked by the same bound (ties: lower candidate position = lower fine id);
+// chunks of the ranked clusters in position order, a chunk that does not fit the remaining
+// budget skipped. Output: Token lists = sink [0, sink) + chosen chunks (ascending) + the
+// un-indexed tail [starts[n_chunks], kv_len), written strided then compacted to CSR
+// (sel_off / sel_idx, lists_per_req = Hkv, as SparseAttention::run takes them).
+// Lazy update (decode): new chunks (their boundaries appended on the host with
+// append_chunks) inserted in order, one CTA per (slot, head): nearest coarse unit by cosine,
+// nearest fine cluster of it, running-mean centers, r' = max(r + |c' - c|, max |k - c'|).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include <cuda_fp16.h>
+
+#include "backend/cuda/cuda_common.h"
+
+namespace spade::cuda {
+
+struct LcIndexConfig {
+  int slots = 1;           // (request, layer) indexes held
+  int Hkv = 8, D = 128, P = 16;
+  int max_chunks = 8192;   // chunks per slot, inserts included (<= 16384: block sorts)
+  double chunks_per_fine = 2.0;
+  int max_coarse = 64;
+  int iterations = 10;
+};
+
+// One request's lazy update: chunks [n_old, n_old + n_new) of `slot` end at new_ends[i]
+// (host); page_table: the request's device page ids in token order.
+struct LcInsert {
+  int slot = 0;
+  const int32_t* page_table = nullptr;
+  int n_old = 0;
+  const int32_t* new_ends = nullptr;
+  int n_new = 0;
+};
+
+struct LcSearchArgs {
+  const bf16* q = nullptr;          // [B, Hq, D]
+  const int32_t* slot = nullptr;    // [B] device: slot of each request
+  const int32_t* kv_len = nullptr;  // [B] device
+  int B = 0, Hq = 0;
+  int64_t budget = 1024;
+  int coarse_topk = 0;              // 0: auto cover rule
+  double coarse_cover = 4.0;
+  int sink = 16;
+  int cap = 0;                      // entries per strided list (>= sink + budget + recent)
+  int32_t* lists = nullptr;         // [B * Hkv][cap] strided output
+  int32_t* counts = nullptr;        // [B * Hkv]
+  int32_t* chosen = nullptr;        // optional [B * Hkv]: chunk tokens chosen
+  unsigned long long* trace = nullptr;  // optional [B * Hkv][8]: phase timestamps (ns, bench)
+};
+
+class LcIndexGpu {
+ public:
+  LcIndexGpu(DeviceArena& arena, const LcIndexConfig& cfg);
+
+  // Builds slot `slot` over chunks [0, n_chunks) of `starts` (host, n_chunks + 1 entries,
+  // absolute positions) from this layer's K cache (k: [page][Hkv][P][D] bf16; page_table:
+  // device page ids of the request in token order). Uploads the starts (async on s).
+  void build(int slot, const bf16* k_cache, const int32_t* page_table, const int32_t* starts,
+             int n_chunks, cudaStream_t s);
+  // Appends chunk boundaries: the new chunks [n_old, n_old + n_new) end at new_ends[0..n_new)
+  // (host), then inserts them (lazy update) into every head of the slot. n_old is the slot's
+  // chunk count as known by the host.
+  void insert(int slot, const bf16* k_cache, const int32_t* page_table, int n_old,
+              const int32_t* new_ends, int n_new, cudaStream_t s);
+  // The same for several requests (distinct slots) in one launch per <= 32 chunks each.
+  void insert_batch(const std::vector<LcInsert>& reqs, const bf16* k_cache, cudaStream_t s);
+  // Selection lists for a decode batch (strided; then compact() for CSR).
+  void search(const LcSearchArgs& a, cudaStream_t s) const;
+  // Strided lists -> CSR sel_off[n_lists + 1] / sel_idx (one CTA).
+  static void compact(const int32_t* lists, const int32_t* counts, int n_lists, int cap,
+                      int32_t* sel_off, int32_t* sel_idx, cudaStream_t s);
+
+  // Bench: record events between the build phases (pool, fine k-means, coarse k-means,
+  // assembly); build_phase_ms() synchronizes and returns the 4 durations of the last build.
+  void set_build_timing(bool on);
+  std::vector<float> build_phase_ms() const;
+
+  const LcIndexConfig& config() const { return cfg_; }
+  int max_fine() const { return max_fine_; }
+
+  // Device views (tests): per (slot, head) arrays.
+  struct Host {  // downloaded copy of one (slot, head)
+    int n_fine = 0, n_coarse = 0, n_chunks = 0;
+    std::vector<float> fine_c, coarse_c;  // [n][D] as stored (fp16 -> float)
+    std::vector<float> fine_r, coarse_r;
+    std::vector<int32_t> fine_tokens, coarse_tokens, fine_count, coarse_count;
+    std::vector<int32_t> coarse_first;    // [n_coarse + 1]
+    std::vector<int32_t> fine_of;         // [n_chunks] fine cluster of each chunk
+    std::vector<std::vector<int32_t>> fine_chunks;  // walked lists
+  };
+  Host download(int slot, int h) const;
+  size_t device_bytes() const { return bytes_; }
+
+ private:
+  LcIndexConfig cfg_;
+  int max_fine_ = 0, sort_cap_ = 0;
+  bool timing_ = false;
+  cudaEvent_t ev_[5] = {};
+  size_t bytes_ = 0;
+  // Persistent index, all [slots][Hkv][...] unless noted.
+  int32_t* starts_ = nullptr;      // [slots][max_chunks + 1]
+  int32_t* n_chunks_ = nullptr;    // [slots][Hkv]
+  int32_t* n_fine_ = nullptr;      // [slots][Hkv]
+  int32_t* n_coarse_ = nullptr;    // [slots][Hkv]
+  __half* fc_ = nullptr;           // [..][max_fine][D]
+  float* fr_ = nullptr;
+  int32_t *ftok_ = nullptr, *fcnt_ = nullptr, *fhead_ = nullptr, *ftail_ = nullptr,
+          *fnch_ = nullptr;
+  __half* gc_ = nullptr;           // [..][max_coarse][D]
+  float* gr_ = nullptr;
+  int32_t *gtok_ = nullptr, *gcnt_ = nullptr, *gfirst_ = nullptr;  // first: [max_coarse + 1]
+  int32_t *cnext_ = nullptr, *cfine_ = nullptr;                    // [max_chunks]
+  // Build scratch ([Hkv][...]).
+  float* X_ = nullptr;             // chunk keys [max_chunks][D]
+  double* mean_ = nullptr;         // chunk means [max_chunks][D]
+  float* C_ = nullptr;             // centroids being iterated [max_fine][D]
+  float* FC_ = nullptr;            // final fine centroids [max_fine][D]
+  float* GC_ = nullptr;            // final coarse centroids [max_coarse][D]
+  double* sum_ = nullptr;          // [max_fine][D] (also node accumulators)
+  double* acc_ = nullptr;          // [max_fine + max_coarse][D] center accumulators
+  unsigned long long* rad2_ = nullptr;  // [max_fine + max_coarse] double bits of max distance
+  int32_t *cnt_ = nullptr, *assign_ = nullptr, *fassign_ = nullptr, *gassign_ = nullptr,
+          *remap_ = nullptr, *newid_ = nullptr, *gof_ = nullptr;
+  float* best_ = nullptr;
+  int32_t* ctl_ = nullptr;         // [Hkv][8]: N, K, active, changed, Kout, ...
+};
+
+}  // namespace spade::cuda
