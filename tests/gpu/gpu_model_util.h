@@ -2,10 +2,14 @@
 // values the GPU holds), random token ids.
 #pragma once
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gpu_util.h"
+#include "model/config.h"
+#include "model/cuda_model.h"
 #include "model/weights.h"
+#include "sparse/options.h"
 
 namespace spade::test {
 
@@ -20,6 +24,37 @@ inline void round_weights_bf16(ModelWeights& w) {
     for (HostTensor* t : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.bq, &L.bk, &L.bv,
                           &L.q_norm, &L.k_norm, &L.ffn_norm, &L.w_gate, &L.w_up, &L.w_down})
       r(*t);
+}
+
+// A small random-weights model: hidden 256, 8 query / 2 KV heads of `D`, FFN 512, vocab 1000
+// (Qwen2: q/k/v bias, untied; Qwen3: q/k norm).
+inline ModelConfig tiny_config(Arch arch, int D, int n_layers = 3, int max_context = 4096) {
+  ModelConfig c;
+  c.arch = arch;
+  c.n_layers = n_layers;
+  c.hidden = 256;
+  c.n_heads = 8;
+  c.n_kv_heads = 2;
+  c.head_dim = D;
+  c.ffn = 512;
+  c.vocab = 1000;
+  c.max_context = max_context;
+  c.rope_theta = 10000.f;
+  c.qkv_bias = arch == Arch::Qwen2;
+  c.qk_norm = arch == Arch::Qwen3;
+  c.tie_embeddings = arch != Arch::Qwen2;
+  return c;
+}
+
+// cuda_sparse_config(spec) must throw spade::Error whose message contains `what`.
+inline void expect_cuda_config_error(const std::string& spec, const char* what,
+                                     const ModelConfig& c) {
+  try {
+    cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);
+    ADD_FAILURE() << spec << ": expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
 }
 
 inline std::vector<int32_t> random_tokens(std::mt19937& rng, int n, int vocab) {

@@ -20,20 +20,7 @@ namespace spade::test {
 namespace {
 
 ModelConfig small_config(Arch arch, int D) {
-  ModelConfig c;
-  c.arch = arch;
-  c.n_layers = 3;
-  c.hidden = 256;
-  c.n_heads = 8;
-  c.n_kv_heads = 2;
-  c.head_dim = D;
-  c.ffn = 512;
-  c.vocab = 1000;
-  c.max_context = 4096;
-  c.rope_theta = 10000.f;
-  c.qkv_bias = arch == Arch::Qwen2;
-  c.qk_norm = arch == Arch::Qwen3;
-  c.tie_embeddings = arch != Arch::Qwen2;
+  ModelConfig c = tiny_config(arch, D);
   if (D == 128) {
     c.rope_theta = 500000.f;
     c.rope_scaling.llama3 = true;

@@ -38,23 +38,7 @@
 namespace spade::test {
 namespace {
 
-ModelConfig cfg_of(Arch arch, int D) {
-  ModelConfig c;
-  c.arch = arch;
-  c.n_layers = 3;
-  c.hidden = 256;
-  c.n_heads = 8;
-  c.n_kv_heads = 2;
-  c.head_dim = D;
-  c.ffn = 512;
-  c.vocab = 1000;
-  c.max_context = 4096;
-  c.rope_theta = 10000.f;
-  c.qkv_bias = arch == Arch::Qwen2;
-  c.qk_norm = arch == Arch::Qwen3;
-  c.tie_embeddings = arch != Arch::Qwen2;
-  return c;
-}
+ModelConfig cfg_of(Arch arch, int D) { return tiny_config(arch, D); }
 
 // QuestMethod (group max, page 16) that also keeps the CPU page scores of each (request,
 // layer, head) of the current step for the near-tie rule.
@@ -304,12 +288,7 @@ TEST(CudaSparseModel, FullBudgetEqualsDenseGpu) {
 TEST(CudaSparseModel, MethodsWithoutGpuPathAreClearErrors) {
   const ModelConfig c = cfg_of(Arch::Llama, 64);
   auto expect_error = [&](const std::string& spec, const char* what) {
-    try {
-      cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);
-      ADD_FAILURE() << spec << ": expected an error";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-    }
+    expect_cuda_config_error(spec, what, c);
   };
   expect_error("lessismore", "no GPU path");
   expect_error("quest:group=sum", "group=max");

@@ -117,21 +117,7 @@ TEST(CudaTidal, DecodeScoresMatchCpu) {
 
 // ---------------------------------------------------------------- model
 
-ModelConfig tidal_cfg(int D) {
-  ModelConfig c;
-  c.arch = Arch::Llama;
-  c.n_layers = 4;
-  c.hidden = 256;
-  c.n_heads = 8;
-  c.n_kv_heads = 2;
-  c.head_dim = D;
-  c.ffn = 512;
-  c.vocab = 1000;
-  c.max_context = 2048;
-  c.rope_theta = 10000.f;
-  c.tie_embeddings = true;
-  return c;
-}
+ModelConfig tidal_cfg(int D) { return tiny_config(Arch::Llama, D, 4, 2048); }
 
 // TidalMethod that compares every selection with the GPU's (and adopts it up to near-ties).
 class TracingTidal final : public sparse::SparseMethod {
@@ -293,12 +279,8 @@ TEST(CudaTidal, OptionsMapOrFailClearly) {
   EXPECT_EQ(t.method, CudaSparse::Method::Tidal);
   EXPECT_EQ(t.budget, 256);
   EXPECT_FALSE(t.schedule.selection_layers.empty());
-  try {
-    cuda_sparse_config(sparse::SparseConfig::parse_spec("tidal:dense_layers=1,selection_layers=3"), c, 16);
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("no selection layer comes before"), std::string::npos) << e.what();
-  }
+  expect_cuda_config_error("tidal:dense_layers=1,selection_layers=3",
+                           "no selection layer comes before", c);
 }
 
 }  // namespace
