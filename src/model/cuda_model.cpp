@@ -23,9 +23,6 @@
 #include "backend/cuda/sparse_attention.h"
 #include "core/half.h"
 #include "io/hf_config.h"
-#include "model/cuda_methods.h"
-#include "sparse/methods/blasst.h"
-#include "sparse/registry.h"
 
 namespace spade {
 
@@ -57,97 +54,6 @@ void upload_f32(float* dst, const float* src, size_t n) {
 }
 
 }  // namespace
-
-std::string CudaSparse::describe() const {
-  switch (method) {
-    case Method::None: return "full";
-    case Method::Streaming:
-      return cat("streaming budget=", budget, " sinks=", sinks, " dense_layers=", dense_layers);
-    case Method::Quest:
-      return cat("quest budget=", budget, " page_size=16 pages=", budget / 16,
-                 " dense_layers=", dense_layers, " group=max scores=", quest_fast ? "fast" : "exact");
-    case Method::Tidal:
-      return cat("tidal budget=", budget, " ", schedule.describe(),
-                 " (selection layers: scores from the dense kernel, token top-k on the GPU)");
-    case Method::Blasst: {
-      const std::string lam = blasst_lambda >= 0 ? cat("lambda=", blasst_lambda)
-                                                 : cat("lambda=", blasst_a, "/L");
-      const std::string plam = blasst_lambda >= 0 ? lam : cat("lambda=", blasst_prefill_a, "/L");
-      return cat("blasst over full: decode ", blasst_decode ? lam + " (tiles: 16-token warp chunks)" : "off",
-                 ", prefill ",
-                 !blasst_prefill ? "dense (prefill=1 turns skipping on)"
-                 : head_dim == 128 ? plam + " (tiles: 64 rows x 128 keys)"
-                                   : cat("dense (head_dim ", head_dim, ": the prefill kernel of this "
-                                         "head dim has no skipping)"));
-    }
-  }
-  return "?";
-}
-
-CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelConfig& model,
-                              int kv_page_size) {
-  CudaSparse r;
-  sparse::SparseConfig cfg = cfg_in;
-  // GPU-only option, removed before the CPU's option table checks the rest.
-  std::string scores = "exact";
-  if (auto it = cfg.options.find("gpu_scores"); it != cfg.options.end()) {
-    scores = it->second;
-    cfg.options.erase(it);
-  }
-  SPADE_CHECK(scores == "exact" || scores == "fast", "gpu_scores must be exact or fast, got '",
-              scores, "'");
-  const sparse::MethodInfo& info = sparse::find_method(cfg.method);
-  if (info.name == "full") return r;
-  SPADE_CHECK(has_cuda_path(info.name), "--device cuda: sparse method '", cfg.method,
-              "' has no GPU path (GPU methods: ", cuda_method_list(),
-              "; the others run with --device cpu)");
-  auto method = sparse::make_method(cfg, model);  // the CPU method's own checks
-  sparse::MethodOptions o(info.name, info.options(), cfg.options);
-  r.head_dim = model.head_dim;
-  if (info.name == "blasst") {
-    const sparse::BlasstMethod* bm = sparse::as_blasst(*method);
-    SPADE_CHECK(bm && o.str("base") == "full", "--device cuda: blasst runs over full attention "
-                "only (base=", o.str("base"), " needs the selection kernels' skipping)");
-    for (const char* k : {"tile", "prefill_tile", "q_block"})
-      SPADE_CHECK(!cfg.options.count(k), "--device cuda: blasst option '", k, "' is fixed by the "
-                  "GPU kernels (decode tiles: 16-token warp chunks; prefill: 64 rows x 128 keys)");
-    SPADE_CHECK(bm->params().order == cpu::TileOrder::Sequential,
-                "--device cuda: blasst visits tiles in sequential order only");
-    r.method = CudaSparse::Method::Blasst;
-    r.blasst_lambda = bm->params().lambda;
-    r.blasst_a = bm->params().a;
-    // Decode default (no lambda, a or config given): the GPU kernels' own 50% calibration of
-    // SmolLM2-135M (configs/blasst_smollm2_gpu_decode_s50.json): their 16-token seeded tiles
-    // skip more than the CPU's 64-token tiles at the same a.
-    if (!cfg.options.count("lambda") && !cfg.options.count("a") && !cfg.options.count("config"))
-      r.blasst_a = kBlasstDefaultGpuDecodeA;
-    r.blasst_prefill_a = bm->params().prefill_a >= 0 ? bm->params().prefill_a : bm->params().a;
-    r.blasst_decode = bm->params().decode;
-    // Prefill skipping on the GPU only when asked for (prefill=1): the skipping prefill
-    // kernel costs ~25% at zero sparsity and gains only 1.1x at 75% (docs/cuda.md).
-    r.blasst_prefill = bm->params().prefill && cfg.options.count("prefill");
-    return r;
-  }
-  r.budget = o.integer("budget");
-  if (info.name != "tidal") r.dense_layers = int(o.integer("dense_layers"));  // tidal: "auto"
-  if (info.name == "tidal") {
-    r.method = CudaSparse::Method::Tidal;
-    r.schedule = sparse::LayerSchedule::from_options(o, model);
-    r.dense_layers = r.schedule.dense_layers;  // (make_method checked the schedule)
-  } else if (info.name == "streaming") {
-    r.method = CudaSparse::Method::Streaming;
-    r.sinks = int(o.integer("sinks"));
-  } else {
-    r.method = CudaSparse::Method::Quest;
-    SPADE_CHECK(o.str("group") == "max", "--device cuda: quest supports group=max only");
-    SPADE_CHECK(o.integer("page_size") == 16 && kv_page_size == 16,
-                "--device cuda: quest needs page_size 16 and a KV page size of 16 (got ",
-                o.integer("page_size"), " and ", kv_page_size, ")");
-    r.quest_fast = scores == "fast" ? 1 : 0;
-  }
-  SPADE_CHECK(r.budget > 0 && r.budget <= (int64_t(1) << 30), "sparse budget out of range");
-  return r;
-}
 
 ModelConfig synthetic_config(const std::string& name) {
   // config.json values of the published models (weights are random in synthetic mode).
