@@ -124,8 +124,23 @@ TEST(ServerSparse, DenseOnlyRunnerRejectsSparseMethods) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("NVIDIA H200"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(SparseMethods(cfg, nullptr, spec("quest"), "NVIDIA H200"), Error);  // bad default
-  EXPECT_THROW(SparseMethods(cfg, nullptr, spec("full")), Error);                  // no pool, no device
+  EXPECT_THROW(SparseMethods(cfg, nullptr, spec("full")), Error);  // no pool, no device
+  // A GPU server whose model runs one method for every request: that method resolves without
+  // a session (the model attends), the same spec given explicitly too; full attention and
+  // other methods or options do not (the model would not run them).
+  SparseMethods tidal(cfg, nullptr, spec("tidal", {{"budget", "32"}}), "NVIDIA H200");
+  EXPECT_FALSE(tidal.resolve(std::nullopt).maker);
+  EXPECT_EQ(tidal.resolve(std::nullopt).method, "tidal");
+  EXPECT_FALSE(tidal.resolve(spec("tidal", {{"budget", "32"}})).maker);
+  for (const SparseSpec& other : {spec("full"), spec("tidal", {{"budget", "64"}}), spec("quest")})
+    try {
+      tidal.resolve(other);
+      ADD_FAILURE() << other.method << " resolved on a tidal GPU server";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("runs every request with 'tidal' on NVIDIA H200"),
+                std::string::npos) << e.what();
+    }
+  EXPECT_THROW(tidal.resolve(spec("tidal", {{"budget", "32"}, {"recall", "1"}})), Error);
 
   // The scheduler side, with a CPU runner that claims no callback support.
   KVPool kv(KVLayout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16}, 64);

@@ -51,8 +51,9 @@ GET /v1/models, /health, /metrics (Prometheus), POST /tokenize, /detokenize.
   --sparse-opt k=v,...    more options of the default method
   --sparse-config FILE    default method from a JSON file
   --device cpu|cuda       where the model runs (default cpu). cuda (CUDA builds): bf16
-                          weights and the KV cache on the GPU, full attention only (a
-                          request asking for a sparse method gets a 400)
+                          weights and the KV cache on the GPU; every request runs the
+                          server's --sparse method (full, streaming, quest, tidal, blasst);
+                          a request asking for another method gets a 400
   --threads N             CPU threads for the model (default: all cores)
   --http-threads N        HTTP worker threads (default max-batch + max-queue + 8)
   --shutdown-timeout S    seconds to let running requests finish on SIGTERM (default 30)
@@ -118,6 +119,15 @@ int run(int argc, char** argv) {
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '", device, "'");
   // The CPU pool also backs the sparse sessions; on the GPU the pool lives on the device and
   // the host pool is not allocated.
+  sparse::SparseConfig sc;
+  if (a.has("--sparse-config")) sc.merge_json_file(a.str("--sparse-config"));
+  if (a.has("--sparse")) {
+    sparse::SparseConfig s = sparse::SparseConfig::parse_spec(a.str("--sparse"));
+    sc.method = s.method;
+    for (auto& [k, v] : s.options) sc.options[k] = v;
+  }
+  if (a.has("--budget")) sc.set("budget", a.str("--budget"));
+  if (a.has("--sparse-opt")) sc.set_options(a.str("--sparse-opt"));
   std::unique_ptr<KVPool> kv;
   std::unique_ptr<CpuModel> cpu_model;
   std::unique_ptr<StepModel> model;
@@ -133,6 +143,9 @@ int run(int argc, char** argv) {
     copt.max_batch = so.max_batch;
     so.max_step_tokens = std::max<int64_t>(so.max_step_tokens, so.max_batch);
     copt.max_step_tokens = so.max_step_tokens;
+    // The server's method runs inside the GPU model for every request.
+    SPADE_CHECK(!sc.measure_recall, "--recall is CPU-only (spade serve --device cpu)");
+    copt.sparse = cuda_sparse_config(sc, cfg, layout.page_size);
     gpu_model = std::make_unique<CudaModel>(*weights, copt);
     model = std::make_unique<CudaStepModel>(*gpu_model);
     kv_mib = double(pages) * layout.page_size * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * 2 / (1024.0 * 1024.0);
@@ -146,15 +159,6 @@ int run(int argc, char** argv) {
     kv_mib = double(kv->bytes()) / (1024.0 * 1024.0);
   }
 
-  sparse::SparseConfig sc;
-  if (a.has("--sparse-config")) sc.merge_json_file(a.str("--sparse-config"));
-  if (a.has("--sparse")) {
-    sparse::SparseConfig s = sparse::SparseConfig::parse_spec(a.str("--sparse"));
-    sc.method = s.method;
-    for (auto& [k, v] : s.options) sc.options[k] = v;
-  }
-  if (a.has("--budget")) sc.set("budget", a.str("--budget"));
-  if (a.has("--sparse-opt")) sc.set_options(a.str("--sparse-opt"));
   server::SparseSpec fallback;
   fallback.method = sc.method;
   for (auto& [k, v] : sc.options) fallback.options.emplace_back(k, v);

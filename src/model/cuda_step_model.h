@@ -1,7 +1,7 @@
 // CudaModel as the scheduler's StepModel (CUDA builds): the device KV pool's pages are
-// accounted on the host by CudaModel; attention is dense (per-request sparse methods run on
-// the CPU runner; CudaModel's own sparse decode, CudaModelOptions::sparse, is not yet
-// exposed through the server).
+// accounted on the host by CudaModel; attention is the model's own (CudaModelOptions::sparse:
+// one method for every request, the server's --sparse; per-request methods run on the CPU
+// runner).
 #pragma once
 #if defined(SPADE_HAVE_CUDA)
 #include "backend/cuda/cuda_common.h"

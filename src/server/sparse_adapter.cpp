@@ -32,10 +32,10 @@ class SessionAttention : public SeqAttention {
 }  // namespace
 
 SparseMethods::SparseMethods(const ModelConfig& cfg, KVPool* kv, SparseSpec fallback,
-                             std::string dense_only_device)
-    : cfg_(cfg), kv_(kv), fallback_(std::move(fallback)), dense_only_device_(std::move(dense_only_device)) {
-  SPADE_CHECK(kv_ || !dense_only_device_.empty(), "SparseMethods: no KV pool for sparse sessions");
-  resolve(fallback_);  // a bad default fails at start-up
+                             std::string device)
+    : cfg_(cfg), kv_(kv), fallback_(std::move(fallback)), device_(std::move(device)) {
+  SPADE_CHECK(kv_ || !device_.empty(), "SparseMethods: no KV pool for sparse sessions");
+  resolve(std::nullopt);  // a bad default fails at start-up (and sets device_key_)
 }
 
 ResolvedSparse SparseMethods::resolve(const std::optional<SparseSpec>& given) {
@@ -73,10 +73,16 @@ ResolvedSparse SparseMethods::resolve(const std::optional<SparseSpec>& given) {
     }
   }
   r.description = m->describe();
+  if (!device_.empty()) {
+    // The GPU model runs the server's method for every request: only that one resolves.
+    if (!given) device_key_ = key;
+    SPADE_CHECK(!cfg.measure_recall, "sparse option 'recall' is CPU-only (spade serve --device cpu)");
+    SPADE_CHECK(key == device_key_, "sparse method '", cfg.to_string(), "' is not available: this "
+                "server runs every request with '", fallback_.method, "' on ", device_,
+                " (other methods, per request: spade serve --device cpu)");
+    return r;  // no session: the model attends
+  }
   if (spec.method == "full" && cfg.options.empty() && !cfg.measure_recall) return r;  // dense path
-  SPADE_CHECK(dense_only_device_.empty(), "sparse method '", spec.method, "' is not available: this "
-              "server runs on ", dense_only_device_, " with full attention (sparse methods run on "
-              "the CPU backend: spade serve --device cpu)");
   const ModelConfig& mc = cfg_;
   KVPool& kv = *kv_;
   const bool recall = cfg.measure_recall;

@@ -29,10 +29,12 @@ class SparseMethods {
  public:
   // `fallback`: the server's default (from flags) for requests without `sparse`.
   // `kv`: the CPU pool sparse sessions read. A server on the GPU passes nullptr and its
-  // device name in `dense_only_device`: only full attention resolves, anything else is an
-  // error naming the device.
+  // device name in `device`: the GPU model runs ONE method for every request (`fallback`,
+  // CudaModelOptions::sparse; full attention by default), so only that method resolves (with
+  // no session: the model does it) and anything else is an error naming the device and the
+  // method it runs.
   SparseMethods(const ModelConfig& cfg, KVPool* kv, SparseSpec fallback,
-                std::string dense_only_device = {});
+                std::string device = {});
   // Throws spade::Error naming the method / option when the spec is invalid.
   ResolvedSparse resolve(const std::optional<SparseSpec>& spec);
   const SparseSpec& fallback() const { return fallback_; }
@@ -41,7 +43,8 @@ class SparseMethods {
   const ModelConfig& cfg_;
   KVPool* kv_;
   SparseSpec fallback_;
-  std::string dense_only_device_;
+  std::string device_;       // non-empty: the model runs fallback_ itself (GPU)
+  std::string device_key_;  // fallback_'s resolved configuration
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<const sparse::SparseMethod>> cache_;
 };
