@@ -1,0 +1,120 @@
+// Internal to the LycheeCluster GPU index (cluster_index*.cu): the constants, device helpers
+// and the slot pointer block shared by the build, lazy-update and search kernels. API and
+// storage layout: cluster_index.h; numerics: the comment atop cluster_index.cu; design:
+// docs/cuda_lycheecluster.md.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "backend/cuda/cluster_index.h"
+
+namespace spade::cuda::lc_detail {
+
+constexpr int kMaxDPL = 8;  // D <= 256: dims per lane
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t okey(float x) {  // order-preserving, NaN lowest, -0 = +0
+  if (x != x) return 0u;
+  if (x == 0.f) x = 0.f;
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Sequential (d ascending) double sum of squares of the lane-distributed vector v (lane owns
+// d = lane + 32 j): the CPU's l2_normalize / norm order. Every lane gets the result.
+template <int DPL>
+__device__ double warp_seq_sumsq(const float (&v)[DPL], int D) {
+  double s = 0.0;
+#pragma unroll
+  for (int j = 0; j < DPL; ++j) {
+    if (32 * j >= D) break;
+    for (int src = 0; src < 32; ++src) {
+      const double x = double(__shfl_sync(kFull, v[j], src));
+      s = __dadd_rn(s, __dmul_rn(x, x));
+    }
+  }
+  return s;
+}
+
+// Exclusive block scan (blockDim.x multiple of 32, <= 1024); sh: 33 ints of shared memory.
+__device__ inline int block_excl_scan(int v, int* sh, int& total) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  int x = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFull, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) sh[w] = x;
+  __syncthreads();
+  if (w == 0) {
+    int t = lane < nw ? sh[lane] : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, t, o);
+      if (lane >= o) t += y;
+    }
+    if (lane < nw) sh[lane] = t;  // inclusive warp totals
+    if (lane == 31) sh[32] = t;
+  }
+  __syncthreads();
+  const int res = (w > 0 ? sh[w - 1] : 0) + x - v;
+  total = sh[32];
+  __syncthreads();
+  return res;
+}
+
+// Ascending bitonic sort of s[0, n), n a power of two.
+__device__ inline void block_bitonic(unsigned long long* s, int n) {
+  for (int k = 2; k <= n; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int ixj = i ^ j;
+        if (ixj > i) {
+          const unsigned long long a = s[i], b = s[ixj];
+          const bool up = (i & k) == 0;
+          if ((a > b) == up) {
+            s[i] = b;
+            s[ixj] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+__host__ __device__ inline int pow2_at_least(int n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+__device__ __forceinline__ float round_up_f(double x) {
+  float f = __double2float_rn(x);
+  if (double(f) < x) f = nextafterf(f, INFINITY);
+  return f;
+}
+
+__device__ __forceinline__ const bf16* key_row(const bf16* k, const int32_t* pt, int p, int h,
+                                               int Hkv, int P, int D) {
+  return k + ((int64_t(pt[p / P]) * Hkv + h) * P + (p % P)) * D;
+}
+
+// Pointers of one slot (assembly in the build; the lazy update offsets slot 0's).
+struct SlotPtrs {
+  const int32_t* starts;
+  int32_t *n_chunks, *n_fine, *n_coarse;  // [Hkv]
+  __half* fc;
+  float* fr;
+  int32_t *ftok, *fcnt, *fhead, *ftail, *fnch;
+  __half* gc;
+  float* gr;
+  int32_t *gtok, *gcnt, *gfirst;
+  int32_t *cnext, *cfine;
+  int maxF, maxG, maxC, D, Hkv, P;
+};
+
+// Sets the dynamic shared-memory limit of the build's block-sort kernels (km_reseed,
+// lc_renumber, lc_lists; cluster_index_build.cu) to `bytes`; called by the constructor.
+void set_build_sort_smem(int bytes);
+
+}  // namespace spade::cuda::lc_detail

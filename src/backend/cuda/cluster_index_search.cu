@@ -1,0 +1,371 @@
+// LycheeCluster GPU index, search: lc_search_kernel (coarse -> fine -> chunks under the
+// token budget) with its shared-memory layout helper, lc_compact_kernel (strided lists ->
+// CSR), LcIndexGpu::search and compact.
+#include <algorithm>
+#include <cstdint>
+
+#include "backend/cuda/cluster_index_common.cuh"
+
+namespace spade::cuda {
+using namespace lc_detail;
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// Search.
+constexpr int kSearchThreadsHost = 512;
+struct SearchK {
+  LcSearchArgs a;
+  const int32_t* starts;  // [slots][maxC + 1]
+  const int32_t *n_chunks, *n_fine, *n_coarse;  // [slots][Hkv]
+  const __half *fc, *gc;
+  const float *fr, *gr;
+  const int32_t *gtok, *gfirst, *fhead, *fnch, *cnext;
+  int maxF, maxG, maxC, D, Hkv;
+  int64_t off_cand, off_flat, off_q, off_lens, off_flag;  // shared-memory layout (bytes)
+};
+
+// Shared-memory layout of lc_search_kernel (bytes, 16-aligned regions): keys [pow2(maxF)] u64 |
+// cand [maxF] i32 | flat [max(maxC, 256)] i32 (also the sorted chosen chunks of the output) |
+// q [G][D] f32 | lens [maxC] i16 | flag [maxC] u8.
+inline size_t search_smem_layout(SearchK& k, int G) {
+  auto al = [](size_t x) { return (x + 15) / 16 * 16; };
+  size_t o = al(size_t(pow2_at_least(k.maxF)) * 8);
+  k.off_cand = int64_t(o);
+  o += al(size_t(k.maxF) * 4);
+  k.off_flat = int64_t(o);
+  const size_t flat_bytes = std::max(size_t(k.maxC), size_t(256)) * 4;  // >= 256: output ranks
+  o += al(flat_bytes);
+  k.off_q = int64_t(o);
+  o += al(size_t(G) * k.D * 4);
+  k.off_lens = int64_t(o);
+  o += al(size_t(k.maxC) * 2);
+  k.off_flag = int64_t(o);
+  o += al(size_t(k.maxC));
+  return o;
+}
+
+// lc_search_kernel: CTA per (KV head, request), kSearchThreads threads.
+//   reads  q of the G heads (2*D B each); coarse centers (2*D B each) + radii + token counts;
+//          the kept units' fine centers (2*D B each) + radii; per-fine chunk counts and links
+//          and the candidate chunks' starts
+//   writes the strided Token list (4 B per token: sink + chosen chunks ascending + tail) and
+//          the count
+//   shared: sort keys [pow2(maxF)] u64, candidate fine ids [maxF], flat chunk ids [maxC] i32,
+//   q [G][D] f32, flat lengths [maxC] i16, chosen flags [maxC] u8; coarse scores / order /
+//   tokens / ranges; up to 256 chosen chunk ids (sorted for the output; more: a flag scan).
+//   Every serial step runs over shared memory (the coarse k_g rule, the budget tail) so the
+//   latency of one search is a few block-wide phases.
+constexpr int kSearchThreads = kSearchThreadsHost;
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long x;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(x));
+  return x;
+}
+// Phase timestamps (bench only, a.trace non-null): [list][8] ns.
+#define LC_TRACE(i) \
+  if (a.trace && t == 0) a.trace[(int64_t(b) * k.Hkv + h) * 8 + (i)] = global_ns()
+__global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
+  extern __shared__ unsigned long long smem_u64[];
+  const LcSearchArgs& a = k.a;
+  const int h = blockIdx.x, b = blockIdx.y, t = threadIdx.x, lane = t & 31, w = t >> 5;
+  const int nw = blockDim.x >> 5, D = k.D, G = a.Hq / k.Hkv;
+  const int slot = a.slot[b];
+  const int sh_ = slot * k.Hkv + h;
+  const int32_t* starts = k.starts + int64_t(slot) * (k.maxC + 1);
+  const int M = k.n_chunks[sh_], NG = k.n_coarse[sh_];
+  const int L = a.kv_len[b];
+  LC_TRACE(0);
+  const int n2max = pow2_at_least(k.maxF);
+  (void)n2max;
+  char* smem_b = reinterpret_cast<char*>(smem_u64);
+  unsigned long long* keys = smem_u64;                                  // [pow2(maxF)]
+  int32_t* cand = reinterpret_cast<int32_t*>(smem_b + k.off_cand);     // [maxF]
+  int32_t* flat = reinterpret_cast<int32_t*>(smem_b + k.off_flat);     // [maxC]
+  float* q = reinterpret_cast<float*>(smem_b + k.off_q);               // [G][D]
+  int16_t* lens = reinterpret_cast<int16_t*>(smem_b + k.off_lens);     // [maxC]
+  uint8_t* flag = reinterpret_cast<uint8_t*>(smem_b + k.off_flag);     // [maxC] chosen chunks
+  __shared__ float qn[64], gscore[64];
+  __shared__ int gorder[64], goff[65], keep[64], gtok[64], gfirst[65];
+  __shared__ int sh[33];
+  __shared__ int s_nsel, s_minlen;
+  __shared__ unsigned long long selk[256];  // chosen chunk ids (sorted for the output)
+
+  for (int e = t; e < G * D; e += blockDim.x)
+    q[e] = __bfloat162float(a.q[(int64_t(b) * a.Hq + h * G) * D + e]);
+  if (t < NG) {
+    gtok[t] = k.gtok[int64_t(sh_) * k.maxG + t];
+    keep[t] = 0;
+  }
+  if (t <= NG) gfirst[t] = k.gfirst[int64_t(sh_) * (k.maxG + 1) + t];
+  for (int c = t; c < M; c += blockDim.x) flag[c] = 0;
+  if (t == 0) {
+    s_nsel = 0;
+    s_minlen = 1 << 30;
+  }
+  __syncthreads();
+  for (int g = w; g < G; g += nw) {
+    float v[kMaxDPL];
+#pragma unroll
+    for (int j = 0; j < kMaxDPL; ++j) v[j] = lane + 32 * j < D ? q[g * D + lane + 32 * j] : 0.f;
+    const double s = warp_seq_sumsq<kMaxDPL>(v, D);
+    if (lane == 0) qn[g] = __double2float_rn(sqrt(s));
+  }
+  __syncthreads();
+    LC_TRACE(1);
+  // Bound of one node aggregated (max) over the group, one thread per node: q_g . c summed
+  // in d order with __fmul_rn / __fadd_rn (the CPU's dot(), no FMA) plus |q_g| * r, so the
+  // scores are bit-identical to ClusterIndex::search's.
+  auto bound = [&](const __half* cen, float r) {
+    float best = -INFINITY;
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+      for (int d0 = 0; d0 < D; d0 += 8) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(cen + d0);
+        const __half* hv = reinterpret_cast<const __half*>(&raw);
+        float c[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) c[j] = __half2float(hv[j]);
+#pragma unroll
+        for (int gg = 0; gg < 4; ++gg) {
+          if (g0 + gg < G) {
+            const float* qg = q + (g0 + gg) * D + d0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qg[j], c[j]));
+          }
+        }
+      }
+#pragma unroll
+      for (int gg = 0; gg < 4; ++gg)
+        if (g0 + gg < G) best = fmaxf(best, __fadd_rn(acc[gg], __fmul_rn(qn[g0 + gg], r)));
+    }
+    return best;
+  };
+  const bool run = M > 0 && a.budget > 0 && NG > 0;
+  if (run) {
+    // One thread per node (a staged-rows variant measured slower: the sequential dot chain
+    // dominates, and tiles of staged rows serialize it).
+    for (int g = t; g < NG; g += blockDim.x)
+      gscore[g] = bound(k.gc + (int64_t(sh_) * k.maxG + g) * D, k.gr[int64_t(sh_) * k.maxG + g]);
+    __syncthreads();
+    if (t < NG) {
+      const float x = gscore[t];
+      int r = 0;
+      for (int u = 0; u < NG; ++u) {
+        const float y = gscore[u];
+        const bool nx = x != x, ny = y != y;
+        const bool before = (nx != ny) ? nx : (nx ? u < t : (y > x || (y == x && u < t)));
+        r += before;
+      }
+      gorder[r] = t;
+    }
+    __syncthreads();
+    if (t == 0) {
+      int kg = NG;
+      if (a.coarse_topk > 0) {
+        kg = min(NG, a.coarse_topk);
+      } else {
+        const double want = a.coarse_cover * double(a.budget);
+        double have = 0;
+        for (kg = 0; kg < NG && have < want; ++kg) have += double(gtok[gorder[kg]]);
+      }
+      for (int j = 0; j < kg; ++j) keep[gorder[j]] = 1;
+      int o = 0;
+      for (int g = 0; g < NG; ++g) {
+        goff[g] = o;
+        if (keep[g]) o += gfirst[g + 1] - gfirst[g];
+      }
+      goff[NG] = o;
+    }
+    __syncthreads();
+    const int nc = goff[NG];
+    for (int g = w; g < NG; g += nw)
+      if (keep[g])
+        for (int f = gfirst[g] + lane; f < gfirst[g + 1]; f += 32) cand[goff[g] + f - gfirst[g]] = f;
+    __syncthreads();
+    LC_TRACE(2);
+    const int n2 = pow2_at_least(max(nc, 1));
+    for (int j = t; j < n2; j += blockDim.x) {
+      unsigned long long key = ~0ull;
+      if (j < nc) {
+        const int f = cand[j];
+        const float sc = bound(k.fc + (int64_t(sh_) * k.maxF + f) * D, k.fr[int64_t(sh_) * k.maxF + f]);
+        key = (static_cast<unsigned long long>(~okey(sc)) << 32) | unsigned(j);
+      }
+      keys[j] = key;
+    }
+    __syncthreads();
+    LC_TRACE(3);
+    if (nc <= int(blockDim.x)) {
+      // Rank by counting (keys are distinct): few candidates, one pass over shared memory.
+      const unsigned long long my = t < nc ? keys[t] : 0ull;
+      int r = 0;
+      if (t < nc)
+        for (int i = 0; i < nc; ++i) r += keys[i] < my;
+      __syncthreads();
+      if (t < nc) keys[r] = my;
+      __syncthreads();
+    } else {
+      block_bitonic(keys, n2);
+    }
+    LC_TRACE(4);
+    // Flatten: chunks of the ranked clusters, in rank order, each list in position order.
+    int base = 0;
+    for (int j0 = 0; j0 < nc; j0 += blockDim.x) {
+      const int j = j0 + t;
+      const int f = j < nc ? cand[int(keys[j] & 0xffffffffu)] : -1;
+      const int cntj = f >= 0 ? k.fnch[int64_t(sh_) * k.maxF + f] : 0;
+      int tot = 0;
+      const int off = block_excl_scan(cntj, sh, tot) + base;
+      if (f >= 0) {
+        int c = k.fhead[int64_t(sh_) * k.maxF + f];
+        for (int i = 0; i < cntj && c >= 0; ++i) {
+          flat[off + i] = c;
+          lens[off + i] = int16_t(starts[c + 1] - starts[c]);
+          c = k.cnext[int64_t(sh_) * k.maxC + c];
+        }
+      }
+      base += tot;
+    }
+    __syncthreads();
+    LC_TRACE(5);
+    const int nflat = base;
+    // Greedy fill: the prefix whose running sum fits the budget is taken as is (a chunk is
+    // never skipped before the first one that does not fit); the rest sequentially from
+    // i0, stopping once `left` is below the shortest remaining chunk.
+    int carry = 0, i0 = nflat;
+    for (int j0 = 0; j0 < nflat; j0 += blockDim.x) {
+      const int j = j0 + t;
+      const int len = j < nflat ? lens[j] : 0;
+      int tot = 0;
+      const int ex = block_excl_scan(len, sh, tot) + carry;
+      const bool fits = j < nflat && int64_t(ex) + len <= a.budget;
+      if (fits) {
+        flag[flat[j]] = 1;
+        const int r = atomicAdd(&s_nsel, 1);
+        if (r < 256) selk[r] = static_cast<unsigned long long>(flat[j]);
+      }
+      const int nfit = __syncthreads_count(fits);
+      carry += tot;
+      if (nfit < min(int(blockDim.x), nflat - j0)) {
+        i0 = j0 + nfit;
+        break;
+      }
+    }
+    int used = 0;
+    {
+      int part = 0, mn = 1 << 30;
+      for (int j = t; j < nflat; j += blockDim.x) {
+        if (j < i0) part += lens[j];
+        else mn = min(mn, int(lens[j]));
+      }
+      int tot = 0;
+      block_excl_scan(part, sh, tot);
+      used = tot;
+      if (mn < (1 << 30)) atomicMin(&s_minlen, mn);
+    }
+    __syncthreads();
+    if (t == 0) {
+      int64_t left = a.budget - used;
+      const int mn = s_minlen;
+      for (int j = i0; j < nflat && left >= mn; ++j)
+        if (lens[j] <= left) {
+          flag[flat[j]] = 1;
+          if (s_nsel < 256) selk[s_nsel] = static_cast<unsigned long long>(flat[j]);
+          ++s_nsel;
+          left -= lens[j];
+        }
+    }
+    __syncthreads();
+    LC_TRACE(6);
+  }
+  // Emit: sink, chosen chunks ascending, tail.
+  int32_t* out = a.lists + int64_t(b * k.Hkv + h) * a.cap;
+  const int sink = min(a.sink, L);
+  for (int p = t; p < sink && p < a.cap; p += blockDim.x) out[p] = p;
+  int pos = sink;
+  const int nsel = s_nsel;
+  if (nsel > 0 && nsel <= 256) {
+    // Few chunks (<= 256; budget / 8-token chunks): sort their ids, scan their lengths.
+    // Rank by counting (chunk ids are distinct) into flat (free now; >= 256 entries).
+    if (t < nsel) {
+      const unsigned long long my = selk[t];
+      int r = 0;
+      for (int i = 0; i < nsel; ++i) r += selk[i] < my;
+      flat[r] = int(my);
+    }
+    __syncthreads();
+    const int c = t < nsel ? flat[t] : -1;
+    const int len = c >= 0 ? starts[c + 1] - starts[c] : 0;
+    int tot = 0;
+    const int off = block_excl_scan(len, sh, tot) + pos;
+    for (int i = 0; i < len; ++i)
+      if (off + i < a.cap) out[off + i] = starts[c] + i;
+    pos += tot;
+  } else if (nsel > 256) {
+    // Many chunks: scan all M chunks in position order over the chosen flags.
+    for (int c0 = 0; c0 < M; c0 += blockDim.x) {
+      const int c = c0 + t;
+      const int len = (c < M && flag[c]) ? starts[c + 1] - starts[c] : 0;
+      int tot = 0;
+      const int off = block_excl_scan(len, sh, tot) + pos;
+      for (int i = 0; i < len; ++i)
+        if (off + i < a.cap) out[off + i] = starts[c] + i;
+      pos += tot;
+    }
+  }
+  const int rb = M > 0 ? starts[M] : sink;
+  const int tb = max(rb, sink);
+  for (int p = tb + t; p < L; p += blockDim.x)
+    if (pos + p - tb < a.cap) out[pos + p - tb] = p;
+  if (t == 0) {
+    const int total = pos + max(0, L - tb);
+    a.counts[b * k.Hkv + h] = min(total, a.cap);
+    if (a.trace) a.trace[(int64_t(b) * k.Hkv + h) * 8 + 7] = global_ns();
+    if (a.chosen) a.chosen[b * k.Hkv + h] = pos - sink;
+  }
+}
+
+// lc_compact_kernel: strided lists -> CSR. CTA per list: its offset = sum of the earlier
+//   counts (block reduction over <= n_lists ints), then a coalesced copy (4 B read + 4 B
+//   written per entry); the last CTA writes off[n].
+__global__ void lc_compact_kernel(const int32_t* lists, const int32_t* counts, int n, int cap,
+                                  int32_t* off, int32_t* idx) {
+  __shared__ int sh[33];
+  const int i = blockIdx.x;
+  int part = 0;
+  for (int j = threadIdx.x; j < i; j += blockDim.x) part += counts[j];
+  int o = 0;
+  block_excl_scan(part, sh, o);
+  if (threadIdx.x == 0) {
+    off[i] = o;
+    if (i == n - 1) off[n] = o + counts[i];
+  }
+  const int cnt = counts[i];
+  for (int j = threadIdx.x; j < cnt; j += blockDim.x) idx[o + j] = lists[int64_t(i) * cap + j];
+}
+
+}  // namespace
+
+void LcIndexGpu::search(const LcSearchArgs& a, cudaStream_t s) const {
+  SPADE_CHECK(a.Hq % cfg_.Hkv == 0 && a.Hq / cfg_.Hkv <= 64, "LcIndexGpu::search: bad Hq");
+  SearchK k{a, starts_, n_chunks_, n_fine_, n_coarse_, fc_, gc_, fr_, gr_, gtok_, gfirst_,
+            fhead_, fnch_, cnext_, max_fine_, cfg_.max_coarse, cfg_.max_chunks, cfg_.D, cfg_.Hkv};
+  const int G = a.Hq / cfg_.Hkv;
+  const size_t smem = search_smem_layout(k, G);
+  static size_t set_bytes = 0;
+  if (smem > 48 * 1024 && smem > set_bytes) {
+    SPADE_CUDA(cudaFuncSetAttribute(lc_search_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    set_bytes = smem;
+  }
+  lc_search_kernel<<<dim3(cfg_.Hkv, a.B), kSearchThreads, smem, s>>>(k);
+  SPADE_CUDA_LAUNCH();
+}
+
+void LcIndexGpu::compact(const int32_t* lists, const int32_t* counts, int n_lists, int cap,
+                         int32_t* sel_off, int32_t* sel_idx, cudaStream_t s) {
+  lc_compact_kernel<<<n_lists, 256, 0, s>>>(lists, counts, n_lists, cap, sel_off, sel_idx);
+  SPADE_CUDA_LAUNCH();
+}
+
+}  // namespace spade::cuda
