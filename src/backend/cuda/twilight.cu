@@ -10,7 +10,8 @@
 //          the 256 B bf16 K row; the pruner's byte floor), the list's entries (4 B per entry),
 //          q of the G heads once per warp
 //   writes logits fp32 [list][G][max_slots] (4*G B per token: scratch, L2-resident)
-//   CTA = 4 warps of one list (b, KV head); a warp takes 16-slot tiles: lane (row r = lane/4,
+//   CTA = 4 warps of one list (b, KV head); a warp takes 16-slot tiles, two per iteration
+//   with all loads issued first: lane (row r = lane/4,
 //   t = lane%4) loads 16-byte pieces of rows r and r+8 (bytes [t*D/8, t*D/8 + D/8) = dims
 //   [t*D/4, t*D/4 + D/4)), turns each code byte into a bf16x2 (0x4300 | c is 128 + c, minus
 //   128: exact) and feeds mma.m16n8k16 (A = codes, 16 rows x 16 dims; B = q^T, 16 dims x 8
@@ -18,15 +19,18 @@
 //   k = 2t, 2t+1, 2t+8, 2t+9 are its own dims t*D/4 + 4s + 0..3 for A and B alike, so no
 //   shuffle is needed; products are exact, accumulation fp32.
 // twl_topp_kernel
-//   reads  the list's G logit rows (fp32) once; the bisection passes then read shared memory
-//          (G * slots * 4 B <= 200 KB) or, for longer lists, the rows in global memory (L2)
-//   writes kept positions int32 [list][max_slots] in selection order, kept counts, the G
-//          thresholds
-//   CTA = one list, 1024 threads in NG = min(G, 8) (power of two) groups; group k runs the
-//   softmax and Algorithm 1 for heads k, k + NG, ... with named barriers (one per reduction,
-//   partials double-buffered); the bisection is sparse::topp_binary_search step for step
-//   (double midpoints, double masses, its termination test), so equal weights give an equal
-//   threshold. Then the whole CTA marks the union and compacts it by a block scan.
+//   reads  one (list, query head) logit row fp32 once (L2-hot after the estimate); the
+//          passes then read the fp32 weights from registers (lists up to 8192 slots),
+//          shared memory (up to 49152 slots) or global memory
+//   writes the head's kept mask (1 B per slot), its threshold; the last CTA of the list
+//          reads the G masks and writes the kept positions int32 [list][max_slots] in
+//          selection order and the kept count
+//   CTA = one (list, query head): 512 threads with 16 weights each in registers (lists up
+//   to 8192 slots), else 256 threads over shared / global memory; one barrier per reduction (partials double-
+//   buffered). The bisection is sparse::topp_binary_search step for step (double midpoints,
+//   its termination test; masses fp32 within a thread's <= 16 weights, double across
+//   threads), two steps per pass: a pass measures the masses at m1 and at both candidate
+//   next midpoints and the min/max of each quarter of [l, r).
 // twl_compact_kernel
 //   reads  kept counts (B*Hkv ints) and the kept positions; writes CSR offsets / indices.
 #include <cuda_bf16.h>
@@ -130,129 +134,202 @@ __global__ void __launch_bounds__(kEstWarps * 32) twl_estimate_kernel(const Twil
     qs_a[nt] = __shfl_sync(0xffffffffu, part, (2 * t) * 4);
     qs_b[nt] = __shfl_sync(0xffffffffu, part, (2 * t + 1) * 4);
   }
-  for (int tile = first; tile < n_tiles; tile += stride) {
-    int pos[2];
-    bool ok[2];
-    uint32_t w[2][W], szr[2];
+  // kEstTilesPerWarp tiles per iteration: all their index, page and code loads are issued
+  // before any math (memory-level parallelism; a warp's tiles are `stride` apart).
+  constexpr int U = kEstTilesPerWarp;
+  for (int tile0 = first; tile0 < n_tiles; tile0 += U * stride) {
+    int pos[U][2];
+    bool ok[U][2];
+    uint32_t w[U][2][W], szr[U][2];
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int slot = tile * 16 + r + 8 * hr;
-      if (chunk) {
-        pos[hr] = st.base_idx[e0 + tile] * 16 + r + 8 * hr;
-        ok[hr] = pos[hr] < L;
-      } else {
-        ok[hr] = slot < n_slots;
-        pos[hr] = ok[hr] ? st.base_idx[e0 + slot] : 0;
-      }
-      if (ok[hr]) {
-        const int64_t row = (int64_t(pt[pos[hr] / P]) * Hkv + h) * P + pos[hr] % P;
-        const uint8_t* src = st.codes + row * (D / 2) + t * (D / 8);
-        if constexpr (W == 4) {
-          const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
-          w[hr][0] = v.x, w[hr][1] = v.y, w[hr][2] = v.z, w[hr][3] = v.w;
+    for (int u = 0; u < U; ++u) {
+      const int tile = tile0 + u * stride;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int slot = tile * 16 + r + 8 * hr;
+        if (chunk) {
+          ok[u][hr] = tile < n_tiles;
+          pos[u][hr] = ok[u][hr] ? __ldg(st.base_idx + e0 + tile) * 16 + r + 8 * hr : 0;
+          ok[u][hr] = ok[u][hr] && pos[u][hr] < L;
         } else {
-          const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-          w[hr][0] = v.x, w[hr][1] = v.y;
+          ok[u][hr] = slot < n_slots;
+          pos[u][hr] = ok[u][hr] ? __ldg(st.base_idx + e0 + slot) : 0;
         }
-        szr[hr] = __ldg(st.sz + row);
-      } else {
-#pragma unroll
-        for (int c = 0; c < W; ++c) w[hr][c] = 0u;
-        szr[hr] = 0u;
-      }
-    }
-    float acc[NTILE][4];
-#pragma unroll
-    for (int nt = 0; nt < NTILE; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
-    for (int c = 0; c < W; ++c) {  // word c holds k-steps 2c (bytes 0, 1) and 2c + 1 (2, 3)
-      const uint32_t a00 = codes_bf16x2<0>(w[0][c]), a01 = codes_bf16x2<1>(w[0][c]);
-      const uint32_t a02 = codes_bf16x2<2>(w[0][c]), a03 = codes_bf16x2<3>(w[0][c]);
-      const uint32_t a10 = codes_bf16x2<0>(w[1][c]), a11 = codes_bf16x2<1>(w[1][c]);
-      const uint32_t a12 = codes_bf16x2<2>(w[1][c]), a13 = codes_bf16x2<3>(w[1][c]);
-#pragma unroll
-      for (int nt = 0; nt < NTILE; ++nt) {
-        mma_bf16(acc[nt], a00, a10, a01, a11, qf[nt][4 * c], qf[nt][4 * c + 1]);
-        mma_bf16(acc[nt], a02, a12, a03, a13, qf[nt][4 * c + 2], qf[nt][4 * c + 3]);
       }
     }
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int slot = tile * 16 + r + 8 * hr;
-      if (slot >= n_slots) continue;
-      const __half2 p2 = *reinterpret_cast<const __half2*>(&szr[hr]);
-      const float s = __low2float(p2), z = __high2float(p2);
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int nt = 0; nt < NTILE; ++nt)
+      for (int hr = 0; hr < 2; ++hr) {
+        if (ok[u][hr]) {
+          const int p = pos[u][hr];
+          const int64_t row = (int64_t(__ldg(pt + p / P)) * Hkv + h) * P + p % P;
+          const uint8_t* src = st.codes + row * (D / 2) + t * (D / 8);
+          if constexpr (W == 4) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
+            w[u][hr][0] = v.x, w[u][hr][1] = v.y, w[u][hr][2] = v.z, w[u][hr][3] = v.w;
+          } else {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
+            w[u][hr][0] = v.x, w[u][hr][1] = v.y;
+          }
+          szr[u][hr] = __ldg(st.sz + row);
+        } else {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int g = nt * 8 + 2 * t + e;
-          if (g >= G) continue;
-          const float qsum = e ? qs_b[nt] : qs_a[nt];
-          const float v = ok[hr] ? st.scale * (z * qsum + s * acc[nt][2 * hr + e]) : -INFINITY;
-          logits[(int64_t(list) * G + g) * max_slots + slot] = v;
+          for (int c = 0; c < W; ++c) w[u][hr][c] = 0u;
+          szr[u][hr] = 0u;
         }
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tile = tile0 + u * stride;
+      if (tile >= n_tiles) break;  // warp-uniform
+      float acc[NTILE][4];
+#pragma unroll
+      for (int nt = 0; nt < NTILE; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+      for (int c = 0; c < W; ++c) {  // word c holds k-steps 2c (bytes 0, 1) and 2c + 1 (2, 3)
+        const uint32_t a00 = codes_bf16x2<0>(w[u][0][c]), a01 = codes_bf16x2<1>(w[u][0][c]);
+        const uint32_t a02 = codes_bf16x2<2>(w[u][0][c]), a03 = codes_bf16x2<3>(w[u][0][c]);
+        const uint32_t a10 = codes_bf16x2<0>(w[u][1][c]), a11 = codes_bf16x2<1>(w[u][1][c]);
+        const uint32_t a12 = codes_bf16x2<2>(w[u][1][c]), a13 = codes_bf16x2<3>(w[u][1][c]);
+#pragma unroll
+        for (int nt = 0; nt < NTILE; ++nt) {
+          mma_bf16(acc[nt], a00, a10, a01, a11, qf[nt][4 * c], qf[nt][4 * c + 1]);
+          mma_bf16(acc[nt], a02, a12, a03, a13, qf[nt][4 * c + 2], qf[nt][4 * c + 3]);
+        }
+      }
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int slot = tile * 16 + r + 8 * hr;
+        if (slot >= n_slots) continue;
+        const __half2 p2 = *reinterpret_cast<const __half2*>(&szr[u][hr]);
+        const float s = __low2float(p2), z = __high2float(p2);
+#pragma unroll
+        for (int nt = 0; nt < NTILE; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int g = nt * 8 + 2 * t + e;
+            if (g >= G) continue;
+            const float qsum = e ? qs_b[nt] : qs_a[nt];
+            const float v = ok[u][hr] ? st.scale * (z * qsum + s * acc[nt][2 * hr + e]) : -INFINITY;
+            logits[(int64_t(list) * G + g) * max_slots + slot] = v;
+          }
+      }
     }
   }
 }
 
-constexpr int kTpThreads = 1024;
-constexpr size_t kTpSmemMax = 200u << 10;
+// One CTA per (list, query head). Lists up to kTpRegSlots slots keep their weights in
+// registers (kTpRegThreads threads x kTpEpt each); longer ones in shared or global memory.
+constexpr int kTpRegThreads = 512, kTpEpt = 16, kTpRegSlots = kTpRegThreads * kTpEpt;
+constexpr int kTpMemThreads = 256;
+constexpr int kTpWarps = 32;  // partial slots (the most warps of a CTA)
+constexpr size_t kTpSmemMax = 192u << 10;       // fp32 weights: lists up to 49152 slots
 
+// Partials of one bisection pass (two of Algorithm 1's steps): masses at the three candidate
+// midpoints and min / max of the weights in the four quarter intervals. Weights are >= 0, so
+// min / max run on their fp32 bit patterns as unsigned integers (order-preserving; an empty
+// quarter has min = +inf, max = 0, a negative span, which ends the search as the CPU's
+// (+inf, -inf) does).
 struct Red {
-  double m;        // sum
-  float a, b;      // min, max (first interval)
-  float c, d;      // min, max (second interval)
+  double s[3];
+  unsigned mn[4], mx[4];
 };
 
-__device__ __forceinline__ Red red_warp(Red x) {
+__device__ __forceinline__ Red red_init() {
+  Red x;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    x.m += __shfl_xor_sync(0xffffffffu, x.m, o);
-    x.a = fminf(x.a, __shfl_xor_sync(0xffffffffu, x.a, o));
-    x.b = fmaxf(x.b, __shfl_xor_sync(0xffffffffu, x.b, o));
-    x.c = fminf(x.c, __shfl_xor_sync(0xffffffffu, x.c, o));
-    x.d = fmaxf(x.d, __shfl_xor_sync(0xffffffffu, x.d, o));
-  }
+  for (int k = 0; k < 3; ++k) x.s[k] = 0.0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) x.mn[k] = 0x7f800000u, x.mx[k] = 0u;
   return x;
 }
 
-__device__ __forceinline__ void group_bar(int grp, int gt) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(grp + 1), "r"(gt) : "memory");
+__device__ __forceinline__ void red_warp(Red& x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int k = 0; k < 3; ++k) x.s[k] += __shfl_xor_sync(0xffffffffu, x.s[k], o);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x.mn[k] = __reduce_min_sync(0xffffffffu, x.mn[k]);
+    x.mx[k] = __reduce_max_sync(0xffffffffu, x.mx[k]);
+  }
 }
 
-// Reduction over the gt threads of group grp; every thread gets the same result (partials
-// summed in warp order). sred: [2][32] per group, used alternately (parity).
-__device__ __forceinline__ Red red_group(Red x, Red* sred, int& parity, int grp, int gt) {
-  x = red_warp(x);
-  const int wig = (threadIdx.x % gt) >> 5, nw = gt >> 5;
-  Red* buf = sred + parity * 32;
+struct RedSmem {
+  double s[2][3][kTpWarps];
+  unsigned mn[2][4][kTpWarps], mx[2][4][kTpWarps];
+  float f[2][kTpWarps];
+  double d[2][kTpWarps];
+};
+
+// Block reduction; every thread gets the same result (lane i of every warp takes warp i's
+// partial, then the same fixed shuffle tree). Partials double-buffered (parity): one barrier
+// per reduction.
+__device__ __forceinline__ Red red_block(Red x, RedSmem& sm, int& parity) {
+  red_warp(x);
+  const int pb = parity;
   parity ^= 1;
-  if ((threadIdx.x & 31) == 0) buf[wig] = x;
-  group_bar(grp, gt);
-  Red y = buf[0];
-  for (int i = 1; i < nw; ++i) {
-    const Red z = buf[i];
-    y.m += z.m;
-    y.a = fminf(y.a, z.a), y.b = fmaxf(y.b, z.b), y.c = fminf(y.c, z.c), y.d = fmaxf(y.d, z.d);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) sm.s[pb][k][warp] = x.s[k];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sm.mn[pb][k][warp] = x.mn[k], sm.mx[pb][k][warp] = x.mx[k];
   }
+  __syncthreads();
+  Red y = red_init();
+  if (lane < int(blockDim.x >> 5)) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) y.s[k] = sm.s[pb][k][lane];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) y.mn[k] = sm.mn[pb][k][lane], y.mx[k] = sm.mx[pb][k][lane];
+  }
+  red_warp(y);
   return y;
 }
 
-__device__ __forceinline__ Red red_init() { return Red{0.0, INFINITY, -INFINITY, INFINITY, -INFINITY}; }
+// Block max of a float / sum of a double (softmax passes), same scheme.
+__device__ __forceinline__ float max_block(float v, RedSmem& sm, int& parity) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int pb = parity;
+  parity ^= 1;
+  if ((threadIdx.x & 31) == 0) sm.f[pb][threadIdx.x >> 5] = v;
+  __syncthreads();
+  float y = (threadIdx.x & 31) < (blockDim.x >> 5) ? sm.f[pb][threadIdx.x & 31] : -INFINITY;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) y = fmaxf(y, __shfl_xor_sync(0xffffffffu, y, o));
+  return y;
+}
+__device__ __forceinline__ double sum_block(double v, RedSmem& sm, int& parity) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int pb = parity;
+  parity ^= 1;
+  if ((threadIdx.x & 31) == 0) sm.d[pb][threadIdx.x >> 5] = v;
+  __syncthreads();
+  double y = (threadIdx.x & 31) < (blockDim.x >> 5) ? sm.d[pb][threadIdx.x & 31] : 0.0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
+  return y;
+}
 
 struct TpArgs {
   const int32_t* base_off;
   const int32_t* base_idx;
-  const int32_t* kv_len;
   SelGran gran;
-  float* logits;
+  const float* logits;
+  float* wglob;      // weights when they do not fit in shared memory: [list][G][max_slots]
+  uint8_t* mask;     // [list][max_slots][G]
+  int* counters;     // [list], zero between launches
   float* thr;
   int32_t* kept;
   int32_t* kept_cnt;
-  int Hkv, G, max_slots, ng;
+  int G, max_slots;
   double p, eps;
-  int use_smem;  // weights in shared memory (G * slots floats) or in place in logits
+  int use_smem;
 };
 
 __device__ __forceinline__ int block_scan_excl(int v, int* s_warp, int* total) {
@@ -266,7 +343,7 @@ __device__ __forceinline__ int block_scan_excl(int v, int* s_warp, int* total) {
   if (lane == 31) s_warp[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    int w = s_warp[lane];  // kTpThreads / 32 == 32 warps
+    int w = lane < int(blockDim.x >> 5) ? s_warp[lane] : 0;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int y = __shfl_up_sync(0xffffffffu, w, o);
@@ -276,111 +353,178 @@ __device__ __forceinline__ int block_scan_excl(int v, int* s_warp, int* total) {
   }
   __syncthreads();
   const int before = (warp > 0 ? s_warp[32 + warp - 1] : 0) + x - v;
-  *total = s_warp[32 + 31];
+  *total = s_warp[32 + (blockDim.x >> 5) - 1];
   __syncthreads();
   return before;
 }
 
-__global__ void __launch_bounds__(kTpThreads) twl_topp_kernel(const TpArgs a) {
-  extern __shared__ float sW[];
-  __shared__ Red sred[8][64];
-  __shared__ float s_thr[32];
+// EPT > 0: NT threads hold the weights of slots tid + k * NT, k < EPT, in registers;
+// EPT == 0: the weights live in shared memory (a.use_smem) or global memory.
+template <int NT, int EPT>
+__global__ void __launch_bounds__(NT, 1) twl_topp_kernel(const TpArgs a) {
+  extern __shared__ float sWf[];
+  __shared__ RedSmem sred;
   __shared__ int s_warp[64];
-  const int list = blockIdx.x;
-  const int G = a.G;
+  __shared__ int s_last;
+  const int G = a.G, list = blockIdx.x / G, g = blockIdx.x % G, tid = threadIdx.x;
   const int e0 = a.base_off[list], ne = a.base_off[list + 1] - e0;
   const bool chunk = a.gran == SelGran::Chunk16;
-  const int n = min(chunk ? 16 * ne : ne, a.max_slots);
-  const int tid = threadIdx.x;
-  if (n == 0) {
-    if (tid == 0) a.kept_cnt[list] = 0;
-    for (int g = tid; g < G; g += kTpThreads) a.thr[list * G + g] = INFINITY;
+  const int n = min(chunk ? 16 * ne : ne, EPT > 0 ? NT * EPT : a.max_slots);
+  if (n == 0) {  // every CTA of the list leaves here: the counter is not used
+    if (tid == 0) {
+      a.thr[list * G + g] = INFINITY;
+      if (g == 0) a.kept_cnt[list] = 0;
+    }
     return;
   }
-  const int gt = kTpThreads / a.ng, grp = tid / gt, gtid = tid % gt;
-  int parity = 0;
-  auto wrow = [&](int g) -> float* {
-    return a.use_smem ? sW + int64_t(g) * n : a.logits + (int64_t(list) * G + g) * a.max_slots;
-  };
-  for (int g = grp; g < G; g += a.ng) {
-    const float* lg = a.logits + (int64_t(list) * G + g) * a.max_slots;
-    float* w = wrow(g);
-    Red x = red_init();
-    for (int i = gtid; i < n; i += gt) x.b = fmaxf(x.b, lg[i]);
-    const float mx = red_group(x, sred[grp], parity, grp, gt).b;
-    // Softmax (the CPU's: float exp, double sum, float reciprocal); invalid slots -> -1.
-    x = red_init();
-    for (int i = gtid; i < n; i += gt) {
-      const float v = lg[i];
-      float e = -1.f;
-      if (v != -INFINITY) {
-        e = expf(v - mx);
-        x.m += double(e);
+  const float* lg = a.logits + (int64_t(list) * G + g) * a.max_slots;
+  float wr[EPT > 0 ? EPT : 1];
+  float* wm = nullptr;
+  if constexpr (EPT == 0) wm = a.use_smem ? sWf : a.wglob + (int64_t(list) * G + g) * a.max_slots;
+  // f(i, weight&) over this thread's slots.
+  auto each = [&](auto&& f) {
+    if constexpr (EPT > 0) {
+#pragma unroll
+      for (int k = 0; k < EPT; ++k) {
+        const int i = tid + k * NT;
+        if (i < n) f(i, wr[k]);
       }
-      w[i] = e;
-    }
-    const float inv = float(1.0 / red_group(x, sred[grp], parity, grp, gt).m);
-    x = red_init();
-    for (int i = gtid; i < n; i += gt) {
-      const float e = w[i];
-      if (e >= 0.f) {
-        w[i] = e * inv;
-        x.b = fmaxf(x.b, e * inv);
-      }
-    }
-    const float wmax = red_group(x, sred[grp], parity, grp, gt).b;
-    x = red_init();
-    for (int i = gtid; i < n; i += gt)
-      if (w[i] >= wmax) x.m += double(w[i]);
-    float thr;
-    if (red_group(x, sred[grp], parity, grp, gt).m >= a.p) {
-      thr = wmax;
     } else {
-      double l = 0, r = wmax;
-      int it = 0;
-      while (r - l >= a.eps && it < 64) {
-        const double m = 0.5 * (l + r);
-        x = red_init();
-        for (int i = gtid; i < n; i += gt) {
-          const float v = w[i];
-          if (v >= m) {
-            x.m += double(v);
-            if (v < r) x.a = fminf(x.a, v), x.b = fmaxf(x.b, v);
-          } else if (v >= l) {
-            x.c = fminf(x.c, v), x.d = fmaxf(x.d, v);
-          }
+      for (int i = tid; i < n; i += NT) f(i, wm[i]);
+    }
+  };
+  int parity = 0;
+  // Softmax as the CPU computes it: float max, float exp, double sum, float reciprocal,
+  // float product; invalid slots (-inf logits) hold -1. The largest weight is inv itself
+  // (the max logit's exp is 1, every other is <= 1).
+  float vmax = -INFINITY;
+  each([&](int i, float& v) {
+    v = __ldg(lg + i);
+    vmax = fmaxf(vmax, v);
+  });
+  const float lmax = max_block(vmax, sred, parity);
+  double sum = 0.0;
+  each([&](int, float& v) {
+    if (v != -INFINITY) {
+      v = expf(v - lmax);
+      sum += double(v);
+    } else {
+      v = -1.f;
+    }
+  });
+  const float inv = float(1.0 / sum_block(sum, sred, parity));
+  const float wmax = inv;
+  double at_max = 0.0;  // mass of the weights equal to the largest
+  each([&](int, float& v) {
+    if (v >= 0.f) {
+      v *= inv;
+      if (v == wmax) at_max += double(v);
+    }
+  });
+  float thr;
+  if (sum_block(at_max, sred, parity) >= a.p) {
+    thr = wmax;
+  } else {
+    // Algorithm 1 (sparse::topp_binary_search), two bisection steps per pass: the pass
+    // measures the masses at the midpoint m1 and at both possible next midpoints, and the
+    // undecided spans of the four quarters, so both steps (and their termination tests)
+    // are decided as the sequential loop decides them. Float weights against double
+    // thresholds compare as against the thresholds rounded up to float (exact); masses are
+    // summed in fp32 over a thread's <= 16 weights, then in double across threads.
+    double l = 0, r = wmax;
+    int it = 0;
+    const float feps = float(a.eps);
+    auto f = [](unsigned u) { return __uint_as_float(u); };
+    while (r - l >= a.eps && it < 64) {
+      const double m1 = 0.5 * (l + r), mL = 0.5 * (l + m1), mR = 0.5 * (m1 + r);
+      const float lf = __double2float_ru(l), rf = __double2float_ru(r);
+      const float m1f = __double2float_ru(m1), mLf = __double2float_ru(mL), mRf = __double2float_ru(mR);
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f;
+      Red x = red_init();
+      each([&](int, float& v) {
+        if (v < lf) return;
+        if (v >= mLf) s0 += v;
+        if (v >= m1f) s1 += v;
+        if (v >= mRf) s2 += v;
+        if (v < rf) {
+          const unsigned u = __float_as_uint(v);
+          if (v >= mRf) x.mn[3] = min(x.mn[3], u), x.mx[3] = max(x.mx[3], u);
+          else if (v >= m1f) x.mn[2] = min(x.mn[2], u), x.mx[2] = max(x.mx[2], u);
+          else if (v >= mLf) x.mn[1] = min(x.mn[1], u), x.mx[1] = max(x.mx[1], u);
+          else x.mn[0] = min(x.mn[0], u), x.mx[0] = max(x.mx[0], u);
         }
-        const Red y = red_group(x, sred[grp], parity, grp, gt);
-        float lo, hi;
-        if (y.m >= a.p) l = m, lo = y.a, hi = y.b;
-        else r = m, lo = y.c, hi = y.d;
-        ++it;
-        if (!(hi - lo >= float(a.eps))) break;
+      });
+      x.s[0] = s0, x.s[1] = s1, x.s[2] = s2;
+      const Red y = red_block(x, sred, parity);
+      // Step 1: midpoint m1.
+      const bool right = y.s[1] >= a.p;
+      float lo, hi;
+      if (right) l = m1, lo = f(min(y.mn[2], y.mn[3])), hi = f(max(y.mx[2], y.mx[3]));
+      else r = m1, lo = f(min(y.mn[0], y.mn[1])), hi = f(max(y.mx[0], y.mx[1]));
+      ++it;
+      if (!(hi - lo >= feps)) break;
+      if (!(r - l >= a.eps && it < 64)) break;
+      // Step 2: midpoint mR (right half) or mL (left half), the same doubles.
+      const double m = 0.5 * (l + r);
+      if (right) {
+        if (y.s[2] >= a.p) l = m, lo = f(y.mn[3]), hi = f(y.mx[3]);
+        else r = m, lo = f(y.mn[2]), hi = f(y.mx[2]);
+      } else {
+        if (y.s[0] >= a.p) l = m, lo = f(y.mn[1]), hi = f(y.mx[1]);
+        else r = m, lo = f(y.mn[0]), hi = f(y.mx[0]);
       }
-      thr = float(l);
-      if (double(thr) > l) thr = nextafterf(thr, -INFINITY);
+      ++it;
+      if (!(hi - lo >= feps)) break;
     }
-    if (gtid == 0) {
-      s_thr[g] = thr;
-      a.thr[list * G + g] = thr;
-    }
+    thr = float(l);
+    if (double(thr) > l) thr = nextafterf(thr, -INFINITY);
   }
+  if (tid == 0) a.thr[list * G + g] = thr;
+  uint8_t* mk = a.mask + int64_t(list) * a.max_slots * G + g;
+  each([&](int i, float& v) { mk[int64_t(i) * G] = v >= thr ? 1 : 0; });
+  // The last of the G CTAs of the list emits the union, in selection order.
+  __threadfence();
   __syncthreads();
-  // Union of the G kept sets, compacted in selection order.
-  const int seg = (n + kTpThreads - 1) / kTpThreads;
-  const int i0 = min(n, tid * seg), i1 = min(n, i0 + seg);
+  if (tid == 0) s_last = atomicAdd(a.counters + list, 1) == G - 1;
+  __syncthreads();
+  if (!s_last) return;
+  if (tid == 0) a.counters[list] = 0;
+  __threadfence();
+  const uint8_t* ml = a.mask + int64_t(list) * a.max_slots * G;
   auto keep = [&](int i) {
-    for (int g = 0; g < G; ++g)
-      if (wrow(g)[i] >= s_thr[g]) return true;  // invalid slots hold -1 < any threshold
+    if (G == 4) return __ldcg(reinterpret_cast<const unsigned int*>(ml) + i) != 0u;
+    for (int k = 0; k < G; ++k)
+      if (__ldcg(ml + int64_t(i) * G + k)) return true;
     return false;
   };
+  // Thread t takes the contiguous slots [t * seg, t * seg + seg): bit j of `bits` = keep.
+  const int seg = (n + NT - 1) / NT;
+  const int i0 = min(n, tid * seg), i1 = min(n, i0 + seg);
   int cnt = 0;
-  for (int i = i0; i < i1; ++i) cnt += keep(i);
+  uint32_t bits = 0;
+  if (seg <= 32) {
+#pragma unroll 8
+    for (int j = 0; j < i1 - i0; ++j)
+      if (keep(i0 + j)) bits |= 1u << j, ++cnt;
+  } else {
+    for (int i = i0; i < i1; ++i) cnt += keep(i);
+  }
   int tot;
   int o = block_scan_excl(cnt, s_warp, &tot);
   int32_t* out = a.kept + int64_t(list) * a.max_slots;
-  for (int i = i0; i < i1; ++i)
-    if (keep(i)) out[o++] = chunk ? a.base_idx[e0 + i / 16] * 16 + i % 16 : a.base_idx[e0 + i];
+  auto pos_of = [&](int i) {
+    return chunk ? __ldg(a.base_idx + e0 + i / 16) * 16 + i % 16 : __ldg(a.base_idx + e0 + i);
+  };
+  if (seg <= 32) {
+    while (bits) {
+      const int j = __ffs(bits) - 1;
+      bits &= bits - 1;
+      out[o++] = pos_of(i0 + j);
+    }
+  } else {
+    for (int i = i0; i < i1; ++i)
+      if (keep(i)) out[o++] = pos_of(i);
+  }
   if (tid == 0) a.kept_cnt[list] = tot;
 }
 
@@ -397,6 +541,7 @@ __global__ void twl_compact_kernel(const int32_t* kept, const int32_t* cnt, int 
   }
   __syncthreads();
   const int start = s_start, n = cnt[list];
+#pragma unroll 4
   for (int j = threadIdx.x; j < n; j += blockDim.x)
     idx[start + j] = kept[int64_t(list) * max_slots + j];
   if (threadIdx.x == 0) {
@@ -426,13 +571,19 @@ TwilightPruner::TwilightPruner(DeviceArena& arena, int max_batch, int Hq, int Hk
   SPADE_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 32, "twilight: G = Hq / Hkv must divide and be <= 32");
   SPADE_CHECK(max_slots > 0 && max_batch > 0, "twilight: bad sizes");
   SPADE_CHECK(p > 0 && p <= 1 && eps > 0, "twilight: p in (0, 1], eps > 0");
-  const size_t lists = size_t(max_batch) * Hkv, G = size_t(Hq / Hkv);
-  logits_ = arena.alloc_n<float>(lists * G * size_t(max_slots), "twilight logits");
+  max_slots_ = (max_slots + 15) / 16 * 16;
+  const size_t lists = size_t(max_batch) * Hkv, G = size_t(Hq / Hkv), ms = size_t(max_slots_);
+  logits_ = arena.alloc_n<float>(lists * G * ms, "twilight logits");
+  if (ms > size_t(kTpRegSlots) && ms * 4 > kTpSmemMax)
+    wglob_ = arena.alloc_n<float>(lists * G * ms, "twilight weights");
+  mask_ = arena.alloc_n<uint8_t>(lists * ms * G, "twilight kept masks");
+  counters_ = arena.alloc_n<int>(lists, "twilight list counters");
+  SPADE_CUDA(cudaMemset(counters_, 0, lists * sizeof(int)));
   thr_ = arena.alloc_n<float>(lists * G, "twilight thresholds");
-  kept_strided_ = arena.alloc_n<int32_t>(lists * size_t(max_slots), "twilight kept (strided)");
+  kept_strided_ = arena.alloc_n<int32_t>(lists * ms, "twilight kept (strided)");
   kept_cnt_ = arena.alloc_n<int32_t>(lists, "twilight kept counts");
   kept_off_ = arena.alloc_n<int32_t>(lists + 1, "twilight kept offsets");
-  kept_idx_ = arena.alloc_n<int32_t>(lists * size_t(max_slots), "twilight kept indices");
+  kept_idx_ = arena.alloc_n<int32_t>(lists * ms, "twilight kept indices");
 }
 
 void TwilightPruner::estimate(const TwilightStep& st, cudaStream_t s) {
@@ -461,25 +612,28 @@ void TwilightPruner::estimate(const TwilightStep& st, cudaStream_t s) {
 
 void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
   const int G = Hq_ / Hkv_;
-  int ng = 1;
-  while (ng * 2 <= std::min(G, 8)) ng *= 2;
-  const size_t smem = size_t(G) * size_t(max_slots_) * 4;
-  const bool use_smem = smem <= kTpSmemMax;
-  static bool attr_done = false;
-  if (!attr_done) {
-    SPADE_CUDA(cudaFuncSetAttribute(twl_topp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(kTpSmemMax)));
-    attr_done = true;
+  TpArgs a{st.base_off, st.base_idx, st.gran, logits_, wglob_, mask_, counters_, thr_,
+           kept_strided_, kept_cnt_, G, max_slots_, p_, eps_, 0};
+  if (max_slots_ <= kTpRegSlots) {
+    twl_topp_kernel<kTpRegThreads, kTpEpt><<<st.B * Hkv_ * G, kTpRegThreads, 0, s>>>(a);
+  } else {
+    const size_t smem = size_t(max_slots_) * 4;
+    a.use_smem = smem <= kTpSmemMax ? 1 : 0;
+    SPADE_CHECK(a.use_smem || wglob_, "twilight: no weight buffer");
+    static bool attr_done = false;
+    if (!attr_done) {
+      SPADE_CUDA(cudaFuncSetAttribute(twl_topp_kernel<kTpMemThreads, 0>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, int(kTpSmemMax)));
+      attr_done = true;
+    }
+    twl_topp_kernel<kTpMemThreads, 0><<<st.B * Hkv_ * G, kTpMemThreads, a.use_smem ? smem : 0, s>>>(a);
   }
-  TpArgs a{st.base_off, st.base_idx, st.kv_len, st.gran, logits_, thr_, kept_strided_, kept_cnt_,
-           Hkv_, G, max_slots_, ng, p_, eps_, use_smem ? 1 : 0};
-  twl_topp_kernel<<<st.B * Hkv_, kTpThreads, use_smem ? smem : 0, s>>>(a);
   SPADE_CUDA_LAUNCH();
 }
 
 void TwilightPruner::compact(const TwilightStep& st, cudaStream_t s) {
   const int n_lists = st.B * Hkv_;
-  twl_compact_kernel<<<n_lists, 256, 0, s>>>(kept_strided_, kept_cnt_, max_slots_, n_lists,
+  twl_compact_kernel<<<n_lists, 1024, 0, s>>>(kept_strided_, kept_cnt_, max_slots_, n_lists,
                                              kept_off_, kept_idx_);
   SPADE_CUDA_LAUNCH();
 }

@@ -14,9 +14,10 @@
 //   1. estimate: logits[list][g][slot] = scale * (zero * sum(q_g) + s * q_g . code) fp32,
 //      tensor cores (bf16 q x exact bf16 codes, fp32 accumulation); slot = entry (Token) or
 //      16 * entry + row (Chunk16); slots past kv_len are -inf.
-//   2. top-p: per list, per query head: softmax, then Algorithm 1 exactly as
-//      sparse::topp_binary_search (same double bisection, same termination test); the union
-//      of { w_g >= t_g } is compacted in selection order into kept_strided[list][slot].
+//   2. top-p: one CTA per (list, query head): softmax, then Algorithm 1 as
+//      sparse::topp_binary_search (same double bisection, same termination test; masses
+//      summed in fp32 within a thread, double across), two steps per pass over the weights; each writes its kept mask, and the last CTA of the list
+//      compacts the union of { w_g >= t_g } in selection order into kept_strided[list][slot].
 //   3. compact: kept_strided + kept_count -> CSR kept_off[B * Hkv + 1] / kept_idx (Token).
 // Only head_combine=union is implemented (the CPU method's default).
 #pragma once
@@ -60,7 +61,7 @@ class TwilightPruner {
   const int32_t* kept_off() const { return kept_off_; }  // [B * Hkv + 1]
   const int32_t* kept_idx() const { return kept_idx_; }  // token positions
   const int32_t* kept_count() const { return kept_cnt_; }  // [B * Hkv]
-  const float* logits() const { return logits_; }      // [list][G][max_slots] (tests)
+  const float* logits() const { return logits_; }      // [list][G][max_slots()] (tests)
   const float* thresholds() const { return thr_; }      // [list][G] (tests)
   int max_slots() const { return max_slots_; }
   // Bytes the pruner must move per step for n_tokens base tokens over all lists (the
@@ -73,6 +74,9 @@ class TwilightPruner {
   int max_batch_, Hq_, Hkv_, D_, P_, max_slots_;
   double p_, eps_;
   float* logits_ = nullptr;
+  float* wglob_ = nullptr;  // top-p weights of lists over the shared-memory cap
+  uint8_t* mask_ = nullptr;
+  int* counters_ = nullptr;
   float* thr_ = nullptr;
   int32_t* kept_strided_ = nullptr;
   int32_t* kept_cnt_ = nullptr;
