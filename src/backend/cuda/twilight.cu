@@ -25,7 +25,7 @@
 //   writes the head's kept mask (1 B per slot), its threshold; the last CTA of the list
 //          reads the G masks and writes the kept positions int32 [list][max_slots] in
 //          selection order and the kept count
-//   CTA = one (list, query head): 512 threads with 16 weights each in registers (lists up
+//   CTA = one (list, query head): 512 threads (2 CTAs per SM) with 16 weights each in registers (lists up
 //   to 8192 slots), else 256 threads over shared / global memory; one barrier per reduction (partials double-
 //   buffered). The bisection is sparse::topp_binary_search step for step (double midpoints,
 //   its termination test; masses fp32 within a thread's <= 16 weights, double across
@@ -361,7 +361,7 @@ __device__ __forceinline__ int block_scan_excl(int v, int* s_warp, int* total) {
 // EPT > 0: NT threads hold the weights of slots tid + k * NT, k < EPT, in registers;
 // EPT == 0: the weights live in shared memory (a.use_smem) or global memory.
 template <int NT, int EPT>
-__global__ void __launch_bounds__(NT, 1) twl_topp_kernel(const TpArgs a) {
+__global__ void __launch_bounds__(NT, 2) twl_topp_kernel(const TpArgs a) {
   extern __shared__ float sWf[];
   __shared__ RedSmem sred;
   __shared__ int s_warp[64];
