@@ -13,7 +13,8 @@
 // Layers: per-layer caches are rotated call by call (n_layers such that the bytes a stage
 // reads over the rotation exceed 2x the 50 MB L2), so no stage is timed L2-hot.
 // Timing: CUDA events, median over reps of `calls` back-to-back launches (stream order, no
-// graph): each stage alone, and the whole step of each variant.
+// graph): each stage alone, and the whole step of each variant; plus the pruner's three
+// launches of every rotated layer replayed from one CUDA graph (us_pruner_graph, per layer).
 // Byte floors: the pruner moves base tokens x (D/2 + 4) B of INT4 rows + kept x 4 B; floor
 // time = bytes / the copy bandwidth measured here (cudaMemcpy D2D, 2 x bytes / time).
 // The SparseAttention plan for the kept lists takes the previous step's kept counts as its
@@ -220,6 +221,23 @@ int main(int argc, char** argv) {
     const double t_topp = time_us([&](int i) { pr.topp(tstep(i), 0); }, calls, reps);
     const double t_cmp = time_us([&](int i) { pr.compact(tstep(i), 0); }, calls, reps);
     const double t_pruner = time_us([&](int i) { pr.run(tstep(i), 0); }, calls, reps);
+    // The pruner's three launches per layer, every layer once, replayed from a CUDA graph
+    // (launch gaps removed); per layer.
+    double t_pruner_graph = 0;
+    {
+      cudaStream_t gs;
+      SPADE_CUDA(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      SPADE_CUDA(cudaStreamBeginCapture(gs, cudaStreamCaptureModeGlobal));
+      for (int l = 0; l < n_layers; ++l) pr.run(tstep(l), gs);
+      SPADE_CUDA(cudaStreamEndCapture(gs, &graph));
+      SPADE_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      t_pruner_graph = time_us([&](int) { SPADE_CUDA(cudaGraphLaunch(exec, 0)); }, calls, reps) / n_layers;
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(gs);
+    }
     const double t_attn_kept = time_us([&](int i) { const Layer& y = lay(i); sa_t.run(y.q, y.k, y.v, pr.kept_off(), pr.kept_idx(), att, scale, 0); }, calls, reps);
     const double t_dense = time_us([&](int i) { const Layer& y = lay(i); sa_d.run(y.q, y.k, y.v, boff, bidx, att, scale, 0); }, calls, reps);
     // Whole steps, in stream order.
@@ -245,13 +263,13 @@ int main(int argc, char** argv) {
                   "\"kept_mean\":%.1f,\"kept_max\":%d,"
                   "\"us_quest_score\":%.2f,\"us_quest_topk\":%.2f,\"us_quest_select\":%.2f,"
                   "\"us_attn_base\":%.2f,\"us_estimate\":%.2f,\"us_topp\":%.2f,\"us_compact\":%.2f,"
-                  "\"us_pruner\":%.2f,\"us_attn_kept\":%.2f,\"us_dense\":%.2f,"
+                  "\"us_pruner\":%.2f,\"us_pruner_graph\":%.2f,\"us_attn_kept\":%.2f,\"us_dense\":%.2f,"
                   "\"us_quest_step\":%.2f,\"us_twilight_step\":%.2f,"
                   "\"pruner_bytes\":%.0f,\"estimate_bytes\":%.0f,\"copy_bw_gbs\":%.1f,"
                   "\"pruner_floor_us\":%.2f,\"pruner_vs_floor\":%.3f,\"estimate_vs_floor\":%.3f,"
                   "\"speedup_vs_quest\":%.3f,\"speedup_vs_dense\":%.3f}",
                   pt.tag, ctx, B, Hq, Hkv, D, P, base_budget, pt.planted, n_layers, kept_mean, kept_max,
-                  t_score, t_topk, t_select, t_attn_base, t_est, t_topp, t_cmp, t_pruner, t_attn_kept,
+                  t_score, t_topk, t_select, t_attn_base, t_est, t_topp, t_cmp, t_pruner, t_pruner_graph, t_attn_kept,
                   t_dense, t_quest_step, t_tw_step, pr_bytes, est_bytes, bw / 1e9, floor_us,
                   t_pruner / floor_us, t_est / (est_bytes / bw * 1e6), t_quest_step / t_tw_step,
                   t_dense / t_tw_step);
