@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call for Twilight on the GPU: the CudaTwilight gpu tests (INT4 keys, pruner vs
 # the CPU method, Quest -> prune -> attention), then bench_twilight -> $OUT/twilight.jsonl and
-# the results JSON. Binaries prebuilt here (no GPU needed) into $PREBUILT (default
-# .prebuilt-tw): spade_gpu_tests_tw (the CudaTwilight tests) and bench_twilight, e.g.
-#   run(command="bash .prebuilt-tw/run_gpu_twilight.sh", carry=[".prebuilt-tw", ".deps-cuda"])
+# the results JSON ($OUT/twilight.json: device, date, commit, command, points). Binaries
+# prebuilt here (no GPU needed) by bench/gpu_deps/prebuild_twilight.sh into $PREBUILT
+# (default .prebuilt-tw, which also gets a copy of this script):
+#   run(command="COMMIT=<short hash> bash .prebuilt-tw/run_gpu_twilight.sh",
+#       carry=[".prebuilt-tw", ".deps-cuda"])
 # Env: BENCH_MODE (all | quick | none), FILTER (gtest filter), COMMIT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
