@@ -586,6 +586,14 @@ TwilightPruner::TwilightPruner(DeviceArena& arena, int max_batch, int Hq, int Hk
   kept_idx_ = arena.alloc_n<int32_t>(lists * ms, "twilight kept indices");
 }
 
+size_t TwilightPruner::arena_bytes(int max_batch, int Hq, int Hkv, int max_slots) {
+  const size_t lists = size_t(max_batch) * Hkv, G = size_t(Hq / Hkv);
+  const size_t ms = size_t((max_slots + 15) / 16 * 16);
+  size_t b = lists * G * ms * 4 + lists * ms * G + lists * ms * 4 * 2 + lists * (G * 4 + 16) + 4096;
+  if (ms > size_t(kTpRegSlots) && ms * 4 > kTpSmemMax) b += lists * G * ms * 4;
+  return b;
+}
+
 void TwilightPruner::estimate(const TwilightStep& st, cudaStream_t s) {
   SPADE_CHECK(st.B >= 1 && st.B <= max_batch_, "twilight: batch ", st.B);
   SPADE_CHECK(st.gran == SelGran::Token || (st.gran == SelGran::Chunk16 && P_ % 16 == 0),

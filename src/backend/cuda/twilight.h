@@ -51,6 +51,8 @@ class TwilightPruner {
   // longer lists to it (a caller error, not checked on the host: the lists live on the GPU).
   TwilightPruner(DeviceArena& arena, int max_batch, int Hq, int Hkv, int D, int P,
                  int max_slots, double p = 0.95, double eps = 1e-6);
+  // Arena bytes the constructor takes (with alignment slack).
+  static size_t arena_bytes(int max_batch, int Hq, int Hkv, int max_slots);
   void set_p(double p) { p_ = p; }
   void run(const TwilightStep& st, cudaStream_t s);
   // The stages separately (timing, tests).
