@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for Twilight on the GPU: the CudaTwilight gpu tests (INT4 keys, pruner vs
-# the CPU method, Quest -> prune -> attention), then bench_twilight -> $OUT/twilight.jsonl and
+# One device call for Twilight on the GPU: the CudaTwilight* gpu tests (INT4 keys, pruner vs
+# the CPU method, Quest -> prune -> attention, CudaModel --sparse twilight), then bench_twilight -> $OUT/twilight.jsonl and
 # the results JSON ($OUT/twilight.json: device, date, commit, command, points). Binaries
 # prebuilt here (no GPU needed) by bench/gpu_deps/prebuild_twilight.sh into $PREBUILT
 # (default .prebuilt-tw, which also gets a copy of this script):
@@ -16,7 +16,7 @@ CUDA_LIB=$CUDA_HOME/lib64
 [ -d $CUDA_HOME/targets/x86_64-linux/lib ] && CUDA_LIB=$CUDA_HOME/targets/x86_64-linux/lib
 export LD_LIBRARY_PATH=$CUDA_LIB:$(pwd)/.deps-cuda/lib:${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
-timeout ${TEST_TIMEOUT:-150} ./$PRE/spade_gpu_tests_tw --gtest_filter="${FILTER:-CudaTwilight.*}" \
+timeout ${TEST_TIMEOUT:-150} ./$PRE/spade_gpu_tests_tw --gtest_filter="${FILTER:-CudaTwilight*}" \
   2>&1 | tee "$OUT/gpu_tests_twilight.log" | grep -vE "^\[ +(RUN|OK) " | tail -40
 [ "${BENCH_MODE:-all}" = none ] && exit 0
 timeout ${BENCH_TIMEOUT:-240} ./$PRE/bench_twilight "$OUT/twilight.jsonl" ${BENCH_MODE:-all} 2>&1 | tail -12
