@@ -10,8 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 BD=${BUILD_DIR:-build-cuda2}
 [ -f $BD/build.ninja ] || cmake -S . -B $BD -G Ninja -DCMAKE_BUILD_TYPE=Release
-T=$BD/CMakeFiles/spade_gpu_tests.dir/tests/gpu
-ninja -C $BD -j${JOBS:-2} spade_lib spade_cuda $T/test_cuda_twilight.cpp.o $T/test_cuda_twilight_model.cpp.o
+TO=CMakeFiles/spade_gpu_tests.dir/tests/gpu  # the test objects, relative to $BD
+T=$BD/$TO
+ninja -C $BD -j${JOBS:-2} spade_lib spade_cuda $TO/test_cuda_twilight.cpp.o $TO/test_cuda_twilight_model.cpp.o
 EXCL=$(git rev-parse --git-common-dir)/info/exclude
 grep -qs '^/.prebuilt-tw/$' "$EXCL" || echo /.prebuilt-tw/ >> "$EXCL"
 mkdir -p .prebuilt-tw
