@@ -11,8 +11,8 @@
 //          q of the G heads once per warp
 //   writes logits fp32 [list][G][max_slots] (4*G B per token: scratch, L2-resident)
 //   CTA = 4 warps of one list (b, KV head); a warp takes 16-slot tiles, two per iteration
-//   with all loads issued first: lane (row r = lane/4,
-//   t = lane%4) loads 16-byte pieces of rows r and r+8 (bytes [t*D/8, t*D/8 + D/8) = dims
+//   with all loads issued first: lane (row r = lane/4, t = lane%4) loads 16-byte pieces of
+//   rows r and r+8 (bytes [t*D/8, t*D/8 + D/8) = dims
 //   [t*D/4, t*D/4 + D/4)), turns each code byte into a bf16x2 (0x4300 | c is 128 + c, minus
 //   128: exact) and feeds mma.m16n8k16 (A = codes, 16 rows x 16 dims; B = q^T, 16 dims x 8
 //   heads, held in registers: lane's head r, the same dims). Within a k-step lane t's
@@ -25,8 +25,9 @@
 //   writes the head's kept mask (1 B per slot), its threshold; the last CTA of the list
 //          reads the G masks and writes the kept positions int32 [list][max_slots] in
 //          selection order and the kept count
-//   CTA = one (list, query head): 512 threads (2 CTAs per SM) with 16 weights each in registers (lists up
-//   to 8192 slots), else 256 threads over shared / global memory; one barrier per reduction (partials double-
+//   CTA = one (list, query head): 512 threads (2 CTAs per SM) with 16 weights each in
+//   registers (lists up to 8192 slots), else 256 threads over shared / global memory; one
+//   barrier per reduction (partials double-
 //   buffered). The bisection is sparse::topp_binary_search step for step (double midpoints,
 //   its termination test; masses fp32 within a thread's <= 16 weights, double across
 //   threads), two steps per pass: a pass measures the masses at m1 and at both candidate
