@@ -21,6 +21,7 @@
 #include "backend/cuda/ops.h"
 #include "backend/cuda/sampling.h"
 #include "backend/cuda/sparse_attention.h"
+#include "backend/cuda/twilight.h"
 #include "core/half.h"
 #include "io/hf_config.h"
 
@@ -163,12 +164,18 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
                 Hq / Hkv, " > 16 is not supported");
     const int64_t mb = opt_.max_batch;
     const int64_t kp = sp.budget / 16;
-    if (sp.method == CudaSparse::Method::Quest) {
+    if (sp.quest_base()) {
       SPADE_CHECK(P == 16, "--device cuda: quest needs KV pages of 16 tokens (got ", P, ")");
       sel_cap = mb * Hkv * std::max<int64_t>(1, std::min(kp, seq_pages_cap_));
       sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D) * 2;  // metadata
       sp_bytes += size_t(mb * Hkv * seq_pages_cap_) * 4;                   // scores
       sp_bytes += size_t(mb * Hkv * std::max<int64_t>(1, kp)) * 4;         // strided top-k
+      if (sp.method == CudaSparse::Method::Twilight) {
+        sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * P) * size_t(D / 2 + 4);  // INT4 K
+        sp_bytes += cuda::TwilightPruner::arena_bytes(int(mb), int(Hq), int(Hkv), int(kp * 16));
+        sp_bytes += size_t(n_pages_ + 2 * mb + 8 + 4 * mb * Hkv * 64) * 4 +  // kept attention
+                    size_t(64 * mb * Hq) * (D + 1) * 4 + size_t(mb * Hkv) * 4 + (4u << 20);
+      }
     } else if (sp.method == CudaSparse::Method::Tidal) {
       const int64_t k = std::min<int64_t>(sp.budget, c.max_context);
       sel_cap = mb * Hkv * k;
@@ -313,13 +320,23 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
                 NL, "]");
     sparse_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
                                                       int(Hkv), int(D), P, 64);
-    if (sp.method == CudaSparse::Method::Quest) {
+    if (sp.quest_base()) {
       const size_t me = size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D);
       quest_meta_ = A.alloc_n<bf16>(me, "quest page metadata");
       SPADE_CUDA(cudaMemset(quest_meta_, 0, me * 2));
       quest_scores_ = A.alloc_n<float>(size_t(opt_.max_batch * Hkv * seq_pages_cap_), "quest scores");
       quest_strided_ = A.alloc_n<int32_t>(
           size_t(opt_.max_batch * Hkv * std::max<int64_t>(1, sp.budget / 16)), "quest top-k");
+    }
+    if (sp.method == CudaSparse::Method::Twilight) {
+      const size_t rows = size_t(NL) * size_t(n_pages_) * size_t(Hkv * P);
+      k_int4_ = A.alloc_n<uint8_t>(rows * size_t(D / 2), "twilight INT4 keys");
+      k_int4_sz_ = A.alloc_n<uint32_t>(rows, "twilight INT4 scale/zero");
+      twilight_ = std::make_unique<cuda::TwilightPruner>(A, opt_.max_batch, int(Hq), int(Hkv),
+                                                         int(D), P, int(sp.budget / 16 * 16),
+                                                         sp.twilight_p, sp.twilight_eps);
+      sparse_kept_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
+                                                             int(Hkv), int(D), P, 64);
     }
     if (sp.method == CudaSparse::Method::Tidal) {
       const int64_t rows = int64_t(opt_.max_batch) * Hkv;
@@ -432,7 +449,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   const CudaSparse& sp = opt_.sparse;
   upd_n_ = 0;
   sparse_step_ = false;
-  if (sp.method == CudaSparse::Method::Quest) {
+  if (sp.quest_base()) {
     for (const SeqInput& s : batch) {
       const int64_t p0 = s.pages->length, p1 = p0 + s.n_tokens;
       for (int64_t pg = p0 / P; pg * P < p1; ++pg) {
@@ -448,13 +465,15 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   }
   if (sp.selects() && T == int64_t(batch.size()) &&
       sp.dense_layers < c.n_layers) {
-    const bool quest = sp.method == CudaSparse::Method::Quest;
+    const bool quest = sp.quest_base();
+    const bool twilight = sp.method == CudaSparse::Method::Twilight;
     const bool per_head = quest || sp.method == CudaSparse::Method::Tidal;  // lists per KV head
     const int Hkv = c.n_kv_heads;
     const int64_t kp = sp.budget / 16;
     std::vector<cuda::SparseSeq> sseq(batch.size());
-    std::vector<int> max_entries;
-    bool any_sparse = sp.force_lists;
+    std::vector<int> max_entries, kept_max;
+    // Twilight prunes even when Quest keeps every page (as the CPU method does).
+    bool any_sparse = sp.force_lists || twilight;
     int max_np = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
       const PageTable& pt = *batch[i].pages;
@@ -465,6 +484,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
       if (quest) {
         any_sparse |= kp < np;
         for (int h = 0; h < Hkv; ++h) max_entries.push_back(int(std::min<int64_t>(kp, np)));
+        for (int h = 0; h < Hkv; ++h) kept_max.push_back(int(std::min<int64_t>(kp * 16, L)));
       } else {
         any_sparse |= sp.budget < L;
         for (int h = 0; h < (per_head ? Hkv : 1); ++h)
@@ -475,6 +495,8 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
     if (any_sparse) {
       sparse_->plan(sseq, quest ? cuda::SelGran::Chunk16 : cuda::SelGran::Token,
                     per_head ? Hkv : 1, max_entries, nullptr, st);
+      // Kept lists: upper bounds only (the real lengths are read on the GPU).
+      if (twilight) sparse_kept_->plan(sseq, cuda::SelGran::Token, Hkv, kept_max, nullptr, st);
       sparse_step_ = true;
       step_B_ = int(batch.size());
       step_max_pages_ = max_np;
@@ -501,7 +523,9 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   const float scale = 1.f / std::sqrt(float(D));
   cuda::embedding(static_cast<const bf16*>(embed_), tok_in_, x_, T, H, V, st);
   const CudaSparse& spc = opt_.sparse;
-  const bool quest = spc.method == CudaSparse::Method::Quest;
+  const bool quest = spc.quest_base();
+  const bool twilight = spc.method == CudaSparse::Method::Twilight;
+  const size_t layer_rows = size_t(n_pages_) * size_t(Hkv) * opt_.page_size;
   const int k_pages = int(spc.budget / 16);
   const size_t layer_meta = size_t(n_pages_) * size_t(Hkv) * 2 * D;
   if (sparse_step_ && spc.method == CudaSparse::Method::Streaming)
@@ -529,6 +553,10 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     a.k_cache = kc;
     a.v_cache = vc;
     a.T = T, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.P = opt_.page_size, a.eps = c.rms_eps;
+    uint8_t* codes = twilight ? k_int4_ + l * layer_rows * size_t(D / 2) : nullptr;
+    uint32_t* szs = twilight ? k_int4_sz_ + l * layer_rows : nullptr;
+    a.k_int4 = codes;  // Twilight: the INT4 copy of the appended keys
+    a.k_int4_sz = szs;
     cuda::qkv_post(a, st);
     bf16* meta = quest ? static_cast<bf16*>(quest_meta_) + l * layer_meta : nullptr;
     if (quest && upd_n_ > 0)
@@ -555,7 +583,18 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
                                   sel_off_, sel_idx_, st);
         if (quest_trace) trace_quest(int(l));
       }
-      sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st);
+      if (twilight) {
+        cuda::TwilightStep ts;
+        ts.q = q, ts.codes = codes, ts.sz = szs;
+        ts.page_table = sparse_->dev_page_table(), ts.page_off = sparse_->dev_page_off();
+        ts.kv_len = sparse_->dev_kv_len();
+        ts.base_off = sel_off_, ts.base_idx = sel_idx_, ts.gran = cuda::SelGran::Chunk16;
+        ts.B = step_B_, ts.scale = scale;
+        twilight_->run(ts, st);
+        sparse_kept_->run(q, kc, vc, twilight_->kept_off(), twilight_->kept_idx(), att, scale, st);
+      } else {
+        sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st);
+      }
     } else {
       attn_->run(q, kc, vc, att, scale, st, blasst_skip(int(l)));
     }

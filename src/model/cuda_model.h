@@ -31,6 +31,7 @@ class DeviceArena;
 class Gemm;
 class AttentionWorkspace;
 class SparseAttention;
+class TwilightPruner;
 struct BlasstSkip;
 }  // namespace cuda
 
@@ -49,7 +50,7 @@ struct BlasstSkip;
 constexpr double kBlasstDefaultGpuDecodeA = 4.128;
 
 struct CudaSparse {
-  enum class Method { None, Streaming, Quest, Tidal, Blasst };
+  enum class Method { None, Streaming, Quest, Tidal, Blasst, Twilight };
   Method method = Method::None;
   int64_t budget = 0;
   int sinks = 0;         // streaming
@@ -65,8 +66,12 @@ struct CudaSparse {
   std::string describe() const;
   // Attends over selection lists (streaming, quest); BLASST skips inside the dense kernels.
   bool selects() const {
-    return method == Method::Streaming || method == Method::Quest || method == Method::Tidal;
+    return method == Method::Streaming || quest_base() || method == Method::Tidal;
   }
+  // twilight (base quest, budget = the Quest budget): top-p mass and bisection resolution
+  double twilight_p = 0.95, twilight_eps = 1e-6;
+  // Quest selects (quest itself, or twilight's base).
+  bool quest_base() const { return method == Method::Quest || method == Method::Twilight; }
 };
 // The GPU form of a sparse::SparseConfig, through the same option table and checks as the
 // CPU method (sparse/registry.h). "full" -> Method::None; methods without a GPU path and
@@ -167,6 +172,12 @@ class CudaModel {
   std::unique_ptr<cuda::Gemm> gemm_;
   std::unique_ptr<cuda::AttentionWorkspace> attn_;
   std::unique_ptr<cuda::SparseAttention> sparse_;
+  // Twilight: the pruner, attention over its kept Token lists, INT4 keys written by qkv_post
+  // ([L][pages][Hkv][P][D/2] codes, [L][pages][Hkv][P] scale/zero).
+  std::unique_ptr<cuda::TwilightPruner> twilight_;
+  std::unique_ptr<cuda::SparseAttention> sparse_kept_;
+  uint8_t* k_int4_ = nullptr;
+  uint32_t* k_int4_sz_ = nullptr;
   // Sparse decode state (arena): Quest metadata [L][pages][Hkv][2][D] bf16, page scores,
   // strided top-k output, CSR lists; metadata update list (page ids | slots filled).
   void* quest_meta_ = nullptr;

@@ -20,6 +20,12 @@ std::string CudaSparse::describe() const {
     case Method::Tidal:
       return cat("tidal budget=", budget, " ", schedule.describe(),
                  " (selection layers: scores from the dense kernel, token top-k on the GPU)");
+    case Method::Twilight:
+      return cat("twilight p=", twilight_p, " eps=", twilight_eps,
+                 " head_combine=union keys=int4 (GPU: INT4 copy written by the KV append)"
+                 " dense_layers=", dense_layers, " over [quest budget=", budget,
+                 " page_size=16 pages=", budget / 16, " group=max scores=",
+                 quest_fast ? "fast" : "exact", "]");
     case Method::Blasst: {
       const std::string lam = blasst_lambda >= 0 ? cat("lambda=", blasst_lambda)
                                                  : cat("lambda=", blasst_a, "/L");
@@ -77,6 +83,28 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
     // Prefill skipping on the GPU only when asked for (prefill=1): the skipping prefill
     // kernel costs ~25% at zero sparsity and gains only 1.1x at 75% (docs/cuda.md).
     r.blasst_prefill = bm->params().prefill && cfg.options.count("prefill");
+    return r;
+  }
+  if (info.name == "twilight") {
+    // GPU: base quest with an explicit budget, the union of the heads' top-p sets, INT4 keys.
+    SPADE_CHECK(o.str("base") == "quest", "--device cuda: twilight runs over base=quest only "
+                "(got base=", o.str("base"), ")");
+    SPADE_CHECK(!o.is_auto("budget"), "--device cuda: twilight needs an explicit budget (the "
+                "Quest budget; budget=auto grows it with the context)");
+    SPADE_CHECK(o.str("head_combine") == "union" && o.str("keys") == "int4",
+                "--device cuda: twilight supports head_combine=union keys=int4 only");
+    for (const auto& [k, v] : cfg.options)
+      SPADE_CHECK((k != "group" || v == "max") && (k != "page_size" || v == "16"),
+                  "--device cuda: twilight's quest base supports group=max page_size=16 only");
+    SPADE_CHECK(kv_page_size == 16, "--device cuda: twilight's quest base needs a KV page size "
+                "of 16 (got ", kv_page_size, ")");
+    r.method = CudaSparse::Method::Twilight;
+    r.budget = o.integer("budget");
+    r.dense_layers = int(o.integer("dense_layers"));
+    r.twilight_p = o.number("p");
+    r.twilight_eps = o.number("eps");
+    r.quest_fast = scores == "fast" ? 1 : 0;
+    SPADE_CHECK(r.budget >= 16 && r.budget <= (int64_t(1) << 30), "sparse budget out of range");
     return r;
   }
   r.budget = o.integer("budget");

@@ -2,11 +2,15 @@
 //   embedding   reads T*H bf16, writes T*H fp32
 //   rmsnorm     reads R*H fp32 (+H weights), writes R*H bf16; one block per row
 //   qkv_post    reads T*(Hq+2Hkv)*D fp32, writes the same count of bf16 (q out, k/v into
-//               the paged cache [page][Hkv][P][D]); one warp per (token, head)
+//               the paged cache [page][Hkv][P][D]); one warp per (token, head); with
+//               k_int4 set, the K warps also write the row's INT4 copy (D/2 + 4 bytes,
+//               Twilight; int4_keys.cuh)
 //   swiglu      reads T*2F fp32, writes T*F bf16
 // For one decode token of Llama-3-8B these move < 0.5 MB per layer, against 436 MB of
 // weights per step: launch count, not bytes, is what matters (CUDA graphs fix that).
 #include "backend/cuda/ops.h"
+
+#include "backend/cuda/int4_keys.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -110,6 +114,12 @@ __global__ void qkv_post_kernel(QkvPostArgs a) {
     }
     dst[i] = __float2bfloat16(x0);
     dst[i + half] = __float2bfloat16(x1);
+    lo[j] = __bfloat162float(__float2bfloat16(x0));  // the cached (bf16) values
+    hi[j] = __bfloat162float(__float2bfloat16(x1));
+  }
+  if (is_k && a.k_int4) {  // warp-uniform
+    const int64_t row = (int64_t(a.page[t]) * a.Hkv + (head - a.Hq)) * a.P + pos % a.P;
+    int4_quantize_row_warp(lo, hi, half, a.k_int4 + row * half, a.k_int4_sz + row);
   }
 }
 
@@ -180,6 +190,8 @@ void rmsnorm(const float* x, const int32_t* rows, const float* w, float eps, bf1
 
 void qkv_post(const QkvPostArgs& a, cudaStream_t s) {
   SPADE_CHECK(a.D % 2 == 0 && a.D <= 256, "qkv_post: head_dim ", a.D, " unsupported");
+  SPADE_CHECK(!a.k_int4 == !a.k_int4_sz && (!a.k_int4 || a.D % 4 == 0),
+              "qkv_post: INT4 keys need both outputs and D % 4 == 0");
   if (a.T == 0) return;
   const int nh = a.Hq + 2 * a.Hkv, warps = 4;
   dim3 grid((nh + warps - 1) / warps, a.T);

@@ -33,6 +33,11 @@ struct QkvPostArgs {
   bf16* q_out = nullptr;           // [T, Hq, D]
   bf16* k_cache = nullptr;         // this layer's K pages
   bf16* v_cache = nullptr;
+  // Optional (Twilight): the INT4 copy of each appended key row, quantized from its bf16
+  // value in the same pass (format and layout in int4_keys.cuh / twilight.h): codes
+  // [page][Hkv][P][D/2], sz [page][Hkv][P]. Both null: no INT4 keys. Needs D % 4 == 0.
+  uint8_t* k_int4 = nullptr;
+  uint32_t* k_int4_sz = nullptr;
   int T = 0, Hq = 0, Hkv = 0, D = 0, P = 16;
   float eps = 1e-5f;
 };

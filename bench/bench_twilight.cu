@@ -1,0 +1,282 @@
+// Twilight decode benchmark (select-then-prune on the GPU): Quest at a base budget of 8192
+// tokens alone (select + attention over its 512 pages) vs Quest 8192 + the Twilight pruner
+// (INT4 estimate + top-p + compaction) + attention over the kept tokens. Shape: Hq=32,
+// Hkv=8, D=128, P=16, bf16 K/V; contexts 32K / 128K, batch 1 / 8. One JSON line per point.
+//
+// Inputs: random N(0, 1) q and K/V; per (request, KV head) `planted` (default 256) random
+// positions get keys aligned with one query head of the group, k = 2 q_g + 0.3 k (logit
+// ~ 2 |q|^2 / sqrt(D) ~ 22 against N(0, 1) for the rest, and a page bound above the random
+// pages', so Quest keeps them): attention is peaked, as in real decoding, and top-p keeps a
+// few hundred tokens per KV head (the planted ones of its G heads). Without such structure
+// (pure noise) top-p keeps most of the base set: the `flat` variant (planted = 0, B = 1,
+// 32K) shows that worst case.
+// Layers: per-layer caches are rotated call by call (n_layers such that the bytes a stage
+// reads over the rotation exceed 2x the 50 MB L2), so no stage is timed L2-hot.
+// Timing: CUDA events, median over reps of `calls` back-to-back launches (stream order, no
+// graph): each stage alone, and the whole step of each variant; plus the pruner's three
+// launches of every rotated layer replayed from one CUDA graph (us_pruner_graph, per layer).
+// Byte floors: the pruner moves base tokens x (D/2 + 4) B of INT4 rows + kept x 4 B; floor
+// time = bytes / the copy bandwidth measured here (cudaMemcpy D2D, 2 x bytes / time).
+// The SparseAttention plan for the kept lists takes the previous step's kept counts as its
+// upper bounds (here: the counts of a warm-up step), as a decode loop would.
+//
+// Build (bench/run_gpu_twilight.sh): nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a
+//   -Isrc bench/bench_twilight.cu <libspade_cuda.a> -lcublasLt -lcublas -o bench_twilight
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/ops.h"
+#include "backend/cuda/sparse_attention.h"
+#include "backend/cuda/twilight.h"
+
+using namespace spade;
+using namespace spade::cuda;
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <typename F>
+double time_us(F&& f, int calls, int reps) {
+  cudaEvent_t a, b;
+  SPADE_CUDA(cudaEventCreate(&a));
+  SPADE_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < 4; ++i) f(i);
+  SPADE_CUDA(cudaDeviceSynchronize());
+  std::vector<double> per;
+  for (int r = 0; r < reps; ++r) {
+    SPADE_CUDA(cudaEventRecord(a));
+    for (int i = 0; i < calls; ++i) f(i);
+    SPADE_CUDA(cudaEventRecord(b));
+    SPADE_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    SPADE_CUDA(cudaEventElapsedTime(&ms, a, b));
+    per.push_back(double(ms) * 1000.0 / calls);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(per);
+}
+
+// Pulls `planted` keys per (request, KV head) toward query head j % G of the group.
+// One warp per planted key; reads q (D bf16) and the key row, writes the key row.
+__global__ void plant_kernel(bf16* k, const bf16* q, const int32_t* pt, int npr, int L, int Hq,
+                             int Hkv, int D, int P, int planted, uint32_t seed) {
+  const int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  const int B = gridDim.y;
+  const int b = blockIdx.y;
+  if (w >= Hkv * planted) return;
+  const int h = w / planted, j = w % planted, G = Hq / Hkv;
+  uint32_t x = seed ^ (uint32_t(b) * 0x9e3779b9u) ^ (uint32_t(w) * 0x85ebca6bu);
+  x ^= x >> 16, x *= 0x7feb352du, x ^= x >> 15, x *= 0x846ca68bu, x ^= x >> 16;
+  const int pos = int(x % uint32_t(L));
+  bf16* row = k + ((int64_t(pt[b * npr + pos / P]) * Hkv + h) * P + pos % P) * D;
+  const bf16* qg = q + (int64_t(b) * Hq + h * G + j % G) * D;
+  for (int d = lane; d < D; d += 32)
+    row[d] = __float2bfloat16(2.f * __bfloat162float(qg[d]) + 0.3f * __bfloat162float(row[d]));
+  (void)B;
+}
+
+struct Layer {
+  bf16 *k, *v, *meta, *q;
+  uint8_t* codes;
+  uint32_t* sz;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string out_path = argc > 1 ? argv[1] : "twilight.jsonl";
+  const std::string mode = argc > 2 ? argv[2] : "all";
+  FILE* out = std::fopen(out_path.c_str(), "w");
+  if (!out) return 1;
+  const int Hq = 32, Hkv = 8, D = 128, P = 16;
+  const int base_budget = 8192, k_pages = base_budget / 16;
+  const float scale = 1.f / std::sqrt(float(D));
+  std::printf("%s\n", device_summary().c_str());
+  // Copy bandwidth (the floor's denominator).
+  double bw = 0;
+  {
+    const size_t n = size_t(1) << 30;
+    void *a, *b;
+    SPADE_CUDA(cudaMalloc(&a, n));
+    SPADE_CUDA(cudaMalloc(&b, n));
+    SPADE_CUDA(cudaMemset(a, 1, n));
+    const double us = time_us([&](int) { SPADE_CUDA(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); }, 3, 5);
+    bw = 2.0 * double(n) / (us * 1e-6);
+    cudaFree(a);
+    cudaFree(b);
+    std::printf("copy bandwidth %.0f GB/s\n", bw / 1e9);
+  }
+  struct Pt { int ctx, B, planted; const char* tag; };
+  std::vector<Pt> pts;
+  for (int ctx : {32768, 131072})
+    for (int B : {1, 8}) pts.push_back({ctx, B, 256, "peaked"});
+  pts.push_back({32768, 1, 0, "flat"});
+  if (mode == "quick") pts = {{32768, 1, 256, "peaked"}, {32768, 8, 256, "peaked"}};
+  for (const Pt& pt : pts) {
+    const int ctx = pt.ctx, B = pt.B;
+    const int npr = ctx / P;  // pages per request
+    const int64_t pages = int64_t(B) * npr;
+    const double sel_bytes = double(B) * Hkv * base_budget * 2 * D * 2;  // Quest attention K+V
+    const int n_layers = int(std::min<double>(8, std::max<double>(1, std::ceil(200e6 / sel_bytes))));
+    const size_t kv_elems = size_t(pages) * Hkv * P * D;
+    size_t free_b = 0, total_b = 0;
+    SPADE_CUDA(cudaMemGetInfo(&free_b, &total_b));
+    const size_t per_layer = kv_elems * 2 * 2 + kv_elems / 2 + kv_elems / D * 4 + size_t(pages) * Hkv * 2 * D * 2;
+    const size_t arena_bytes = per_layer * size_t(n_layers) + (size_t(1) << 30);
+    if (arena_bytes > free_b) {
+      std::printf("skip ctx=%d B=%d: needs %.1f GB\n", ctx, B, arena_bytes / 1e9);
+      continue;
+    }
+    DeviceArena arena(arena_bytes);
+    std::vector<int32_t> table(static_cast<size_t>(pages)), ids(table.size()), nv(table.size(), P);
+    for (int64_t i = 0; i < pages; ++i) table[size_t(i)] = int32_t(i), ids[size_t(i)] = int32_t(i);
+    int32_t* d_ids = arena.alloc_n<int32_t>(ids.size(), "ids");
+    int32_t* d_nv = arena.alloc_n<int32_t>(nv.size(), "nv");
+    SPADE_CUDA(cudaMemcpy(d_ids, ids.data(), 4 * ids.size(), cudaMemcpyHostToDevice));
+    SPADE_CUDA(cudaMemcpy(d_nv, nv.data(), 4 * nv.size(), cudaMemcpyHostToDevice));
+    std::vector<Layer> layers(static_cast<size_t>(n_layers));
+    for (int l = 0; l < n_layers; ++l) {
+      Layer& y = layers[size_t(l)];
+      y.k = arena.alloc_n<bf16>(kv_elems, "k");
+      y.v = arena.alloc_n<bf16>(kv_elems, "v");
+      y.codes = arena.alloc_n<uint8_t>(kv_elems / 2, "codes");
+      y.sz = arena.alloc_n<uint32_t>(kv_elems / D, "sz");
+      y.meta = arena.alloc_n<bf16>(size_t(pages) * Hkv * 2 * D, "meta");
+      y.q = arena.alloc_n<bf16>(size_t(B) * Hq * D, "q");
+      fill_random_bf16(y.k, int64_t(kv_elems), 11 + l, 1.f, 0.f, 0);
+      fill_random_bf16(y.v, int64_t(kv_elems), 101 + l, 1.f, 0.f, 0);
+      fill_random_bf16(y.q, int64_t(B) * Hq * D, 1001 + l, 1.f, 0.f, 0);
+      if (pt.planted > 0) {
+        dim3 grid(unsigned((Hkv * pt.planted * 32 + 255) / 256), unsigned(B));
+        plant_kernel<<<grid, 256>>>(y.k, y.q, d_ids, npr, ctx, Hq, Hkv, D, P, pt.planted, 7 + l);
+        SPADE_CUDA_LAUNCH();
+      }
+      quest_update_meta(y.k, y.meta, d_ids, d_nv, int(pages), Hkv, P, D, 0);
+      int4_quantize_pages(y.k, y.codes, y.sz, d_ids, d_nv, int(pages), Hkv, P, D, 0);
+    }
+    SPADE_CUDA(cudaDeviceSynchronize());
+    // Quest: selection + CSR lists, attention planned over them.
+    SparseAttention sa_q(arena, B, pages, Hq, Hkv, D, P), sa_t(arena, B, pages, Hq, Hkv, D, P),
+        sa_d(arena, B, pages, Hq, Hkv, D, P);
+    std::vector<SparseSeq> seqs;
+    for (int b = 0; b < B; ++b) seqs.push_back({table.data() + size_t(b) * npr, npr, ctx});
+    sa_q.plan(seqs, SelGran::Chunk16, Hkv, std::vector<int>(size_t(B) * Hkv, k_pages), nullptr, 0);
+    std::vector<uint8_t> all_dense(size_t(Hkv), 1);
+    sa_d.plan(seqs, SelGran::Token, Hkv, std::vector<int>(size_t(B) * Hkv, 0), &all_dense, 0);
+    float* scores = arena.alloc_n<float>(size_t(B) * Hkv * npr, "scores");
+    int32_t* strided = arena.alloc_n<int32_t>(size_t(B) * Hkv * k_pages, "strided");
+    int32_t* boff = arena.alloc_n<int32_t>(size_t(B) * Hkv + 1, "base off");
+    int32_t* bidx = arena.alloc_n<int32_t>(size_t(B) * Hkv * k_pages, "base idx");
+    bf16* att = arena.alloc_n<bf16>(size_t(B) * Hq * D, "att");
+    TwilightPruner pr(arena, B, Hq, Hkv, D, P, base_budget, 0.95, 1e-6);
+    auto qargs = [&](int l) {
+      const Layer& y = layers[size_t(l % n_layers)];
+      QuestArgs qa{y.q, y.meta, sa_q.dev_page_table(), sa_q.dev_page_off(), sa_q.dev_kv_len(),
+                   scores, strided, B, Hq, Hkv, D, npr, k_pages};
+      qa.fast = 1;
+      return qa;
+    };
+    auto tstep = [&](int l) {
+      const Layer& y = layers[size_t(l % n_layers)];
+      TwilightStep st;
+      st.q = y.q, st.codes = y.codes, st.sz = y.sz;
+      st.page_table = sa_q.dev_page_table(), st.page_off = sa_q.dev_page_off(), st.kv_len = sa_q.dev_kv_len();
+      st.base_off = boff, st.base_idx = bidx, st.gran = SelGran::Chunk16, st.B = B, st.scale = scale;
+      return st;
+    };
+    auto select = [&](int l) {
+      quest_select(qargs(l), 0);
+      quest_compact_lists(strided, sa_q.dev_kv_len(), B, Hkv, k_pages, boff, bidx, 0);
+    };
+    // Warm-up step: kept counts per list (the next plan's upper bounds) and statistics.
+    std::vector<int32_t> cnt(size_t(B) * Hkv);
+    double kept_mean = 0;
+    int kept_max = 0;
+    for (int l = 0; l < n_layers; ++l) {
+      select(l);
+      pr.run(tstep(l), 0);
+      SPADE_CUDA(cudaMemcpy(cnt.data(), pr.kept_count(), 4 * cnt.size(), cudaMemcpyDeviceToHost));
+      for (int c : cnt) kept_mean += c, kept_max = std::max(kept_max, c);
+    }
+    kept_mean /= double(cnt.size()) * n_layers;
+    std::vector<int> hint(cnt.size(), std::max(16, kept_max));
+    sa_t.plan(seqs, SelGran::Token, Hkv, hint, nullptr, 0);
+    const int calls = 20, reps = 7;
+    auto lay = [&](int i) -> const Layer& { return layers[size_t(i % n_layers)]; };
+    const double t_score = time_us([&](int i) { quest_score(qargs(i), 0); }, calls, reps);
+    const double t_topk = time_us([&](int i) { quest_topk(qargs(i), 0); }, calls, reps);
+    const double t_select = time_us([&](int i) { select(i); }, calls, reps);
+    select(0);  // lists of layer 0 for the stage timings below (same lists for every layer)
+    const double t_attn_base = time_us([&](int i) { const Layer& y = lay(i); sa_q.run(y.q, y.k, y.v, boff, bidx, att, scale, 0); }, calls, reps);
+    const double t_est = time_us([&](int i) { pr.estimate(tstep(i), 0); }, calls, reps);
+    const double t_topp = time_us([&](int i) { pr.topp(tstep(i), 0); }, calls, reps);
+    const double t_cmp = time_us([&](int i) { pr.compact(tstep(i), 0); }, calls, reps);
+    const double t_pruner = time_us([&](int i) { pr.run(tstep(i), 0); }, calls, reps);
+    // The pruner's three launches per layer, every layer once, replayed from a CUDA graph
+    // (launch gaps removed); per layer.
+    double t_pruner_graph = 0;
+    {
+      cudaStream_t gs;
+      SPADE_CUDA(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      SPADE_CUDA(cudaStreamBeginCapture(gs, cudaStreamCaptureModeGlobal));
+      for (int l = 0; l < n_layers; ++l) pr.run(tstep(l), gs);
+      SPADE_CUDA(cudaStreamEndCapture(gs, &graph));
+      SPADE_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      t_pruner_graph = time_us([&](int) { SPADE_CUDA(cudaGraphLaunch(exec, 0)); }, calls, reps) / n_layers;
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(gs);
+    }
+    const double t_attn_kept = time_us([&](int i) { const Layer& y = lay(i); sa_t.run(y.q, y.k, y.v, pr.kept_off(), pr.kept_idx(), att, scale, 0); }, calls, reps);
+    const double t_dense = time_us([&](int i) { const Layer& y = lay(i); sa_d.run(y.q, y.k, y.v, boff, bidx, att, scale, 0); }, calls, reps);
+    // Whole steps, in stream order.
+    const double t_quest_step = time_us([&](int i) {
+      const Layer& y = lay(i);
+      select(i);
+      sa_q.run(y.q, y.k, y.v, boff, bidx, att, scale, 0);
+    }, calls, reps);
+    const double t_tw_step = time_us([&](int i) {
+      const Layer& y = lay(i);
+      select(i);
+      pr.run(tstep(i), 0);
+      sa_t.run(y.q, y.k, y.v, pr.kept_off(), pr.kept_idx(), att, scale, 0);
+    }, calls, reps);
+    const double base_tokens = double(B) * Hkv * base_budget;
+    const double est_bytes = base_tokens * (D / 2 + 4);
+    const double pr_bytes = double(pr.floor_bytes(int64_t(base_tokens), int64_t(kept_mean * B * Hkv)));
+    const double floor_us = pr_bytes / bw * 1e6;
+    char line[2048];
+    std::snprintf(line, sizeof line,
+                  "{\"variant\":\"%s\",\"ctx\":%d,\"batch\":%d,\"Hq\":%d,\"Hkv\":%d,\"D\":%d,\"P\":%d,"
+                  "\"base_budget\":%d,\"p\":0.95,\"planted\":%d,\"layers_rotated\":%d,"
+                  "\"kept_mean\":%.1f,\"kept_max\":%d,"
+                  "\"us_quest_score\":%.2f,\"us_quest_topk\":%.2f,\"us_quest_select\":%.2f,"
+                  "\"us_attn_base\":%.2f,\"us_estimate\":%.2f,\"us_topp\":%.2f,\"us_compact\":%.2f,"
+                  "\"us_pruner\":%.2f,\"us_pruner_graph\":%.2f,\"us_attn_kept\":%.2f,\"us_dense\":%.2f,"
+                  "\"us_quest_step\":%.2f,\"us_twilight_step\":%.2f,"
+                  "\"pruner_bytes\":%.0f,\"estimate_bytes\":%.0f,\"copy_bw_gbs\":%.1f,"
+                  "\"pruner_floor_us\":%.2f,\"pruner_vs_floor\":%.3f,\"estimate_vs_floor\":%.3f,"
+                  "\"speedup_vs_quest\":%.3f,\"speedup_vs_dense\":%.3f}",
+                  pt.tag, ctx, B, Hq, Hkv, D, P, base_budget, pt.planted, n_layers, kept_mean, kept_max,
+                  t_score, t_topk, t_select, t_attn_base, t_est, t_topp, t_cmp, t_pruner, t_pruner_graph, t_attn_kept,
+                  t_dense, t_quest_step, t_tw_step, pr_bytes, est_bytes, bw / 1e9, floor_us,
+                  t_pruner / floor_us, t_est / (est_bytes / bw * 1e6), t_quest_step / t_tw_step,
+                  t_dense / t_tw_step);
+    std::printf("%s\n", line);
+    std::fprintf(out, "%s\n", line);
+    std::fflush(out);
+  }
+  std::fclose(out);
+  return 0;
+}
