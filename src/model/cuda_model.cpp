@@ -470,8 +470,13 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
     const bool per_head = quest || sp.method == CudaSparse::Method::Tidal;  // lists per KV head
     const int Hkv = c.n_kv_heads;
     const int64_t kp = sp.budget / 16;
-    std::vector<cuda::SparseSeq> sseq(batch.size());
-    std::vector<int> max_entries, kept_max;
+    // Host planning vectors are members: cleared, never reallocated once warm.
+    std::vector<cuda::SparseSeq>& sseq = plan_seqs_;
+    std::vector<int>& max_entries = plan_max_entries_;
+    std::vector<int>& kept_max = plan_kept_max_;
+    sseq.resize(batch.size());
+    max_entries.clear();
+    kept_max.clear();
     // Twilight prunes even when Quest keeps every page (as the CPU method does).
     bool any_sparse = sp.force_lists || twilight;
     int max_np = 0;

@@ -32,6 +32,7 @@ class Gemm;
 class AttentionWorkspace;
 class SparseAttention;
 class TwilightPruner;
+struct SparseSeq;
 struct BlasstSkip;
 }  // namespace cuda
 
@@ -192,6 +193,9 @@ class CudaModel {
   int32_t* tidal_strided_ = nullptr;
   unsigned long long* blasst_counts_ = nullptr;  // [2 (decode, prefill)][NL][Hkv][2]
   bool count_blasst_ = true;  // false while a step runs eagerly before its graph capture
+  // prepare()'s per-step planning vectors (kept, so steady-state decode allocates nothing).
+  std::vector<cuda::SparseSeq> plan_seqs_;
+  std::vector<int> plan_max_entries_, plan_kept_max_;
   int32_t* upd_ = nullptr;       // device [2 * upd_cap_]
   int32_t* upd_host_ = nullptr;  // pinned mirror
   int64_t upd_cap_ = 0;
