@@ -7,9 +7,11 @@
 
 #include "gpu_util.h"
 #include "model/config.h"
+#include "model/cpu_model.h"
 #include "model/cuda_model.h"
 #include "model/weights.h"
 #include "sparse/options.h"
+#include "sparse/session.h"
 
 namespace spade::test {
 
@@ -61,6 +63,34 @@ inline std::vector<int32_t> random_tokens(std::mt19937& rng, int n, int vocab) {
   std::vector<int32_t> t(static_cast<size_t>(n));
   for (auto& x : t) x = int32_t(rng() % uint32_t(vocab));
   return t;
+}
+
+// Requests a and b prefilled together on the CPU (through sessions s0 / s1) and on the GPU,
+// then `steps` batched decode steps feeding the same random tokens to both; every step's
+// logits must agree within `tol` (rel err). Returns the worst step's error.
+inline double compare_decode_with_cpu(CpuModel& cpu, sparse::SparseSession& s0,
+                                      sparse::SparseSession& s1, CudaModel& gpu,
+                                      const std::vector<int32_t>& a,
+                                      const std::vector<int32_t>& b, int steps, double tol,
+                                      std::mt19937& rng) {
+  const int vocab = cpu.config().vocab;
+  const int na = int(a.size()), nb = int(b.size());
+  PageTable pc[2], pg[2];
+  std::vector<int64_t> rc, rg;
+  cpu.forward({{&pc[0], a.data(), na, false, &s0.attention()},
+               {&pc[1], b.data(), nb, false, &s1.attention()}}, rc);
+  gpu.forward({{&pg[0], a.data(), na, false}, {&pg[1], b.data(), nb, false}}, rg);
+  double worst = 0;
+  for (int s = 0; s < steps; ++s) {
+    int32_t ta = int32_t(rng() % uint32_t(vocab)), tb = int32_t(rng() % uint32_t(vocab));
+    const auto& lc = cpu.forward({{&pc[0], &ta, 1, false, &s0.attention()},
+                                  {&pc[1], &tb, 1, false, &s1.attention()}}, rc);
+    const auto& lg = gpu.forward({{&pg[0], &ta, 1, false}, {&pg[1], &tb, 1, false}}, rg);
+    const double e = rel_err(lg, lc);
+    worst = std::max(worst, e);
+    EXPECT_LT(e, tol) << "decode step " << s;
+  }
+  return worst;
 }
 
 }  // namespace spade::test

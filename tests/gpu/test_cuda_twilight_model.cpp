@@ -96,21 +96,7 @@ TEST(CudaTwilightModel, MatchesCpuSession) {
     std::mt19937 rng(9);
     const int na = 170, nb = 60;
     auto a = random_tokens(rng, na, c.vocab), b = random_tokens(rng, nb, c.vocab);
-    PageTable pc[2], pg[2];
-    std::vector<int64_t> rc, rg;
-    cpu.forward({{&pc[0], a.data(), na, false, &s0.attention()},
-                 {&pc[1], b.data(), nb, false, &s1.attention()}}, rc);
-    gpu.forward({{&pg[0], a.data(), na, false}, {&pg[1], b.data(), nb, false}}, rg);
-    double worst = 0;
-    for (int s = 0; s < 12; ++s) {
-      int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
-      const auto& lc = cpu.forward({{&pc[0], &ta, 1, false, &s0.attention()},
-                                    {&pc[1], &tb, 1, false, &s1.attention()}}, rc);
-      const auto& lg = gpu.forward({{&pg[0], &ta, 1, false}, {&pg[1], &tb, 1, false}}, rg);
-      const double e = rel_err(lg, lc);
-      worst = std::max(worst, e);
-      EXPECT_LT(e, 5e-2) << "decode step " << s;
-    }
+    const double worst = compare_decode_with_cpu(cpu, s0, s1, gpu, a, b, 12, 5e-2, rng);
     const auto* st = sparse::twilight_stats(s0.state());
     std::printf("[ twilight-model ] %s D=%d p=0.9 dense_layers=%d: worst logits rel err vs CPU "
                 "session %.3g over 12 decode steps (CPU mean kept %.1f of %.1f)\n",

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cuda/block_scan.cuh"
 #include "backend/cuda/sparse_attention.h"
 
 namespace spade::cuda {
@@ -148,32 +149,6 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 
 constexpr int kTopkThreads = 1024;
 
-// Exclusive block scan of v (kTopkThreads threads); returns the prefix, *total the sum.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) s_warp[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < kTopkThreads / 32 ? s_warp[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
-    s_warp[32 + lane] = w;  // inclusive prefix of warp sums
-  }
-  __syncthreads();
-  const int before = (warp > 0 ? s_warp[32 + warp - 1] : 0) + x - v;
-  *total = s_warp[32 + kTopkThreads / 32 - 1];
-  __syncthreads();
-  return before;
-}
 
 // Writes the k best of scores[0..n) (k < n) ascending into out[0..k). CACHED: the keys are
 // first copied into shared memory skeys[0..n) (8 loads in flight per thread), and every pass

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cuda/block_scan.cuh"
 #include "backend/cuda/int4_keys.cuh"
 #include "backend/cuda/twilight.h"
 
@@ -333,31 +334,6 @@ struct TpArgs {
   int use_smem;
 };
 
-__device__ __forceinline__ int block_scan_excl(int v, int* s_warp, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) s_warp[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < int(blockDim.x >> 5) ? s_warp[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
-    s_warp[32 + lane] = w;
-  }
-  __syncthreads();
-  const int before = (warp > 0 ? s_warp[32 + warp - 1] : 0) + x - v;
-  *total = s_warp[32 + (blockDim.x >> 5) - 1];
-  __syncthreads();
-  return before;
-}
 
 // EPT > 0: NT threads hold the weights of slots tid + k * NT, k < EPT, in registers;
 // EPT == 0: the weights live in shared memory (a.use_smem) or global memory.
@@ -511,7 +487,7 @@ __global__ void __launch_bounds__(NT, 2) twl_topp_kernel(const TpArgs a) {
     for (int i = i0; i < i1; ++i) cnt += keep(i);
   }
   int tot;
-  int o = block_scan_excl(cnt, s_warp, &tot);
+  int o = block_exclusive_scan(cnt, s_warp, &tot);
   int32_t* out = a.kept + int64_t(list) * a.max_slots;
   auto pos_of = [&](int i) {
     return chunk ? __ldg(a.base_idx + e0 + i / 16) * 16 + i % 16 : __ldg(a.base_idx + e0 + i);
