@@ -46,7 +46,8 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   --stats               print token counts and speeds to stderr; with a sparse method also
                         each decode step's density (and recall with --recall)
   --device cpu|cuda     where the model runs (default cpu; cuda: bf16 weights on the GPU,
-                        dense attention or --sparse streaming|quest|tidal|twilight|blasst; quest on the GPU
+                        dense attention or --sparse streaming|quest|tidal|lessismore|lycheedecode|
+                        twilight|blasst; quest on the GPU
                         needs page_size 16, group=max; --sparse-opt gpu_scores=fast uses
                         tensor-core page scores)
   --synthetic NAME      no weights: random weights of NAME's shapes on the GPU (llama3-8b,

@@ -52,7 +52,8 @@ GET /v1/models, /health, /metrics (Prometheus), POST /tokenize, /detokenize.
   --sparse-config FILE    default method from a JSON file
   --device cpu|cuda       where the model runs (default cpu). cuda (CUDA builds): bf16
                           weights and the KV cache on the GPU; every request runs the
-                          server's --sparse method (full, streaming, quest, tidal, twilight, blasst);
+                          server's --sparse method (full, streaming, quest, tidal, lessismore,
+                          lycheedecode, twilight, blasst);
                           a request asking for another method gets a 400
   --threads N             CPU threads for the model (default: all cores)
   --http-threads N        HTTP worker threads (default max-batch + max-queue + 8)

@@ -54,6 +54,9 @@ void upload_f32(float* dst, const float* src, size_t n) {
   SPADE_CUDA(cudaMemcpy(dst, src, n * 4, cudaMemcpyHostToDevice));
 }
 
+// LessIsMore: merged tokens besides the sinks and the recency window.
+int64_t lim_unified(const CudaSparse& sp) { return sp.budget - sp.recent - sp.sinks; }
+
 }  // namespace
 
 ModelConfig synthetic_config(const std::string& name) {
@@ -159,6 +162,23 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   seq_pages_cap_ = std::min<int64_t>(n_pages_, (int64_t(c.max_context) + P - 1) / P + 1);
   upd_cap_ = S + opt_.max_batch;
   int64_t sel_cap = 0;
+  if (sp.method == CudaSparse::Method::LycheeDecode) {
+    // Distinct retrieval-head patterns of the layers that are not all retrieval heads.
+    SPADE_CHECK(int64_t(sp.retrieval.size()) == NL, "lycheedecode: roles for ", sp.retrieval.size(),
+                " layers, the model has ", NL);
+    ld_patterns_.clear();
+    ld_pattern_of_.assign(size_t(NL), -1);
+    for (int64_t l = 0; l < NL; ++l) {
+      const auto& r = sp.retrieval[size_t(l)];
+      SPADE_CHECK(int64_t(r.size()) == Hkv, "lycheedecode: roles for ", r.size(), " KV heads");
+      if (std::all_of(r.begin(), r.end(), [](uint8_t x) { return x != 0; })) continue;
+      auto it = std::find(ld_patterns_.begin(), ld_patterns_.end(), r);
+      ld_pattern_of_[size_t(l)] = int(it - ld_patterns_.begin());
+      if (it == ld_patterns_.end()) ld_patterns_.push_back(r);
+    }
+    if (ld_patterns_.empty()) ld_patterns_.push_back(std::vector<uint8_t>(size_t(Hkv), 0));
+  }
+  const int64_t n_patterns = std::max<int64_t>(1, int64_t(ld_patterns_.size()));
   if (sp.selects()) {
     SPADE_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "--device cuda sparse decode: GQA group ",
                 Hq / Hkv, " > 16 is not supported");
@@ -176,17 +196,24 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
         sp_bytes += size_t(n_pages_ + 2 * mb + 8 + 4 * mb * Hkv * 64) * 4 +  // kept attention
                     size_t(64 * mb * Hq) * (D + 1) * 4 + size_t(mb * Hkv) * 4 + (4u << 20);
       }
-    } else if (sp.method == CudaSparse::Method::Tidal) {
+    } else if (sp.method == CudaSparse::Method::Tidal ||
+               sp.method == CudaSparse::Method::LycheeDecode) {
       const int64_t k = std::min<int64_t>(sp.budget, c.max_context);
       sel_cap = mb * Hkv * k;
       sp_bytes += size_t(mb * Hkv) * size_t(seq_pages_cap_ * P) * 4 + size_t(mb * Hkv) * 4 +
                   size_t(mb * Hkv * k) * 4 + 3 * 256;
+    } else if (sp.method == CudaSparse::Method::LessIsMore) {
+      const int64_t k = std::min<int64_t>(sp.budget, c.max_context), nu = lim_unified(sp);
+      sel_cap = mb * k;
+      sp_bytes += size_t(mb * Hq) * size_t(seq_pages_cap_ * P) * 4 +   // per-head scores
+                  size_t(mb * Hq + mb) * 4 + size_t(mb * Hq * nu) * 4 +  // row counts, tops
+                  size_t(mb) * size_t(seq_pages_cap_ * P) * 4 + size_t(mb * nu) * 4 + 5 * 256;
     } else {
       sel_cap = mb * std::min<int64_t>(sp.budget, c.max_context);
     }
     sp_bytes += size_t(sel_cap + mb * Hkv + 1) * 4 + size_t(2 * upd_cap_) * 4;
-    // SparseAttention: metadata + work items, split partials, counters.
-    sp_bytes += size_t(n_pages_ + 2 * mb + 8 + 4 * mb * Hkv * 64) * 4 +
+    // SparseAttention: metadata + work items (per pattern), split partials, counters.
+    sp_bytes += size_t(n_pages_ + 2 * mb + 8 + 4 * mb * Hkv * 64 * n_patterns) * 4 +
                 size_t(64 * mb * Hq) * (D + 1) * 4 + size_t(mb * Hkv) * 4 + (4u << 20);
   }
   if (sp.method == CudaSparse::Method::Blasst) sp_bytes += size_t(4) * NL * Hkv * 8 + 1024;
@@ -319,7 +346,8 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
     SPADE_CHECK(sp.dense_layers >= 0 && sp.dense_layers <= NL, "sparse dense_layers outside [0, ",
                 NL, "]");
     sparse_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
-                                                      int(Hkv), int(D), P, 64);
+                                                      int(Hkv), int(D), P, 64,
+                                                      int(std::max<size_t>(1, ld_patterns_.size())));
     if (sp.quest_base()) {
       const size_t me = size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D);
       quest_meta_ = A.alloc_n<bf16>(me, "quest page metadata");
@@ -338,9 +366,17 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       sparse_kept_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
                                                              int(Hkv), int(D), P, 64);
     }
-    if (sp.method == CudaSparse::Method::Tidal) {
+    if (sp.method == CudaSparse::Method::LessIsMore) {
+      const int64_t mb = opt_.max_batch, ld = seq_pages_cap_ * P, nu = lim_unified(sp);
+      sel_scores_ = A.alloc_n<float>(size_t(mb * Hq) * size_t(ld), "lessismore scores");
+      lim_row_n_ = A.alloc_n<int32_t>(size_t(mb * Hq + mb), "lessismore row counts");
+      lim_head_top_ = A.alloc_n<int32_t>(size_t(mb * Hq * nu), "lessismore head top-k");
+      lim_keys_ = A.alloc_n<float>(size_t(mb) * size_t(ld), "lessismore merge keys");
+      lim_merged_ = A.alloc_n<int32_t>(size_t(mb * nu), "lessismore merged top-k");
+    }
+    if (sp.method == CudaSparse::Method::Tidal || sp.method == CudaSparse::Method::LycheeDecode) {
       const int64_t rows = int64_t(opt_.max_batch) * Hkv;
-      tidal_scores_ = A.alloc_n<float>(size_t(rows) * size_t(seq_pages_cap_ * P), "tidal scores");
+      sel_scores_ = A.alloc_n<float>(size_t(rows) * size_t(seq_pages_cap_ * P), "tidal scores");
       tidal_rown_ = A.alloc_n<int32_t>(size_t(rows), "tidal row lengths");
       tidal_strided_ = A.alloc_n<int32_t>(
           size_t(rows) * size_t(std::min<int64_t>(sp.budget, c.max_context)), "tidal top-k");
@@ -467,7 +503,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
       sp.dense_layers < c.n_layers) {
     const bool quest = sp.quest_base();
     const bool twilight = sp.method == CudaSparse::Method::Twilight;
-    const bool per_head = quest || sp.method == CudaSparse::Method::Tidal;  // lists per KV head
+    const bool per_head = lists_per_req() > 1;  // lists per KV head
     const int Hkv = c.n_kv_heads;
     const int64_t kp = sp.budget / 16;
     // Host planning vectors are members: cleared, never reallocated once warm.
@@ -498,13 +534,18 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
     }
     // Every list covering the whole context: the dense kernel (the CPU's set_dense).
     if (any_sparse) {
-      sparse_->plan(sseq, quest ? cuda::SelGran::Chunk16 : cuda::SelGran::Token,
-                    per_head ? Hkv : 1, max_entries, nullptr, st);
+      if (sp.method == CudaSparse::Method::LycheeDecode)
+        sparse_->plan_patterns(sseq, cuda::SelGran::Token, Hkv, max_entries, ld_patterns_, st);
+      else
+        sparse_->plan(sseq, quest ? cuda::SelGran::Chunk16 : cuda::SelGran::Token,
+                      per_head ? Hkv : 1, max_entries, nullptr, st);
       // Kept lists: upper bounds only (the real lengths are read on the GPU).
       if (twilight) sparse_kept_->plan(sseq, cuda::SelGran::Token, Hkv, kept_max, nullptr, st);
       sparse_step_ = true;
       step_B_ = int(batch.size());
-      step_max_pages_ = max_np;
+      // Rounded up (within the score buffer's stride) so that the Quest launches, and a graph
+      // keyed by them, change only every 1024 tokens.
+      step_max_pages_ = int(std::min<int64_t>(seq_pages_cap_, (max_np + 63) / 64 * 64));
     }
   }
   if (upd_n_ > 0 || sparse_step_) SPADE_CUDA(cudaStreamSynchronize(st));  // pinned inputs consumed
@@ -537,6 +578,8 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     cuda::streaming_lists(sparse_->dev_kv_len(), step_B_, int(spc.budget), spc.sinks, sel_off_,
                           sel_idx_, st);
   const bool tidal = spc.method == CudaSparse::Method::Tidal;
+  const bool lim = spc.method == CudaSparse::Method::LessIsMore;
+  const bool lychee = spc.method == CudaSparse::Method::LycheeDecode;
   const int tidal_k = int(std::min<int64_t>(spc.budget, c.max_context));
   const int64_t tidal_ld = seq_pages_cap_ * opt_.page_size;
   if (sparse_step_ && tidal) cuda::row_lengths(sparse_->dev_kv_len(), step_B_, Hkv, tidal_rown_, st);
@@ -567,15 +610,31 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     if (quest && upd_n_ > 0)
       cuda::quest_update_meta(kc, meta, upd_, upd_ + upd_cap_, upd_n_, Hkv, opt_.page_size, D, st);
     const sparse::LayerSchedule::Role role =
-        tidal ? spc.schedule.role(int(l)) : sparse::LayerSchedule::Role::Reuse;
+        spc.scheduled() ? spc.schedule.role(int(l)) : sparse::LayerSchedule::Role::Reuse;
     if (sparse_step_ && tidal && role == sparse::LayerSchedule::Role::Select) {
       // Full attention that also emits the group-mean scores; the top-k of each (request, KV
       // head) becomes the token lists of the following layers.
-      const cuda::DecodeScores ds{tidal_scores_, tidal_ld};
+      const cuda::DecodeScores ds{sel_scores_, tidal_ld};
       attn_->run(q, kc, vc, att, scale, st, {}, &ds);
-      cuda::topk_rows(tidal_scores_, tidal_ld, tidal_rown_, step_B_ * Hkv, tidal_k, tidal_strided_, st);
+      cuda::topk_rows(sel_scores_, tidal_ld, tidal_rown_, step_B_ * Hkv, tidal_k, tidal_strided_, st);
       cuda::token_compact_lists(tidal_strided_, sparse_->dev_kv_len(), step_B_, Hkv, tidal_k,
                                 sel_off_, sel_idx_, st);
+      if (quest_trace) trace_quest(int(l)), trace_scores(int(l));
+    } else if (sparse_step_ && lychee) {
+      ld_layer(int(l), q, kc, vc, att, scale);
+    } else if (sparse_step_ && lim && role == sparse::LayerSchedule::Role::Select) {
+      // Full attention that also emits every query head's scores; their merged ranking, the
+      // sinks and the recency window become the one list of each request.
+      const cuda::DecodeScores ds{sel_scores_, tidal_ld, true};
+      attn_->run(q, kc, vc, att, scale, st, {}, &ds);
+      cuda::LessIsMoreArgs la;
+      la.scores = sel_scores_, la.ld = tidal_ld, la.kv_len = sparse_->dev_kv_len();
+      la.B = step_B_, la.Hq = Hq;
+      la.budget = tidal_k, la.n_recent = int(spc.recent), la.sinks = spc.sinks;
+      la.n_uni = int(lim_unified(spc));
+      la.row_n = lim_row_n_, la.head_top = lim_head_top_, la.keys = lim_keys_;
+      la.merged_top = lim_merged_, la.sel_off = sel_off_, la.sel_idx = sel_idx_;
+      cuda::lessismore_select(la, st);
       if (quest_trace) trace_quest(int(l)), trace_scores(int(l));
     } else if (sparse_step_ && int(l) >= spc.dense_layers) {
       if (quest) {
@@ -625,14 +684,19 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
                                cudaMemcpyHostToDevice, st));
   }
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev0_), st));
-  // Sparse decode steps run eagerly (the plan's work-item count, the top-k grid and the
-  // metadata update count vary per step; no graph is captured for them).
-  const bool graphable = opt_.cuda_graphs && attn_->decode() && !sparse_step_ && upd_n_ == 0;
+  // Decode steps replay a graph captured for their launch shape (graph_key); sparse steps
+  // too: every launch reads its step-dependent inputs (lengths, page tables, work items,
+  // metadata updates) from device buffers at fixed addresses that prepare() refilled. Traced
+  // steps (tests) copy to the host between layers and run eagerly.
+  const bool graphable = opt_.cuda_graphs && attn_->decode() && !quest_trace;
   if (graphable) {
-    // Key: batch size, split count, and whether the step samples (with which parameters).
-    int mode = sample ? 1 : 0;
-    auto key = std::make_pair(T_ * 4 + mode, attn_->n_split());
+    graph_key(sample);
+    const std::vector<int>& key = graph_key_;
     auto it = graphs_.find(key);
+    if (it == graphs_.end() && graphs_.size() >= 64) {  // bound the cache (shapes drift with L)
+      drop_graphs();
+      it = graphs_.end();
+    }
     if (it == graphs_.end() || (sample && std::memcmp(&graph_sampling_, sp, sizeof(*sp)) != 0)) {
       if (it != graphs_.end()) {
         cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(it->second));
@@ -663,8 +727,34 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev1_), st));
 }
 
+void CudaModel::graph_key(bool sample) {
+  // Batch size and whether the step samples; the dense plan's split and item counts; for a
+  // sparse step its flag, metadata updates, Quest stride and every plan's work items.
+  std::vector<int>& k = graph_key_;
+  k.clear();
+  k.push_back(T_ * 4 + (sample ? 1 : 0));
+  k.push_back(attn_->n_split());
+  k.push_back(attn_->n_items());
+  k.push_back(upd_n_);
+  k.push_back(sparse_step_ ? 1 : 0);
+  if (!sparse_step_) return;
+  k.push_back(step_B_);
+  k.push_back(step_max_pages_);
+  for (int n : sparse_->pattern_items()) k.push_back(n);
+  if (sparse_kept_)
+    for (int n : sparse_kept_->pattern_items()) k.push_back(n);
+}
+
+int CudaModel::lists_per_req() const {
+  const CudaSparse& sp = opt_.sparse;
+  return sp.quest_base() || sp.method == CudaSparse::Method::Tidal ||
+                 sp.method == CudaSparse::Method::LycheeDecode
+             ? cfg_.n_kv_heads
+             : 1;
+}
+
 void CudaModel::trace_quest(int layer) {
-  const int Hkv = cfg_.n_kv_heads, rows = step_B_ * Hkv;
+  const int rows = step_B_ * lists_per_req();
   std::vector<int32_t> off(size_t(rows) + 1);
   SPADE_CUDA(cudaMemcpyAsync(off.data(), sel_off_, sizeof(int32_t) * off.size(),
                              cudaMemcpyDeviceToHost, S_(stream_)));
@@ -681,7 +771,10 @@ void CudaModel::trace_quest(int layer) {
 }
 
 void CudaModel::trace_scores(int layer) {
-  const int Hkv = cfg_.n_kv_heads, rows = step_B_ * Hkv;
+  // Rows per request: Tidal's KV heads (group means), LessIsMore's query heads.
+  const int Hkv = opt_.sparse.method == CudaSparse::Method::LessIsMore ? cfg_.n_heads
+                                                                        : cfg_.n_kv_heads;
+  const int rows = step_B_ * Hkv;
   const int64_t ld = seq_pages_cap_ * opt_.page_size;
   std::vector<int32_t> len(static_cast<size_t>(step_B_));
   SPADE_CUDA(cudaMemcpyAsync(len.data(), sparse_->dev_kv_len(), sizeof(int32_t) * len.size(),
@@ -693,7 +786,7 @@ void CudaModel::trace_scores(int layer) {
   for (int r = 0; r < rows; ++r) {
     auto& v = t[size_t(layer)][size_t(r)];
     v.resize(size_t(len[size_t(r / Hkv)]));
-    SPADE_CUDA(cudaMemcpy(v.data(), tidal_scores_ + int64_t(r) * ld, sizeof(float) * v.size(),
+    SPADE_CUDA(cudaMemcpy(v.data(), sel_scores_ + int64_t(r) * ld, sizeof(float) * v.size(),
                           cudaMemcpyDeviceToHost));
   }
 }

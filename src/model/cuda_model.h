@@ -2,7 +2,8 @@
 // cuBLASLt GEMMs (QKV and gate|up fused into one GEMM each; o- and down-projections add
 // into the residual in the GEMM epilogue), fused bias/qk-norm/RoPE/KV-append, paged bf16 KV
 // cache, split-KV decode and tensor-core prefill attention, GPU sampling, and CUDA graphs for
-// decode steps (one graph per batch size and split count, captured on first use).
+// decode steps, sparse ones included (one graph per launch shape: batch size, split counts,
+// sparse work items; captured on first use).
 //
 // Memory: everything lives in one DeviceArena sized up front from the config and options
 // (weights + KV pool + workspaces); the constructor throws a clear error when it does not
@@ -51,10 +52,11 @@ struct BlasstSkip;
 constexpr double kBlasstDefaultGpuDecodeA = 4.128;
 
 struct CudaSparse {
-  enum class Method { None, Streaming, Quest, Tidal, Blasst, Twilight };
+  enum class Method { None, Streaming, Quest, Tidal, LessIsMore, LycheeDecode, Blasst, Twilight };
   Method method = Method::None;
   int64_t budget = 0;
-  int sinks = 0;         // streaming
+  int sinks = 0;         // streaming, lessismore
+  int64_t recent = 0;    // lessismore: the recency window (round(budget * recent_ratio))
   int dense_layers = 0;  // leading full-attention layers
   int quest_fast = 0;    // 1: tensor-core page scores (fp32 rounding; near-tie selections)
   bool force_lists = false;  // tests: attend over lists even when they cover the whole context
@@ -62,12 +64,18 @@ struct CudaSparse {
   double blasst_lambda = -1, blasst_a = 0, blasst_prefill_a = 0;
   bool blasst_decode = true, blasst_prefill = true;
   int head_dim = 0;  // set by cuda_sparse_config (describe: prefill skipping needs 128)
-  // tidal: layer roles (dense / select / reuse); dense_layers above mirrors schedule's
+  // tidal, lessismore: layer roles (dense / select / reuse); dense_layers mirrors schedule's
   sparse::LayerSchedule schedule;
+  bool scheduled() const { return method == Method::Tidal || method == Method::LessIsMore; }
+  // lycheedecode: retrieval[layer][h] = 1 for retrieval heads (the rest are sparse heads),
+  // mode topk with block 1 (budget = tokens per sparse head), roles in identity order.
+  std::vector<std::vector<uint8_t>> retrieval;
+  std::string roles_source;
   std::string describe() const;
   // Attends over selection lists (streaming, quest); BLASST skips inside the dense kernels.
   bool selects() const {
-    return method == Method::Streaming || quest_base() || method == Method::Tidal;
+    return method == Method::Streaming || quest_base() || scheduled() ||
+           method == Method::LycheeDecode;
   }
   // twilight (base quest, budget = the Quest budget): top-p mass and bisection resolution
   double twilight_p = 0.95, twilight_eps = 1e-6;
@@ -134,13 +142,14 @@ class CudaModel {
   float last_step_ms() const { return last_ms_; }
   int graphs_captured() const { return int(graphs_.size()); }
   const CudaSparse& sparse() const { return opt_.sparse; }
-  // Tests: when set, each sparse decode step copies every sparse layer's Quest selection (Tidal:
-  // each selection layer's token lists) to
-  // the host: sel[layer][b * Hkv + h] = the ascending page indices (within the request) read
-  // (layers that ran dense keep an empty list). Forces a sync per layer.
+  // Tests: when set, each sparse decode step copies every sparse layer's Quest selection (Tidal,
+  // LessIsMore: each selection layer's token lists) to the host: sel[layer][b * Hkv + h] = the
+  // ascending page indices (within the request) read (LessIsMore: sel[layer][b], the one
+  // shared list; layers that ran dense keep an empty list). Forces a sync per layer.
   struct QuestTrace {
     std::vector<std::vector<std::vector<int32_t>>> sel;
-    // Tidal: each selection layer's group-mean scores [layer][b * Hkv + h][kv_len of b].
+    // Tidal: each selection layer's group-mean scores [layer][b * Hkv + h][kv_len of b];
+    // LessIsMore: per query head [layer][b * Hq + hq][kv_len of b].
     std::vector<std::vector<std::vector<float>>> scores;
   };
   QuestTrace* quest_trace = nullptr;
@@ -163,7 +172,12 @@ class CudaModel {
   void enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void launch(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void trace_quest(int layer);
-  void trace_scores(int layer);  // Tidal: the selection layer's scores into quest_trace
+  void trace_scores(int layer);  // Tidal / LessIsMore: a selection layer's scores into quest_trace
+  int lists_per_req() const;     // selection lists per request: Hkv, or 1 (one shared list)
+  // LycheeDecode: attention of decode layer `layer` (bf16 q [B, Hq, D], this layer's K/V
+  // cache, out att) and its retrieval heads' selections for the next layer
+  // (cuda_model_lycheedecode.cpp).
+  void ld_layer(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
   void drop_graphs();
   cuda::BlasstSkip blasst_skip(int layer) const;  // this step's skipping in `layer` (or none)
 
@@ -186,11 +200,23 @@ class CudaModel {
   int32_t* quest_strided_ = nullptr;
   int32_t* sel_off_ = nullptr;
   int32_t* sel_idx_ = nullptr;
-  // Tidal: group-mean scores of a selection layer [max_batch * Hkv][seq_pages_cap_ * P], the
-  // per-row context lengths and the strided top-k [max_batch * Hkv][budget].
-  float* tidal_scores_ = nullptr;
+  // Selection layers' scores [rows][seq_pages_cap_ * P]: Tidal's group means (rows
+  // max_batch * Hkv), LessIsMore's per query head (rows max_batch * Hq).
+  float* sel_scores_ = nullptr;
+  // Tidal: the per-row context lengths and the strided top-k [max_batch * Hkv][budget].
   int32_t* tidal_rown_ = nullptr;
   int32_t* tidal_strided_ = nullptr;
+  // LycheeDecode: per layer, the index of its retrieval-head pattern in ld_patterns_ (the
+  // SparseAttention plan's dense heads), or -1 when every head is a retrieval head (the dense
+  // kernel runs). The sets live in tidal_strided_ (a row per (request, KV head)); retrieval
+  // heads overwrite their rows (tidal_rown_: their lengths, 0 for the sparse heads).
+  std::vector<int> ld_pattern_of_;
+  std::vector<std::vector<uint8_t>> ld_patterns_;
+  // LessIsMore: lessismore_select's scratch (sparse_attention.h LessIsMoreArgs).
+  int32_t* lim_row_n_ = nullptr;
+  int32_t* lim_head_top_ = nullptr;
+  float* lim_keys_ = nullptr;
+  int32_t* lim_merged_ = nullptr;
   unsigned long long* blasst_counts_ = nullptr;  // [2 (decode, prefill)][NL][Hkv][2]
   bool count_blasst_ = true;  // false while a step runs eagerly before its graph capture
   // prepare()'s per-step planning vectors (kept, so steady-state decode allocates nothing).
@@ -202,7 +228,8 @@ class CudaModel {
   int upd_n_ = 0;
   int64_t seq_pages_cap_ = 0;  // most pages of one sequence
   bool sparse_step_ = false;   // this step attends over selections
-  int step_B_ = 0, step_max_pages_ = 0;
+  int step_B_ = 0;
+  int step_max_pages_ = 0;  // Quest's page-score stride: the longest request's pages rounded up to 64
   void* stream_ = nullptr;  // cudaStream_t
   void* ev0_ = nullptr;
   void* ev1_ = nullptr;
@@ -234,7 +261,10 @@ class CudaModel {
   int T_ = 0, R_ = 0;
   std::vector<float> logits_host_;
   float last_ms_ = 0.f;
-  std::map<std::pair<int, int>, void*> graphs_;  // (batch*4+mode, splits) -> cudaGraphExec_t
+  // Captured steps by launch shape (graph_key) -> cudaGraphExec_t.
+  std::map<std::vector<int>, void*> graphs_;
+  std::vector<int> graph_key_;  // scratch
+  void graph_key(bool sample);  // this step's launch shape into graph_key_
   cuda::GpuSampling graph_sampling_;             // parameters baked into sampling graphs
   int64_t step_off_ = 0;                         // int32 offset of the uint64 step counter
 };

@@ -4,7 +4,10 @@
 #include "core/error.h"
 #include "model/cuda_methods.h"
 #include "model/cuda_model.h"
+#include "backend/cuda/sparse_attention.h"
 #include "sparse/methods/blasst.h"
+#include "sparse/methods/lessismore.h"
+#include "sparse/methods/lycheedecode.h"
 #include "sparse/registry.h"
 
 namespace spade {
@@ -20,6 +23,19 @@ std::string CudaSparse::describe() const {
     case Method::Tidal:
       return cat("tidal budget=", budget, " ", schedule.describe(),
                  " (selection layers: scores from the dense kernel, token top-k on the GPU)");
+    case Method::LycheeDecode: {
+      int n = 0, tot = 0;
+      for (const auto& l : retrieval)
+        for (uint8_t r : l) n += r, ++tot;
+      return cat("lycheedecode mode=topk budget=", budget, " block=1 roles=", roles_source,
+                 " retrieval heads ", n, "/", tot, " (retrieval heads in the sparse kernel's "
+                 "launch with their group-mean scores, token top-k on the GPU; hybrid heads pooled "
+                 "into equal work items)");
+    }
+    case Method::LessIsMore:
+      return cat("lessismore budget=", budget, " recent=", recent, " sinks=", sinks, " ",
+                 schedule.describe(), " (selection layers: per-head scores from the dense kernel, "
+                 "per-head top-k and rank merge on the GPU; one list per request)");
     case Method::Twilight:
       return cat("twilight p=", twilight_p, " eps=", twilight_eps,
                  " head_combine=union keys=int4 (GPU: INT4 copy written by the KV append)"
@@ -85,6 +101,27 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
     r.blasst_prefill = bm->params().prefill && cfg.options.count("prefill");
     return r;
   }
+  if (info.name == "lycheedecode") {
+    const auto& ld = static_cast<const sparse::LycheeDecodeMethod&>(*method);
+    const sparse::LdRule& rule = ld.rule();
+    SPADE_CHECK(rule.mode == sparse::LdMode::TopK && rule.block == 1, "--device cuda: lycheedecode "
+                "supports mode=topk block=1 only (got ", rule.describe(), ")");
+    SPADE_CHECK(ld.correction_every() == 0, "--device cuda: lycheedecode cache correction "
+                "(correction=1) runs on the CPU only");
+    const sparse::HeadRoles& roles = ld.roles();
+    SPADE_CHECK(roles.identity_order(), "--device cuda: lycheedecode needs head roles in "
+                "identity order (reordered weights are a CPU-only layout)");
+    SPADE_CHECK(roles.n_kv_heads <= 32, "--device cuda: lycheedecode supports up to 32 KV heads");
+    r.method = CudaSparse::Method::LycheeDecode;
+    r.budget = rule.budget;
+    r.roles_source = roles.source;
+    r.retrieval.assign(size_t(roles.n_layers), std::vector<uint8_t>(size_t(roles.n_kv_heads), 0));
+    for (int l = 0; l < roles.n_layers; ++l)
+      for (int h = 0; h < roles.n_kv_heads; ++h)
+        r.retrieval[size_t(l)][size_t(h)] = roles.is_retrieval(l, h) ? 1 : 0;
+    SPADE_CHECK(r.budget > 0 && r.budget <= (int64_t(1) << 30), "sparse budget out of range");
+    return r;
+  }
   if (info.name == "twilight") {
     // GPU: base quest with an explicit budget, the union of the heads' top-p sets, INT4 keys.
     SPADE_CHECK(o.str("base") == "quest", "--device cuda: twilight runs over base=quest only "
@@ -108,11 +145,20 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
     return r;
   }
   r.budget = o.integer("budget");
-  if (info.name != "tidal") r.dense_layers = int(o.integer("dense_layers"));  // tidal: "auto"
-  if (info.name == "tidal") {
-    r.method = CudaSparse::Method::Tidal;
+  const bool scheduled = info.name == "tidal" || info.name == "lessismore";
+  if (!scheduled) r.dense_layers = int(o.integer("dense_layers"));  // scheduled: "auto"
+  if (scheduled) {
+    r.method = info.name == "tidal" ? CudaSparse::Method::Tidal : CudaSparse::Method::LessIsMore;
     r.schedule = sparse::LayerSchedule::from_options(o, model);
     r.dense_layers = r.schedule.dense_layers;  // (make_method checked the schedule)
+    if (r.method == CudaSparse::Method::LessIsMore) {
+      r.sinks = int(o.integer("sinks"));
+      r.recent = static_cast<const sparse::LessIsMoreMethod&>(*method).n_recent();
+      const int64_t n_uni = r.budget - r.recent - r.sinks;
+      SPADE_CHECK(n_uni >= 1 && n_uni <= cuda::kLessIsMoreMaxUnified, "--device cuda: lessismore "
+                  "merges ", n_uni, " tokens per request (budget - recent - sinks); the GPU "
+                  "merge supports 1 to ", cuda::kLessIsMoreMaxUnified);
+    }
   } else if (info.name == "streaming") {
     r.method = CudaSparse::Method::Streaming;
     r.sinks = int(o.integer("sinks"));

@@ -673,6 +673,7 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
                 "attention scores: decode steps with the v3 kernel only, not with BLASST");
     a.scores_out = scores->out;
     a.scores_ld = scores->ld;
+    a.scores_per_head = scores->per_head;
   }
   dim3 grid(n_items_, Hkv_);
   if (decode_ && variant_ > 0) {

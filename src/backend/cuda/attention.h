@@ -61,9 +61,12 @@ struct BlasstSkip {
 // and KV head h, the group-mean score out[(b * Hkv + h) * ld + j] = mean over the G query
 // heads of q.k_j * scale (fp32), from the same tensor-core products the softmax uses: no
 // second pass over K (TidalDecode-style selection layers rank tokens by it).
+// per_head: instead every query head's own score, out[(b * Hq + hq) * ld + j] = q_hq.k_j *
+// scale (LessIsMore ranks tokens per query head).
 struct DecodeScores {
   float* out = nullptr;
   int64_t ld = 0;  // >= the longest kv_len of the batch
+  bool per_head = false;
 };
 
 class AttentionWorkspace {

@@ -36,8 +36,10 @@ struct AttnArgs {
   bool skip_per_length = false;  // threshold = min(0, skip_log2 - log2(kv_len)) per sequence
   // Decode score emission (attention.h DecodeScores): scores_out[(seq * Hkv + kvh) * ld + j] =
   // mean over the G query heads of q.k_j * scale (nullptr: none).
+  // With scores_per_head: scores_out[(seq * Hq + hq) * ld + j] = q_hq.k_j * scale instead.
   float* scores_out = nullptr;
   int64_t scores_ld = 0;
+  bool scores_per_head = false;
   unsigned long long* skip_counts = nullptr;
 };
 

@@ -382,21 +382,36 @@ __global__ void __launch_bounds__(W * 32)
     uint32_t pa[TK / 16][4];
     qk(reinterpret_cast<const unsigned char*>(tK), sc, sc2);
     if constexpr (EMIT) {
-      // Group-mean score of each column: rows 0..15 of a column live in the 8 lanes with the
-      // same t4 (row g8 in c[e], row g8 + 8 in c[2 + e]); rows >= G have q = 0 and add 0.
-      const float f = sl2 * 0.6931471805599453f / float(G);  // log2 units -> natural / G
-      float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
+      // Rows 0..15 of a column live in the 8 lanes with the same t4 (row g8 in c[e], row
+      // g8 + 8 in c[2 + e]); rows >= G have q = 0 and add 0.
+      if (a.scores_per_head) {  // row g = query head kvh * G + g
+        const float f = sl2 * 0.6931471805599453f;  // log2 units -> natural
+        float* dst = a.scores_out + (int64_t(seq) * a.Hq + kvh * G) * a.scores_ld;
 #pragma unroll
-      for (int nb = 0; nb < TK / 8; ++nb)
+        for (int nb = 0; nb < TK / 8; ++nb)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = sc[nb][e] + sc2[nb][e] + sc[nb][2 + e] + sc2[nb][2 + e];
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          const int j = j0 + nb * 8 + 2 * t4 + e;
-          if (g8 == 0 && j < L) dst[j] = v * f;
-        }
+          for (int e = 0; e < 2; ++e) {
+            const int j = j0 + nb * 8 + 2 * t4 + e;
+            if (j >= L) continue;
+            if (g8 < G) dst[int64_t(g8) * a.scores_ld + j] = (sc[nb][e] + sc2[nb][e]) * f;
+            if (g8 + 8 < G)
+              dst[int64_t(g8 + 8) * a.scores_ld + j] = (sc[nb][2 + e] + sc2[nb][2 + e]) * f;
+          }
+      } else {  // group mean
+        const float f = sl2 * 0.6931471805599453f / float(G);  // log2 units -> natural / G
+        float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
+#pragma unroll
+        for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float v = sc[nb][e] + sc2[nb][e] + sc[nb][2 + e] + sc2[nb][2 + e];
+            v += __shfl_xor_sync(0xffffffffu, v, 4);
+            v += __shfl_xor_sync(0xffffffffu, v, 8);
+            v += __shfl_xor_sync(0xffffffffu, v, 16);
+            const int j = j0 + nb * 8 + 2 * t4 + e;
+            if (g8 == 0 && j < L) dst[j] = v * f;
+          }
+      }
     }
     chunk_max(j0, sc, sc2, mx);
     softmax(sc, mx);

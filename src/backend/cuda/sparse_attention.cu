@@ -50,6 +50,10 @@ struct SpArgs {
   int Hq, Hkv, G, P, lists_per_req, gran;  // gran: SelGran as int
   int64_t total_rows;                      // B * Hq
   float scale_log2;
+  // Dense heads only (optional): group-mean scores scores_out[(seq * Hkv + kvh) * ld + j] =
+  // mean over the G query heads of q.k_j * scale, from the products the softmax uses.
+  float* scores_out;
+  int64_t scores_ld;
 };
 
 constexpr int kTK = 16;  // rows per chunk
@@ -245,6 +249,24 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
         mma16816(s[0], qa[k16], b0, b1);
         mma16816(s[1], qa[k16], b2, b3);
       }
+    }
+    if (dense && a.scores_out) {  // CTA-uniform; a dense head's chunk c is tokens [16c, 16c + 16)
+      // Rows 0..15 of a column live in the 8 lanes with the same t4 (row lane / 4 in [e], row
+      // lane / 4 + 8 in [2 + e]); rows >= G have q = 0 and add 0.
+      const float f = sl2 * 0.6931471805599453f / float(G);
+      float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
+      const int j0 = chunk_of(kk) * kTK;
+#pragma unroll
+      for (int nb = 0; nb < kTK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = s[nb][e] + s2[nb][e] + s[nb][2 + e] + s2[nb][2 + e];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          const int j = j0 + nb * 8 + 2 * t4 + e;
+          if ((lane >> 2) == 0 && j < L) dst[j] = v * f;
+        }
     }
     const bool mask = lim < kTK;
     float alpha[2] = {1.f, 1.f};
@@ -445,14 +467,22 @@ void launch_one(const SpArgs& a, int n_items, cudaStream_t s) {
 }  // namespace
 
 SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_pages, int Hq,
-                                 int Hkv, int D, int P, int max_split)
+                                 int Hkv, int D, int P, int max_split, int max_patterns)
     : Hq_(Hq), Hkv_(Hkv), D_(D), P_(P), max_batch_(max_batch), max_split_(max_split),
-      max_pages_(max_pages) {
+      max_patterns_(max_patterns), max_pages_(max_pages) {
+  SPADE_CHECK(max_patterns >= 1, "sparse attention: max_patterns must be >= 1");
   SPADE_CHECK(D == 64 || D == 128, "sparse attention: head dim ", D, " (64 or 128 supported)");
   SPADE_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "sparse attention: G = Hq / Hkv must be <= 16");
   SPADE_CHECK(max_split >= 1 && max_split <= 1024, "sparse attention: max_split");
-  const int64_t max_items = int64_t(max_batch) * Hkv * max_split;
-  meta_cap_ = size_t(max_pages + 2 * max_batch + 8 + 4 * max_items);
+  const int64_t max_items = int64_t(max_batch) * Hkv * max_split * max_patterns;
+  // Fixed offsets (the arrays' device addresses do not move between plans, so a captured
+  // CUDA graph stays valid): page table | page offsets | lengths | work items.
+  auto align4 = [](int64_t n) { return (n + 3) / 4 * 4; };
+  off_pt_ = 0;
+  off_po_ = align4(max_pages);
+  off_len_ = off_po_ + align4(max_batch);
+  off_items_ = off_len_ + align4(max_batch);
+  meta_cap_ = size_t(off_items_ + 4 * max_items);
   meta_dev_ = arena.alloc_n<int32_t>(meta_cap_, "sparse attention metadata");
   SPADE_CUDA(cudaMallocHost(&meta_host_, meta_cap_ * sizeof(int32_t)));
   const size_t rows = size_t(max_batch) * Hq;
@@ -477,15 +507,29 @@ void SparseAttention::plan(const std::vector<SparseSeq>& batch, SelGran gran, in
                            const std::vector<int>& max_entries,
                            const std::vector<uint8_t>* dense_heads, cudaStream_t s,
                            int force_split) {
+  one_pattern_.resize(1);
+  if (dense_heads) one_pattern_[0] = *dense_heads;
+  else one_pattern_[0].assign(size_t(Hkv_), 0);
+  plan_patterns(batch, gran, lists_per_req, max_entries, one_pattern_, s, force_split);
+}
+
+void SparseAttention::plan_patterns(const std::vector<SparseSeq>& batch, SelGran gran,
+                                    int lists_per_req, const std::vector<int>& max_entries,
+                                    const std::vector<std::vector<uint8_t>>& patterns,
+                                    cudaStream_t s, int force_split) {
   const int B = int(batch.size());
+  SPADE_CHECK(!patterns.empty() && int(patterns.size()) <= max_patterns_, "sparse attention: ",
+              patterns.size(), " dense-head patterns, outside [1, ", max_patterns_, "]");
   SPADE_CHECK(B >= 1 && B <= max_batch_, "sparse attention: batch ", B, " outside [1, ", max_batch_, "]");
   SPADE_CHECK(lists_per_req == 1 || lists_per_req == Hkv_, "sparse attention: lists_per_req must be 1 or Hkv");
   SPADE_CHECK(int(max_entries.size()) == B * lists_per_req, "sparse attention: max_entries size");
   SPADE_CHECK(gran == SelGran::Token || P_ % 16 == 0,
               "sparse attention: page/block selections need P % 16 == 0");
-  SPADE_CHECK(!dense_heads || int(dense_heads->size()) == Hkv_, "sparse attention: dense_heads size");
-  const bool any_dense = dense_heads && std::any_of(dense_heads->begin(), dense_heads->end(),
-                                                   [](uint8_t d) { return d != 0; });
+  bool any_dense = false;
+  for (const auto& pat : patterns) {
+    SPADE_CHECK(int(pat.size()) == Hkv_, "sparse attention: dense_heads size");
+    for (uint8_t d : pat) any_dense |= d != 0;
+  }
   SPADE_CHECK(!any_dense || P_ % 16 == 0, "sparse attention: dense heads need P % 16 == 0");
   B_ = B;
   lists_per_req_ = lists_per_req;
@@ -493,51 +537,6 @@ void SparseAttention::plan(const std::vector<SparseSeq>& batch, SelGran gran, in
   int64_t tot_pages = 0;
   for (auto& q : batch) tot_pages += q.n_pages;
   SPADE_CHECK(tot_pages <= max_pages_, "sparse attention: ", tot_pages, " pages > max ", max_pages_);
-  // Chunk counts per (request, head): the work the planner balances.
-  std::vector<int> nch(size_t(B) * Hkv_);
-  int64_t total = 0;
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < Hkv_; ++h) {
-      int c;
-      if (dense_heads && (*dense_heads)[h]) c = (batch[b].kv_len + 15) / 16;
-      else {
-        const int e = max_entries[size_t(b) * lists_per_req + (lists_per_req == 1 ? 0 : h)];
-        c = gran == SelGran::Token ? (e + 15) / 16 : gran == SelGran::Block64 ? 4 * e : e;
-      }
-      nch[size_t(b) * Hkv_ + h] = c;
-      total += c;
-    }
-  // Equal work items: the smallest chunks-per-item t >= 8 whose items fit in W waves of CTA
-  // slots, W = the fewest waves that can hold one item per (request, head). Each head gets
-  // ceil(chunks / t) splits, so dense heads get proportionally more and a mix of dense and
-  // sparse heads ends together (LycheeDecode appendix C), and no wave runs a few stragglers.
-  const int64_t slots = int64_t(sm_count()) * ctas_per_sm();
-  const int64_t n_lists = int64_t(B) * Hkv_;
-  const int64_t cap = ((n_lists + slots - 1) / slots) * slots;
-  auto items_for = [&](int64_t t) {
-    int64_t n = 0;
-    for (int c : nch) n += std::min<int64_t>(max_split_, std::max<int64_t>(1, (c + t - 1) / t));
-    return n;
-  };
-  int64_t lo = 8, hi = std::max<int64_t>(8, *std::max_element(nch.begin(), nch.end()));
-  if (items_for(lo) > cap) {
-    while (lo < hi) {  // smallest t in (lo, hi] with items_for(t) <= cap
-      const int64_t mid = (lo + hi) / 2;
-      if (items_for(mid) <= cap) hi = mid;
-      else lo = mid + 1;
-    }
-  }
-  const int64_t target = lo;
-  (void)total;
-  int64_t off = 0;
-  off_pt_ = off;
-  off += tot_pages;
-  off_po_ = off;
-  off += B;
-  off_len_ = off;
-  off += B;
-  off = (off + 3) / 4 * 4;
-  off_items_ = off;
   int64_t o = 0;
   for (int b = 0; b < B; ++b) {
     meta_host_[off_po_ + b] = int32_t(o);
@@ -545,34 +544,85 @@ void SparseAttention::plan(const std::vector<SparseSeq>& batch, SelGran gran, in
     for (int i = 0; i < batch[b].n_pages; ++i) meta_host_[off_pt_ + o + i] = batch[b].pages[i];
     o += batch[b].n_pages;
   }
+  const int64_t slots = int64_t(sm_count()) * ctas_per_sm();
   int n_items = 0;
   max_split_used_ = 0;
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < Hkv_; ++h) {
-      const int c = nch[size_t(b) * Hkv_ + h];
-      int ns = force_split > 0 ? force_split : int(std::max<int64_t>(1, (c + target - 1) / target));
-      ns = std::min(ns, max_split_);
-      max_split_used_ = std::max(max_split_used_, ns);
-      const bool dn = dense_heads && (*dense_heads)[h];
-      for (int sp = 0; sp < ns; ++sp) {
-        SPADE_CHECK(off_items_ + 4 * (n_items + 1) <= int64_t(meta_cap_), "sparse attention: too many items");
-        int32_t* it = meta_host_ + off_items_ + 4 * n_items;
-        it[0] = b;
-        it[1] = h | (dn ? 1 << 16 : 0);
-        it[2] = sp;
-        it[3] = ns;
-        ++n_items;
+  pattern_first_.clear();
+  pattern_count_.clear();
+  for (const auto& pat : patterns) {
+    // Chunk counts per (request, head): the work the planner balances.
+    nch_.assign(size_t(B) * Hkv_, 0);
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < Hkv_; ++h) {
+        int c;
+        // Dense heads: planned as if the context were rounded up to 1024 tokens (the kernel
+        // reads the real length), so the work items, and a CUDA graph keyed by their count,
+        // change only every 1024 decoded tokens.
+        if (pat[size_t(h)]) c = ((batch[b].kv_len + 15) / 16 + 63) / 64 * 64;
+        else {
+          const int e = max_entries[size_t(b) * lists_per_req + (lists_per_req == 1 ? 0 : h)];
+          c = gran == SelGran::Token ? (e + 15) / 16 : gran == SelGran::Block64 ? 4 * e : e;
+        }
+        nch_[size_t(b) * Hkv_ + h] = c;
+      }
+    // Equal work items: the smallest chunks-per-item t >= 8 whose items fit in W waves of CTA
+    // slots, W = the fewest waves that can hold one item per (request, head). Each head gets
+    // ceil(chunks / t) splits, so dense heads get proportionally more and a mix of dense and
+    // sparse heads ends together (LycheeDecode appendix C), and no wave runs a few stragglers.
+    const int64_t n_lists = int64_t(B) * Hkv_;
+    const int64_t cap = ((n_lists + slots - 1) / slots) * slots;
+    auto items_for = [&](int64_t t) {
+      int64_t n = 0;
+      for (int c : nch_) n += std::min<int64_t>(max_split_, std::max<int64_t>(1, (c + t - 1) / t));
+      return n;
+    };
+    int64_t lo = 8, hi = std::max<int64_t>(8, *std::max_element(nch_.begin(), nch_.end()));
+    if (items_for(lo) > cap) {
+      while (lo < hi) {  // smallest t in (lo, hi] with items_for(t) <= cap
+        const int64_t mid = (lo + hi) / 2;
+        if (items_for(mid) <= cap) hi = mid;
+        else lo = mid + 1;
       }
     }
-  n_items_ = n_items;
-  SPADE_CUDA(cudaMemcpyAsync(meta_dev_, meta_host_, sizeof(int32_t) * (off_items_ + 4 * n_items),
+    const int64_t target = lo;
+    pattern_first_.push_back(n_items);
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < Hkv_; ++h) {
+        const int c = nch_[size_t(b) * Hkv_ + h];
+        int ns = force_split > 0 ? force_split : int(std::max<int64_t>(1, (c + target - 1) / target));
+        ns = std::min(ns, max_split_);
+        max_split_used_ = std::max(max_split_used_, ns);
+        const bool dn = pat[size_t(h)] != 0;
+        for (int sp = 0; sp < ns; ++sp) {
+          SPADE_CHECK(off_items_ + 4 * (n_items + 1) <= int64_t(meta_cap_), "sparse attention: too many items");
+          int32_t* it = meta_host_ + off_items_ + 4 * n_items;
+          it[0] = b;
+          it[1] = h | (dn ? 1 << 16 : 0);
+          it[2] = sp;
+          it[3] = ns;
+          ++n_items;
+        }
+      }
+    pattern_count_.push_back(n_items - pattern_first_.back());
+  }
+  n_items_ = pattern_count_[0];
+  SPADE_CUDA(cudaMemcpyAsync(meta_dev_, meta_host_, sizeof(int32_t) * size_t(tot_pages),
+                             cudaMemcpyHostToDevice, s));
+  SPADE_CUDA(cudaMemcpyAsync(meta_dev_ + off_po_, meta_host_ + off_po_,
+                             sizeof(int32_t) * size_t(off_items_ - off_po_ + 4 * n_items),
                              cudaMemcpyHostToDevice, s));
 }
 
 void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cache,
                           const int32_t* sel_off, const int32_t* sel_idx, bf16* out, float scale,
-                          cudaStream_t s) const {
+                          cudaStream_t s, int pattern, float* dense_scores,
+                          int64_t scores_ld) const {
+  SPADE_CHECK(pattern >= 0 && pattern < int(pattern_first_.size()), "sparse attention: pattern ",
+              pattern, " was not planned");
+  SPADE_CHECK(!dense_scores || scores_ld > 0, "sparse attention: scores need a row stride");
   SpArgs a{};
+  a.scores_out = dense_scores;
+  a.scores_ld = scores_ld;
   a.q = q;
   a.out = out;
   a.k = k_cache;
@@ -582,7 +632,7 @@ void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cach
   a.kv_len = meta_dev_ + off_len_;
   a.sel_off = sel_off;
   a.sel_idx = sel_idx;
-  a.items = reinterpret_cast<const int4*>(meta_dev_ + off_items_);
+  a.items = reinterpret_cast<const int4*>(meta_dev_ + off_items_) + pattern_first_[size_t(pattern)];
   a.part_o = part_o_;
   a.part_lse = part_lse_;
   a.counters = counters_;
@@ -595,8 +645,9 @@ void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cach
   a.total_rows = int64_t(B_) * Hq_;
   a.scale_log2 = scale * 1.4426950408889634f;
   const bool tok = gran_ == SelGran::Token;
-  if (D_ == 128) tok ? launch_one<128, true>(a, n_items_, s) : launch_one<128, false>(a, n_items_, s);
-  else tok ? launch_one<64, true>(a, n_items_, s) : launch_one<64, false>(a, n_items_, s);
+  const int n = pattern_count_[size_t(pattern)];
+  if (D_ == 128) tok ? launch_one<128, true>(a, n, s) : launch_one<128, false>(a, n, s);
+  else tok ? launch_one<64, true>(a, n, s) : launch_one<64, false>(a, n, s);
 }
 
 }  // namespace spade::cuda

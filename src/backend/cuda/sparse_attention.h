@@ -37,8 +37,9 @@ struct SparseSeq {
 
 class SparseAttention {
  public:
+  // max_patterns: dense-head patterns one plan_patterns() may hold.
   SparseAttention(DeviceArena& arena, int max_batch, int64_t max_pages, int Hq, int Hkv, int D,
-                  int P, int max_split = 64);
+                  int P, int max_split = 64, int max_patterns = 1);
 
   // max_entries[b * lists_per_req + l]: host upper bound of each list's length (entries);
   // dense_heads (optional, size Hkv): heads that ignore their list and read all of
@@ -46,12 +47,24 @@ class SparseAttention {
   void plan(const std::vector<SparseSeq>& batch, SelGran gran, int lists_per_req,
             const std::vector<int>& max_entries, const std::vector<uint8_t>* dense_heads,
             cudaStream_t s, int force_split = 0);
+  // plan() for several dense-head patterns at once (each of size Hkv; LycheeDecode: one per
+  // distinct set of retrieval heads among the layers): run(..., pattern = i) uses patterns[i].
+  void plan_patterns(const std::vector<SparseSeq>& batch, SelGran gran, int lists_per_req,
+                     const std::vector<int>& max_entries,
+                     const std::vector<std::vector<uint8_t>>& patterns, cudaStream_t s,
+                     int force_split = 0);
   // out[B, Hq, D] = attention of q[B, Hq, D] over the selected rows of this layer's cache
-  // (k, v: [page][Hkv][P][D] bf16).
+  // (k, v: [page][Hkv][P][D] bf16). dense_scores (optional): the dense heads also write their
+  // group-mean scores dense_scores[(b * Hkv + h) * scores_ld + j] = mean over the G query heads
+  // of q.k_j * scale for every j < kv_len (as the dense kernel's DecodeScores; LycheeDecode's
+  // retrieval heads), from the same products: no second pass over K.
   void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* sel_off,
-           const int32_t* sel_idx, bf16* out, float scale, cudaStream_t s) const;
+           const int32_t* sel_idx, bf16* out, float scale, cudaStream_t s, int pattern = 0,
+           float* dense_scores = nullptr, int64_t scores_ld = 0) const;
 
-  int n_items() const { return n_items_; }
+  int n_items() const { return n_items_; }  // of pattern 0
+  // Work items of each pattern of the last plan (launch shapes: a CUDA graph's key).
+  const std::vector<int>& pattern_items() const { return pattern_count_; }
   // Device copies of the last plan's page table / per-request page offsets / lengths (valid
   // in stream order after plan()), for selectors that read them (QuestArgs).
   const int32_t* dev_page_table() const { return meta_dev_ + off_pt_; }
@@ -61,7 +74,7 @@ class SparseAttention {
   int ctas_per_sm() const;
 
  private:
-  int Hq_, Hkv_, D_, P_, max_batch_, max_split_;
+  int Hq_, Hkv_, D_, P_, max_batch_, max_split_, max_patterns_;
   int64_t max_pages_;
   int32_t* meta_dev_ = nullptr;
   int32_t* meta_host_ = nullptr;
@@ -72,6 +85,9 @@ class SparseAttention {
   int64_t off_pt_ = 0, off_po_ = 0, off_len_ = 0, off_items_ = 0;
   int B_ = 0, n_items_ = 0, max_split_used_ = 0, lists_per_req_ = 1;
   SelGran gran_ = SelGran::Token;
+  std::vector<int> pattern_first_, pattern_count_;  // work items of each planned pattern
+  std::vector<int> nch_;                            // planning scratch (kept: no per-step allocation)
+  std::vector<std::vector<uint8_t>> one_pattern_;
 };
 
 // ---- Quest on the GPU (quest_select.cu) ----
@@ -124,11 +140,39 @@ void quest_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, i
 // min(k, kv_len[b]) of them valid) -> CSR sel_off[B * Hkv + 1] / sel_idx (Token).
 void token_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, int Hkv, int k,
                          int32_t* sel_off, int32_t* sel_idx, cudaStream_t s);
-// row_lengths: out[b * Hkv + h] = kv_len[b] (topk_rows' per-row counts).
-void row_lengths(const int32_t* kv_len, int B, int Hkv, int32_t* out, cudaStream_t s);
+// row_lengths: out[b * Hkv + h] = kv_len[b] (topk_rows' per-row counts) for the heads h whose
+// bit is set in `heads` (Hkv <= 32 for a mask), 0 for the others (topk_rows leaves those rows
+// untouched: LycheeDecode's sparse heads keep their sets).
+void row_lengths(const int32_t* kv_len, int B, int Hkv, int32_t* out, cudaStream_t s,
+                 uint32_t heads = ~0u);
 // streaming_lists: one shared Token list per request (lists_per_req = 1): all of [0, L) when
 // L <= budget, else the first `sinks` tokens and the last budget - sinks (StreamingMethod).
 void streaming_lists(const int32_t* kv_len, int B, int budget, int sinks, int32_t* sel_off,
                      int32_t* sel_idx, cudaStream_t s);
+
+// ---- LessIsMore on the GPU (lessismore_select.cu) ----
+// One Token list per request (lists_per_req = 1) from a selection layer's per-query-head
+// scores (DecodeScores::per_head), exactly the CPU's LessIsMoreMethod::on_scores on the same
+// scores: sinks [0, sinks), the n_uni = budget - n_recent - sinks tokens of the merge of the
+// heads' top lists over [sinks, L - n_recent) by (rank within head, head), and the last
+// n_recent positions; a request with L <= budget gets all of [0, L). sel_off[B + 1] /
+// sel_idx[B * budget] (CSR; entries ascending within each part).
+constexpr int kLessIsMoreMaxUnified = 8192;  // n_uni limit (the rank sort's shared memory)
+struct LessIsMoreArgs {
+  const float* scores = nullptr;  // [B * Hq][ld] per query head
+  int64_t ld = 0;                 // >= every kv_len
+  const int32_t* kv_len = nullptr;  // [B] device
+  int B = 0, Hq = 0;
+  int budget = 0, n_recent = 0, sinks = 0, n_uni = 0;
+  // scratch (device): row_n [B * Hq + B], head_top [B * Hq * n_uni], keys [B * ld],
+  // merged_top [B * n_uni]
+  int32_t* row_n = nullptr;
+  int32_t* head_top = nullptr;
+  float* keys = nullptr;
+  int32_t* merged_top = nullptr;
+  int32_t* sel_off = nullptr;
+  int32_t* sel_idx = nullptr;
+};
+void lessismore_select(const LessIsMoreArgs& a, cudaStream_t s);
 
 }  // namespace spade::cuda

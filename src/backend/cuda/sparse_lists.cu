@@ -30,9 +30,10 @@ __global__ void topk_compact_kernel(const int32_t* strided, const int32_t* kv_le
   }
 }
 
-__global__ void row_lengths_kernel(const int32_t* kv_len, int n_rows, int Hkv, int32_t* out) {
+__global__ void row_lengths_kernel(const int32_t* kv_len, int n_rows, int Hkv, uint32_t heads,
+                                   int32_t* out) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r < n_rows) out[r] = kv_len[r / Hkv];
+  if (r < n_rows) out[r] = (heads >> (r % Hkv)) & 1u ? kv_len[r / Hkv] : 0;
 }
 
 __global__ void streaming_lists_kernel(const int32_t* kv_len, int B, int budget, int sinks,
@@ -66,9 +67,11 @@ void token_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, i
   SPADE_CUDA(cudaGetLastError());
 }
 
-void row_lengths(const int32_t* kv_len, int B, int Hkv, int32_t* out, cudaStream_t s) {
+void row_lengths(const int32_t* kv_len, int B, int Hkv, int32_t* out, cudaStream_t s,
+                 uint32_t heads) {
+  SPADE_CHECK(Hkv <= 32 || heads == ~0u, "row_lengths: a head mask needs Hkv <= 32");
   const int n = B * Hkv;
-  row_lengths_kernel<<<(n + 255) / 256, 256, 0, s>>>(kv_len, n, Hkv, out);
+  row_lengths_kernel<<<(n + 255) / 256, 256, 0, s>>>(kv_len, n, Hkv, Hkv <= 32 ? heads : ~0u, out);
   SPADE_CUDA(cudaGetLastError());
 }
 

@@ -10,13 +10,6 @@ namespace spade::sparse {
 
 namespace {
 
-// Token sets in flight within one decode step, indexed by original KV head index (column).
-struct LdState : MethodState {
-  std::vector<std::vector<int32_t>> set;  // [column] sorted positions
-  std::vector<uint8_t> all;               // [column] the set is every token
-  std::vector<int64_t> step, length;      // [column] decode step / L the set was made for
-};
-
 const char* mode_name(LdMode m) {
   switch (m) {
     case LdMode::TopK: return "topk";

@@ -48,6 +48,14 @@ struct LdRule {
   static LdMode parse_mode(const std::string& s);
 };
 
+// Per-request state: the token sets in flight within one decode step, indexed by original KV
+// head index (column). Public so that tests can compare (and replace) them.
+struct LdState : MethodState {
+  std::vector<std::vector<int32_t>> set;  // [column] sorted positions
+  std::vector<uint8_t> all;               // [column] the set is every token
+  std::vector<int64_t> step, length;      // [column] decode step / L the set was made for
+};
+
 // The selection rule on weights w[0..L) (non-negative, summing to ~1): writes the selected
 // positions in increasing order to out[0..n) (out grows as needed) and returns n >= 1.
 int64_t ld_select(const float* w, int64_t L, const LdRule& rule, SelectScratch& scratch,

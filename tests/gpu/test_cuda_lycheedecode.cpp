@@ -1,0 +1,278 @@
+// LycheeDecode on the GPU (issue 9): the hybrid-head sparse kernel's score emission for its
+// dense (retrieval) heads, several dense-head patterns in one plan, and `--device cuda
+// --sparse lycheedecode` inside CudaModel against the CPU's LycheeDecodeMethod.
+//
+// Agreement measure (model): the GPU ranks tokens by the group-mean score q_bar.k * scale,
+// the CPU by its softmax weight (the same order up to rounding), from bf16 keys and
+// activations where the CPU has fp32 ones. At every (step, layer with retrieval heads,
+// request, retrieval head) the GPU's next-layer set is compared with the CPU's: a differing
+// token is accepted only as a near-tie, i.e. when its CPU weight lies within 2 e of the CPU's
+// k-th largest weight, e = the row's largest |GPU weight - CPU weight| (GPU weights: softmax
+// of the GPU's traced scores). Anything else fails. The CPU then continues with the GPU's sets
+// (so one near-tie does not cascade) and the logits must agree within kTolLogits = 5e-2 at
+// every step (the dense comparison reaches 0.025). Near-ties may swap at most 10% of a set.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <set>
+
+#include "../test_util.h"
+#include "backend/cuda/sparse_attention.h"
+#include "gpu_model_util.h"
+#include "gpu_util.h"
+#include "model/cpu_model.h"
+#include "model/cuda_model.h"
+#include "sparse/methods/lycheedecode.h"
+#include "sparse/registry.h"
+#include "sparse/session.h"
+
+namespace spade::test {
+namespace {
+
+using cuda::bf16;
+
+// ---------------------------------------------------------------- hybrid-head kernel
+
+void check_hybrid(int Hq, int Hkv, int D, const std::vector<int>& lens,
+                  const std::vector<std::vector<uint8_t>>& patterns, uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << "Hq=" << Hq << " Hkv=" << Hkv << " D=" << D);
+  const int P = 16, G = Hq / Hkv, B = int(lens.size());
+  std::mt19937 rng(seed);
+  int64_t pages = 0;
+  for (int L : lens) pages += (L + P - 1) / P;
+  KVLayout lay{1, Hkv, D, P};
+  KVPool kv(lay, pages + 2);
+  std::vector<PageTable> pts(lens.size());
+  for (size_t i = 0; i < lens.size(); ++i) kv.reserve(pts[i], lens[i]), pts[i].length = lens[i];
+  const size_t n = size_t(kv.n_pages()) * lay.page_floats();
+  auto kh = round_bf16(randn(n, rng)), vh = round_bf16(randn(n, rng));
+  std::copy(kh.begin(), kh.end(), kv.k_page(0, 0));
+  std::copy(vh.begin(), vh.end(), kv.v_page(0, 0));
+  auto q = round_bf16(randn(size_t(B) * Hq * D, rng));
+  // Token lists: a random sorted subset of each (request, head)'s context.
+  std::vector<int32_t> off{0}, idx;
+  std::vector<int> max_entries;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hkv; ++h) {
+      std::vector<int32_t> all(size_t(lens[size_t(b)]));
+      for (int j = 0; j < lens[size_t(b)]; ++j) all[size_t(j)] = j;
+      std::shuffle(all.begin(), all.end(), rng);
+      const int k = std::max(1, lens[size_t(b)] / 5);
+      all.resize(size_t(k));
+      std::sort(all.begin(), all.end());
+      idx.insert(idx.end(), all.begin(), all.end());
+      off.push_back(int32_t(idx.size()));
+      max_entries.push_back(k);
+    }
+  std::vector<cuda::SparseSeq> seqs;
+  for (int b = 0; b < B; ++b)
+    seqs.push_back({pts[size_t(b)].pages.data(), int(pts[size_t(b)].pages.size()), lens[size_t(b)]});
+  const int64_t ld = *std::max_element(lens.begin(), lens.end()) + 3;
+  cuda::DeviceArena arena(256u << 20);
+  cuda::SparseAttention multi(arena, 8, pages + 2, Hq, Hkv, D, P, 64, int(patterns.size()));
+  cuda::SparseAttention single(arena, 8, pages + 2, Hq, Hkv, D, P, 64, 1);
+  DevBuf<bf16> dk(to_bf16(kh)), dv(to_bf16(vh)), dq(to_bf16(q));
+  DevBuf<int32_t> doff(off), didx(idx);
+  multi.plan_patterns(seqs, cuda::SelGran::Token, Hkv, max_entries, patterns, 0);
+  const float scale = 1.f / std::sqrt(float(D));
+  for (size_t p = 0; p < patterns.size(); ++p) {
+    SCOPED_TRACE(testing::Message() << "pattern " << p);
+    DevBuf<bf16> o_multi(q.size()), o_scores(q.size()), o_single(q.size());
+    DevBuf<float> sc(size_t(B * Hkv) * size_t(ld));
+    sc.poison();
+    multi.run(dq.p, dk.p, dv.p, doff.p, didx.p, o_multi.p, scale, 0, int(p));
+    multi.run(dq.p, dk.p, dv.p, doff.p, didx.p, o_scores.p, scale, 0, int(p), sc.p, ld);
+    single.plan(seqs, cuda::SelGran::Token, Hkv, max_entries, &patterns[p], 0);
+    single.run(dq.p, dk.p, dv.p, doff.p, didx.p, o_single.p, scale, 0);
+    const auto a = o_multi.download(), b2 = o_scores.download(), c = o_single.download();
+    EXPECT_EQ(0, std::memcmp(a.data(), b2.data(), a.size() * sizeof(bf16)))
+        << "emitting scores changed the attention output";
+    EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * sizeof(bf16)))
+        << "pattern of a multi-pattern plan differs from a plan of that pattern alone";
+    const auto got = sc.download();
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < Hkv; ++h) {
+        const float* row = got.data() + (size_t(b) * Hkv + h) * size_t(ld);
+        if (!patterns[p][size_t(h)]) {  // sparse head: no scores
+          for (int j = 0; j < lens[size_t(b)]; ++j)
+            ASSERT_TRUE(std::isnan(row[j])) << "sparse head " << h << " wrote a score";
+          continue;
+        }
+        double num = 0, den = 0;
+        for (int j = 0; j < lens[size_t(b)]; ++j) {
+          const float* k = kv.k_row(0, pts[size_t(b)], j, h);
+          double s = 0;
+          for (int g = 0; g < G; ++g) {
+            const float* qg = q.data() + (size_t(b) * Hq + size_t(h) * G + g) * D;
+            for (int d = 0; d < D; ++d) s += double(qg[d]) * k[d];
+          }
+          const double r = s * scale / G;
+          ASSERT_TRUE(std::isfinite(row[j])) << "score of token " << j << " not written";
+          num += (row[j] - r) * (row[j] - r), den += r * r;
+        }
+        EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-5) << "request " << b << " head " << h;
+      }
+  }
+}
+
+TEST(CudaLycheeDecode, HybridKernelScoresAndPatterns) {
+  SKIP_WITHOUT_GPU();
+  check_hybrid(32, 8, 128, {3000, 700, 41},
+               {{0, 1, 0, 0, 1, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}, {1, 1, 1, 1, 1, 1, 1, 0}}, 1);
+  check_hybrid(9, 3, 64, {2000, 33}, {{0, 0, 1}, {1, 0, 0}}, 2);  // SmolLM2's heads
+}
+
+// ---------------------------------------------------------------- model
+
+// LycheeDecodeMethod whose next-layer sets are compared with the GPU's (and replaced by them
+// up to near-ties).
+class TracingLychee final : public sparse::SparseMethod {
+ public:
+  explicit TracingLychee(std::shared_ptr<const sparse::SparseMethod> inner)
+      : inner_(std::move(inner)), ld_(static_cast<const sparse::LycheeDecodeMethod&>(*inner_)) {}
+  std::string name() const override { return "lycheedecode"; }
+  std::string describe() const override { return inner_->describe(); }
+  std::unique_ptr<sparse::MethodState> new_state() const override { return inner_->new_state(); }
+  void select(sparse::StepContext& c, sparse::Selection& out) const override {
+    inner_->select(c, out);
+    if (!gpu || c.layer + 1 >= c.n_layers) return;
+    auto& st = static_cast<sparse::LdState&>(*c.state);
+    const int r = req_of.at(c.pt);
+    const int64_t L = c.L, k = std::min<int64_t>(ld_.rule().budget, L);
+    for (int h = 0; h < c.Hkv; ++h) {
+      if (!ld_.roles().is_retrieval(c.layer, h)) continue;
+      ASSERT_GT(gpu->sel.size(), size_t(c.layer)) << "GPU sets missing, layer " << c.layer;
+      const auto& g_h = gpu->sel[size_t(c.layer)].at(size_t(r * c.Hkv + h));
+      const auto& gs = gpu->scores.at(size_t(c.layer)).at(size_t(r * c.Hkv + h));
+      ++rows;
+      EXPECT_EQ(int64_t(g_h.size()), k) << "layer " << c.layer << " request " << r;
+      std::vector<int32_t> cs = st.all[size_t(h)] ? std::vector<int32_t>() : st.set[size_t(h)];
+      if (st.all[size_t(h)])
+        for (int32_t j = 0; j < L; ++j) cs.push_back(j);
+      if (cs == g_h) {
+        ++identical;
+        continue;
+      }
+      std::vector<float> w(static_cast<size_t>(L)), wg(static_cast<size_t>(L));
+      sparse::ld_group_weights(c, h, w.data());
+      ASSERT_EQ(int64_t(gs.size()), L);
+      const float mx = *std::max_element(gs.begin(), gs.end());
+      double sum = 0;
+      for (int64_t j = 0; j < L; ++j) sum += (wg[size_t(j)] = std::exp(gs[size_t(j)] - mx));
+      float err = 0;
+      for (int64_t j = 0; j < L; ++j)
+        err = std::max(err, std::fabs(float(wg[size_t(j)] / sum) - w[size_t(j)]));
+      max_err = std::max(max_err, double(err));
+      std::vector<float> sorted(w);
+      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+      const float kth = sorted[size_t(k - 1)];
+      std::vector<int32_t> diff;
+      std::set_symmetric_difference(g_h.begin(), g_h.end(), cs.begin(), cs.end(),
+                                    std::back_inserter(diff));
+      bool tie = true;
+      for (int32_t t : diff)
+        if (t < 0 || t >= L || std::fabs(w[size_t(t)] - kth) > 2.f * err) tie = false;
+      max_diff_frac = std::max(max_diff_frac, double(diff.size()) / 2.0 / double(k));
+      if (!tie) {
+        ++bad;
+        ADD_FAILURE() << "step " << c.step << " layer " << c.layer << " request " << r << " head "
+                      << h << ": sets differ beyond a near-tie";
+        continue;
+      }
+      ++near_tie;
+      st.set[size_t(h)] = g_h;  // teacher-forced: the GPU's set
+      st.all[size_t(h)] = int64_t(g_h.size()) == L;
+    }
+  }
+  const CudaModel::QuestTrace* gpu = nullptr;
+  std::map<const PageTable*, int> req_of;
+  mutable int rows = 0, identical = 0, near_tie = 0, bad = 0;
+  mutable double max_err = 0, max_diff_frac = 0;
+
+ private:
+  std::shared_ptr<const sparse::SparseMethod> inner_;
+  const sparse::LycheeDecodeMethod& ld_;
+};
+
+constexpr double kTolLogits = 5e-2;
+
+void compare_model(int D, const std::string& spec, int na, int nb, int steps, int sel_rows) {
+  SCOPED_TRACE(testing::Message() << "D=" << D << " " << spec);
+  const ModelConfig c = tiny_config(Arch::Llama, D, 4, 2048);
+  ModelWeights w = random_model(c, 77);  // the TidalDecode test's model (dense prefill within 3e-2)
+  round_weights_bf16(w);
+  const sparse::SparseConfig sc = sparse::SparseConfig::parse_spec(spec);
+  CudaModelOptions opt;
+  opt.max_tokens = 1024;
+  opt.max_batch = 4;
+  opt.max_step_tokens = 512;
+  opt.max_logit_rows = 64;
+  opt.sparse = cuda_sparse_config(sc, c, 16);
+  ASSERT_EQ(opt.sparse.method, CudaSparse::Method::LycheeDecode);
+  CudaModel gpu(w, opt);
+  CudaModel::QuestTrace trace;
+  gpu.quest_trace = &trace;
+  KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
+  CpuModel cpu(w, kv);
+  auto method = std::make_shared<TracingLychee>(sparse::make_method(sc, c));
+  sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
+  PageTable pc[2], pg[2];
+  method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
+  std::mt19937 rng(8);
+  auto a = random_tokens(rng, na, c.vocab), b = random_tokens(rng, nb, c.vocab);
+  std::vector<int64_t> rc, rg;
+  {
+    const auto& lc = cpu.forward({{&pc[0], a.data(), na, false, &s0.attention()},
+                                  {&pc[1], b.data(), nb, false, &s1.attention()}}, rc);
+    const auto& lg = gpu.forward({{&pg[0], a.data(), na, false}, {&pg[1], b.data(), nb, false}}, rg);
+    EXPECT_LT(rel_err(lg, lc), 3e-2) << "prefill";
+  }
+  method->gpu = &trace;
+  double worst = 0;
+  for (int s = 0; s < steps; ++s) {
+    trace.sel.clear();
+    trace.scores.clear();
+    int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
+    std::vector<float> lg = gpu.forward({{&pg[0], &ta, 1, false}, {&pg[1], &tb, 1, false}}, rg);
+    const auto& lc = cpu.forward({{&pc[0], &ta, 1, false, &s0.attention()},
+                                  {&pc[1], &tb, 1, false, &s1.attention()}}, rc);
+    const double e = rel_err(lg, lc);
+    worst = std::max(worst, e);
+    EXPECT_LT(e, kTolLogits) << "decode step " << s;
+  }
+  std::printf("[ lycheedecode-model ] D=%d %s: %d sets (step, layer, request, retrieval head), "
+              "%d identical, %d near-tie, %d bad; largest weight error %.3g; at most %.1f%% of a "
+              "set swapped; worst decode logits rel err %.3g over %d steps\n",
+              D, spec.c_str(), method->rows, method->identical, method->near_tie, method->bad,
+              method->max_err, 100 * method->max_diff_frac, worst, steps);
+  EXPECT_EQ(method->bad, 0);
+  EXPECT_GT(method->identical, 0);
+  EXPECT_LE(method->max_diff_frac, 0.1);
+  EXPECT_EQ(method->rows, steps * 2 * sel_rows);  // 2 requests
+}
+
+TEST(CudaLycheeDecode, ModelMatchesCpuSession) {
+  SKIP_WITHOUT_GPU();
+  // Layer 0 all retrieval (dense kernel), then a mix: layer 1 head 1 and layer 2 head 0 are
+  // retrieval heads (hybrid launches of two patterns), layer 3 all sparse. Sets made per step:
+  // layers 0 (2 heads), 1 (1), 2 (1).
+  compare_model(64, "lycheedecode:roles=RR/SR/RS/SS,budget=48", 200, 90, 10, 4);
+  compare_model(128, "lycheedecode:roles=RR/SS/RS/SS,budget=64", 300, 120, 8, 3);
+}
+
+TEST(CudaLycheeDecode, OptionsMapOrFailClearly) {
+  const ModelConfig c = tiny_config(Arch::Llama, 64, 4, 2048);
+  const CudaSparse t = cuda_sparse_config(
+      sparse::SparseConfig::parse_spec("lycheedecode:roles=RR/SR/RS/SS,budget=256"), c, 16);
+  EXPECT_EQ(t.method, CudaSparse::Method::LycheeDecode);
+  EXPECT_EQ(t.budget, 256);
+  ASSERT_EQ(t.retrieval.size(), 4u);
+  EXPECT_EQ(t.retrieval[1], (std::vector<uint8_t>{0, 1}));
+  expect_cuda_config_error("lycheedecode:roles=RR/SR/RS/SS,mode=topp", "mode=topk block=1", c);
+  expect_cuda_config_error("lycheedecode:roles=RR/SR/RS/SS,block=64", "mode=topk block=1", c);
+  expect_cuda_config_error("lycheedecode:roles=RR/SR/RS/SS,correction=1", "CPU only", c);
+}
+
+}  // namespace
+}  // namespace spade::test
