@@ -19,8 +19,8 @@
 
 namespace spade::eval {
 
-// Device (core/dtype.h): CPU or CUDA.
-// "cpu" or "cuda"; "cuda" throws in a build without the CUDA backend.
+// --device "cpu" or "cuda" (spade::Device of core/dtype.h); "cuda" throws in a build
+// without the CUDA backend or on a machine without a visible GPU.
 Device parse_device(const std::string& s);
 const char* device_name(Device d);
 // The GPU in words (cuda::device_summary), "" without CUDA.
