@@ -5,8 +5,10 @@
 //   agree   generation with a method vs full attention: first divergence, per-step KL
 //   recall  attention recall and density per layer / head during teacher-forced decoding
 //   report  regenerate the Markdown report from a JSON file
-// Every sweep crosses methods x budgets x lengths x samples; each prompt is prefilled once
-// (dense) and every method decodes from a fork of its KV cache (src/eval/decode.h). Results
+// Every sweep crosses methods x budgets x lengths x samples. --device cpu: each prompt is
+// prefilled once (dense) and every method decodes from a fork of its KV cache
+// (src/eval/decode.h); --device cuda: GPU methods on CudaModels, the others on the CPU in the
+// same sweep (src/eval/runner.h). Results
 // go to a JSON file that also makes the sweep resumable (src/eval/results.h), a Markdown
 // report next to it (src/eval/report.h); scripts/eval_plot.py draws the plots.
 #include <unistd.h>
@@ -17,6 +19,7 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "args.h"
@@ -28,6 +31,7 @@
 #include "eval/report.h"
 #include "eval/results.h"
 #include "eval/rng.h"
+#include "eval/runner.h"
 #include "eval/scoring.h"
 #include "eval/tasks.h"
 #include "model/loader.h"
@@ -68,6 +72,10 @@ common options:
   --out F               results JSON (default eval_<sub-command>.json); an existing file of
                         the same sub-command is resumed: its records are skipped
   --md F                Markdown report (default: --out with .md)
+  --device cpu|cuda     backend (default cpu). cuda (tasks, ppl, agree): the methods with a
+                        GPU path run on CudaModel, one model per method (the prompt
+                        prefilled on each); the others run on the CPU in the same sweep.
+                        Each record's "backend" says where it ran
   --threads N           CPU threads (default: all cores)
   --page-size N         KV page size (default 16)
   --prefill-chunk N     prompt tokens per forward pass (default 1024)
@@ -75,9 +83,10 @@ tasks / agree:
   --tasks LIST          comma-separated task names or "all" (default all; agree:
                         niah_single_number,niah_multikey,json_lookup)
   --max-new N           cap on generated tokens per answer (default: the task's own)
-  --recall              tasks: also measure attention recall (slower)
+  --recall              tasks: also measure attention recall (slower; CPU only)
 ppl / recall:
   --decode N            tokens scored / decoded after the prefix (default ppl 64, recall 32)
+recall runs on the CPU only (it needs each step's full attention weights).
 )";
 
 std::vector<int64_t> parse_list(const std::string& s, const char* what) {
@@ -149,7 +158,10 @@ struct Setup {
   std::unique_ptr<ModelWeights> w;
   std::unique_ptr<Tokenizer> tok;
   std::vector<MethodRun> runs;
-  std::vector<std::shared_ptr<const sparse::SparseMethod>> methods;
+  Device device = Device::CPU;
+  std::vector<Placement> place;  // per run: GPU or CPU
+  std::vector<std::shared_ptr<const sparse::SparseMethod>> methods;  // CPU runs (else null)
+  RunnerOptions ro;  // page size and prefill chunk (each sub-command sets the lengths)
   std::vector<int64_t> lengths;
   int samples = 3;
   uint64_t seed = 1;
@@ -162,6 +174,14 @@ Setup setup(const Args& a, const std::string& kind) {
   SPADE_CHECK(a.has("--text"), "--text is required (see --help)");
   if (a.has("--threads")) ThreadPool::set_global_threads(int(a.integer("--threads", 0)));
   Setup s;
+  s.device = parse_device(a.str("--device", "cpu"));
+  SPADE_CHECK(s.device == Device::CPU || kind != "recall",
+              "eval recall runs on the CPU only: it needs every step's full attention weights, "
+              "which the GPU kernels do not produce (drop --device cuda)");
+  SPADE_CHECK(s.device == Device::CPU || !a.has("--recall"),
+              "--recall measures attention recall on the CPU only (drop --device cuda)");
+  s.ro.page_size = int(a.integer("--page-size", 16));
+  s.ro.chunk = a.integer("--prefill-chunk", 1024);
   std::vector<int64_t> budgets = parse_list(a.str("--budgets", "256"), "--budgets");
   s.runs = expand_methods(a.str("--methods", "full;streaming;quest;tidal;lessismore;oracle-topk"),
                           budgets);
@@ -171,7 +191,11 @@ Setup setup(const Args& a, const std::string& kind) {
   s.w = load_model(a.str("--model"));
   s.tok = Tokenizer::load(a.str("--model"));
   const ModelConfig& cfg = s.w->config;
-  for (const auto& r : s.runs) s.methods.push_back(sparse::make_method(r.config, cfg));
+  s.place = place_runs(s.runs, s.device, [&](const MethodRun& r) {
+    return gpu_config_error(r, cfg, s.ro.page_size);
+  });
+  for (size_t i = 0; i < s.runs.size(); ++i)
+    s.methods.push_back(s.place[i].gpu ? nullptr : sparse::make_method(s.runs[i].config, cfg));
   if (a.has("--lengths")) {
     s.lengths = parse_list(a.str("--lengths"), "--lengths");
   } else {
@@ -189,23 +213,45 @@ Setup setup(const Args& a, const std::string& kind) {
                                 cfg.n_kv_heads, " KV heads, head dim ", cfg.head_dim, ", context ",
                                 cfg.max_context)},
             {"text", a.str("--text")},
-            {"backend", "cpu"},
+            {"backend", device_name(s.device)},
             {"machine", cat(cpu_name(), ", ", ThreadPool::global().size(), " threads")},
             {"date", date},
             {"seed", s.seed},
             {"samples", s.samples}};
+  if (s.device == Device::CUDA) {
+    s.meta["gpu"] = gpu_summary();
+    s.meta["placement"] = placement_line(s.runs, s.place);
+  }
+  std::fprintf(stderr, "[eval %s] device %s: %s\n", kind.c_str(), device_name(s.device),
+               placement_line(s.runs, s.place).c_str());
   std::fprintf(stderr, "[eval %s] %zu method runs, lengths", kind.c_str(), s.runs.size());
   for (auto L : s.lengths) std::fprintf(stderr, " %lld", (long long)L);
   std::fprintf(stderr, ", %d samples, %d threads\n", s.samples, ThreadPool::global().size());
   return s;
 }
 
-json method_fields(const MethodRun& r, const sparse::SparseMethod& m) {
+json method_fields(const Setup& s, const EvalRunner& run, size_t m) {
+  const MethodRun& r = s.runs[m];
   return {{"method", r.label}, {"method_name", r.name},
-          {"budget", r.budget >= 0 ? json(r.budget) : json(nullptr)}, {"describe", m.describe()}};
+          {"budget", r.budget >= 0 ? json(r.budget) : json(nullptr)},
+          {"describe", run.describe(m)}, {"backend", run.backend(m)}};
 }
 
-json totals_fields(const sparse::SessionTotals& t, bool recall) {
+// A fresh file, or a resumed one of the same backend (records of one table stay comparable).
+ResultFile open_results(const std::string& out, const std::string& kind, const json& meta,
+                        const std::string& cmd) {
+  ResultFile f(out, kind, meta, cmd);
+  const std::string was = f.doc().at("meta").value("backend", "cpu");
+  SPADE_CHECK(was == meta.at("backend"), "'", out, "' holds a --device ", was,
+              " sweep: resume it with --device ", was, " or give another --out");
+  return f;
+}
+
+// The session's counters (CPU); the GPU keeps none: null fields.
+json totals_fields(const DecodeResult& r, bool recall) {
+  if (r.gpu) return {{"density", nullptr}, {"sparse_density", nullptr},
+                     {"tokens_per_head", nullptr}, {"steps", nullptr}};
+  const sparse::SessionTotals& t = r.totals;
   json j = {{"density", t.mean_density()},
             {"sparse_density", t.mean_sparse_density()},
             {"tokens_per_head", t.mean_tokens_per_head()},
@@ -254,10 +300,10 @@ int run_tasks(const Args& a, const std::string& cmd) {
   const std::string out = a.str("--out", "eval_tasks.json");
   json meta = s.meta;
   meta["tasks"] = tasks;
-  ResultFile file(out, "tasks", meta, cmd);
-  const int64_t maxL = *std::max_element(s.lengths.begin(), s.lengths.end());
-  SharedPrefill sp(*s.w, maxL, 128, int(a.integer("--page-size", 16)),
-                   a.integer("--prefill-chunk", 1024), s.tok.get());
+  ResultFile file = open_results(out, "tasks", meta, cmd);
+  s.ro.max_prompt = *std::max_element(s.lengths.begin(), s.lengths.end());
+  s.ro.max_new = 128;
+  EvalRunner runner(*s.w, s.runs, s.place, s.methods, s.ro, s.tok.get());
   Progress prog("eval tasks", int64_t(s.lengths.size() * tasks.size()) * s.samples *
                                   int64_t(s.runs.size()));
   for (int64_t L : s.lengths)
@@ -269,13 +315,13 @@ int run_tasks(const Args& a, const std::string& cmd) {
           else todo.push_back(m);
         if (todo.empty()) continue;
         Prompt p = task_prompt(s, hay, task, L, k);
-        const double pre_s = sp.prefill(p.tokens);
+        runner.set_prompt(p.tokens);
         DecodeOptions opt;
         opt.max_new = std::min<int64_t>(cap, p.sample.max_new_tokens);
         opt.stop = s.tok->eos_ids();
         opt.measure_recall = recall;
         for (size_t m : todo) {
-          const DecodeResult r = sp.decode(s.methods[m], opt);
+          const DecodeResult r = runner.decode(m, opt);
           const std::string answer = s.tok->decode(r.tokens, true);
           const double score = score_answer(p.sample, answer);
           json rec = {{"key", key_of("tasks", task, L, k, s.runs[m].label)},
@@ -290,9 +336,9 @@ int run_tasks(const Args& a, const std::string& cmd) {
                       {"score", score},
                       {"new_tokens", r.tokens.size()},
                       {"decode_seconds", r.seconds},
-                      {"prefill_seconds", pre_s}};
-          rec.update(method_fields(s.runs[m], *s.methods[m]));
-          rec.update(totals_fields(r.totals, recall));
+                      {"prefill_seconds", r.prefill_seconds}};
+          rec.update(method_fields(s, runner, m));
+          rec.update(totals_fields(r, recall));
           file.add(rec);
           prog.done(1, cat(task, " L=", L, " #", k, " ", s.runs[m].label, " score ", score, ": ",
                            one_line(answer).substr(0, 40)));
@@ -327,12 +373,11 @@ int run_agree(const Args& a, const std::string& cmd) {
   const std::string out = a.str("--out", "eval_agree.json");
   json meta = s.meta;
   meta["tasks"] = tasks;
-  ResultFile file(out, "agree", meta, cmd);
-  const int64_t maxL = *std::max_element(s.lengths.begin(), s.lengths.end());
-  SharedPrefill sp(*s.w, maxL, 128, int(a.integer("--page-size", 16)),
-                   a.integer("--prefill-chunk", 1024), s.tok.get());
+  ResultFile file = open_results(out, "agree", meta, cmd);
+  s.ro.max_prompt = *std::max_element(s.lengths.begin(), s.lengths.end());
+  s.ro.max_new = 128;
+  EvalRunner runner(*s.w, s.runs, s.place, s.methods, s.ro, s.tok.get());
   const int V = s.w->config.vocab;
-  auto full = sparse::make_method(sparse::SparseConfig::parse_spec("full"), s.w->config);
   Progress prog("eval agree", int64_t(s.lengths.size() * tasks.size()) * s.samples *
                                   int64_t(s.runs.size()));
   for (int64_t L : s.lengths)
@@ -344,22 +389,35 @@ int run_agree(const Args& a, const std::string& cmd) {
           else todo.push_back(m);
         if (todo.empty()) continue;
         Prompt p = task_prompt(s, hay, task, L, k);
-        sp.prefill(p.tokens);
+        runner.set_prompt(p.tokens);
         DecodeOptions opt;
         opt.max_new = std::min<int64_t>(cap, p.sample.max_new_tokens);
         opt.stop = s.tok->eos_ids();
-        // Full attention's greedy answer and its log-probabilities per step.
-        std::vector<std::vector<float>> ref_logp;
-        std::vector<float> tmp;
-        opt.on_logits = [&](int64_t, const float* lg) {
-          log_softmax(lg, V, tmp);
-          ref_logp.push_back(tmp);
+        // Full attention's greedy answer and its log-probabilities per step, once per backend
+        // (a method is compared with full attention of its own backend's numerics).
+        struct Ref {
+          DecodeResult r;
+          std::vector<std::vector<float>> logp;
+          std::string text;
         };
-        const DecodeResult ref = sp.decode(full, opt);
-        opt.on_logits = nullptr;
-        const std::string ref_text = s.tok->decode(ref.tokens, true);
+        std::map<bool, Ref> refs;  // by runner.gpu(m)
+        std::vector<float> tmp;
         for (size_t m : todo) {
-          const DecodeResult free_run = sp.decode(s.methods[m], opt);
+          if (!refs.count(runner.gpu(m))) {
+            Ref& R = refs[runner.gpu(m)];
+            opt.on_logits = [&](int64_t, const float* lg) {
+              log_softmax(lg, V, tmp);
+              R.logp.push_back(tmp);
+            };
+            R.r = runner.decode_full(m, opt);
+            opt.on_logits = nullptr;
+            R.text = s.tok->decode(R.r.tokens, true);
+          }
+          const Ref& own = refs.at(runner.gpu(m));
+          const DecodeResult& ref = own.r;
+          const auto& ref_logp = own.logp;
+          const std::string& ref_text = own.text;
+          const DecodeResult free_run = runner.decode(m, opt);
           size_t div = 0;
           while (div < ref.tokens.size() && div < free_run.tokens.size() &&
                  ref.tokens[div] == free_run.tokens[div])
@@ -382,8 +440,8 @@ int run_agree(const Args& a, const std::string& cmd) {
             kl.push_back(std::max(0.0, d));
             top1 += arg == ref.tokens[size_t(i)];
           };
-          sp.decode(s.methods[m], tf);
-          double kl_mean = 0;  // step 0 is the shared dense prefill's: KL 0 by construction
+          runner.decode(m, tf);
+          double kl_mean = 0;  // step 0 comes from the (dense) prefill: not the method's decode
           for (size_t i = 1; i < kl.size(); ++i) kl_mean += kl[i];
           kl_mean = kl.size() > 1 ? kl_mean / double(kl.size() - 1) : 0.0;
           const std::string text = s.tok->decode(free_run.tokens, true);
@@ -403,8 +461,8 @@ int run_agree(const Args& a, const std::string& cmd) {
                       {"top1_agreement", kl.empty() ? 1.0 : top1 / double(kl.size())},
                       {"score", score_answer(p.sample, text)},
                       {"score_full", score_answer(p.sample, ref_text)}};
-          rec.update(method_fields(s.runs[m], *s.methods[m]));
-          rec.update(totals_fields(free_run.totals, false));
+          rec.update(method_fields(s, runner, m));
+          rec.update(totals_fields(free_run, false));
           file.add(rec);
           prog.done(1, cat(task, " L=", L, " #", k, " ", s.runs[m].label, " diverges at ", div,
                            " KL ", kl_mean));
@@ -431,14 +489,15 @@ int run_text(const Args& a, const std::string& cmd, const std::string& kind) {
   json meta = s.meta;
   meta["scored_tokens"] = N;
   meta["text_tokens"] = toks.size();
-  ResultFile file(out, kind, meta, cmd);
+  ResultFile file = open_results(out, kind, meta, cmd);
   const int64_t maxL = *std::max_element(s.lengths.begin(), s.lengths.end());
   SPADE_CHECK(maxL + N <= cfg.max_context, "length ", maxL, " + ", N, " exceeds the context ",
               cfg.max_context);
   SPADE_CHECK(int64_t(toks.size()) > maxL + N, "the text has ", toks.size(), " tokens, need ",
               maxL + N + 1);
-  SharedPrefill sp(*s.w, maxL, N + 16, int(a.integer("--page-size", 16)),
-                   a.integer("--prefill-chunk", 1024), s.tok.get());
+  s.ro.max_prompt = maxL;
+  s.ro.max_new = N + 16;
+  EvalRunner runner(*s.w, s.runs, s.place, s.methods, s.ro, s.tok.get());
   Progress prog("eval " + kind, int64_t(s.lengths.size()) * s.samples * int64_t(s.runs.size()));
   const int nl = cfg.n_layers, hq = cfg.n_heads, hkv = cfg.n_kv_heads;
   for (int64_t L : s.lengths)
@@ -452,7 +511,7 @@ int run_text(const Args& a, const std::string& cmd, const std::string& kind) {
       const int64_t off = int64_t(r.below(uint64_t(int64_t(toks.size()) - L - N)));
       const std::vector<int32_t> prefix(toks.begin() + off, toks.begin() + off + L);
       const std::vector<int32_t> scored(toks.begin() + off + L, toks.begin() + off + L + N);
-      sp.prefill(prefix);
+      runner.set_prompt(prefix);
       for (size_t m : todo) {
         DecodeOptions opt;
         opt.max_new = N;
@@ -475,7 +534,8 @@ int run_text(const Args& a, const std::string& cmd, const std::string& kind) {
             for (size_t i = 0; i < rec_lh.size(); ++i) rec_lh[i] += st.recall[i];
           }
         };
-        const DecodeResult res = sp.decode(s.methods[m], opt);
+        if (runner.gpu(m)) opt.on_step = nullptr;  // no per-step counters on the GPU
+        const DecodeResult res = runner.decode(m, opt);
         double nll_mean = 0;
         for (double v : nll) nll_mean += v;
         nll_mean /= double(nll.size());
@@ -486,8 +546,8 @@ int run_text(const Args& a, const std::string& cmd, const std::string& kind) {
                     {"nll_mean", nll_mean},
                     {"ppl", std::exp(nll_mean)},
                     {"decode_seconds", res.seconds}};
-        rec.update(method_fields(s.runs[m], *s.methods[m]));
-        rec.update(totals_fields(res.totals, recall));
+        rec.update(method_fields(s, runner, m));
+        rec.update(totals_fields(res, recall));
         if (recall) {
           json rl = json::array(), dl = json::array(), rlh = json::array(), dlh = json::array();
           for (int l = 0; l < nl; ++l) {
@@ -542,7 +602,7 @@ int run_report(const Args& a) {
 int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--text", "--methods", "--budgets", "--lengths", "--samples", "--seed",
-          "--out", "--md", "--threads", "--page-size", "--prefill-chunk", "--tasks", "--max-new",
+          "--out", "--md", "--threads", "--device", "--page-size", "--prefill-chunk", "--tasks", "--max-new",
           "--decode"},
          {"--help", "--recall"});
   if (a.has("--help") || a.positional().empty()) {

@@ -49,11 +49,25 @@ double SharedPrefill::prefill(const std::vector<int32_t>& prompt) {
   return since(t0);
 }
 
+void decode_steps(const DecodeOptions& opt, int vocab, const float* first_logits,
+                  const std::function<const float*(int32_t)>& step, DecodeResult& r) {
+  SPADE_CHECK(!opt.forced || int64_t(opt.forced->size()) >= opt.max_new,
+              "teacher forcing needs ", opt.max_new, " tokens");
+  r.tokens.reserve(size_t(std::max<int64_t>(0, opt.max_new)));
+  const float* logits = first_logits;
+  for (int64_t i = 0; i < opt.max_new; ++i) {
+    if (opt.on_logits) opt.on_logits(i, logits);
+    const int32_t t = opt.forced ? (*opt.forced)[size_t(i)] : argmax(logits, vocab);
+    r.tokens.push_back(t);
+    if (i + 1 == opt.max_new) break;
+    if (!opt.forced && std::find(opt.stop.begin(), opt.stop.end(), t) != opt.stop.end()) break;
+    logits = step(t);
+  }
+}
+
 DecodeResult SharedPrefill::decode(std::shared_ptr<const sparse::SparseMethod> method,
                                    const DecodeOptions& opt) {
   SPADE_CHECK(base_.length > 0, "decode before prefill");
-  SPADE_CHECK(!opt.forced || int64_t(opt.forced->size()) >= opt.max_new,
-              "teacher forcing needs ", opt.max_new, " tokens");
   const ModelConfig& c = w_.config;
   PageTable pt = kv_.fork(base_);
   sparse::SparseSession session(std::move(method), c, kv_, {opt.measure_recall, false});
@@ -61,21 +75,14 @@ DecodeResult SharedPrefill::decode(std::shared_ptr<const sparse::SparseMethod> m
   if (opt.on_step) session.on_step = opt.on_step;
   for (const auto& piece : text_) session.append_token_text(piece);
   DecodeResult r;
-  r.tokens.reserve(size_t(opt.max_new));
-  const float* logits = last_.data();
   std::vector<SeqInput> batch(1);
   const auto t0 = clk::now();
-  for (int64_t i = 0; i < opt.max_new; ++i) {
-    if (opt.on_logits) opt.on_logits(i, logits);
-    const int32_t t = opt.forced ? (*opt.forced)[size_t(i)] : argmax(logits, c.vocab);
-    r.tokens.push_back(t);
-    if (i + 1 == opt.max_new) break;
-    if (!opt.forced && std::find(opt.stop.begin(), opt.stop.end(), t) != opt.stop.end()) break;
+  decode_steps(opt, c.vocab, last_.data(), [&](int32_t t) {
     if (tok_) session.append_token_text(tok_->token_bytes(t));
     batch[0] = {&pt, &r.tokens.back(), 1, false, &session.attention()};
     const auto& lg = model_.forward(batch, row_of_);
-    logits = lg.data() + row_of_[0] * c.vocab;
-  }
+    return lg.data() + row_of_[0] * c.vocab;
+  }, r);
   r.seconds = since(t0) - session.totals().measure_seconds;
   r.totals = session.totals();
   kv_.release(pt);

@@ -32,9 +32,17 @@ struct DecodeOptions {
 
 struct DecodeResult {
   std::vector<int32_t> tokens;
-  sparse::SessionTotals totals;
-  double seconds = 0;  // decode time, recall measurement excluded
+  sparse::SessionTotals totals;  // CPU sessions only (the GPU keeps no per-step counters)
+  double seconds = 0;            // decode time, recall measurement excluded
+  double prefill_seconds = 0;    // the prefill this decode started from (EvalRunner)
+  bool gpu = false;              // decoded by CudaModel (src/eval/cuda_decode.h)
 };
+
+// The step loop of every eval decode (CPU and GPU): token i is forced or the argmax of the
+// logits predicting it; `step(token)` feeds it and returns the next logits [vocab]. Stops
+// after max_new tokens or (greedy) after a stop token. Fills r.tokens.
+void decode_steps(const DecodeOptions& opt, int vocab, const float* first_logits,
+                  const std::function<const float*(int32_t)>& step, DecodeResult& r);
 
 class SharedPrefill {
  public:

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <set>
 #include <vector>
 
 namespace spade::eval {
@@ -108,9 +109,33 @@ std::string header(const json& doc, const std::string& title) {
   return s + "\n";
 }
 
+// Which backend produced each method's records, when any ran on the GPU (`--device cuda`
+// runs the methods without a GPU path on the CPU; records before the field existed are CPU).
+std::string backend_section(const json& rs) {
+  std::map<std::string, std::set<std::string>> of;
+  bool gpu = false;
+  for (const auto& r : rs) {
+    const std::string b = r.value("backend", "cpu");
+    of[str_of(r.at("method"))].insert(b);
+    gpu |= b == "cuda";
+  }
+  if (!gpu) return "";
+  std::string s = "## Backend per method\n\nThe GPU (cuda) runs each method on a CudaModel "
+                  "(bf16 weights and KV cache); the CPU runs fp32. GPU records carry no per-step "
+                  "session counters: their density and recall cells are '-'.\n\n"
+                  "| method | backend |\n|---|---|\n";
+  for (const auto& m : order_of(rs, "method")) {
+    std::string b;
+    for (const auto& x : of[m]) b += (b.empty() ? "" : " + ") + x;
+    s += "| " + m + " | " + b + " |\n";
+  }
+  return s + "\n";
+}
+
 std::string tasks_report(const json& doc) {
   const json& rs = doc.at("results");
   std::string s = header(doc, "spade eval tasks");
+  s += backend_section(rs);
   auto score = [](const json& r) { return num(r, "score"); };
   s += "## Mean score (all tasks) per method and prompt length\n\n";
   s += "Score: fraction of the expected answers found in the output (exact match, "
@@ -144,6 +169,7 @@ std::string tasks_report(const json& doc) {
 std::string ppl_report(const json& doc) {
   const json& rs = doc.at("results");
   std::string s = header(doc, "spade eval ppl");
+  s += backend_section(rs);
   s += "## Perplexity of the scored tokens (decode mode, dense prefix prefill) per method and "
        "prefix length\n\nexp(mean NLL) over the samples' scored tokens.\n\n";
   // The mean NLL over samples, then exp.
@@ -158,6 +184,7 @@ std::string ppl_report(const json& doc) {
 std::string agree_report(const json& doc) {
   const json& rs = doc.at("results");
   std::string s = header(doc, "spade eval agree");
+  s += backend_section(rs);
   s += "Greedy generation with each method vs full attention from the same prompt (task "
        "prompts). Tokens until the first divergence; KL(full || method) per step along full "
        "attention's tokens (teacher forced); top-1 agreement on those steps; output identical "
