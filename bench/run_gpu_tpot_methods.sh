@@ -13,7 +13,9 @@ BUDGET=${2:-2048}
 # 25-31 all sparse: 32 of 256 KV heads, the paper's count for Llama-3-8B.
 ROLES=$(python3 -c "
 print('/'.join('R'*8 if l == 0 else ''.join('R' if (l <= 24 and i == (l-1) % 8) else 'S' for i in range(8)) for l in range(32)))")
-for L in ${LENGTHS//,/ }; do
+for L0 in ${LENGTHS//,/ }; do
+  # Llama-3.1-8B's context is 131072 tokens: at "128K" the prompt leaves room for the 64 tokens.
+  L=$(( L0 + 64 > 131072 ? 131072 - 64 : L0 ))
   for M in full tidal lessismore lycheedecode quest; do
     ARGS=(--sparse "$M")
     [ "$M" != full ] && ARGS+=(--budget "$BUDGET")

@@ -8,7 +8,9 @@
 #   KINDS: any of "tasks ppl agree recall" (default all four)
 # Environment overrides: METHODS, BUDGETS, LENGTHS, SAMPLES, TASKS, MAX_NEW (cap on answer
 #   tokens), AGREE_TASKS, AGREE_LENGTHS, PPL_LENGTHS, PPL_DECODE, RECALL_DECODE,
-#   OUT (default docs/results), THREADS, PREFIX (file name prefix, default eval_).
+#   OUT (default docs/results), THREADS, PREFIX (file name prefix, default eval_),
+#   DEVICE (cpu or cuda: `spade eval --device`), TEXT (an existing text file instead of the
+#   KJV text made with `bible`, e.g. on a machine without bible-kjv; kept afterwards).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 spade=${1:-$root/build/spade}
@@ -23,7 +25,7 @@ agree_tasks=${AGREE_TASKS:-niah_single_number,niah_multikey,json_lookup}
 out=${OUT:-$root/docs/results}
 prefix=${PREFIX:-eval_}
 
-command -v bible >/dev/null || { echo "eval_sweep: the 'bible' program (Debian package bible-kjv) is missing; run scripts/install_deps.sh" >&2; exit 1; }
+[ -n "${TEXT:-}" ] || command -v bible >/dev/null || { echo "eval_sweep: the 'bible' program (Debian package bible-kjv) is missing; run scripts/install_deps.sh" >&2; exit 1; }
 [ -x "$spade" ] || { echo "eval_sweep: $spade not built" >&2; exit 1; }
 [ -f "$model" ] || { echo "eval_sweep: $model missing; run scripts/fetch_model.sh" >&2; exit 1; }
 # Plots need python3-matplotlib (Debian), installed here rather than in install_deps.sh (CI
@@ -41,10 +43,15 @@ if [ -z "$py" ]; then
   fi
 fi
 mkdir -p "$out"
-text="$out/.${prefix}kjv_gen_exo.txt"
-# Genesis and Exodus, one verse per line, verse references stripped.
-bible -f "Gen1:1-Exo40:38" | sed -E 's/^[0-9]?[A-Za-z]+[0-9]+:[0-9]+ //' > "$text"
-common=(--model "$model" --text "$text" --methods "$methods" --budgets "$budgets" ${THREADS:+--threads "$THREADS"})
+if [ -n "${TEXT:-}" ]; then
+  text=$TEXT
+else
+  text="$out/.${prefix}kjv_gen_exo.txt"
+  # Genesis and Exodus, one verse per line, verse references stripped.
+  bible -f "Gen1:1-Exo40:38" | sed -E 's/^[0-9]?[A-Za-z]+[0-9]+:[0-9]+ //' > "$text"
+fi
+common=(--model "$model" --text "$text" --methods "$methods" --budgets "$budgets" ${THREADS:+--threads "$THREADS"}
+        ${DEVICE:+--device "$DEVICE"})
 for kind in $kinds; do
   start=$(date +%s)
   case $kind in
@@ -57,4 +64,4 @@ for kind in $kinds; do
   echo "== eval $kind took $(( $(date +%s) - start )) s" >&2
   if [ -n "$py" ]; then "$py" "$root/scripts/eval_plot.py" "$out/${prefix}$kind.json"; fi
 done
-rm -f "$text"
+[ -n "${TEXT:-}" ] || rm -f "$text"

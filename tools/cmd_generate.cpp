@@ -156,6 +156,8 @@ int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
     return true;
   });
   std::fputc('\n', stdout);
+  if (st.generated_tokens < n && !st.stopped_by_stop_id)
+    std::fprintf(stderr, "[spade] stopped at the model's context of %d tokens\n", cfg.max_context);
   if (a.has("--stats"))
     std::fprintf(stderr,
                  "[spade] synthetic %s on %s | prompt %lld tokens, %.1f tok/s | generated %lld "

@@ -6,7 +6,8 @@
 namespace spade {
 
 inline constexpr const char* kCudaSparseMethods[] = {
-    "full", "streaming", "quest", "tidal", "lessismore", "lycheedecode", "blasst", "twilight"};
+    "full",         "streaming",   "quest",  "tidal",   "lessismore",
+    "lycheedecode", "oracle-topk", "blasst", "twilight"};
 
 inline bool has_cuda_path(const std::string& method) {
   for (const char* m : kCudaSparseMethods)
@@ -14,7 +15,7 @@ inline bool has_cuda_path(const std::string& method) {
   return false;
 }
 
-// "full, streaming, quest, tidal, lessismore, lycheedecode, blasst, twilight"
+// "full, streaming, quest, tidal, lessismore, lycheedecode, oracle-topk, blasst, twilight"
 inline std::string cuda_method_list() {
   std::string s;
   for (const char* m : kCudaSparseMethods) s += (s.empty() ? "" : ", ") + std::string(m);

@@ -123,6 +123,9 @@ CudaModel::~CudaModel() {
   attn_.reset();
   gemm_.reset();
   arena_.reset();
+  if (ev_fork_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_fork_));
+  if (ev_join_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_join_));
+  if (side_) cudaStreamDestroy(S_(side_));
   if (stream_) cudaStreamDestroy(S_(stream_));
 }
 
@@ -202,6 +205,11 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       sel_cap = mb * Hkv * k;
       sp_bytes += size_t(mb * Hkv) * size_t(seq_pages_cap_ * P) * 4 + size_t(mb * Hkv) * 4 +
                   size_t(mb * Hkv * k) * 4 + 3 * 256;
+    } else if (sp.method == CudaSparse::Method::OracleTopK) {
+      const int64_t k = std::min<int64_t>(sp.budget, c.max_context);
+      sel_cap = mb * Hkv * k;
+      sp_bytes += size_t(mb * (Hq + Hkv)) * size_t(seq_pages_cap_ * P) * 4 +  // scores, W
+                  size_t(mb * Hkv) * 4 + size_t(mb * Hkv * k) * 4 + 4 * 256;
     } else if (sp.method == CudaSparse::Method::LessIsMore) {
       const int64_t k = std::min<int64_t>(sp.budget, c.max_context), nu = lim_unified(sp);
       sel_cap = mb * k;
@@ -217,6 +225,14 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
                 size_t(64 * mb * Hq) * (D + 1) * 4 + size_t(mb * Hkv) * 4 + (4u << 20);
   }
   if (sp.method == CudaSparse::Method::Blasst) sp_bytes += size_t(4) * NL * Hkv * 8 + 1024;
+  // Token top-k of selection layers over long rows (Tidal, LycheeDecode, oracle-topk).
+  const bool token_topk = sp.method == CudaSparse::Method::Tidal ||
+                          sp.method == CudaSparse::Method::LycheeDecode ||
+                          sp.method == CudaSparse::Method::OracleTopK;
+  const int topk_k = int(std::min<int64_t>(sp.budget, c.max_context));
+  const bool long_topk = token_topk && cuda::topk_long_applies(seq_pages_cap_ * P, topk_k);
+  if (long_topk)
+    sp_bytes += cuda::topk_long_scratch_bytes(int(opt_.max_batch * Hkv), seq_pages_cap_ * P, topk_k) + 256;
   const size_t total = wb + small + kv_bytes + ws_bytes + sp_bytes;
   {
     size_t free_b = 0, total_b = 0;
@@ -237,6 +253,16 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   SPADE_CUDA(cudaEventCreate(&e1));
   ev0_ = e0;
   ev1_ = e1;
+  if (sp.scheduled() || sp.method == CudaSparse::Method::LycheeDecode) {
+    cudaStream_t side;
+    SPADE_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    side_ = side;
+    cudaEvent_t ef, ej;
+    SPADE_CUDA(cudaEventCreateWithFlags(&ef, cudaEventDisableTiming));
+    SPADE_CUDA(cudaEventCreateWithFlags(&ej, cudaEventDisableTiming));
+    ev_fork_ = ef;
+    ev_join_ = ej;
+  }
   auto& A = *arena_;
   // --- Weights.
   embed_ = A.alloc_n<bf16>(size_t(V * H), "token embeddings");
@@ -374,6 +400,14 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       lim_keys_ = A.alloc_n<float>(size_t(mb) * size_t(ld), "lessismore merge keys");
       lim_merged_ = A.alloc_n<int32_t>(size_t(mb * nu), "lessismore merged top-k");
     }
+    if (sp.method == CudaSparse::Method::OracleTopK) {
+      const int64_t mb = opt_.max_batch, ld = seq_pages_cap_ * P;
+      const int64_t k = std::min<int64_t>(sp.budget, c.max_context);
+      sel_scores_ = A.alloc_n<float>(size_t(mb * Hq) * size_t(ld), "oracle per-head scores");
+      oracle_w_ = A.alloc_n<float>(size_t(mb * Hkv) * size_t(ld), "oracle group weights");
+      tidal_rown_ = A.alloc_n<int32_t>(size_t(mb * Hkv), "oracle row lengths");
+      tidal_strided_ = A.alloc_n<int32_t>(size_t(mb * Hkv * k), "oracle top-k");
+    }
     if (sp.method == CudaSparse::Method::Tidal || sp.method == CudaSparse::Method::LycheeDecode) {
       const int64_t rows = int64_t(opt_.max_batch) * Hkv;
       sel_scores_ = A.alloc_n<float>(size_t(rows) * size_t(seq_pages_cap_ * P), "tidal scores");
@@ -381,6 +415,10 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       tidal_strided_ = A.alloc_n<int32_t>(
           size_t(rows) * size_t(std::min<int64_t>(sp.budget, c.max_context)), "tidal top-k");
     }
+    if (long_topk)
+      topk_long_ = A.alloc_n<unsigned char>(
+          cuda::topk_long_scratch_bytes(int(opt_.max_batch * Hkv), seq_pages_cap_ * P, topk_k),
+          "long-row top-k scratch");
     sel_off_ = A.alloc_n<int32_t>(size_t(opt_.max_batch * Hkv + 1), "selection offsets");
     sel_idx_ = A.alloc_n<int32_t>(size_t(sel_cap), "selection entries");
     upd_ = A.alloc_n<int32_t>(size_t(2 * upd_cap_), "quest metadata updates");
@@ -582,7 +620,9 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   const bool lychee = spc.method == CudaSparse::Method::LycheeDecode;
   const int tidal_k = int(std::min<int64_t>(spc.budget, c.max_context));
   const int64_t tidal_ld = seq_pages_cap_ * opt_.page_size;
-  if (sparse_step_ && tidal) cuda::row_lengths(sparse_->dev_kv_len(), step_B_, Hkv, tidal_rown_, st);
+  const bool oracle = spc.method == CudaSparse::Method::OracleTopK;
+  if (sparse_step_ && (tidal || oracle))
+    cuda::row_lengths(sparse_->dev_kv_len(), step_B_, Hkv, tidal_rown_, st);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
     bf16* kc = static_cast<bf16*>(k_cache_) + l * layer_kv;
@@ -607,6 +647,7 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     a.k_int4_sz = szs;
     cuda::qkv_post(a, st);
     bf16* meta = quest ? static_cast<bf16*>(quest_meta_) + l * layer_meta : nullptr;
+    join_selection();  // the previous layer's selection, before anything reads it
     if (quest && upd_n_ > 0)
       cuda::quest_update_meta(kc, meta, upd_, upd_ + upd_cap_, upd_n_, Hkv, opt_.page_size, D, st);
     const sparse::LayerSchedule::Role role =
@@ -616,10 +657,23 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
       // head) becomes the token lists of the following layers.
       const cuda::DecodeScores ds{sel_scores_, tidal_ld};
       attn_->run(q, kc, vc, att, scale, st, {}, &ds);
-      cuda::topk_rows(sel_scores_, tidal_ld, tidal_rown_, step_B_ * Hkv, tidal_k, tidal_strided_, st);
+      cudaStream_t ss = S_(fork_selection());
+      select_topk(sel_scores_, tidal_rown_, step_B_ * Hkv, tidal_k, tidal_strided_, ss);
+      cuda::token_compact_lists(tidal_strided_, sparse_->dev_kv_len(), step_B_, Hkv, tidal_k,
+                                sel_off_, sel_idx_, ss);
+      if (quest_trace) trace_quest(int(l)), trace_scores(int(l));
+    } else if (sparse_step_ && oracle && int(l) >= spc.dense_layers) {
+      // The measurement first: full attention for its per-head scores (its output is then
+      // overwritten), the true group weights, their top-k; then attention over that set.
+      const cuda::DecodeScores ds{sel_scores_, tidal_ld, true};
+      attn_->run(q, kc, vc, att, scale, st, {}, &ds);
+      cuda::oracle_group_weights(sel_scores_, tidal_ld, sparse_->dev_kv_len(), step_B_, Hq, Hkv,
+                                 oracle_w_, st);
+      select_topk(oracle_w_, tidal_rown_, step_B_ * Hkv, tidal_k, tidal_strided_, st);
       cuda::token_compact_lists(tidal_strided_, sparse_->dev_kv_len(), step_B_, Hkv, tidal_k,
                                 sel_off_, sel_idx_, st);
       if (quest_trace) trace_quest(int(l)), trace_scores(int(l));
+      sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st);
     } else if (sparse_step_ && lychee) {
       ld_layer(int(l), q, kc, vc, att, scale);
     } else if (sparse_step_ && lim && role == sparse::LayerSchedule::Role::Select) {
@@ -634,7 +688,7 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
       la.n_uni = int(lim_unified(spc));
       la.row_n = lim_row_n_, la.head_top = lim_head_top_, la.keys = lim_keys_;
       la.merged_top = lim_merged_, la.sel_off = sel_off_, la.sel_idx = sel_idx_;
-      cuda::lessismore_select(la, st);
+      cuda::lessismore_select(la, S_(fork_selection()));
       if (quest_trace) trace_quest(int(l)), trace_scores(int(l));
     } else if (sparse_step_ && int(l) >= spc.dense_layers) {
       if (quest) {
@@ -668,6 +722,7 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     cuda::swiglu(gu_, h, T, F, st);
     gemm_->run_f32(h, L.wdown, x_, T, H, F, 1.f, st);
   }
+  join_selection();
   cuda::rmsnorm(x_, tok_in_ + 3 * S, final_norm_, c.rms_eps, xn, R, H, st);
   gemm_->run_f32(xn, static_cast<const bf16*>(lm_head_), logits_, R, V, H, 0.f, st);
   if (sample)
@@ -727,6 +782,28 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev1_), st));
 }
 
+void CudaModel::select_topk(const float* scores, const int32_t* n, int rows, int k, int32_t* out,
+                            void* stream) {
+  const int64_t ld = seq_pages_cap_ * opt_.page_size;
+  if (topk_long_) cuda::topk_rows_long(scores, ld, n, rows, k, out, topk_long_, S_(stream));
+  else cuda::topk_rows(scores, ld, n, rows, k, out, S_(stream));
+}
+
+void* CudaModel::fork_selection() {
+  if (!side_ || quest_trace) return stream_;  // traced steps stay in order on one stream
+  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_fork_), S_(stream_)));
+  SPADE_CUDA(cudaStreamWaitEvent(S_(side_), static_cast<cudaEvent_t>(ev_fork_), 0));
+  sel_pending_ = true;
+  return side_;
+}
+
+void CudaModel::join_selection() {
+  if (!sel_pending_) return;
+  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_join_), S_(side_)));
+  SPADE_CUDA(cudaStreamWaitEvent(S_(stream_), static_cast<cudaEvent_t>(ev_join_), 0));
+  sel_pending_ = false;
+}
+
 void CudaModel::graph_key(bool sample) {
   // Batch size and whether the step samples; the dense plan's split and item counts; for a
   // sparse step its flag, metadata updates, Quest stride and every plan's work items.
@@ -748,7 +825,8 @@ void CudaModel::graph_key(bool sample) {
 int CudaModel::lists_per_req() const {
   const CudaSparse& sp = opt_.sparse;
   return sp.quest_base() || sp.method == CudaSparse::Method::Tidal ||
-                 sp.method == CudaSparse::Method::LycheeDecode
+                 sp.method == CudaSparse::Method::LycheeDecode ||
+                 sp.method == CudaSparse::Method::OracleTopK
              ? cfg_.n_kv_heads
              : 1;
 }
@@ -786,7 +864,8 @@ void CudaModel::trace_scores(int layer) {
   for (int r = 0; r < rows; ++r) {
     auto& v = t[size_t(layer)][size_t(r)];
     v.resize(size_t(len[size_t(r / Hkv)]));
-    SPADE_CUDA(cudaMemcpy(v.data(), sel_scores_ + int64_t(r) * ld, sizeof(float) * v.size(),
+    const float* src = opt_.sparse.method == CudaSparse::Method::OracleTopK ? oracle_w_ : sel_scores_;
+    SPADE_CUDA(cudaMemcpy(v.data(), src + int64_t(r) * ld, sizeof(float) * v.size(),
                           cudaMemcpyDeviceToHost));
   }
 }

@@ -52,7 +52,9 @@ struct BlasstSkip;
 constexpr double kBlasstDefaultGpuDecodeA = 4.128;
 
 struct CudaSparse {
-  enum class Method { None, Streaming, Quest, Tidal, LessIsMore, LycheeDecode, Blasst, Twilight };
+  enum class Method {
+    None, Streaming, Quest, Tidal, LessIsMore, LycheeDecode, OracleTopK, Blasst, Twilight
+  };
   Method method = Method::None;
   int64_t budget = 0;
   int sinks = 0;         // streaming, lessismore
@@ -75,7 +77,7 @@ struct CudaSparse {
   // Attends over selection lists (streaming, quest); BLASST skips inside the dense kernels.
   bool selects() const {
     return method == Method::Streaming || quest_base() || scheduled() ||
-           method == Method::LycheeDecode;
+           method == Method::LycheeDecode || method == Method::OracleTopK;
   }
   // twilight (base quest, budget = the Quest budget): top-p mass and bisection resolution
   double twilight_p = 0.95, twilight_eps = 1e-6;
@@ -143,13 +145,14 @@ class CudaModel {
   int graphs_captured() const { return int(graphs_.size()); }
   const CudaSparse& sparse() const { return opt_.sparse; }
   // Tests: when set, each sparse decode step copies every sparse layer's Quest selection (Tidal,
-  // LessIsMore: each selection layer's token lists) to the host: sel[layer][b * Hkv + h] = the
+  // LessIsMore, LycheeDecode, oracle-topk: each selecting layer's token lists) to the host: sel[layer][b * Hkv + h] = the
   // ascending page indices (within the request) read (LessIsMore: sel[layer][b], the one
   // shared list; layers that ran dense keep an empty list). Forces a sync per layer.
   struct QuestTrace {
     std::vector<std::vector<std::vector<int32_t>>> sel;
     // Tidal: each selection layer's group-mean scores [layer][b * Hkv + h][kv_len of b];
-    // LessIsMore: per query head [layer][b * Hq + hq][kv_len of b].
+    // LessIsMore: per query head [layer][b * Hq + hq][kv_len of b]; oracle-topk: the group
+    // weights W [layer][b * Hkv + h][kv_len of b].
     std::vector<std::vector<std::vector<float>>> scores;
   };
   QuestTrace* quest_trace = nullptr;
@@ -178,6 +181,21 @@ class CudaModel {
   // cache, out att) and its retrieval heads' selections for the next layer
   // (cuda_model_lycheedecode.cpp).
   void ld_layer(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
+  // A selection that only later layers read (Tidal, LessIsMore, LycheeDecode retrieval heads)
+  // runs on side_, forked after its layer's attention and joined before the next layer's, so
+  // its top-k overlaps the layer's GEMMs (also inside a captured graph). fork returns the
+  // stream to enqueue it on (stream_ itself when tracing).
+  // topk_rows over `rows` rows of selection scores (stride seq_pages_cap_ * P): the two-stage
+  // topk_rows_long when the rows outgrow topk_rows' cache (128K contexts), else topk_rows.
+  void select_topk(const float* scores, const int32_t* n, int rows, int k, int32_t* out,
+                   void* stream);
+  void* topk_long_ = nullptr;  // its scratch (arena), when it applies
+  void* fork_selection();
+  void join_selection();
+  void* side_ = nullptr;  // cudaStream_t
+  void* ev_fork_ = nullptr;
+  void* ev_join_ = nullptr;
+  bool sel_pending_ = false;
   void drop_graphs();
   cuda::BlasstSkip blasst_skip(int layer) const;  // this step's skipping in `layer` (or none)
 
@@ -217,6 +235,9 @@ class CudaModel {
   int32_t* lim_head_top_ = nullptr;
   float* lim_keys_ = nullptr;
   int32_t* lim_merged_ = nullptr;
+  // oracle-topk: each layer's true group weights W [max_batch * Hkv][seq_pages_cap_ * P] from
+  // the per-head scores in sel_scores_; top-k rows in tidal_strided_.
+  float* oracle_w_ = nullptr;
   unsigned long long* blasst_counts_ = nullptr;  // [2 (decode, prefill)][NL][Hkv][2]
   bool count_blasst_ = true;  // false while a step runs eagerly before its graph capture
   // prepare()'s per-step planning vectors (kept, so steady-state decode allocates nothing).

@@ -8,8 +8,8 @@
 //     read the sets they inherited.
 // Then the retrieval heads' top-`budget` tokens by group-mean score (= by the CPU's softmax
 // weight of the group-averaged query, a monotone map) replace their heads' rows of the set
-// table, and the table is compacted into the CSR lists the next layer reads. The sets never
-// leave the GPU.
+// table, and the table is compacted into the CSR lists the next layer reads, on a side stream
+// that overlaps the layer's GEMMs (CudaModel::fork_selection). The sets never leave the GPU.
 #if defined(SPADE_HAVE_CUDA)
 #include <algorithm>
 
@@ -47,10 +47,12 @@ void CudaModel::ld_layer(int layer, const void* q_, const void* kc_, const void*
   uint32_t heads = 0;
   for (int h = 0; h < Hkv; ++h)
     if (roles[size_t(h)]) heads |= 1u << h;
-  cuda::row_lengths(sparse_->dev_kv_len(), step_B_, Hkv, tidal_rown_, st, heads);
-  cuda::topk_rows(sel_scores_, ld, tidal_rown_, step_B_ * Hkv, k, tidal_strided_, st);
+  // The next layer's sets: off the critical path until its attention (join_selection).
+  cudaStream_t ss = static_cast<cudaStream_t>(fork_selection());
+  cuda::row_lengths(sparse_->dev_kv_len(), step_B_, Hkv, tidal_rown_, ss, heads);
+  select_topk(sel_scores_, tidal_rown_, step_B_ * Hkv, k, tidal_strided_, ss);
   cuda::token_compact_lists(tidal_strided_, sparse_->dev_kv_len(), step_B_, Hkv, k, sel_off_,
-                            sel_idx_, st);
+                            sel_idx_, ss);
   if (quest_trace) trace_quest(layer), trace_scores(layer);
 }
 

@@ -32,6 +32,10 @@ std::string CudaSparse::describe() const {
                  "launch with their group-mean scores, token top-k on the GPU; hybrid heads pooled "
                  "into equal work items)");
     }
+    case Method::OracleTopK:
+      return cat("oracle-topk budget=", budget, " dense_layers=", dense_layers,
+                 " (a measurement: full attention for the true weights, then attention over their "
+                 "top-k per KV head)");
     case Method::LessIsMore:
       return cat("lessismore budget=", budget, " recent=", recent, " sinks=", sinks, " ",
                  schedule.describe(), " (selection layers: per-head scores from the dense kernel, "
@@ -159,6 +163,8 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
                   "merges ", n_uni, " tokens per request (budget - recent - sinks); the GPU "
                   "merge supports 1 to ", cuda::kLessIsMoreMaxUnified);
     }
+  } else if (info.name == "oracle-topk") {
+    r.method = CudaSparse::Method::OracleTopK;
   } else if (info.name == "streaming") {
     r.method = CudaSparse::Method::Streaming;
     r.sinks = int(o.integer("sinks"));

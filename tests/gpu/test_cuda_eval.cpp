@@ -33,7 +33,12 @@ namespace {
 
 using namespace spade::eval;
 
-constexpr double kTolLogits = 3e-2;  // per teacher-forced step, rel err of the logits
+// Per teacher-forced decode step, rel err of the logits. One decode row of a random bf16
+// model measured 0.020-0.030 (H100; CudaEval.RandomModel), at the edge of the dense prefill
+// bound 3e-2 that averages over many rows; the per-step bound of the other decode comparisons
+// (test_cuda_twilight_model.cpp, the sparse model tests) is 5e-2. What this test guards, the
+// eval plumbing (positions, pages, forced tokens), fails by O(1) when wrong.
+constexpr double kTolLogits = 5e-2;
 constexpr float kNearTie = 0.15f;    // CPU top-2 margin under which a greedy flip is accepted
 
 float top2_margin(const float* lg, int V) {

@@ -69,6 +69,7 @@ TEST(CudaSparseGraphs, ReplayEqualsEagerForEveryMethod) {
   compare_graphs("tidal:budget=128,dense_layers=1,selection_layers=1", na, nb, steps);
   compare_graphs("lessismore:budget=128,dense_layers=1,selection_layers=1", na, nb, steps);
   compare_graphs("lycheedecode:roles=RR/SR/RS/SS,budget=128", na, nb, steps);
+  compare_graphs("oracle-topk:budget=128,dense_layers=1", na, nb, steps);
   compare_graphs("twilight:base=quest,budget=512,dense_layers=1", na, nb, steps);
   compare_graphs("blasst:a=4", na, nb, steps);
 }

@@ -26,6 +26,7 @@
 //   block scan over position order then keeps every key > T and the lowest-index keys == T,
 //   i.e. exactly the CPU's ranks_before order (higher score, then lower position).
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "backend/cuda/block_scan.cuh"
@@ -284,6 +285,55 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const float* sc
   }
 }
 
+// Long rows (topk_rows_long): stage 1, CTA (chunk c, row): the k best of the row's chunk
+// [c * chunk, c * chunk + chunk) (cached in shared memory), written as (score, position) pairs
+// to cand[row][c * k ..]; a chunk with m <= k entries passes them all, padded with
+// (-inf, INT_MAX). Candidates are in position order (chunks in order, ascending inside), so the
+// stage-2 top-k's tie rule (lower index) is the CPU's (lower position).
+__global__ void __launch_bounds__(kTopkThreads) topk_chunks_kernel(const float* sc, int64_t ld,
+                                                                   const int32_t* n, int k,
+                                                                   int chunk, int n_chunks,
+                                                                   float* cs, int32_t* cp,
+                                                                   int32_t* n2) {
+  extern __shared__ uint32_t skeys[];
+  const int c = blockIdx.x, row = blockIdx.y;
+  const int nr = n[row];
+  if (c == 0 && threadIdx.x == 0) n2[row] = nr > k ? n_chunks * k : 0;
+  if (nr <= k) return;  // the whole row is the answer (topk_long_map_kernel)
+  const int lo = c * chunk, m = max(0, min(chunk, nr - lo));
+  const float* src = sc + int64_t(row) * ld + lo;
+  float* ds = cs + (int64_t(row) * n_chunks + c) * k;
+  int32_t* dp = cp + (int64_t(row) * n_chunks + c) * k;
+  if (m <= k) {
+    for (int i = threadIdx.x; i < k; i += kTopkThreads) {
+      ds[i] = i < m ? src[i] : -INFINITY;
+      dp[i] = i < m ? lo + i : INT_MAX;
+    }
+    return;
+  }
+  topk_row<true>(src, m, k, dp, skeys);
+  __syncthreads();  // every thread's writes of dp are visible to the block
+  for (int i = threadIdx.x; i < k; i += kTopkThreads) {
+    const int j = dp[i];
+    ds[i] = src[j];
+    dp[i] = lo + j;
+  }
+}
+
+// Stage 2's candidate indices -> positions (rows with n <= k: all of [0, n)).
+__global__ void topk_long_map_kernel(const int32_t* n, int k, int n_chunks, const int32_t* cp,
+                                     const int32_t* idx2, int32_t* out) {
+  const int row = blockIdx.x, nr = n[row];
+  int32_t* o = out + int64_t(row) * k;
+  if (nr <= k) {
+    for (int i = threadIdx.x; i < nr; i += blockDim.x) o[i] = i;
+    return;
+  }
+  const int32_t* pos = cp + int64_t(row) * n_chunks * k;
+  const int32_t* ix = idx2 + int64_t(row) * k;
+  for (int i = threadIdx.x; i < k; i += blockDim.x) o[i] = pos[ix[i]];
+}
+
 }  // namespace
 
 void quest_update_meta(const bf16* k_cache, bf16* meta, const int32_t* page_ids,
@@ -357,6 +407,43 @@ void topk_rows(const float* scores, int64_t ld, const int32_t* n, int n_rows, in
   if (n_rows <= 0) return;
   const int cache = topk_cache_attr(topk_rows_kernel, ld);
   topk_rows_kernel<<<n_rows, kTopkThreads, size_t(cache) * 4, s>>>(scores, ld, n, k, out, cache);
+  SPADE_CUDA_LAUNCH();
+}
+
+namespace {
+constexpr int kTopkChunk = 32768;  // stage-1 chunk: cached in shared memory
+int topk_long_chunks(int64_t ld) { return int((ld + kTopkChunk - 1) / kTopkChunk); }
+}  // namespace
+
+bool topk_long_applies(int64_t ld, int k) {
+  return ld > kTopkCache && k >= 1 && k <= kTopkChunk &&
+         int64_t(topk_long_chunks(ld)) * k <= kTopkCache;
+}
+
+size_t topk_long_scratch_bytes(int n_rows, int64_t ld, int k) {
+  const size_t cand = size_t(n_rows) * size_t(topk_long_chunks(ld)) * size_t(k);
+  return cand * 8 + size_t(n_rows) * 4 + size_t(n_rows) * size_t(k) * 4 + 3 * 256;
+}
+
+void topk_rows_long(const float* scores, int64_t ld, const int32_t* n, int n_rows, int k,
+                    int32_t* out, void* scratch, cudaStream_t s) {
+  SPADE_CHECK(topk_long_applies(ld, k), "topk_rows_long: rows of ", ld, " with k = ", k,
+              " need the single-pass topk_rows");
+  if (n_rows <= 0) return;
+  const int nc = topk_long_chunks(ld);
+  const size_t cand = size_t(n_rows) * size_t(nc) * size_t(k);
+  auto align = [](size_t b) { return (b + 255) / 256 * 256; };
+  unsigned char* p = static_cast<unsigned char*>(scratch);
+  float* cs = reinterpret_cast<float*>(p);
+  int32_t* cp = reinterpret_cast<int32_t*>(p + align(cand * 4));
+  int32_t* n2 = reinterpret_cast<int32_t*>(p + align(cand * 4) + align(cand * 4));
+  int32_t* idx2 = n2 + (align(size_t(n_rows) * 4) / 4);
+  const int c1 = topk_cache_attr(topk_chunks_kernel, kTopkChunk);
+  topk_chunks_kernel<<<dim3(unsigned(nc), unsigned(n_rows)), kTopkThreads, size_t(c1) * 4, s>>>(
+      scores, ld, n, k, kTopkChunk, nc, cs, cp, n2);
+  SPADE_CUDA_LAUNCH();
+  topk_rows(cs, int64_t(nc) * k, n2, n_rows, k, idx2, s);
+  topk_long_map_kernel<<<n_rows, 256, 0, s>>>(n, k, nc, cp, idx2, out);
   SPADE_CUDA_LAUNCH();
 }
 

@@ -131,6 +131,17 @@ void quest_score_fast(const QuestArgs& a, cudaStream_t s);  // tensor cores (a.f
 void topk_rows(const float* scores, int64_t ld, const int32_t* n, int n_rows, int k,
                int32_t* out, cudaStream_t s);
 
+// topk_rows for rows longer than its shared-memory cache (ld > 40960 entries: 128K contexts),
+// in two stages: the k best of every 32768-entry chunk of a row (one CTA per chunk and row,
+// cached), then the k best of those candidates; the same answer as topk_rows (the global top
+// k lies in the union of the chunks' top k, and candidates keep position order for ties).
+// Applies when topk_long_applies(ld, k); scratch: topk_long_scratch_bytes(n_rows, ld, k)
+// bytes of device memory (256-byte aligned).
+bool topk_long_applies(int64_t ld, int k);
+size_t topk_long_scratch_bytes(int n_rows, int64_t ld, int k);
+void topk_rows_long(const float* scores, int64_t ld, const int32_t* n, int n_rows, int k,
+                    int32_t* out, void* scratch, cudaStream_t s);
+
 // Model decode step helpers (sparse_lists.cu), lists built from the device lengths kv_len[B]:
 // quest_compact_lists: quest_select's output (k_pages entries per (b, h) row at stride k_pages,
 // min(k_pages, pages of b) of them valid) -> CSR sel_off[B * Hkv + 1] / sel_idx (Chunk16).
@@ -149,6 +160,12 @@ void row_lengths(const int32_t* kv_len, int B, int Hkv, int32_t* out, cudaStream
 // L <= budget, else the first `sinks` tokens and the last budget - sinks (StreamingMethod).
 void streaming_lists(const int32_t* kv_len, int B, int budget, int sinks, int32_t* sel_off,
                      int32_t* sel_idx, cudaStream_t s);
+
+// oracle_group_weights (oracle-topk): from per-query-head scores [B * Hq][ld] (DecodeScores
+// per_head), out[(b * Hkv + h) * ld + j] = sum over the G query heads g of h of their true
+// softmax weight on token j (over [0, kv_len[b])): the CPU's OracleTopKMethod W. G <= 16.
+void oracle_group_weights(const float* scores, int64_t ld, const int32_t* kv_len, int B, int Hq,
+                          int Hkv, float* out, cudaStream_t s);
 
 // ---- LessIsMore on the GPU (lessismore_select.cu) ----
 // One Token list per request (lists_per_req = 1) from a selection layer's per-query-head

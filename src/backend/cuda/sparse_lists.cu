@@ -1,6 +1,8 @@
 // Selection lists built on the GPU for the model's sparse decode step (cuda_model.cpp):
 // CSR offsets and entries from the device copy of the step's context lengths, so a decode
 // step needs no host work between the selector and the attention. See sparse_attention.h.
+#include <cmath>
+
 #include "backend/cuda/sparse_attention.h"
 
 namespace spade::cuda {
@@ -51,7 +53,66 @@ __global__ void streaming_lists_kernel(const int32_t* kv_len, int B, int budget,
   }
 }
 
+// One CTA per (request b, KV head h): for each of the G query heads g the row max and the sum
+// of exp over [0, L) (block reductions), then W[j] = sum_g exp(s_g[j] - max_g) / sum_g.
+// Reads G * L fp32 scores twice, writes L fp32 weights.
+constexpr int kOwThreads = 1024;
+__global__ void __launch_bounds__(kOwThreads) oracle_weights_kernel(const float* sc, int64_t ld,
+                                                                     const int32_t* kv_len, int Hq,
+                                                                     int Hkv, float* out) {
+  __shared__ float s_red[32];
+  __shared__ float s_max[16], s_inv[16];
+  const int row = blockIdx.x, b = row / Hkv, h = row % Hkv, G = Hq / Hkv;
+  const int L = kv_len[b];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  auto block_reduce = [&](float v, bool is_max) {
+    for (int o = 16; o > 0; o >>= 1) {
+      const float y = __shfl_xor_sync(0xffffffffu, v, o);
+      v = is_max ? fmaxf(v, y) : v + y;
+    }
+    if (lane == 0) s_red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      v = lane < int(blockDim.x >> 5) ? s_red[lane] : (is_max ? -INFINITY : 0.f);
+      for (int o = 16; o > 0; o >>= 1) {
+        const float y = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, y) : v + y;
+      }
+      if (lane == 0) s_red[0] = v;
+    }
+    __syncthreads();
+    const float r = s_red[0];
+    __syncthreads();
+    return r;
+  };
+  for (int g = 0; g < G; ++g) {
+    const float* x = sc + (int64_t(b) * Hq + h * G + g) * ld;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < L; j += kOwThreads) m = fmaxf(m, x[j]);
+    m = block_reduce(m, true);
+    float sum = 0.f;
+    for (int j = threadIdx.x; j < L; j += kOwThreads) sum += expf(x[j] - m);
+    sum = block_reduce(sum, false);
+    if (threadIdx.x == 0) s_max[g] = m, s_inv[g] = 1.f / sum;
+  }
+  __syncthreads();
+  float* w = out + int64_t(row) * ld;
+  for (int j = threadIdx.x; j < L; j += kOwThreads) {
+    float acc = 0.f;
+    for (int g = 0; g < G; ++g)
+      acc += expf(sc[(int64_t(b) * Hq + h * G + g) * ld + j] - s_max[g]) * s_inv[g];
+    w[j] = acc;
+  }
+}
+
 }  // namespace
+
+void oracle_group_weights(const float* scores, int64_t ld, const int32_t* kv_len, int B, int Hq,
+                          int Hkv, float* out, cudaStream_t s) {
+  SPADE_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "oracle_group_weights: G must be <= 16");
+  oracle_weights_kernel<<<B * Hkv, kOwThreads, 0, s>>>(scores, ld, kv_len, Hq, Hkv, out);
+  SPADE_CUDA(cudaGetLastError());
+}
 
 void quest_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, int Hkv,
                          int k_pages, int32_t* sel_off, int32_t* sel_idx, cudaStream_t s) {
