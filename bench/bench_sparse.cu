@@ -15,6 +15,16 @@
 //   quest_tc*    the same with the tensor-core page scores (QuestArgs::fast)
 //   hybrid90     every KV head sparse, token lists at 90% sparsity (L/10 tokens), 128K
 //   hybrid_2d    KV heads 0 and 1 dense (whole context), 6 sparse heads with `budget` tokens
+//   full_emit_group / full_emit_head  `full` that also writes the group-mean / per-query-head
+//                scores (a TidalDecode / LessIsMore selection layer's attention)
+//   tidal_select the token top-k of every (request, KV head) over those scores + CSR compaction
+//                (topk_rows, or topk_rows_long past 40960 tokens); the same for oracle-topk
+//   lessismore_select  per-head top-k, rank merge, sinks + window -> one list per request
+//   lycheedecode_layer one hybrid launch (KV head 0 a retrieval head: whole context + scores,
+//                7 sparse heads with `budget` tokens) + the retrieval head's next-layer set
+//                (serial here; the model overlaps the set's top-k with the layer's GEMMs)
+// Selection rows read the scores of the emit rows (real q.k values, one region: L2-warm at
+// small batch).
 // Bytes (what each must read + write): K and V rows it attends (2 x D x 2 B per row and KV
 // head), index entries (4 B each), q + out, Quest metadata (4 x D B per page-head) + scores.
 // floor_us = bytes / the device-to-device copy bandwidth measured at start (read + write).
@@ -46,6 +56,8 @@ namespace {
 
 const int Hq = 32, Hkv = 8, D = 128, P = 16;
 double g_bw = 0;  // measured copy bandwidth, bytes/s
+float* g_scores_group = nullptr;  // [B * Hkv][L] of the current shape
+float* g_scores_head = nullptr;   // [B * Hq][L]
 FILE* g_out = nullptr;
 
 float median(std::vector<float> v) {
@@ -116,13 +128,16 @@ void bench_shape(int L, int B) {
   size_t free_b = 0, total_b = 0;
   SPADE_CUDA(cudaMemGetInfo(&free_b, &total_b));
   const size_t per_region = size_t(region_pages) * (2 * page_elems + meta_page) * 2;
-  while (R > 1 && size_t(R) * per_region + (4ull << 30) > free_b) --R;
+  const size_t sel_need = size_t(B) * L * 4 * (Hkv + Hq + 1) + size_t(B) * Hq * 4096 * 8 * 2;
+  while (R > 1 && size_t(R) * per_region + sel_need + (4ull << 30) > free_b) --R;
   if (size_t(R) * per_region + (3ull << 30) > free_b) {
     std::fprintf(stderr, "L=%d B=%d: does not fit, skipped\n", L, B);
     return;
   }
   const int64_t pool_pages = R * region_pages;
-  DeviceArena arena(size_t(R) * per_region + (1536ull << 20));
+  const size_t sel_bytes_all = size_t(B) * L * 4 * (Hkv + Hq + 1) + size_t(B) * Hq * 4096 * 8 +
+                               topk_long_scratch_bytes(B * Hq, L, 4096) + (64u << 20);
+  DeviceArena arena(size_t(R) * per_region + (1536ull << 20) + sel_bytes_all);
   bf16* K = arena.alloc_n<bf16>(size_t(pool_pages) * page_elems, "K");
   bf16* V = arena.alloc_n<bf16>(size_t(pool_pages) * page_elems, "V");
   bf16* meta = arena.alloc_n<bf16>(size_t(pool_pages) * meta_page, "meta");
@@ -153,6 +168,9 @@ void bench_shape(int L, int B) {
   const float scale = 1.f / std::sqrt(float(D));
   const double qo_bytes = 2.0 * B * Hq * D * 2;
 
+  // Scores of the selection layers' attention (kept for the selection rows below).
+  g_scores_group = arena.alloc_n<float>(size_t(B) * Hkv * L, "group scores");
+  g_scores_head = arena.alloc_n<float>(size_t(B) * Hq * L, "head scores");
   // Full attention (v3 auto).
   {
     AttnLimits lim;
@@ -165,8 +183,14 @@ void bench_shape(int L, int B) {
     for (int b = 0; b < B; ++b) batch[b] = {perm.data() + size_t(b) * pps, pps, L, 1};
     ws.plan(batch, 0, 0);
     float mn;
-    const double us = time_calls(R, [&](int r) { ws.run(Qr(r), Kr(r), Vr(r), o, scale, 0); }, &mn);
+    double us = time_calls(R, [&](int r) { ws.run(Qr(r), Kr(r), Vr(r), o, scale, 0); }, &mn);
     emit("full", L, B, 0, us, mn, double(B) * L * Hkv * D * 2 * 2 + qo_bytes, R, ws.n_items(), ws.n_split());
+    // The selection layers' attention: the same with score emission (scores kept for below).
+    const DecodeScores dg{g_scores_group, L}, dh{g_scores_head, L, true};
+    us = time_calls(R, [&](int r) { ws.run(Qr(r), Kr(r), Vr(r), o, scale, 0, {}, &dg); }, &mn);
+    emit("full_emit_group", L, B, 0, us, mn, double(B) * L * Hkv * D * 2 * 2 + qo_bytes + double(B) * Hkv * L * 4, R, ws.n_items(), ws.n_split());
+    us = time_calls(R, [&](int r) { ws.run(Qr(r), Kr(r), Vr(r), o, scale, 0, {}, &dh); }, &mn);
+    emit("full_emit_head", L, B, 0, us, mn, double(B) * L * Hkv * D * 2 * 2 + qo_bytes + double(B) * Hq * L * 4, R, ws.n_items(), ws.n_split());
     SPADE_CUDA(cudaDeviceSynchronize());
     arena.reset(mark);
   }
@@ -174,6 +198,14 @@ void bench_shape(int L, int B) {
   std::vector<SparseSeq> seqs(B);
   for (int b = 0; b < B; ++b) seqs[b] = {perm.data() + size_t(b) * pps, pps, L};
   SparseAttention sa(arena, B, region_pages, Hq, Hkv, D, P, 64);
+  int32_t* d_rown = arena.alloc_n<int32_t>(size_t(B) * Hq + B, "row lengths");
+  int32_t* d_strided = arena.alloc_n<int32_t>(size_t(B) * Hq * 4096, "strided top-k");
+  int32_t* d_merged = arena.alloc_n<int32_t>(size_t(B) * 4096, "merged top-k");
+  float* g_keys = arena.alloc_n<float>(size_t(B) * L, "merge keys");
+  int32_t* d_off2 = arena.alloc_n<int32_t>(size_t(B) * Hkv + 1, "next sel_off");
+  int32_t* d_idx2 = arena.alloc_n<int32_t>(size_t(B) * Hkv * 4096, "next sel_idx");
+  void* d_topk_scratch = arena.alloc_n<unsigned char>(
+      std::max<size_t>(256, topk_long_scratch_bytes(B * Hq, L, 4096)), "long top-k scratch");
   const int max_budget = L / 10 > 4096 ? L / 10 : 4096;
   int32_t* d_off = arena.alloc_n<int32_t>(size_t(B) * Hkv + 1, "sel_off");
   int32_t* d_idx = arena.alloc_n<int32_t>(size_t(R) * B * Hkv * max_budget, "sel_idx");
@@ -271,6 +303,44 @@ void bench_shape(int L, int B) {
         sa.run(Qr(r), Kr(r), Vr(r), d_off, d_qsel, o, scale, 0);
       }, &mn);
       emit(tag.c_str(), L, B, budget, us, mn, sel_bytes + att_bytes, R, sa.n_items(), sa.max_split_used());
+    }
+    {  // selections of the scored layers (scores: the emit runs above, region 0's q)
+      const int nl = B * Hkv;
+      std::vector<int32_t> lens(size_t(B) * Hq, L);
+      SPADE_CUDA(cudaMemcpy(d_rown, lens.data(), 4 * lens.size(), cudaMemcpyHostToDevice));
+      const bool lng = topk_long_applies(L, budget);
+      auto topk = [&](const float* sc, int rows, int k, int32_t* out) {
+        if (lng) topk_rows_long(sc, L, d_rown, rows, k, out, d_topk_scratch, 0);
+        else topk_rows(sc, L, d_rown, rows, k, out, 0);
+      };
+      double us = time_calls(1, [&](int) {
+        topk(g_scores_group, nl, budget, d_strided);
+        token_compact_lists(d_strided, d_qpt + region_pages + B, B, Hkv, budget, d_off, d_idx, 0);
+      }, &mn);
+      emit("tidal_select", L, B, budget, us, mn, double(nl) * L * 4 + double(nl) * budget * 4 * 3, 1, 0, 0);
+      LessIsMoreArgs la;
+      const int recent = budget / 4, sinks = 4;
+      la.scores = g_scores_head, la.ld = L, la.kv_len = d_qpt + region_pages + B, la.B = B, la.Hq = Hq;
+      la.budget = budget, la.n_recent = recent, la.sinks = sinks, la.n_uni = budget - recent - sinks;
+      la.row_n = d_rown, la.head_top = d_strided, la.keys = g_keys, la.merged_top = d_merged;
+      la.sel_off = d_off, la.sel_idx = d_idx;
+      la.topk_scratch = topk_long_applies(L, la.n_uni) ? d_topk_scratch : nullptr;
+      us = time_calls(1, [&](int) { lessismore_select(la, 0); }, &mn);
+      emit("lessismore_select", L, B, budget, us, mn,
+           double(B) * Hq * L * 4 + double(B) * L * 4 * 3 + double(B) * Hq * la.n_uni * 8, 1, 0, 0);
+      // LycheeDecode layer: KV head 0 a retrieval head (dense + scores), 7 sparse heads.
+      upload_lists(nl, budget, L);
+      std::vector<uint8_t> ret = {1, 0, 0, 0, 0, 0, 0, 0};
+      sa.plan(seqs, SelGran::Token, Hkv, std::vector<int>(nl, budget), &ret, 0);
+      us = time_calls(R, [&](int r) {
+        sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, budget), o, scale, 0, 0, g_scores_group, L);
+        row_lengths(d_qpt + region_pages + B, B, Hkv, d_rown, 0, 1u);
+        topk(g_scores_group, nl, budget, d_strided);
+        token_compact_lists(d_strided, d_qpt + region_pages + B, B, Hkv, budget, d_off2, d_idx2, 0);
+      }, &mn);
+      emit("lycheedecode_layer", L, B, budget, us, mn,
+           double(B) * L * (kv_row + 4 * 2) + double(B) * 7 * budget * (kv_row + 4) + qo_bytes, R,
+           sa.n_items(), sa.max_split_used());
     }
     if (L >= 131072 && B <= 8) {  // hybrid: 2 dense heads + 6 sparse heads
       const int nl = B * Hkv;

@@ -54,9 +54,6 @@ void upload_f32(float* dst, const float* src, size_t n) {
   SPADE_CUDA(cudaMemcpy(dst, src, n * 4, cudaMemcpyHostToDevice));
 }
 
-// LessIsMore: merged tokens besides the sinks and the recency window.
-int64_t lim_unified(const CudaSparse& sp) { return sp.budget - sp.recent - sp.sinks; }
-
 }  // namespace
 
 ModelConfig synthetic_config(const std::string& name) {
@@ -211,7 +208,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       sp_bytes += size_t(mb * (Hq + Hkv)) * size_t(seq_pages_cap_ * P) * 4 +  // scores, W
                   size_t(mb * Hkv) * 4 + size_t(mb * Hkv * k) * 4 + 4 * 256;
     } else if (sp.method == CudaSparse::Method::LessIsMore) {
-      const int64_t k = std::min<int64_t>(sp.budget, c.max_context), nu = lim_unified(sp);
+      const int64_t k = std::min<int64_t>(sp.budget, c.max_context), nu = sp.lim_unified();
       sel_cap = mb * k;
       sp_bytes += size_t(mb * Hq) * size_t(seq_pages_cap_ * P) * 4 +   // per-head scores
                   size_t(mb * Hq + mb) * 4 + size_t(mb * Hq * nu) * 4 +  // row counts, tops
@@ -226,13 +223,17 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   }
   if (sp.method == CudaSparse::Method::Blasst) sp_bytes += size_t(4) * NL * Hkv * 8 + 1024;
   // Token top-k of selection layers over long rows (Tidal, LycheeDecode, oracle-topk).
+  // LessIsMore: its per-query-head rows of n_uni tokens.
+  const bool lim_topk = sp.method == CudaSparse::Method::LessIsMore;
   const bool token_topk = sp.method == CudaSparse::Method::Tidal ||
                           sp.method == CudaSparse::Method::LycheeDecode ||
-                          sp.method == CudaSparse::Method::OracleTopK;
-  const int topk_k = int(std::min<int64_t>(sp.budget, c.max_context));
+                          sp.method == CudaSparse::Method::OracleTopK || lim_topk;
+  const int topk_k = lim_topk ? int(std::max<int64_t>(1, sp.lim_unified()))
+                              : int(std::min<int64_t>(sp.budget, c.max_context));
+  const int topk_rows_n = int(opt_.max_batch * (lim_topk ? Hq : Hkv));
   const bool long_topk = token_topk && cuda::topk_long_applies(seq_pages_cap_ * P, topk_k);
   if (long_topk)
-    sp_bytes += cuda::topk_long_scratch_bytes(int(opt_.max_batch * Hkv), seq_pages_cap_ * P, topk_k) + 256;
+    sp_bytes += cuda::topk_long_scratch_bytes(topk_rows_n, seq_pages_cap_ * P, topk_k) + 256;
   const size_t total = wb + small + kv_bytes + ws_bytes + sp_bytes;
   {
     size_t free_b = 0, total_b = 0;
@@ -393,7 +394,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
                                                              int(Hkv), int(D), P, 64);
     }
     if (sp.method == CudaSparse::Method::LessIsMore) {
-      const int64_t mb = opt_.max_batch, ld = seq_pages_cap_ * P, nu = lim_unified(sp);
+      const int64_t mb = opt_.max_batch, ld = seq_pages_cap_ * P, nu = sp.lim_unified();
       sel_scores_ = A.alloc_n<float>(size_t(mb * Hq) * size_t(ld), "lessismore scores");
       lim_row_n_ = A.alloc_n<int32_t>(size_t(mb * Hq + mb), "lessismore row counts");
       lim_head_top_ = A.alloc_n<int32_t>(size_t(mb * Hq * nu), "lessismore head top-k");
@@ -417,7 +418,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
     }
     if (long_topk)
       topk_long_ = A.alloc_n<unsigned char>(
-          cuda::topk_long_scratch_bytes(int(opt_.max_batch * Hkv), seq_pages_cap_ * P, topk_k),
+          cuda::topk_long_scratch_bytes(topk_rows_n, seq_pages_cap_ * P, topk_k),
           "long-row top-k scratch");
     sel_off_ = A.alloc_n<int32_t>(size_t(opt_.max_batch * Hkv + 1), "selection offsets");
     sel_idx_ = A.alloc_n<int32_t>(size_t(sel_cap), "selection entries");
@@ -615,13 +616,9 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   if (sparse_step_ && spc.method == CudaSparse::Method::Streaming)
     cuda::streaming_lists(sparse_->dev_kv_len(), step_B_, int(spc.budget), spc.sinks, sel_off_,
                           sel_idx_, st);
-  const bool tidal = spc.method == CudaSparse::Method::Tidal;
-  const bool lim = spc.method == CudaSparse::Method::LessIsMore;
   const bool lychee = spc.method == CudaSparse::Method::LycheeDecode;
-  const int tidal_k = int(std::min<int64_t>(spc.budget, c.max_context));
-  const int64_t tidal_ld = seq_pages_cap_ * opt_.page_size;
-  const bool oracle = spc.method == CudaSparse::Method::OracleTopK;
-  if (sparse_step_ && (tidal || oracle))
+  if (sparse_step_ && (spc.method == CudaSparse::Method::Tidal ||
+                       spc.method == CudaSparse::Method::OracleTopK))
     cuda::row_lengths(sparse_->dev_kv_len(), step_B_, Hkv, tidal_rown_, st);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
@@ -650,46 +647,10 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     join_selection();  // the previous layer's selection, before anything reads it
     if (quest && upd_n_ > 0)
       cuda::quest_update_meta(kc, meta, upd_, upd_ + upd_cap_, upd_n_, Hkv, opt_.page_size, D, st);
-    const sparse::LayerSchedule::Role role =
-        spc.scheduled() ? spc.schedule.role(int(l)) : sparse::LayerSchedule::Role::Reuse;
-    if (sparse_step_ && tidal && role == sparse::LayerSchedule::Role::Select) {
-      // Full attention that also emits the group-mean scores; the top-k of each (request, KV
-      // head) becomes the token lists of the following layers.
-      const cuda::DecodeScores ds{sel_scores_, tidal_ld};
-      attn_->run(q, kc, vc, att, scale, st, {}, &ds);
-      cudaStream_t ss = S_(fork_selection());
-      select_topk(sel_scores_, tidal_rown_, step_B_ * Hkv, tidal_k, tidal_strided_, ss);
-      cuda::token_compact_lists(tidal_strided_, sparse_->dev_kv_len(), step_B_, Hkv, tidal_k,
-                                sel_off_, sel_idx_, ss);
-      if (quest_trace) trace_quest(int(l)), trace_scores(int(l));
-    } else if (sparse_step_ && oracle && int(l) >= spc.dense_layers) {
-      // The measurement first: full attention for its per-head scores (its output is then
-      // overwritten), the true group weights, their top-k; then attention over that set.
-      const cuda::DecodeScores ds{sel_scores_, tidal_ld, true};
-      attn_->run(q, kc, vc, att, scale, st, {}, &ds);
-      cuda::oracle_group_weights(sel_scores_, tidal_ld, sparse_->dev_kv_len(), step_B_, Hq, Hkv,
-                                 oracle_w_, st);
-      select_topk(oracle_w_, tidal_rown_, step_B_ * Hkv, tidal_k, tidal_strided_, st);
-      cuda::token_compact_lists(tidal_strided_, sparse_->dev_kv_len(), step_B_, Hkv, tidal_k,
-                                sel_off_, sel_idx_, st);
-      if (quest_trace) trace_quest(int(l)), trace_scores(int(l));
-      sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st);
-    } else if (sparse_step_ && lychee) {
+    if (sparse_step_ && lychee) {
       ld_layer(int(l), q, kc, vc, att, scale);
-    } else if (sparse_step_ && lim && role == sparse::LayerSchedule::Role::Select) {
-      // Full attention that also emits every query head's scores; their merged ranking, the
-      // sinks and the recency window become the one list of each request.
-      const cuda::DecodeScores ds{sel_scores_, tidal_ld, true};
-      attn_->run(q, kc, vc, att, scale, st, {}, &ds);
-      cuda::LessIsMoreArgs la;
-      la.scores = sel_scores_, la.ld = tidal_ld, la.kv_len = sparse_->dev_kv_len();
-      la.B = step_B_, la.Hq = Hq;
-      la.budget = tidal_k, la.n_recent = int(spc.recent), la.sinks = spc.sinks;
-      la.n_uni = int(lim_unified(spc));
-      la.row_n = lim_row_n_, la.head_top = lim_head_top_, la.keys = lim_keys_;
-      la.merged_top = lim_merged_, la.sel_off = sel_off_, la.sel_idx = sel_idx_;
-      cuda::lessismore_select(la, S_(fork_selection()));
-      if (quest_trace) trace_quest(int(l)), trace_scores(int(l));
+    } else if (sparse_step_ && scored_layer(int(l), q, kc, vc, att, scale)) {
+      // a Tidal / LessIsMore selection layer or an oracle-topk layer (cuda_model_sparse.cpp)
     } else if (sparse_step_ && int(l) >= spc.dense_layers) {
       if (quest) {
         cuda::QuestArgs qa{q, meta, sparse_->dev_page_table(), sparse_->dev_page_off(),
@@ -782,94 +743,6 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev1_), st));
 }
 
-void CudaModel::select_topk(const float* scores, const int32_t* n, int rows, int k, int32_t* out,
-                            void* stream) {
-  const int64_t ld = seq_pages_cap_ * opt_.page_size;
-  if (topk_long_) cuda::topk_rows_long(scores, ld, n, rows, k, out, topk_long_, S_(stream));
-  else cuda::topk_rows(scores, ld, n, rows, k, out, S_(stream));
-}
-
-void* CudaModel::fork_selection() {
-  if (!side_ || quest_trace) return stream_;  // traced steps stay in order on one stream
-  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_fork_), S_(stream_)));
-  SPADE_CUDA(cudaStreamWaitEvent(S_(side_), static_cast<cudaEvent_t>(ev_fork_), 0));
-  sel_pending_ = true;
-  return side_;
-}
-
-void CudaModel::join_selection() {
-  if (!sel_pending_) return;
-  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_join_), S_(side_)));
-  SPADE_CUDA(cudaStreamWaitEvent(S_(stream_), static_cast<cudaEvent_t>(ev_join_), 0));
-  sel_pending_ = false;
-}
-
-void CudaModel::graph_key(bool sample) {
-  // Batch size and whether the step samples; the dense plan's split and item counts; for a
-  // sparse step its flag, metadata updates, Quest stride and every plan's work items.
-  std::vector<int>& k = graph_key_;
-  k.clear();
-  k.push_back(T_ * 4 + (sample ? 1 : 0));
-  k.push_back(attn_->n_split());
-  k.push_back(attn_->n_items());
-  k.push_back(upd_n_);
-  k.push_back(sparse_step_ ? 1 : 0);
-  if (!sparse_step_) return;
-  k.push_back(step_B_);
-  k.push_back(step_max_pages_);
-  for (int n : sparse_->pattern_items()) k.push_back(n);
-  if (sparse_kept_)
-    for (int n : sparse_kept_->pattern_items()) k.push_back(n);
-}
-
-int CudaModel::lists_per_req() const {
-  const CudaSparse& sp = opt_.sparse;
-  return sp.quest_base() || sp.method == CudaSparse::Method::Tidal ||
-                 sp.method == CudaSparse::Method::LycheeDecode ||
-                 sp.method == CudaSparse::Method::OracleTopK
-             ? cfg_.n_kv_heads
-             : 1;
-}
-
-void CudaModel::trace_quest(int layer) {
-  const int rows = step_B_ * lists_per_req();
-  std::vector<int32_t> off(size_t(rows) + 1);
-  SPADE_CUDA(cudaMemcpyAsync(off.data(), sel_off_, sizeof(int32_t) * off.size(),
-                             cudaMemcpyDeviceToHost, S_(stream_)));
-  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
-  std::vector<int32_t> idx(size_t(off.back()));
-  SPADE_CUDA(cudaMemcpyAsync(idx.data(), sel_idx_, sizeof(int32_t) * idx.size(),
-                             cudaMemcpyDeviceToHost, S_(stream_)));
-  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
-  auto& t = quest_trace->sel;
-  if (t.size() <= size_t(layer)) t.resize(size_t(layer) + 1);
-  t[size_t(layer)].assign(size_t(rows), {});
-  for (int r = 0; r < rows; ++r)
-    t[size_t(layer)][size_t(r)].assign(idx.begin() + off[size_t(r)], idx.begin() + off[size_t(r) + 1]);
-}
-
-void CudaModel::trace_scores(int layer) {
-  // Rows per request: Tidal's KV heads (group means), LessIsMore's query heads.
-  const int Hkv = opt_.sparse.method == CudaSparse::Method::LessIsMore ? cfg_.n_heads
-                                                                        : cfg_.n_kv_heads;
-  const int rows = step_B_ * Hkv;
-  const int64_t ld = seq_pages_cap_ * opt_.page_size;
-  std::vector<int32_t> len(static_cast<size_t>(step_B_));
-  SPADE_CUDA(cudaMemcpyAsync(len.data(), sparse_->dev_kv_len(), sizeof(int32_t) * len.size(),
-                             cudaMemcpyDeviceToHost, S_(stream_)));
-  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
-  auto& t = quest_trace->scores;
-  if (t.size() <= size_t(layer)) t.resize(size_t(layer) + 1);
-  t[size_t(layer)].assign(size_t(rows), {});
-  for (int r = 0; r < rows; ++r) {
-    auto& v = t[size_t(layer)][size_t(r)];
-    v.resize(size_t(len[size_t(r / Hkv)]));
-    const float* src = opt_.sparse.method == CudaSparse::Method::OracleTopK ? oracle_w_ : sel_scores_;
-    SPADE_CUDA(cudaMemcpy(v.data(), src + int64_t(r) * ld, sizeof(float) * v.size(),
-                          cudaMemcpyDeviceToHost));
-  }
-}
-
 const std::vector<float>& CudaModel::forward(const std::vector<SeqInput>& batch,
                                              std::vector<int64_t>& row_of) {
   prepare(batch, row_of, false);
@@ -894,65 +767,6 @@ std::vector<int32_t> CudaModel::forward_sample(const std::vector<SeqInput>& batc
   SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
                                   static_cast<cudaEvent_t>(ev1_)));
   return std::vector<int32_t>(sampled_host_, sampled_host_ + R_);
-}
-
-GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<int32_t>& prompt,
-                            const GenerateOptions& opt,
-                            const std::function<bool(int32_t)>& on_token) {
-  using clock = std::chrono::steady_clock;
-  const ModelConfig& c = model.config();
-  GenerateStats st;
-  SPADE_CHECK(!prompt.empty(), "the prompt is empty (no tokens)");
-  SPADE_CHECK(!opt.attention, "--device cuda: sparse attention functions are CPU-only");
-  SPADE_CHECK(pt.length + int64_t(prompt.size()) <= c.max_context, "the prompt has ",
-              prompt.size(), " tokens, more than the model's context of ", c.max_context,
-              " tokens");
-  st.prompt_tokens = int64_t(prompt.size());
-  const bool host_sampling = opt.sampling.repetition_penalty != 1.f;
-  Sampler sampler(opt.sampling);
-  cuda::GpuSampling gs;
-  gs.temperature = opt.sampling.temperature;
-  gs.top_k = opt.sampling.top_k;
-  gs.top_p = opt.sampling.top_p;
-  gs.min_p = opt.sampling.min_p;
-  gs.seed = opt.sampling.seed;
-  std::vector<int32_t> history(prompt);
-  std::vector<int64_t> row_of;
-  uint64_t step = 0;
-  auto run = [&](const int32_t* toks, int64_t n) -> int32_t {
-    std::vector<SeqInput> b(1);
-    b[0].pages = &pt;
-    b[0].tokens = toks;
-    b[0].n_tokens = n;
-    if (host_sampling) {
-      const auto& lg = model.forward(b, row_of);
-      return sampler.sample(lg.data() + row_of[0] * c.vocab, c.vocab, history);
-    }
-    return model.forward_sample(b, gs, step++)[0];
-  };
-  auto t0 = clock::now();
-  const int64_t chunk = std::max<int64_t>(1, opt.prefill_chunk);
-  int32_t tok = 0;
-  for (size_t off = 0; off < prompt.size(); off += size_t(chunk)) {
-    const int64_t n = std::min<int64_t>(chunk, int64_t(prompt.size() - off));
-    tok = run(prompt.data() + off, n);
-  }
-  auto t1 = clock::now();
-  st.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
-  for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
-    history.push_back(tok);
-    ++st.generated_tokens;
-    bool is_stop = std::find(opt.stop_ids.begin(), opt.stop_ids.end(), tok) != opt.stop_ids.end();
-    if (!on_token(tok)) break;
-    if (is_stop) {
-      st.stopped_by_stop_id = true;
-      break;
-    }
-    if (i + 1 == opt.max_new_tokens || pt.length + 1 > c.max_context) break;
-    tok = run(&history.back(), 1);
-  }
-  st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
-  return st;
 }
 
 }  // namespace spade

@@ -69,6 +69,8 @@ struct CudaSparse {
   // tidal, lessismore: layer roles (dense / select / reuse); dense_layers mirrors schedule's
   sparse::LayerSchedule schedule;
   bool scheduled() const { return method == Method::Tidal || method == Method::LessIsMore; }
+  // lessismore: merged tokens besides the sinks and the recency window.
+  int64_t lim_unified() const { return budget - recent - sinks; }
   // lycheedecode: retrieval[layer][h] = 1 for retrieval heads (the rest are sparse heads),
   // mode topk with block 1 (budget = tokens per sparse head), roles in identity order.
   std::vector<std::vector<uint8_t>> retrieval;
@@ -181,6 +183,11 @@ class CudaModel {
   // cache, out att) and its retrieval heads' selections for the next layer
   // (cuda_model_lycheedecode.cpp).
   void ld_layer(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
+  // Decode layer `layer` when it is a Tidal / LessIsMore selection layer (full attention with
+  // score emission, then the selection) or an oracle-topk layer: runs it and returns true;
+  // else false (cuda_model_sparse.cpp).
+  bool scored_layer(int layer, const void* q, const void* kc, const void* vc, void* att,
+                    float scale);
   // A selection that only later layers read (Tidal, LessIsMore, LycheeDecode retrieval heads)
   // runs on side_, forked after its layer's attention and joined before the next layer's, so
   // its top-k overlaps the layer's GEMMs (also inside a captured graph). fork returns the

@@ -1,6 +1,10 @@
 // Helpers of the GPU model tests: bf16-rounded random weights (the CPU runs fp32 on the same
 // values the GPU holds), random token ids.
 #pragma once
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -86,6 +90,89 @@ inline double compare_decode_with_cpu(CpuModel& cpu, sparse::SparseSession& s0,
     const auto& lc = cpu.forward({{&pc[0], &ta, 1, false, &s0.attention()},
                                   {&pc[1], &tb, 1, false, &s1.attention()}}, rc);
     const auto& lg = gpu.forward({{&pg[0], &ta, 1, false}, {&pg[1], &tb, 1, false}}, rg);
+    const double e = rel_err(lg, lc);
+    worst = std::max(worst, e);
+    EXPECT_LT(e, tol) << "decode step " << s;
+  }
+  return worst;
+}
+
+// A paged one-layer cache of random bf16 keys / values for sequences of `lens` tokens (pages
+// handed out in order) and random bf16 queries [lens.size(), Hq, D], drawn from rng in the
+// order K, V, q.
+struct RandomPagedCache {
+  KVLayout lay;
+  KVPool kv;
+  std::vector<PageTable> pts;
+  std::vector<float> kh, vh, q;
+  static int64_t pages_for(const std::vector<int>& lens, int P) {
+    int64_t n = 0;
+    for (int L : lens) n += (L + P - 1) / P;
+    return n + 2;
+  }
+  RandomPagedCache(int Hq, int Hkv, int D, int P, const std::vector<int>& lens, std::mt19937& rng)
+      : lay{1, Hkv, D, P}, kv(lay, pages_for(lens, P)), pts(lens.size()) {
+    for (size_t i = 0; i < lens.size(); ++i) kv.reserve(pts[i], lens[i]), pts[i].length = lens[i];
+    const size_t n = size_t(kv.n_pages()) * lay.page_floats();
+    kh = round_bf16(randn(n, rng));
+    vh = round_bf16(randn(n, rng));
+    std::copy(kh.begin(), kh.end(), kv.k_page(0, 0));
+    std::copy(vh.begin(), vh.end(), kv.v_page(0, 0));
+    q = round_bf16(randn(lens.size() * size_t(Hq) * D, rng));
+  }
+};
+
+// Whether the sorted sets g (GPU) and c (CPU) differ only by near-ties of the CPU's values v
+// (v over [0, L)): every differing token's value lies within 2 err of the k-th largest value,
+// err = the row's largest |GPU - CPU| value, so rounding alone could have swapped it. *frac:
+// the share of a k-set swapped.
+inline bool differ_by_near_ties(const std::vector<int32_t>& g, const std::vector<int32_t>& c,
+                                const std::vector<float>& v, int64_t k, float err, double* frac) {
+  std::vector<float> sorted(v);
+  std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+  const float kth = sorted[size_t(k - 1)];
+  std::vector<int32_t> diff;
+  std::set_symmetric_difference(g.begin(), g.end(), c.begin(), c.end(), std::back_inserter(diff));
+  *frac = double(diff.size()) / 2.0 / double(k);
+  for (int32_t t : diff)
+    if (t < 0 || t >= int64_t(v.size()) || std::fabs(v[size_t(t)] - kth) > 2.f * err) return false;
+  return true;
+}
+
+// The selection model tests' run (TidalDecode, LessIsMore, LycheeDecode, oracle-topk): two
+// requests of na / nb random tokens (rng seeded with `seed`) prefilled together on the CPU,
+// through sessions s0 / s1 of a tracing method, and on `gpu` (tracing into `trace`); the dense
+// prefill logits must agree within 3e-2 (test_cuda_model.cpp). Then `started(pc)` (the CPU
+// page tables of the two requests: the method maps them to request indexes and starts
+// comparing) and `steps` batched decode steps feeding both the same random tokens, the trace
+// cleared before each; every step's logits must agree within `tol`. Returns the worst step's
+// rel err.
+inline double traced_decode_compare(CpuModel& cpu, sparse::SparseSession& s0,
+                                    sparse::SparseSession& s1, CudaModel& gpu,
+                                    CudaModel::QuestTrace& trace, int na, int nb, int steps,
+                                    double tol, uint32_t seed,
+                                    const std::function<void(const PageTable* pc)>& started) {
+  const int vocab = cpu.config().vocab;
+  gpu.quest_trace = &trace;
+  PageTable pc[2], pg[2];
+  std::mt19937 rng(seed);
+  auto a = random_tokens(rng, na, vocab), b = random_tokens(rng, nb, vocab);
+  std::vector<int64_t> rc, rg;
+  {
+    const auto& lc = cpu.forward({{&pc[0], a.data(), na, false, &s0.attention()},
+                                  {&pc[1], b.data(), nb, false, &s1.attention()}}, rc);
+    const auto& lg = gpu.forward({{&pg[0], a.data(), na, false}, {&pg[1], b.data(), nb, false}}, rg);
+    EXPECT_LT(rel_err(lg, lc), 3e-2) << "prefill";
+  }
+  started(pc);
+  double worst = 0;
+  for (int s = 0; s < steps; ++s) {
+    trace.sel.clear();
+    trace.scores.clear();
+    int32_t ta = int32_t(rng() % uint32_t(vocab)), tb = int32_t(rng() % uint32_t(vocab));
+    std::vector<float> lg = gpu.forward({{&pg[0], &ta, 1, false}, {&pg[1], &tb, 1, false}}, rg);
+    const auto& lc = cpu.forward({{&pc[0], &ta, 1, false, &s0.attention()},
+                                  {&pc[1], &tb, 1, false, &s1.attention()}}, rc);
     const double e = rel_err(lg, lc);
     worst = std::max(worst, e);
     EXPECT_LT(e, tol) << "decode step " << s;

@@ -84,6 +84,10 @@ void check_selector(int Hq, int64_t budget, double ratio, int sinks, const std::
   a.budget = int(budget), a.n_recent = int(n_recent), a.sinks = sinks, a.n_uni = int(n_uni);
   a.row_n = row_n.p, a.head_top = head_top.p, a.keys = keys.p, a.merged_top = merged.p;
   a.sel_off = off.p, a.sel_idx = idx.p;
+  // Rows beyond topk_rows' cache take the two-stage top-k (128K contexts), as in CudaModel.
+  const bool long_rows = cuda::topk_long_applies(ld, int(n_uni));
+  DevBuf<unsigned char> scratch(long_rows ? cuda::topk_long_scratch_bytes(B * Hq, ld, int(n_uni)) : 1);
+  if (long_rows) a.topk_scratch = scratch.p;
   cuda::lessismore_select(a, 0);
   const auto o = off.download(), ix = idx.download();
   for (int b = 0; b < B; ++b) {
@@ -106,6 +110,7 @@ TEST(CudaLessIsMore, SelectorMatchesCpuMethod) {
   check_selector(32, 4096, 0.25, 4, {40000, 9000}, 0.f, 4);          // n_uni 3068
   check_selector(4, 300, 0.f, 0, {301, 2000}, 1.f, 5);               // no window, no sinks
   check_selector(16, 8192 + 10, 0.f, 10, {30000}, 0.f, 6);           // n_uni = 8192 (limit)
+  check_selector(8, 2048, 0.25, 4, {131000, 50000, 3000}, 0.25f, 7); // 128K rows: two-stage top-k
 }
 
 // ---------------------------------------------------------------- score emission
@@ -115,17 +120,10 @@ void check_head_scores(int Hq, int Hkv, int D, int P, const std::vector<int>& le
   SCOPED_TRACE(testing::Message() << "Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << " P=" << P
                                   << " kernel=" << kernel << " split=" << force_split);
   std::mt19937 rng(seed);
-  int64_t pages = 0;
-  for (int L : lens) pages += (L + P - 1) / P;
-  KVLayout lay{1, Hkv, D, P};
-  KVPool kv(lay, pages + 2);
-  std::vector<PageTable> pts(lens.size());
-  for (size_t i = 0; i < lens.size(); ++i) kv.reserve(pts[i], lens[i]), pts[i].length = lens[i];
-  const size_t n = size_t(kv.n_pages()) * lay.page_floats();
-  auto kh = round_bf16(randn(n, rng)), vh = round_bf16(randn(n, rng));
-  std::copy(kh.begin(), kh.end(), kv.k_page(0, 0));
-  std::copy(vh.begin(), vh.end(), kv.v_page(0, 0));
-  auto q = round_bf16(randn(lens.size() * size_t(Hq) * D, rng));
+  RandomPagedCache cache(Hq, Hkv, D, P, lens, rng);
+  const KVPool& kv = cache.kv;
+  const std::vector<PageTable>& pts = cache.pts;
+  const std::vector<float>&kh = cache.kh, &vh = cache.vh, &q = cache.q;
   const float scale = 1.f / std::sqrt(float(D));
   const int G = Hq / Hkv;
   const int64_t ld = *std::max_element(lens.begin(), lens.end()) + 7;
@@ -242,35 +240,15 @@ void compare_model(int D, const std::string& spec, int na, int nb, int steps, in
   ASSERT_EQ(opt.sparse.method, CudaSparse::Method::LessIsMore);
   CudaModel gpu(w, opt);
   CudaModel::QuestTrace trace;
-  gpu.quest_trace = &trace;
   KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
   CpuModel cpu(w, kv);
   auto method = std::make_shared<TracingLessIsMore>(sparse::make_method(sc, c));
   sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
-  PageTable pc[2], pg[2];
-  method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
-  std::mt19937 rng(7);
-  auto a = random_tokens(rng, na, c.vocab), b = random_tokens(rng, nb, c.vocab);
-  std::vector<int64_t> rc, rg;
-  {
-    const auto& lc = cpu.forward({{&pc[0], a.data(), na, false, &s0.attention()},
-                                  {&pc[1], b.data(), nb, false, &s1.attention()}}, rc);
-    const auto& lg = gpu.forward({{&pg[0], a.data(), na, false}, {&pg[1], b.data(), nb, false}}, rg);
-    EXPECT_LT(rel_err(lg, lc), 3e-2) << "prefill";
-  }
-  method->gpu = &trace;
-  double worst = 0;
-  for (int s = 0; s < steps; ++s) {
-    trace.sel.clear();
-    trace.scores.clear();
-    int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
-    std::vector<float> lg = gpu.forward({{&pg[0], &ta, 1, false}, {&pg[1], &tb, 1, false}}, rg);
-    const auto& lc = cpu.forward({{&pc[0], &ta, 1, false, &s0.attention()},
-                                  {&pc[1], &tb, 1, false, &s1.attention()}}, rc);
-    const double e = rel_err(lg, lc);
-    worst = std::max(worst, e);
-    EXPECT_LT(e, kTolLogits) << "decode step " << s;
-  }
+  const double worst = traced_decode_compare(
+      cpu, s0, s1, gpu, trace, na, nb, steps, kTolLogits, 7, [&](const PageTable* pc) {
+        method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
+        method->gpu = &trace;
+      });
   std::printf("[ lessismore-model ] D=%d %s: %d sets (step, selection layer, request), %d "
               "identical; largest score error %.3g of the row's max |score|; worst decode logits "
               "rel err %.3g over %d steps\n",

@@ -39,17 +39,10 @@ void check_hybrid(int Hq, int Hkv, int D, const std::vector<int>& lens,
   SCOPED_TRACE(testing::Message() << "Hq=" << Hq << " Hkv=" << Hkv << " D=" << D);
   const int P = 16, G = Hq / Hkv, B = int(lens.size());
   std::mt19937 rng(seed);
-  int64_t pages = 0;
-  for (int L : lens) pages += (L + P - 1) / P;
-  KVLayout lay{1, Hkv, D, P};
-  KVPool kv(lay, pages + 2);
-  std::vector<PageTable> pts(lens.size());
-  for (size_t i = 0; i < lens.size(); ++i) kv.reserve(pts[i], lens[i]), pts[i].length = lens[i];
-  const size_t n = size_t(kv.n_pages()) * lay.page_floats();
-  auto kh = round_bf16(randn(n, rng)), vh = round_bf16(randn(n, rng));
-  std::copy(kh.begin(), kh.end(), kv.k_page(0, 0));
-  std::copy(vh.begin(), vh.end(), kv.v_page(0, 0));
-  auto q = round_bf16(randn(size_t(B) * Hq * D, rng));
+  RandomPagedCache cache(Hq, Hkv, D, P, lens, rng);
+  const KVPool& kv = cache.kv;
+  const std::vector<PageTable>& pts = cache.pts;
+  const std::vector<float>&kh = cache.kh, &vh = cache.vh, &q = cache.q;
   // Token lists: a random sorted subset of each (request, head)'s context.
   std::vector<int32_t> off{0}, idx;
   std::vector<int> max_entries;
@@ -70,8 +63,9 @@ void check_hybrid(int Hq, int Hkv, int D, const std::vector<int>& lens,
     seqs.push_back({pts[size_t(b)].pages.data(), int(pts[size_t(b)].pages.size()), lens[size_t(b)]});
   const int64_t ld = *std::max_element(lens.begin(), lens.end()) + 3;
   cuda::DeviceArena arena(256u << 20);
-  cuda::SparseAttention multi(arena, 8, pages + 2, Hq, Hkv, D, P, 64, int(patterns.size()));
-  cuda::SparseAttention single(arena, 8, pages + 2, Hq, Hkv, D, P, 64, 1);
+  const int64_t pages = cache.kv.n_pages();
+  cuda::SparseAttention multi(arena, 8, pages, Hq, Hkv, D, P, 64, int(patterns.size()));
+  cuda::SparseAttention single(arena, 8, pages, Hq, Hkv, D, P, 64, 1);
   DevBuf<bf16> dk(to_bf16(kh)), dv(to_bf16(vh)), dq(to_bf16(q));
   DevBuf<int32_t> doff(off), didx(idx);
   multi.plan_patterns(seqs, cuda::SelGran::Token, Hkv, max_entries, patterns, 0);
@@ -164,16 +158,9 @@ class TracingLychee final : public sparse::SparseMethod {
       for (int64_t j = 0; j < L; ++j)
         err = std::max(err, std::fabs(float(wg[size_t(j)] / sum) - w[size_t(j)]));
       max_err = std::max(max_err, double(err));
-      std::vector<float> sorted(w);
-      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-      const float kth = sorted[size_t(k - 1)];
-      std::vector<int32_t> diff;
-      std::set_symmetric_difference(g_h.begin(), g_h.end(), cs.begin(), cs.end(),
-                                    std::back_inserter(diff));
-      bool tie = true;
-      for (int32_t t : diff)
-        if (t < 0 || t >= L || std::fabs(w[size_t(t)] - kth) > 2.f * err) tie = false;
-      max_diff_frac = std::max(max_diff_frac, double(diff.size()) / 2.0 / double(k));
+      double frac = 0;
+      const bool tie = differ_by_near_ties(g_h, cs, w, k, err, &frac);
+      max_diff_frac = std::max(max_diff_frac, frac);
       if (!tie) {
         ++bad;
         ADD_FAILURE() << "step " << c.step << " layer " << c.layer << " request " << r << " head "
@@ -212,35 +199,15 @@ void compare_model(int D, const std::string& spec, int na, int nb, int steps, in
   ASSERT_EQ(opt.sparse.method, CudaSparse::Method::LycheeDecode);
   CudaModel gpu(w, opt);
   CudaModel::QuestTrace trace;
-  gpu.quest_trace = &trace;
   KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
   CpuModel cpu(w, kv);
   auto method = std::make_shared<TracingLychee>(sparse::make_method(sc, c));
   sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
-  PageTable pc[2], pg[2];
-  method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
-  std::mt19937 rng(8);
-  auto a = random_tokens(rng, na, c.vocab), b = random_tokens(rng, nb, c.vocab);
-  std::vector<int64_t> rc, rg;
-  {
-    const auto& lc = cpu.forward({{&pc[0], a.data(), na, false, &s0.attention()},
-                                  {&pc[1], b.data(), nb, false, &s1.attention()}}, rc);
-    const auto& lg = gpu.forward({{&pg[0], a.data(), na, false}, {&pg[1], b.data(), nb, false}}, rg);
-    EXPECT_LT(rel_err(lg, lc), 3e-2) << "prefill";
-  }
-  method->gpu = &trace;
-  double worst = 0;
-  for (int s = 0; s < steps; ++s) {
-    trace.sel.clear();
-    trace.scores.clear();
-    int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
-    std::vector<float> lg = gpu.forward({{&pg[0], &ta, 1, false}, {&pg[1], &tb, 1, false}}, rg);
-    const auto& lc = cpu.forward({{&pc[0], &ta, 1, false, &s0.attention()},
-                                  {&pc[1], &tb, 1, false, &s1.attention()}}, rc);
-    const double e = rel_err(lg, lc);
-    worst = std::max(worst, e);
-    EXPECT_LT(e, kTolLogits) << "decode step " << s;
-  }
+  const double worst = traced_decode_compare(
+      cpu, s0, s1, gpu, trace, na, nb, steps, kTolLogits, 8, [&](const PageTable* pc) {
+        method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
+        method->gpu = &trace;
+      });
   std::printf("[ lycheedecode-model ] D=%d %s: %d sets (step, layer, request, retrieval head), "
               "%d identical, %d near-tie, %d bad; largest weight error %.3g; at most %.1f%% of a "
               "set swapped; worst decode logits rel err %.3g over %d steps\n",

@@ -43,17 +43,10 @@ void check_scores(int Hq, int Hkv, int D, int P, const std::vector<int>& lens, i
   SCOPED_TRACE(testing::Message() << "Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << " P=" << P
                                   << " kernel=" << kernel << " split=" << force_split);
   std::mt19937 rng(seed);
-  int64_t pages = 0;
-  for (int L : lens) pages += (L + P - 1) / P;
-  KVLayout lay{1, Hkv, D, P};
-  KVPool kv(lay, pages + 2);
-  std::vector<PageTable> pts(lens.size());
-  for (size_t i = 0; i < lens.size(); ++i) kv.reserve(pts[i], lens[i]), pts[i].length = lens[i];
-  const size_t n = size_t(kv.n_pages()) * lay.page_floats();
-  auto kh = round_bf16(randn(n, rng)), vh = round_bf16(randn(n, rng));
-  std::copy(kh.begin(), kh.end(), kv.k_page(0, 0));
-  std::copy(vh.begin(), vh.end(), kv.v_page(0, 0));
-  auto q = round_bf16(randn(lens.size() * size_t(Hq) * D, rng));
+  RandomPagedCache cache(Hq, Hkv, D, P, lens, rng);
+  const KVPool& kv = cache.kv;
+  const std::vector<PageTable>& pts = cache.pts;
+  const std::vector<float>&kh = cache.kh, &vh = cache.vh, &q = cache.q;
   const float scale = 1.f / std::sqrt(float(D));
   const int G = Hq / Hkv;
   int64_t ld = 0;
@@ -153,9 +146,6 @@ class TracingTidal final : public sparse::SparseMethod {
         ++identical;
         continue;
       }
-      std::vector<float> sorted(avg);
-      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-      const float kth = sorted[size_t(k - 1)];
       const auto& gs = gpu->scores.at(size_t(c.layer)).at(size_t(r * c.Hkv + h));
       EXPECT_EQ(int64_t(gs.size()), L);
       float err = 0;
@@ -165,13 +155,10 @@ class TracingTidal final : public sparse::SparseMethod {
       float mx = 0;
       for (float x : avg) mx = std::max(mx, std::fabs(x));
       max_rel_err = std::max(max_rel_err, double(err) / std::max(1e-30, double(mx)));
-      std::vector<int32_t> diff;
-      std::set_symmetric_difference(g.begin(), g.end(), cs.begin(), cs.end(),
-                                    std::back_inserter(diff));
-      bool tie = true;
-      for (int32_t t : diff)
-        if (t < 0 || t >= L || std::fabs(avg[size_t(t)] - kth) > 2.f * err) tie = false;
-      max_diff_frac = std::max(max_diff_frac, double(diff.size()) / 2.0 / double(k));
+      double frac = 0;
+      const bool tie = differ_by_near_ties(g_h, std::vector<int32_t>(cs.begin(), cs.end()), avg, k,
+                                           err, &frac);
+      max_diff_frac = std::max(max_diff_frac, frac);
       if (tie) {
         ++near_tie;
       } else {
@@ -221,35 +208,15 @@ void compare_tidal(int D, int budget, int na, int nb, int steps) {
   ASSERT_EQ(opt.sparse.method, CudaSparse::Method::Tidal);
   CudaModel gpu(w, opt);
   CudaModel::QuestTrace trace;
-  gpu.quest_trace = &trace;
   KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
   CpuModel cpu(w, kv);
   auto method = std::make_shared<TracingTidal>(budget, opt.sparse.schedule);
   sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
-  PageTable pc[2], pg[2];
-  method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
-  std::mt19937 rng(6);
-  auto a = random_tokens(rng, na, c.vocab), b = random_tokens(rng, nb, c.vocab);
-  std::vector<int64_t> rc, rg;
-  {
-    const auto& lc = cpu.forward({{&pc[0], a.data(), na, false, &s0.attention()},
-                                  {&pc[1], b.data(), nb, false, &s1.attention()}}, rc);
-    const auto& lg = gpu.forward({{&pg[0], a.data(), na, false}, {&pg[1], b.data(), nb, false}}, rg);
-    EXPECT_LT(rel_err(lg, lc), 3e-2) << "prefill";  // dense, as test_cuda_model.cpp
-  }
-  method->gpu = &trace;
-  double worst = 0;
-  for (int s = 0; s < steps; ++s) {
-    trace.sel.clear();
-    trace.scores.clear();
-    int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
-    std::vector<float> lg = gpu.forward({{&pg[0], &ta, 1, false}, {&pg[1], &tb, 1, false}}, rg);
-    const auto& lc = cpu.forward({{&pc[0], &ta, 1, false, &s0.attention()},
-                                  {&pc[1], &tb, 1, false, &s1.attention()}}, rc);
-    const double e = rel_err(lg, lc);
-    worst = std::max(worst, e);
-    EXPECT_LT(e, kTolLogits) << "decode step " << s;
-  }
+  const double worst = traced_decode_compare(
+      cpu, s0, s1, gpu, trace, na, nb, steps, kTolLogits, 6, [&](const PageTable* pc) {
+        method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
+        method->gpu = &trace;
+      });
   std::printf("[ tidal-model ] D=%d budget=%d: %d selections (step, selection layer, request, KV "
               "head), %d identical, %d near-tie, %d bad; largest score error %.3g (%.3g of the "
               "row's max |score|); at most %.1f%% of a set swapped; worst decode logits rel err "

@@ -143,7 +143,13 @@ void lessismore_select(const LessIsMoreArgs& a, cudaStream_t s) {
   const int blocks_x = int(std::min<int64_t>(64, (a.ld + 255) / 256));
   lim_init_kernel<<<dim3(blocks_x, a.B), 256, 0, s>>>(a);
   SPADE_CUDA_LAUNCH();
-  topk_rows(a.scores + a.sinks, a.ld, a.row_n, a.B * a.Hq, a.n_uni, a.head_top, s);
+  auto topk = [&](const float* sc, const int32_t* n, int rows, int32_t* out) {
+    if (a.topk_scratch && topk_long_applies(a.ld, a.n_uni))
+      topk_rows_long(sc, a.ld, n, rows, a.n_uni, out, a.topk_scratch, s);
+    else
+      topk_rows(sc, a.ld, n, rows, a.n_uni, out, s);
+  };
+  topk(a.scores + a.sinks, a.row_n, a.B * a.Hq, a.head_top);
   const int np2 = pow2_at_least(a.n_uni);
   const size_t smem = size_t(np2) * 8;
   static bool attr_done = false;
@@ -156,7 +162,7 @@ void lessismore_select(const LessIsMoreArgs& a, cudaStream_t s) {
   SPADE_CUDA_LAUNCH();
   lim_key_float_kernel<<<dim3(blocks_x, a.B), 256, 0, s>>>(a);
   SPADE_CUDA_LAUNCH();
-  topk_rows(a.keys + a.sinks, a.ld, a.row_n + a.B * a.Hq, a.B, a.n_uni, a.merged_top, s);
+  topk(a.keys + a.sinks, a.row_n + a.B * a.Hq, a.B, a.merged_top);
   lim_lists_kernel<<<a.B, 256, 0, s>>>(a);
   SPADE_CUDA_LAUNCH();
 }

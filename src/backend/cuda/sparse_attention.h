@@ -189,6 +189,9 @@ struct LessIsMoreArgs {
   int32_t* merged_top = nullptr;
   int32_t* sel_off = nullptr;
   int32_t* sel_idx = nullptr;
+  // optional: topk_long_scratch_bytes(B * Hq, ld, n_uni) bytes; with it, rows beyond
+  // topk_rows' cache (128K contexts) take topk_rows_long.
+  void* topk_scratch = nullptr;
 };
 void lessismore_select(const LessIsMoreArgs& a, cudaStream_t s);
 

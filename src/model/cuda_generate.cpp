@@ -1,0 +1,74 @@
+// generate_cuda (cuda_model.h): engine/generator.h's generate() on the GPU: chunked prefill,
+// then one token per step sampled on the GPU (the host sampler only for a repetition penalty).
+#if defined(SPADE_HAVE_CUDA)
+#include <algorithm>
+#include <chrono>
+
+#include "backend/cuda/sampling.h"
+#include "core/error.h"
+#include "engine/sampler.h"
+#include "model/cuda_model.h"
+
+namespace spade {
+
+GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<int32_t>& prompt,
+                            const GenerateOptions& opt,
+                            const std::function<bool(int32_t)>& on_token) {
+  using clock = std::chrono::steady_clock;
+  const ModelConfig& c = model.config();
+  GenerateStats st;
+  SPADE_CHECK(!prompt.empty(), "the prompt is empty (no tokens)");
+  SPADE_CHECK(!opt.attention, "--device cuda: sparse attention functions are CPU-only");
+  SPADE_CHECK(pt.length + int64_t(prompt.size()) <= c.max_context, "the prompt has ",
+              prompt.size(), " tokens, more than the model's context of ", c.max_context,
+              " tokens");
+  st.prompt_tokens = int64_t(prompt.size());
+  const bool host_sampling = opt.sampling.repetition_penalty != 1.f;
+  Sampler sampler(opt.sampling);
+  cuda::GpuSampling gs;
+  gs.temperature = opt.sampling.temperature;
+  gs.top_k = opt.sampling.top_k;
+  gs.top_p = opt.sampling.top_p;
+  gs.min_p = opt.sampling.min_p;
+  gs.seed = opt.sampling.seed;
+  std::vector<int32_t> history(prompt);
+  std::vector<int64_t> row_of;
+  uint64_t step = 0;
+  auto run = [&](const int32_t* toks, int64_t n) -> int32_t {
+    std::vector<SeqInput> b(1);
+    b[0].pages = &pt;
+    b[0].tokens = toks;
+    b[0].n_tokens = n;
+    if (host_sampling) {
+      const auto& lg = model.forward(b, row_of);
+      return sampler.sample(lg.data() + row_of[0] * c.vocab, c.vocab, history);
+    }
+    return model.forward_sample(b, gs, step++)[0];
+  };
+  auto t0 = clock::now();
+  const int64_t chunk = std::max<int64_t>(1, opt.prefill_chunk);
+  int32_t tok = 0;
+  for (size_t off = 0; off < prompt.size(); off += size_t(chunk)) {
+    const int64_t n = std::min<int64_t>(chunk, int64_t(prompt.size() - off));
+    tok = run(prompt.data() + off, n);
+  }
+  auto t1 = clock::now();
+  st.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+  for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
+    history.push_back(tok);
+    ++st.generated_tokens;
+    bool is_stop = std::find(opt.stop_ids.begin(), opt.stop_ids.end(), tok) != opt.stop_ids.end();
+    if (!on_token(tok)) break;
+    if (is_stop) {
+      st.stopped_by_stop_id = true;
+      break;
+    }
+    if (i + 1 == opt.max_new_tokens || pt.length + 1 > c.max_context) break;
+    tok = run(&history.back(), 1);
+  }
+  st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+  return st;
+}
+
+}  // namespace spade
+#endif  // SPADE_HAVE_CUDA
