@@ -97,6 +97,18 @@ inline double compare_decode_with_cpu(CpuModel& cpu, sparse::SparseSession& s0,
   return worst;
 }
 
+// Options of the selection model tests: a 1024-token pool, 4 sequences, prefill chunks of 512
+// tokens, the GPU form of `sc` (pages of 16).
+inline CudaModelOptions small_sparse_options(const sparse::SparseConfig& sc, const ModelConfig& c) {
+  CudaModelOptions opt;
+  opt.max_tokens = 1024;
+  opt.max_batch = 4;
+  opt.max_step_tokens = 512;
+  opt.max_logit_rows = 64;
+  opt.sparse = cuda_sparse_config(sc, c, 16);
+  return opt;
+}
+
 // A paged one-layer cache of random bf16 keys / values for sequences of `lens` tokens (pages
 // handed out in order) and random bf16 queries [lens.size(), Hq, D], drawn from rng in the
 // order K, V, q.

@@ -190,12 +190,7 @@ void compare_model(int D, const std::string& spec, int na, int nb, int steps, in
   ModelWeights w = random_model(c, 77);  // the TidalDecode test's model (dense prefill within 3e-2)
   round_weights_bf16(w);
   const sparse::SparseConfig sc = sparse::SparseConfig::parse_spec(spec);
-  CudaModelOptions opt;
-  opt.max_tokens = 1024;
-  opt.max_batch = 4;
-  opt.max_step_tokens = 512;
-  opt.max_logit_rows = 64;
-  opt.sparse = cuda_sparse_config(sc, c, 16);
+  const CudaModelOptions opt = small_sparse_options(sc, c);
   ASSERT_EQ(opt.sparse.method, CudaSparse::Method::LycheeDecode);
   CudaModel gpu(w, opt);
   CudaModel::QuestTrace trace;

@@ -130,12 +130,7 @@ void compare_model(int D, int budget, int dense, int na, int nb, int steps) {
   round_weights_bf16(w);
   const sparse::SparseConfig sc = sparse::SparseConfig::parse_spec(
       "oracle-topk:budget=" + std::to_string(budget) + ",dense_layers=" + std::to_string(dense));
-  CudaModelOptions opt;
-  opt.max_tokens = 1024;
-  opt.max_batch = 4;
-  opt.max_step_tokens = 512;
-  opt.max_logit_rows = 64;
-  opt.sparse = cuda_sparse_config(sc, c, 16);
+  const CudaModelOptions opt = small_sparse_options(sc, c);
   ASSERT_EQ(opt.sparse.method, CudaSparse::Method::OracleTopK);
   CudaModel gpu(w, opt);
   CudaModel::QuestTrace trace;

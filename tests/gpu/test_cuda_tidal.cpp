@@ -199,12 +199,7 @@ void compare_tidal(int D, int budget, int na, int nb, int steps) {
   sc.set("budget", std::to_string(budget));
   sc.set("dense_layers", "1");
   sc.set("selection_layers", "1,3");  // select at 1, reuse at 2, re-select at 3
-  CudaModelOptions opt;
-  opt.max_tokens = 1024;
-  opt.max_batch = 4;
-  opt.max_step_tokens = 512;
-  opt.max_logit_rows = 64;
-  opt.sparse = cuda_sparse_config(sc, c, 16);
+  const CudaModelOptions opt = small_sparse_options(sc, c);
   ASSERT_EQ(opt.sparse.method, CudaSparse::Method::Tidal);
   CudaModel gpu(w, opt);
   CudaModel::QuestTrace trace;
