@@ -33,6 +33,15 @@ for line in open(args.log):
         cur["rc"] = int(line.strip().split("=")[1])
     elif "[spade] attention (GPU):" in line:
         cur["attention"] = line.split("(GPU):", 1)[1].strip()
+    elif "[spade] decode steps:" in line:
+        m = re.search(r"decode steps: (\d+), median ([\d.]+) ms, first ([\d.]+) ms, max ([\d.]+) ms, "
+                      r"sum of the steps over 2x the median ([\d.]+) ms", line)
+        if m:
+            cur["steps"] = int(m.group(1))
+            cur["median_step_ms"] = float(m.group(2))
+            cur["first_step_ms"] = float(m.group(3))
+            cur["max_step_ms"] = float(m.group(4))
+            cur["slow_steps_ms"] = float(m.group(5))
     else:
         m = re.search(r"synthetic \S+ on (.*?) \| prompt (\d+) tokens, ([\d.]+) tok/s \| generated (\d+) "
                       r"tokens, ([\d.]+) ms/token", line)
@@ -42,17 +51,22 @@ for line in open(args.log):
             cur["generated"] = int(m.group(4))
             cur["ms_per_token"] = float(m.group(5))
 full = {r["L"]: r["ms_per_token"] for r in runs if r["method"] == "full" and "ms_per_token" in r}
+full_med = {r["L"]: r["median_step_ms"] for r in runs if r["method"] == "full" and "median_step_ms" in r}
 for r in runs:
     if "ms_per_token" in r and r["L"] in full:
         r["speedup_vs_full"] = round(full[r["L"]] / r["ms_per_token"], 3)
+    if "median_step_ms" in r and r["L"] in full_med:
+        r["median_speedup_vs_full"] = round(full_med[r["L"]] / r["median_step_ms"], 3)
 out = {
     "device": device,
     "date": datetime.date.today().isoformat(),
     "commit": args.commit,
-    "command": "SPADE=.prebuilt-b/spade bash bench/run_gpu_tpot_methods.sh LENGTHS BUDGET",
+    "command": "SPADE=.prebuilt-b/spade [METHODS=...] [N=...] bash bench/run_gpu_tpot_methods.sh LENGTHS BUDGET",
     "what": "end-to-end decode time per token (ms: host wall time of the decode loop over the "
-            "generated tokens after the first, graph captures included) of `spade generate --device cuda --synthetic llama3-8b` (random weights, "
-            "Llama-3.1-8B shapes), batch 1, random prompt of L tokens, 64 generated tokens; "
+            "generated tokens after the first, graph captures and LycheeCluster's index build at the "
+            "first decode step included; median_step_ms: the median decode step, the steady state) of `spade generate --device cuda --synthetic llama3-8b` (random weights, "
+            "Llama-3.1-8B shapes), batch 1, random prompt of L tokens, N generated tokens "
+            "(`generated`); "
             "baseline: full attention in the same run",
     "note": args.note,
     "results": runs,

@@ -31,7 +31,7 @@ TEST(EvalRunner, CpuDevicePlacesEveryRunOnTheCpu) {
 }
 
 TEST(EvalRunner, CudaDeviceFollowsHasCudaPathAndTheGpuConfig) {
-  const auto runs = expand_methods("full;quest;lycheecluster;oracle-topk;streaming", {64, 128});
+  const auto runs = expand_methods("full;quest;oracle-topp;oracle-topk;streaming", {64, 128});
   // No GPU config check: has_cuda_path alone decides.
   const auto p = place_runs(runs, Device::CUDA);
   ASSERT_EQ(p.size(), runs.size());
@@ -54,7 +54,7 @@ TEST(EvalRunner, CudaDeviceFollowsHasCudaPathAndTheGpuConfig) {
   const std::string line = placement_line(runs, q);
   EXPECT_EQ(line.rfind("GPU: full, quest:budget=64, ", 0), 0u) << line;
   EXPECT_NE(line.find("; CPU: quest:budget=128 (quest: not on the GPU)"), std::string::npos) << line;
-  EXPECT_NE(line.find("lycheecluster:budget=64 (no GPU path)"), std::string::npos) << line;
+  EXPECT_NE(line.find("oracle-topp (no GPU path)"), std::string::npos) << line;
   EXPECT_EQ(placement_line(runs, place_runs(runs, Device::CPU)).rfind("CPU: full, ", 0), 0u);
 }
 

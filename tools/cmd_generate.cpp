@@ -1,6 +1,7 @@
 // `spade generate`: load a model, tokenize the prompt, stream the generated text to stdout.
 // Statistics (load time, prefill and decode speed; with a sparse method, per-step density and
 // recall) go to stderr only.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -112,6 +113,23 @@ void print_modifier_stats(sparse::MethodState* state) {
 }
 
 #if defined(SPADE_HAVE_CUDA)
+// Decode step times: the median (the steady state) and the slowest steps (one-off work: graph
+// captures, a LycheeCluster index build or lazy update).
+void print_step_times(std::vector<float> ms) {
+  if (ms.empty()) return;
+  const float first = ms.front();
+  std::vector<float> sorted(ms);
+  std::sort(sorted.begin(), sorted.end());
+  std::fprintf(stderr, "[spade] decode steps: %zu, median %.3f ms, first %.2f ms, max %.2f ms, "
+               "sum of the steps over 2x the median %.1f ms\n",
+               ms.size(), sorted[sorted.size() / 2], first, sorted.back(),
+               [&] {
+                 double s = 0;
+                 for (float x : ms) s += x > 2 * sorted[sorted.size() / 2] ? x : 0;
+                 return s;
+               }());
+}
+
 // BLASST on the GPU: skipped / visited tiles over all layers and KV heads, per phase.
 void print_gpu_blasst_stats(const CudaModel& m) {
   double r[2] = {0, 0};
@@ -150,15 +168,17 @@ int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
   std::vector<int32_t> prompt(static_cast<size_t>(plen));
   for (auto& t : prompt) t = int32_t(rng() % uint32_t(cfg.vocab));
   PageTable pt;
+  // Random ids have no text: LycheeCluster chunks them into fixed 16-token chunks.
+  auto state = model.new_request_state();
   GenerateStats st = generate_cuda(model, pt, prompt, opt, [&](int32_t id) {
     std::printf("%d ", id);
     std::fflush(stdout);
     return true;
-  });
+  }, state.get());
   std::fputc('\n', stdout);
   if (st.generated_tokens < n && !st.stopped_by_stop_id)
     std::fprintf(stderr, "[spade] stopped at the model's context of %d tokens\n", cfg.max_context);
-  if (a.has("--stats"))
+  if (a.has("--stats")) {
     std::fprintf(stderr,
                  "[spade] synthetic %s on %s | prompt %lld tokens, %.1f tok/s | generated %lld "
                  "tokens, %.2f ms/token\n",
@@ -166,6 +186,8 @@ int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
                  (long long)st.prompt_tokens, st.prompt_tokens / std::max(1e-9, st.prefill_seconds),
                  (long long)st.generated_tokens,
                  1e3 * st.decode_seconds / double(std::max<int64_t>(1, st.generated_tokens - 1)));
+    print_step_times(st.step_ms);
+  }
   return 0;
 #else
   fail("--synthetic needs the CUDA backend (this build has none)");
@@ -287,8 +309,17 @@ int run(int argc, char** argv) {
     if (stats)
       std::fprintf(stderr, "[spade] attention (GPU): %s\n", copt.sparse.describe().c_str());
     CudaModel gpu(*weights, copt);
-    st = generate_cuda(gpu, pt, prompt, opt, emit);
+    // The GPU method's request state (LycheeCluster: token text, chunks, index slots).
+    auto state = gpu.new_request_state();
+    const bool gpu_text = state && state->wants_token_text();
+    if (gpu_text)
+      for (int32_t id : prompt) state->append_token_text(tok->token_bytes(id));
+    st = generate_cuda(gpu, pt, prompt, opt, [&](int32_t id) {
+      if (gpu_text) state->append_token_text(tok->token_bytes(id));
+      return emit(id);
+    }, state.get());
     if (stats && copt.sparse.method == CudaSparse::Method::Blasst) print_gpu_blasst_stats(gpu);
+    if (stats) print_step_times(st.step_ms);
 #else
     fail("--device cuda: this build has no CUDA backend");
 #endif

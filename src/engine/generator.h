@@ -24,6 +24,9 @@ struct GenerateStats {
   int64_t prompt_tokens = 0, generated_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
   bool stopped_by_stop_id = false;
+  // generate_cuda: wall time of each decode step (ms, in order), so a one-off step (an index
+  // build, a graph capture) can be told from the steady state.
+  std::vector<float> step_ms;
 };
 
 // Runs prefill of `prompt` into `pt` (which may already hold a prefix) and decodes.

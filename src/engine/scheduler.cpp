@@ -22,6 +22,7 @@ struct Scheduler::Seq {
   int64_t generated = 0;
   PageTable pt;
   std::unique_ptr<SeqAttention> attn;
+  std::unique_ptr<sparse::MethodState> dev_state;  // the runner's own method's (GPU LycheeCluster)
   std::string held;             // text not yet emitted: might be the start of a stop string
   uint64_t order = 0;           // admission priority (submission order)
   bool admitted_once = false;
@@ -139,6 +140,7 @@ void Scheduler::finish(Seq& s, FinishReason r, const std::string& error) {
     model_.release(s.pt);
     hold_admission_ = false;  // pages came back: admission may resume after a preemption
   }
+  s.dev_state.reset();
   if (s.attn) {
     const int64_t a = s.attn->attended();
     s.attended_rows += a >= 0 ? a : 0;
@@ -175,6 +177,7 @@ void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index
   // this sequence and preempt it again at the next page boundary.
   hold_admission_ = true;
   model_.release(s->pt);
+  s->dev_state.reset();  // recomputed from scratch on readmission, like the cache
   if (s->attn) {
     const int64_t a = s->attn->attended();
     s->attended_rows += a >= 0 ? a : 0;
@@ -213,6 +216,7 @@ bool Scheduler::admit_one(std::vector<std::unique_ptr<Seq>>& running) {
   s->admitted_once = true;
   try {
     if (s->req.attention) s->attn = s->req.attention();
+    s->dev_state = model_.new_request_state();
   } catch (const std::exception& e) {
     finish(*s, FinishReason::Error, cat("sparse method: ", e.what()));
     std::lock_guard<std::mutex> lk(mu_);
@@ -307,6 +311,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
         in.tokens = r->tokens.data() + r->pt.length;
         in.n_tokens = n;
         in.attention = r->attn ? r->attn->fn() : nullptr;
+        in.device_state = r->dev_state.get();
         batch_.push_back(in);
         batch_seqs_.push_back(r.get());
         pages_needed += std::max<int64_t>(
@@ -317,8 +322,13 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     preempt(running, running.size() - 1);
   }
   if (batch_.empty()) return;
-  for (size_t i = 0; i < batch_.size(); ++i)
-    if (Seq* s = batch_seqs_[i]; s->attn) s->attn->on_tokens(batch_[i].tokens, batch_[i].n_tokens, text_);
+  for (size_t i = 0; i < batch_.size(); ++i) {
+    Seq* s = batch_seqs_[i];
+    if (s->attn) s->attn->on_tokens(batch_[i].tokens, batch_[i].n_tokens, text_);
+    if (s->dev_state && s->dev_state->wants_token_text())
+      for (int64_t j = 0; j < batch_[i].n_tokens; ++j)
+        s->dev_state->append_token_text(text_.piece(batch_[i].tokens[j]));
+  }
 
   const std::vector<float>* logits = nullptr;
   try {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/cpu_model.h"
+#include "sparse/method.h"
 
 namespace spade {
 
@@ -29,6 +30,9 @@ class StepModel {
   // Whether SeqInput::attention callbacks (sparse methods) are honoured.
   virtual bool supports_attention_callbacks() const = 0;
   virtual std::string device() const = 0;  // "cpu", or the GPU's name
+  // Per-request state the runner's own method keeps (CudaModel::new_request_state:
+  // LycheeCluster on the GPU), passed as SeqInput::device_state; nullptr when none.
+  virtual std::unique_ptr<sparse::MethodState> new_request_state() { return nullptr; }
 };
 
 // CpuModel over its KVPool.

@@ -15,8 +15,8 @@ double since(clk::time_point t) { return std::chrono::duration<double>(clk::now(
 }  // namespace
 
 CudaDecoder::CudaDecoder(const ModelWeights& w, int64_t max_prompt, int64_t max_new,
-                         int page_size, int64_t chunk)
-    : w_(w), chunk_(std::max<int64_t>(1, chunk)) {
+                         int page_size, int64_t chunk, const Tokenizer* tok)
+    : w_(w), tok_(tok), chunk_(std::max<int64_t>(1, chunk)) {
   SPADE_CHECK(page_size > 0, "page size must be positive");
   opt_.page_size = page_size;
   opt_.max_tokens = max_prompt + max_new + page_size;
@@ -50,20 +50,27 @@ DecodeResult CudaDecoder::decode(const std::string& key, const CudaSparse& spars
   PageTable pt;
   DecodeResult r;
   r.gpu = true;
+  // The method's request state (LycheeCluster: token text, chunks, index slots).
+  auto state = m.new_request_state();
+  const bool text = tok_ && state && state->wants_token_text();
+  if (text)
+    for (int32_t t : prompt) state->append_token_text(tok_->token_bytes(t));
   try {
     std::vector<SeqInput> batch(1);
     auto t0 = clk::now();
     for (size_t off = 0; off < prompt.size(); off += size_t(chunk_)) {
       batch[0] = {&pt, prompt.data() + off,
-                  std::min<int64_t>(chunk_, int64_t(prompt.size() - off)), false, nullptr};
+                  std::min<int64_t>(chunk_, int64_t(prompt.size() - off)), false, nullptr,
+                  state.get()};
       const auto& lg = m.forward(batch, row_of_);
       if (off + size_t(chunk_) >= prompt.size())
         last_.assign(lg.begin() + row_of_[0] * V, lg.begin() + (row_of_[0] + 1) * V);
     }
     r.prefill_seconds = since(t0);
     t0 = clk::now();
-    decode_steps(opt, V, last_.data(), [&](int32_t) {
-      batch[0] = {&pt, &r.tokens.back(), 1, false, nullptr};
+    decode_steps(opt, V, last_.data(), [&](int32_t t) {
+      if (text) state->append_token_text(tok_->token_bytes(t));
+      batch[0] = {&pt, &r.tokens.back(), 1, false, nullptr, state.get()};
       const auto& lg = m.forward(batch, row_of_);
       return lg.data() + row_of_[0] * V;
     }, r);

@@ -16,15 +16,17 @@
 #include "eval/decode.h"
 #include "model/cuda_model.h"
 #include "model/weights.h"
+#include "tokenizer/tokenizer.h"
 
 namespace spade::eval {
 
 class CudaDecoder {
  public:
   // Models sized for prompts up to `max_prompt` tokens plus `max_new` decoded tokens, one
-  // sequence, prefill chunks of `chunk` tokens.
+  // sequence, prefill chunks of `chunk` tokens. `tok`: token text for the methods that chunk
+  // by it (LycheeCluster; without it their chunks are fixed 16-token runs).
   CudaDecoder(const ModelWeights& w, int64_t max_prompt, int64_t max_new, int page_size = 16,
-              int64_t chunk = 1024);
+              int64_t chunk = 1024, const Tokenizer* tok = nullptr);
   ~CudaDecoder();
   CudaDecoder(const CudaDecoder&) = delete;
   CudaDecoder& operator=(const CudaDecoder&) = delete;
@@ -41,6 +43,7 @@ class CudaDecoder {
   CudaModel& model(const std::string& key, const CudaSparse& sparse);
 
   const ModelWeights& w_;
+  const Tokenizer* tok_;
   CudaModelOptions opt_;
   int64_t chunk_;
   std::map<std::string, std::unique_ptr<CudaModel>> models_;

@@ -13,6 +13,10 @@
 
 namespace spade {
 
+namespace sparse {
+struct MethodState;
+}
+
 // Attention for one sequence and layer: q [T, Hq, D] of tokens at positions [p0, p0+T)
 // whose K/V are already in the cache -> out [T, Hq, D].
 using AttentionFn = std::function<void(int layer, const PageTable& pt, const float* q, int64_t p0,
@@ -24,6 +28,9 @@ struct SeqInput {
   int64_t n_tokens = 0;
   bool all_logits = false;       // logits for every new token, else only the last
   const AttentionFn* attention = nullptr;  // null: dense causal attention
+  // CudaModel only: the per-request state of a GPU method that keeps one
+  // (CudaModel::new_request_state; LycheeCluster), the same object on every step of the request.
+  sparse::MethodState* device_state = nullptr;
 };
 
 class CpuModel {

@@ -13,7 +13,8 @@ namespace spade {
 
 GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<int32_t>& prompt,
                             const GenerateOptions& opt,
-                            const std::function<bool(int32_t)>& on_token) {
+                            const std::function<bool(int32_t)>& on_token,
+                            sparse::MethodState* state) {
   using clock = std::chrono::steady_clock;
   const ModelConfig& c = model.config();
   GenerateStats st;
@@ -39,6 +40,7 @@ GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<i
     b[0].pages = &pt;
     b[0].tokens = toks;
     b[0].n_tokens = n;
+    b[0].device_state = state;
     if (host_sampling) {
       const auto& lg = model.forward(b, row_of);
       return sampler.sample(lg.data() + row_of[0] * c.vocab, c.vocab, history);
@@ -54,6 +56,7 @@ GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<i
   }
   auto t1 = clock::now();
   st.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+  st.step_ms.reserve(size_t(std::max<int64_t>(0, opt.max_new_tokens)));
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
     history.push_back(tok);
     ++st.generated_tokens;
@@ -64,7 +67,9 @@ GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<i
       break;
     }
     if (i + 1 == opt.max_new_tokens || pt.length + 1 > c.max_context) break;
+    const auto ts = clock::now();
     tok = run(&history.back(), 1);
+    st.step_ms.push_back(float(1e3 * std::chrono::duration<double>(clock::now() - ts).count()));
   }
   st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   return st;

@@ -7,7 +7,7 @@ namespace spade {
 
 inline constexpr const char* kCudaSparseMethods[] = {
     "full",         "streaming",   "quest",  "tidal",   "lessismore",
-    "lycheedecode", "oracle-topk", "blasst", "twilight"};
+    "lycheedecode", "oracle-topk", "blasst", "twilight", "lycheecluster"};
 
 inline bool has_cuda_path(const std::string& method) {
   for (const char* m : kCudaSparseMethods)
@@ -15,7 +15,8 @@ inline bool has_cuda_path(const std::string& method) {
   return false;
 }
 
-// "full, streaming, quest, tidal, lessismore, lycheedecode, oracle-topk, blasst, twilight"
+// "full, streaming, quest, tidal, lessismore, lycheedecode, oracle-topk, blasst, twilight,
+// lycheecluster"
 inline std::string cuda_method_list() {
   std::string s;
   for (const char* m : kCudaSparseMethods) s += (s.empty() ? "" : ", ") + std::string(m);

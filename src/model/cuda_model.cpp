@@ -16,6 +16,7 @@
 
 #include "backend/cpu/ops.h"
 #include "backend/cuda/attention.h"
+#include "backend/cuda/cluster_index.h"
 #include "backend/cuda/cuda_common.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/ops.h"
@@ -116,6 +117,7 @@ CudaModel::~CudaModel() {
   if (tok_host_) cudaFreeHost(tok_host_);
   if (sampled_host_) cudaFreeHost(sampled_host_);
   if (upd_host_) cudaFreeHost(upd_host_);
+  if (lc_slot_host_) cudaFreeHost(lc_slot_host_);
   sparse_.reset();
   attn_.reset();
   gemm_.reset();
@@ -207,6 +209,9 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       sel_cap = mb * Hkv * k;
       sp_bytes += size_t(mb * (Hq + Hkv)) * size_t(seq_pages_cap_ * P) * 4 +  // scores, W
                   size_t(mb * Hkv) * 4 + size_t(mb * Hkv * k) * 4 + 4 * 256;
+    } else if (sp.method == CudaSparse::Method::LycheeCluster) {
+      sel_cap = std::max<int64_t>(1, lc_list_entries());
+      sp_bytes += lc_arena_bytes();
     } else if (sp.method == CudaSparse::Method::LessIsMore) {
       const int64_t k = std::min<int64_t>(sp.budget, c.max_context), nu = sp.lim_unified();
       sel_cap = mb * k;
@@ -416,6 +421,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       tidal_strided_ = A.alloc_n<int32_t>(
           size_t(rows) * size_t(std::min<int64_t>(sp.budget, c.max_context)), "tidal top-k");
     }
+    if (sp.method == CudaSparse::Method::LycheeCluster) lc_alloc();
     if (long_topk)
       topk_long_ = A.alloc_n<unsigned char>(
           cuda::topk_long_scratch_bytes(topk_rows_n, seq_pages_cap_ * P, topk_k),
@@ -524,6 +530,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   const CudaSparse& sp = opt_.sparse;
   upd_n_ = 0;
   sparse_step_ = false;
+  lc_sync_.clear();
   if (sp.quest_base()) {
     for (const SeqInput& s : batch) {
       const int64_t p0 = s.pages->length, p1 = p0 + s.n_tokens;
@@ -554,6 +561,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
     kept_max.clear();
     // Twilight prunes even when Quest keeps every page (as the CPU method does).
     bool any_sparse = sp.force_lists || twilight;
+    const bool lc = sp.method == CudaSparse::Method::LycheeCluster;
     int max_np = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
       const PageTable& pt = *batch[i].pages;
@@ -561,7 +569,9 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
       const int np = int((L + P - 1) / P);
       sseq[i] = {pt.pages.data(), np, int(L)};
       max_np = std::max(max_np, np);
-      if (quest) {
+      if (lc) {
+        // lc_prepare, below
+      } else if (quest) {
         any_sparse |= kp < np;
         for (int h = 0; h < Hkv; ++h) max_entries.push_back(int(std::min<int64_t>(kp, np)));
         for (int h = 0; h < Hkv; ++h) kept_max.push_back(int(std::min<int64_t>(kp * 16, L)));
@@ -571,6 +581,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
           max_entries.push_back(int(std::min<int64_t>(sp.budget, L)));
       }
     }
+    if (lc) lc_prepare(batch, any_sparse, max_entries);
     // Every list covering the whole context: the dense kernel (the CPU's set_dense).
     if (any_sparse) {
       if (sp.method == CudaSparse::Method::LycheeDecode)
@@ -649,6 +660,9 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
       cuda::quest_update_meta(kc, meta, upd_, upd_ + upd_cap_, upd_n_, Hkv, opt_.page_size, D, st);
     if (sparse_step_ && lychee) {
       ld_layer(int(l), q, kc, vc, att, scale);
+    } else if (sparse_step_ && spc.method == CudaSparse::Method::LycheeCluster) {
+      if (int(l) >= spc.dense_layers) lc_layer(int(l), q, kc, vc, att, scale);
+      else attn_->run(q, kc, vc, att, scale, st);
     } else if (sparse_step_ && scored_layer(int(l), q, kc, vc, att, scale)) {
       // a Tidal / LessIsMore selection layer or an oracle-topk layer (cuda_model_sparse.cpp)
     } else if (sparse_step_ && int(l) >= spc.dense_layers) {
@@ -704,7 +718,8 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
   // too: every launch reads its step-dependent inputs (lengths, page tables, work items,
   // metadata updates) from device buffers at fixed addresses that prepare() refilled. Traced
   // steps (tests) copy to the host between layers and run eagerly.
-  const bool graphable = opt_.cuda_graphs && attn_->decode() && !quest_trace;
+  // LycheeCluster steps that build or update an index run eagerly (host-driven launches).
+  const bool graphable = opt_.cuda_graphs && attn_->decode() && !quest_trace && lc_sync_.empty();
   if (graphable) {
     graph_key(sample);
     const std::vector<int>& key = graph_key_;

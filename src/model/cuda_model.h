@@ -23,6 +23,7 @@
 #include "model/cpu_model.h"
 #include "model/weights.h"
 #include "sparse/layer_schedule.h"
+#include "sparse/methods/lycheecluster.h"
 #include "sparse/options.h"
 
 namespace spade {
@@ -33,9 +34,13 @@ class Gemm;
 class AttentionWorkspace;
 class SparseAttention;
 class TwilightPruner;
+class LcIndexGpu;
+struct LcInsert;
 struct SparseSeq;
 struct BlasstSkip;
 }  // namespace cuda
+
+struct CudaLcSlots;  // cuda_model_lycheecluster.cpp
 
 // Sparse decode on the GPU (issue 9): the methods with a GPU selector, with the CPU method's
 // parameters. Prefill stays dense; decode steps (every sequence q_len == 1) attend over the
@@ -53,7 +58,8 @@ constexpr double kBlasstDefaultGpuDecodeA = 4.128;
 
 struct CudaSparse {
   enum class Method {
-    None, Streaming, Quest, Tidal, LessIsMore, LycheeDecode, OracleTopK, Blasst, Twilight
+    None, Streaming, Quest, Tidal, LessIsMore, LycheeDecode, OracleTopK, Blasst, Twilight,
+    LycheeCluster
   };
   Method method = Method::None;
   int64_t budget = 0;
@@ -79,8 +85,14 @@ struct CudaSparse {
   // Attends over selection lists (streaming, quest); BLASST skips inside the dense kernels.
   bool selects() const {
     return method == Method::Streaming || quest_base() || scheduled() ||
-           method == Method::LycheeDecode || method == Method::OracleTopK;
+           method == Method::LycheeDecode || method == Method::OracleTopK ||
+           method == Method::LycheeCluster;
   }
+  // lycheecluster: the CPU method's parameters (budget, budget_mode, sink, buffer,
+  // dense_layers, chunking, index and search options; the GPU supports the defaults' bound
+  // space, pooling, seeding, center dtype, grouping and ranking). budget and dense_layers
+  // above mirror lc.budget and lc.dense_layers.
+  sparse::LycheeClusterParams lc;
   // twilight (base quest, budget = the Quest budget): top-p mass and bisection resolution
   double twilight_p = 0.95, twilight_eps = 1e-6;
   // Quest selects (quest itself, or twilight's base).
@@ -122,6 +134,13 @@ class CudaModel {
   const ModelConfig& config() const { return cfg_; }
   // KV pool (page ids only; the pages live on the device).
   void reserve(PageTable& pt, int64_t new_length);
+  // Per-request state of the GPU method, or nullptr when it keeps none (every method but
+  // lycheecluster). LycheeCluster: the request's token text (append_token_text in position
+  // order, prompt first, each token before the step that feeds it: the CPU method's contract),
+  // its chunk boundaries and its index slots. Pass it as SeqInput::device_state on every
+  // forward of that request; destroy it once the request is released. At most max_batch
+  // states exist at once (a clear error past that).
+  std::unique_ptr<sparse::MethodState> new_request_state();
   void release(PageTable& pt);
   int64_t free_pages() const { return int64_t(free_.size()); }
   int64_t total_pages() const { return n_pages_; }
@@ -205,7 +224,31 @@ class CudaModel {
   bool sel_pending_ = false;
   void drop_graphs();
   cuda::BlasstSkip blasst_skip(int layer) const;  // this step's skipping in `layer` (or none)
-
+  // LycheeCluster (cuda_model_lycheecluster.cpp). lc_prepare: per request of a decode step,
+  // whether it is past the dense threshold (any_sparse), its list bound (max_entries), and
+  // the index builds / lazy inserts this step runs (the CPU method's sync rule, host
+  // chunking); uploads each layer's slot table. lc_layer: this step's syncs of `layer` (after
+  // its K append), the search, the CSR compaction and the attention over the lists.
+  void lc_prepare(const std::vector<SeqInput>& batch, bool& any_sparse,
+                  std::vector<int>& max_entries);
+  void lc_layer(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
+  size_t lc_arena_bytes() const;    // init: the index, lists and slot table
+  int64_t lc_list_entries() const;  // init: strided list entries (the CSR capacity)
+  void lc_alloc();                  // init: takes them from the arena
+  std::shared_ptr<CudaLcSlots> lc_slots_;  // free request slots, shared with the request states
+  std::unique_ptr<cuda::LcIndexGpu> lc_;  // slot = request slot * sparse layers + (layer - dense)
+  int32_t* lc_slot_dev_ = nullptr;    // [sparse layers][max_batch] index slot of each batch entry
+  int32_t* lc_slot_host_ = nullptr;   // pinned mirror
+  int32_t* lc_lists_ = nullptr;       // strided lists [max_batch * Hkv][lc_cap_]
+  int32_t* lc_counts_ = nullptr;      // [max_batch * Hkv]
+  int lc_cap_ = 0;                    // list bound: sink + budget + the longest un-indexed tail
+  struct LcSync {                     // one request's build (n_old == 0) or lazy insert
+    int req_slot = 0, n_old = 0, n_new = 0;
+    const int32_t* starts = nullptr;  // host chunk starts (the request state's)
+    int64_t page_off = 0;             // its page table in the sparse plan's
+  };
+  std::vector<LcSync> lc_sync_;       // this step's (empty on most steps: those replay graphs)
+  std::vector<cuda::LcInsert> lc_ins_;
   ModelConfig cfg_;
   CudaModelOptions opt_;
   std::unique_ptr<cuda::DeviceArena> arena_;
@@ -298,10 +341,13 @@ class CudaModel {
 };
 
 // engine/generator.h's generate() on the GPU: chunked prefill, then one token per step,
-// sampled on the GPU (the host sampler is used only for a repetition penalty).
+// sampled on the GPU (the host sampler is used only for a repetition penalty). `state`: the
+// request's CudaModel::new_request_state() where the method keeps one (its token text is the
+// caller's: the prompt's before the call, each token's in on_token).
 GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<int32_t>& prompt,
                             const GenerateOptions& opt,
-                            const std::function<bool(int32_t)>& on_token);
+                            const std::function<bool(int32_t)>& on_token,
+                            sparse::MethodState* state = nullptr);
 
 }  // namespace spade
 #endif  // SPADE_HAVE_CUDA

@@ -122,7 +122,8 @@ int CudaModel::lists_per_req() const {
   const CudaSparse& sp = opt_.sparse;
   return sp.quest_base() || sp.method == CudaSparse::Method::Tidal ||
                  sp.method == CudaSparse::Method::LycheeDecode ||
-                 sp.method == CudaSparse::Method::OracleTopK
+                 sp.method == CudaSparse::Method::OracleTopK ||
+                 sp.method == CudaSparse::Method::LycheeCluster
              ? cfg_.n_kv_heads
              : 1;
 }

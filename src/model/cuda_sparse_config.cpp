@@ -7,6 +7,7 @@
 #include "backend/cuda/sparse_attention.h"
 #include "sparse/methods/blasst.h"
 #include "sparse/methods/lessismore.h"
+#include "sparse/methods/lycheecluster.h"
 #include "sparse/methods/lycheedecode.h"
 #include "sparse/registry.h"
 
@@ -31,6 +32,17 @@ std::string CudaSparse::describe() const {
                  " retrieval heads ", n, "/", tot, " (retrieval heads in the sparse kernel's "
                  "launch with their group-mean scores, token top-k on the GPU; hybrid heads pooled "
                  "into equal work items)");
+    }
+    case Method::LycheeCluster: {
+      const auto& p = lc;
+      return cat("lycheecluster budget=", p.budget, " budget_mode=",
+                 p.budget_total ? "total" : "clusters", " sink=", p.sink, " buffer=", p.buffer,
+                 " dense_layers=", p.dense_layers, " chunking=", p.chunker.fixed ? "fixed" : "structure",
+                 " chunks_per_fine=", p.index.chunks_per_fine, " max_coarse=", p.index.max_coarse,
+                 " kmeans_iters=", p.index.kmeans.iterations, " coarse_topk=",
+                 p.search.coarse_topk ? std::to_string(p.search.coarse_topk) : std::string("auto"),
+                 " (GPU: index build, lazy update and search kernels; chunking on the host from "
+                 "the token text)");
     }
     case Method::OracleTopK:
       return cat("oracle-topk budget=", budget, " dense_layers=", dense_layers,
@@ -124,6 +136,25 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
       for (int h = 0; h < roles.n_kv_heads; ++h)
         r.retrieval[size_t(l)][size_t(h)] = roles.is_retrieval(l, h) ? 1 : 0;
     SPADE_CHECK(r.budget > 0 && r.budget <= (int64_t(1) << 30), "sparse budget out of range");
+    return r;
+  }
+  if (info.name == "lycheecluster") {
+    const auto& p = static_cast<const sparse::LycheeClusterMethod&>(*method).params();
+    using sparse::BoundSpace, sparse::Pooling, sparse::GroupAgg, sparse::RankBy;
+    SPADE_CHECK(p.index.space == BoundSpace::Token && p.index.pooling == Pooling::Mean &&
+                    p.index.kmeans.seeding == sparse::KMeansSeeding::Stride && p.index.f16_centers &&
+                    p.index.coarse_units == 0 && p.search.group == GroupAgg::Max &&
+                    p.search.rank == RankBy::Bound && !p.stability,
+                "--device cuda: lycheecluster runs with bound=token pooling=mean seeding=stride "
+                "center_dtype=f16 coarse_units=0 group=max rank=bound stability=0 (the defaults); "
+                "the other settings are CPU-only");
+    SPADE_CHECK(p.index.max_coarse <= 64, "--device cuda: lycheecluster max_coarse <= 64");
+    SPADE_CHECK(model.head_dim % 32 == 0, "--device cuda: lycheecluster needs head_dim % 32 == 0");
+    SPADE_CHECK(p.budget <= (int64_t(1) << 30), "sparse budget out of range");
+    r.method = CudaSparse::Method::LycheeCluster;
+    r.lc = p;
+    r.budget = p.budget;
+    r.dense_layers = p.dense_layers;
     return r;
   }
   if (info.name == "twilight") {

@@ -24,6 +24,9 @@ class CudaStepModel final : public StepModel {
   void release(PageTable& pt) override { m_.release(pt); }
   bool supports_attention_callbacks() const override { return false; }
   std::string device() const override { return cuda::device_summary(); }
+  std::unique_ptr<sparse::MethodState> new_request_state() override {
+    return m_.new_request_state();
+  }
 
  private:
   CudaModel& m_;

@@ -136,6 +136,23 @@ int64_t chunk_tokens(const TokenTextView& t, int64_t begin, int64_t end, bool fi
   return s;
 }
 
+void StreamingChunks::extend(const std::vector<std::string>& text, int64_t L, int sink,
+                             const ChunkerOptions& opt) {
+  if (L == chunked_for_) return;
+  chunked_for_ = L;
+  int64_t from = sink;
+  if (!starts_.empty()) {
+    from = starts_.back();
+    starts_.pop_back();
+  }
+  if (from >= L) {
+    starts_.push_back(int32_t(from));
+    return;
+  }
+  TokenTextView view(&text, L);
+  starts_.push_back(int32_t(chunk_tokens(view, from, L, false, opt, starts_)));
+}
+
 std::vector<int> chunk_lengths(const std::vector<std::string>& tokens, const ChunkerOptions& opt) {
   validate(opt);
   TokenTextView t(&tokens, int64_t(tokens.size()));

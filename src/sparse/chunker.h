@@ -80,6 +80,23 @@ int cut_level(const TokenTextView& t, int64_t i);
 int64_t chunk_tokens(const TokenTextView& t, int64_t begin, int64_t end, bool final,
                      const ChunkerOptions& opt, std::vector<int32_t>& starts);
 
+// Chunk boundaries of a growing token sequence (LycheeCluster's per-request chunks, CPU and
+// GPU): chunks close over [sink, L) as L grows (chunk_tokens with final = false); the open
+// tail waits for more tokens. Chunk c covers [starts()[c], starts()[c + 1]); the last entry
+// is where the next chunk will start (empty before the first extend).
+class StreamingChunks {
+ public:
+  // Closes the chunks that tokens [0, L) allow (text[pos]: the token's decoded bytes; missing
+  // text reads as ""). A repeated L does nothing.
+  void extend(const std::vector<std::string>& text, int64_t L, int sink, const ChunkerOptions& opt);
+  const std::vector<int32_t>& starts() const { return starts_; }
+  int32_t n_chunks() const { return starts_.empty() ? 0 : int32_t(starts_.size()) - 1; }
+
+ private:
+  std::vector<int32_t> starts_;
+  int64_t chunked_for_ = -1;  // L of the last extend
+};
+
 // Convenience for tests and tools: chunk lengths of a whole token list (final = true).
 std::vector<int> chunk_lengths(const std::vector<std::string>& tokens, const ChunkerOptions& opt);
 

@@ -52,6 +52,16 @@ inline ModelConfig tiny_config(Arch arch, int D, int n_layers = 3, int max_conte
   return c;
 }
 
+// f() must throw spade::Error whose message contains `what`.
+inline void expect_error(const std::function<void()>& f, const char* what) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error containing '" << what << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+}
+
 // cuda_sparse_config(spec) must throw spade::Error whose message contains `what`.
 inline void expect_cuda_config_error(const std::string& spec, const char* what,
                                      const ModelConfig& c) {

@@ -145,7 +145,7 @@ TEST(CudaEval, SmolLM2TaskPromptsMatchCpuPath) {
   const int64_t L = 448, N = 16;
   CudaDecoder gpu(*w, L, N, 16, 1024);
   SharedPrefill cpu(*w, L, N, 16, 1024, tok.get());
-  const auto runs = expand_methods("full;quest;streaming;lycheecluster", {4096});
+  const auto runs = expand_methods("full;quest;streaming;lycheecluster;quest:page_size=32", {4096});
   const auto place = place_runs(runs, Device::CUDA, [&](const MethodRun& r) {
     return gpu_config_error(r, w->config, 16);
   });
@@ -153,8 +153,8 @@ TEST(CudaEval, SmolLM2TaskPromptsMatchCpuPath) {
   for (size_t i = 0; i < runs.size(); ++i)
     methods.push_back(place[i].gpu ? nullptr : sparse::make_method(runs[i].config, w->config));
   std::printf("[ eval ] placement: %s\n", placement_line(runs, place).c_str());
-  EXPECT_TRUE(place[0].gpu && place[1].gpu && place[2].gpu);
-  EXPECT_FALSE(place[3].gpu);  // lycheecluster: no GPU path today
+  EXPECT_TRUE(place[0].gpu && place[1].gpu && place[2].gpu && place[3].gpu);
+  EXPECT_FALSE(place[4].gpu);  // quest with pages of 32: the GPU refuses it, the CPU runs it
   RunnerOptions ro;
   ro.max_prompt = L;
   ro.max_new = N;

@@ -16,6 +16,7 @@
 #include "gpu_util.h"
 #include "model/cpu_model.h"
 #include "model/cuda_step_model.h"
+#include "sparse/registry.h"
 
 namespace spade::test {
 namespace {
@@ -59,8 +60,8 @@ std::vector<std::vector<int32_t>> run(Scheduler& sched, const std::vector<std::v
   return out;
 }
 
-TEST(CudaScheduler, BatchedGreedyAgreesWithTheCpuSchedulerAndReturnsEveryPage) {
-  SKIP_WITHOUT_GPU();
+// The tests' model: 3 layers, 8 query / 2 KV heads of 64, bf16-rounded random weights.
+ModelWeights sched_model() {
   ModelConfig c;
   c.arch = Arch::Llama;
   c.n_layers = 3;
@@ -79,7 +80,13 @@ TEST(CudaScheduler, BatchedGreedyAgreesWithTheCpuSchedulerAndReturnsEveryPage) {
   for (auto& L : w.layers)
     for (HostTensor* t : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_norm, &L.w_gate, &L.w_up, &L.w_down})
       for (auto& x : t->storage) x = round_bf16(x);
+  return w;
+}
 
+TEST(CudaScheduler, BatchedGreedyAgreesWithTheCpuSchedulerAndReturnsEveryPage) {
+  SKIP_WITHOUT_GPU();
+  const ModelWeights w = sched_model();
+  const ModelConfig& c = w.config;
   std::mt19937 rng(5);
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < 12; ++i) {
@@ -137,6 +144,45 @@ TEST(CudaScheduler, BatchedGreedyAgreesWithTheCpuSchedulerAndReturnsEveryPage) {
   std::printf("[ sched ] GPU scheduler vs CPU scheduler: %d of %zu requests identical over %d tokens\n",
               identical, prompts.size(), N);
   EXPECT_GE(identical, 10);
+}
+
+// LycheeCluster on the GPU under the scheduler (`spade serve --device cuda --sparse
+// lycheecluster`): each admitted request gets the model's request state (token text fed by
+// the scheduler, index slots), sequences past sink + budget build indexes and lazily update
+// them while other requests prefill in chunks; every request finishes at its full length and
+// every page and request slot comes back.
+TEST(CudaScheduler, LycheeClusterRequestsRunToTheEndAndReturnTheirSlots) {
+  SKIP_WITHOUT_GPU();
+  const ModelWeights w = sched_model();
+  const ModelConfig& c = w.config;
+  std::mt19937 rng(6);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 10; ++i) {
+    std::vector<int32_t> p(size_t(20 + (i * 53) % 300));
+    for (auto& t : p) t = int32_t(rng() % uint32_t(c.vocab));
+    prompts.push_back(std::move(p));
+  }
+  SchedulerOptions so;
+  so.max_batch = 4;
+  so.max_step_tokens = 64;
+  IdText text;
+  CudaModelOptions opt;
+  opt.kv_pages = 160;
+  opt.max_batch = so.max_batch;
+  opt.max_step_tokens = so.max_step_tokens;
+  opt.sparse = cuda_sparse_config(
+      sparse::SparseConfig::parse_spec("lycheecluster:budget=32,buffer=16,dense_layers=1"), c, 16);
+  CudaModel gpu(w, opt);
+  CudaStepModel step(gpu);
+  {
+    Scheduler s(step, text, so);
+    const auto got = run(s, prompts, 40);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].size(), 40u) << i;
+    EXPECT_EQ(s.metrics().kv_pages_used, 0);
+  }
+  EXPECT_EQ(gpu.free_pages(), 160);
+  std::vector<std::unique_ptr<sparse::MethodState>> st;
+  for (int i = 0; i < so.max_batch; ++i) st.push_back(gpu.new_request_state());  // all free again
 }
 
 }  // namespace

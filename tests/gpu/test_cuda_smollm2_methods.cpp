@@ -62,7 +62,7 @@ struct Outcome {
   int argmax_agree = 0;     // teacher-forced steps whose argmax agrees
 };
 
-Outcome run_method(const ModelWeights& w, const std::vector<int32_t>& prompt,
+Outcome run_method(const ModelWeights& w, const Tokenizer& tok, const std::vector<int32_t>& prompt,
                    const std::string& spec) {
   const ModelConfig& c = w.config;
   const sparse::SparseConfig sc = sparse::SparseConfig::parse_spec(spec);
@@ -81,12 +81,22 @@ Outcome run_method(const ModelWeights& w, const std::vector<int32_t>& prompt,
   std::vector<int32_t> out_c;
   std::vector<float> margin;
   const int64_t np = int64_t(prompt.size());
+  // Token text for the methods that chunk by it (LycheeCluster), on both sides: the prompt's,
+  // then each token's before the step that feeds it.
+  auto text = [&](sparse::SparseSession& s, sparse::MethodState* g, const int32_t* ids, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (s.wants_token_text()) s.append_token_text(tok.token_bytes(ids[i]));
+      if (g && g->wants_token_text()) g->append_token_text(tok.token_bytes(ids[i]));
+    }
+  };
   {  // free-running greedy on both
     sparse::SparseSession s(method, c, kv);
+    auto gs = gpu.new_request_state();
     PageTable pc, pg;
     std::vector<int64_t> r;
+    text(s, gs.get(), prompt.data(), np);
     std::vector<float> lc = cpu.forward({{&pc, prompt.data(), np, false, &s.attention()}}, r);
-    std::vector<float> lg = gpu.forward({{&pg, prompt.data(), np, false}}, r);
+    std::vector<float> lg = gpu.forward({{&pg, prompt.data(), np, false, nullptr, gs.get()}}, r);
     std::vector<int32_t> out_g;
     for (int i = 0; i < N; ++i) {
       const int32_t a = argmax(lc.data(), c.vocab), b = argmax(lg.data(), c.vocab);
@@ -95,8 +105,11 @@ Outcome run_method(const ModelWeights& w, const std::vector<int32_t>& prompt,
       margin.push_back(tmp[0] - tmp[1]);
       out_c.push_back(a);
       out_g.push_back(b);
+      // Each side's text is its own tokens'.
+      if (s.wants_token_text()) s.append_token_text(tok.token_bytes(a));
+      if (gs) gs->append_token_text(tok.token_bytes(b));
       lc = cpu.forward({{&pc, &out_c.back(), 1, false, &s.attention()}}, r);
-      lg = gpu.forward({{&pg, &out_g.back(), 1, false}}, r);
+      lg = gpu.forward({{&pg, &out_g.back(), 1, false, nullptr, gs.get()}}, r);
     }
     o.equal = N;
     for (int i = 0; i < N; ++i)
@@ -110,10 +123,12 @@ Outcome run_method(const ModelWeights& w, const std::vector<int32_t>& prompt,
   }
   {  // teacher-forced on the CPU's tokens
     sparse::SparseSession s(method, c, kv);
+    auto gs = gpu.new_request_state();
     PageTable pc, pg;
     std::vector<int64_t> r;
+    text(s, gs.get(), prompt.data(), np);
     std::vector<float> lc = cpu.forward({{&pc, prompt.data(), np, false, &s.attention()}}, r);
-    std::vector<float> lg = gpu.forward({{&pg, prompt.data(), np, false}}, r);
+    std::vector<float> lg = gpu.forward({{&pg, prompt.data(), np, false, nullptr, gs.get()}}, r);
     for (int i = 0; i < N; ++i) {
       if (i > 0) {  // step i's logits come from decoding token i - 1
         const double e = rel_err(lg, lc);
@@ -121,8 +136,9 @@ Outcome run_method(const ModelWeights& w, const std::vector<int32_t>& prompt,
         EXPECT_LT(e, tol) << spec << ": teacher-forced step " << i;
       }
       o.argmax_agree += argmax(lc.data(), c.vocab) == argmax(lg.data(), c.vocab);
+      text(s, gs.get(), &out_c[size_t(i)], 1);
       lc = cpu.forward({{&pc, &out_c[size_t(i)], 1, false, &s.attention()}}, r);
-      lg = gpu.forward({{&pg, &out_c[size_t(i)], 1, false}}, r);
+      lg = gpu.forward({{&pg, &out_c[size_t(i)], 1, false, nullptr, gs.get()}}, r);
     }
     kv.release(pc);
     gpu.release(pg);
@@ -142,9 +158,9 @@ TEST(CudaSmolLM2Methods, EveryGpuMethodAgreesWithTheCpuOnRealInputs) {
   for (const std::string spec :
        {"full", "streaming:budget=256", "quest:budget=256", "tidal:budget=128",
         "lessismore:budget=128", "lycheedecode:budget=128", "oracle-topk:budget=128",
-        "twilight:base=quest,budget=512"}) {
+        "twilight:base=quest,budget=512", "lycheecluster:budget=256"}) {
     SCOPED_TRACE(spec);
-    const Outcome o = run_method(*w, prompt, spec);
+    const Outcome o = run_method(*w, *tok, prompt, spec);
     std::printf("[ smollm2-methods ] %-32s prompt %zu tokens: greedy equal for %d/%d tokens%s; "
                 "teacher-forced worst logits rel err %.3g, argmax agree %d/%d\n",
                 spec.c_str(), prompt.size(), o.equal, N,

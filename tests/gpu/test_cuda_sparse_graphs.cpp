@@ -7,6 +7,7 @@
 #include "../test_util.h"
 #include "gpu_model_util.h"
 #include "model/cuda_model.h"
+#include "sparse/method.h"
 #include "sparse/registry.h"
 
 namespace spade::test {
@@ -29,20 +30,26 @@ void compare_graphs(const std::string& spec, int na, int nb, int steps) {
   std::mt19937 rng(11);
   const auto a = random_tokens(rng, na, c.vocab), b = random_tokens(rng, nb, c.vocab);
   PageTable pg[2], pe[2];
+  // Request states (LycheeCluster; null for the others). Token text: none (fixed chunks).
+  std::unique_ptr<sparse::MethodState> sg[2] = {graphed.new_request_state(), graphed.new_request_state()};
+  std::unique_ptr<sparse::MethodState> se[2] = {eager.new_request_state(), eager.new_request_state()};
   std::vector<int64_t> rows;
   for (int off = 0; off < na; off += 1024) {  // chunked prefill of a, then b
     const int n = std::min(1024, na - off);
-    graphed.forward({{&pg[0], a.data() + off, n, false}}, rows);
-    eager.forward({{&pe[0], a.data() + off, n, false}}, rows);
+    graphed.forward({{&pg[0], a.data() + off, n, false, nullptr, sg[0].get()}}, rows);
+    eager.forward({{&pe[0], a.data() + off, n, false, nullptr, se[0].get()}}, rows);
   }
-  graphed.forward({{&pg[1], b.data(), nb, false}}, rows);
-  eager.forward({{&pe[1], b.data(), nb, false}}, rows);
+  graphed.forward({{&pg[1], b.data(), nb, false, nullptr, sg[1].get()}}, rows);
+  eager.forward({{&pe[1], b.data(), nb, false, nullptr, se[1].get()}}, rows);
   int diffs = 0;
   for (int s = 0; s < steps; ++s) {
     int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
     // Every 7th step only request a decodes (another batch size, another graph).
-    std::vector<SeqInput> bg = {{&pg[0], &ta, 1, false}}, be = {{&pe[0], &ta, 1, false}};
-    if (s % 7 != 6) bg.push_back({&pg[1], &tb, 1, false}), be.push_back({&pe[1], &tb, 1, false});
+    std::vector<SeqInput> bg = {{&pg[0], &ta, 1, false, nullptr, sg[0].get()}},
+                          be = {{&pe[0], &ta, 1, false, nullptr, se[0].get()}};
+    if (s % 7 != 6)
+      bg.push_back({&pg[1], &tb, 1, false, nullptr, sg[1].get()}),
+          be.push_back({&pe[1], &tb, 1, false, nullptr, se[1].get()});
     const std::vector<float> lg = graphed.forward(bg, rows);
     const std::vector<float>& le = eager.forward(be, rows);
     ASSERT_EQ(lg.size(), le.size());
@@ -72,6 +79,8 @@ TEST(CudaSparseGraphs, ReplayEqualsEagerForEveryMethod) {
   compare_graphs("oracle-topk:budget=128,dense_layers=1", na, nb, steps);
   compare_graphs("twilight:base=quest,budget=512,dense_layers=1", na, nb, steps);
   compare_graphs("blasst:a=4", na, nb, steps);
+  // Index builds and lazy updates (every 32 tokens here) run eagerly in both models.
+  compare_graphs("lycheecluster:budget=128,buffer=32,dense_layers=1", na, nb, steps);
 }
 
 }  // namespace

@@ -276,7 +276,7 @@ TEST(CudaSparseModel, MethodsWithoutGpuPathAreClearErrors) {
   auto expect_error = [&](const std::string& spec, const char* what) {
     expect_cuda_config_error(spec, what, c);
   };
-  expect_error("lycheecluster", "no GPU path");
+  expect_error("oracle-topp", "no GPU path");
   expect_error("quest:group=sum", "group=max");
   expect_error("quest:page_size=32", "page_size 16");
   expect_error("quest:budget=8", "budget");

@@ -20,7 +20,11 @@
 namespace spade::cuda {
 using namespace lc_detail;
 
-LcIndexGpu::LcIndexGpu(DeviceArena& arena, const LcIndexConfig& cfg) : cfg_(cfg) {
+LcIndexGpu::LcIndexGpu(DeviceArena& arena, const LcIndexConfig& cfg) : LcIndexGpu(&arena, cfg) {}
+
+size_t LcIndexGpu::arena_bytes(const LcIndexConfig& cfg) { return LcIndexGpu(nullptr, cfg).bytes_; }
+
+LcIndexGpu::LcIndexGpu(DeviceArena* arena, const LcIndexConfig& cfg) : cfg_(cfg) {
   SPADE_CHECK(cfg.D % 32 == 0 && cfg.D <= 256, "LcIndexGpu: D must be a multiple of 32, <= 256");
   SPADE_CHECK(cfg.max_chunks >= 1 && cfg.max_chunks <= 16384, "LcIndexGpu: max_chunks in [1, 16384]");
   SPADE_CHECK(cfg.max_coarse >= 1 && cfg.max_coarse <= 64, "LcIndexGpu: max_coarse in [1, 64]");
@@ -28,50 +32,63 @@ LcIndexGpu::LcIndexGpu(DeviceArena& arena, const LcIndexConfig& cfg) : cfg_(cfg)
   const int S = cfg.slots, H = cfg.Hkv, D = cfg.D, C = cfg.max_chunks, G = cfg.max_coarse;
   max_fine_ = int(std::ceil(double(C) / cfg.chunks_per_fine));
   const int F = max_fine_;
-  const size_t used0 = arena.used();
   const size_t SH = size_t(S) * H;
-  starts_ = arena.alloc_n<int32_t>(size_t(S) * (C + 1), "lc starts");
-  n_chunks_ = arena.alloc_n<int32_t>(SH, "lc n_chunks");
-  n_fine_ = arena.alloc_n<int32_t>(SH, "lc n_fine");
-  n_coarse_ = arena.alloc_n<int32_t>(SH, "lc n_coarse");
-  fc_ = arena.alloc_n<__half>(SH * F * D, "lc fine centers");
-  fr_ = arena.alloc_n<float>(SH * F, "lc fine radii");
-  ftok_ = arena.alloc_n<int32_t>(SH * F, "lc fine tokens");
-  fcnt_ = arena.alloc_n<int32_t>(SH * F, "lc fine counts");
-  fhead_ = arena.alloc_n<int32_t>(SH * F, "lc fine heads");
-  ftail_ = arena.alloc_n<int32_t>(SH * F, "lc fine tails");
-  fnch_ = arena.alloc_n<int32_t>(SH * F, "lc fine chunk counts");
-  gc_ = arena.alloc_n<__half>(SH * G * D, "lc coarse centers");
-  gr_ = arena.alloc_n<float>(SH * G, "lc coarse radii");
-  gtok_ = arena.alloc_n<int32_t>(SH * G, "lc coarse tokens");
-  gcnt_ = arena.alloc_n<int32_t>(SH * G, "lc coarse counts");
-  gfirst_ = arena.alloc_n<int32_t>(SH * (G + 1), "lc coarse first");
-  cnext_ = arena.alloc_n<int32_t>(SH * C, "lc chunk next");
-  cfine_ = arena.alloc_n<int32_t>(SH * C, "lc chunk fine");
-  X_ = arena.alloc_n<float>(size_t(H) * C * D, "lc chunk keys");
-  mean_ = arena.alloc_n<double>(size_t(H) * C * D, "lc chunk means");
-  C_ = arena.alloc_n<float>(size_t(H) * F * D, "lc kmeans centroids");
-  FC_ = arena.alloc_n<float>(size_t(H) * F * D, "lc fine centroids");
-  GC_ = arena.alloc_n<float>(size_t(H) * G * D, "lc coarse centroids");
-  sum_ = arena.alloc_n<double>(size_t(H) * F * D, "lc kmeans sums");
-  acc_ = arena.alloc_n<double>(size_t(H) * (F + G) * D, "lc center acc");
-  rad2_ = arena.alloc_n<unsigned long long>(size_t(H) * (F + G), "lc radii acc");
-  cnt_ = arena.alloc_n<int32_t>(size_t(H) * F, "lc kmeans counts");
-  assign_ = arena.alloc_n<int32_t>(size_t(H) * C, "lc assign");
-  fassign_ = arena.alloc_n<int32_t>(size_t(H) * C, "lc fine assign");
-  gassign_ = arena.alloc_n<int32_t>(size_t(H) * C, "lc coarse assign");
-  remap_ = arena.alloc_n<int32_t>(size_t(H) * F, "lc remap");
-  newid_ = arena.alloc_n<int32_t>(size_t(H) * F, "lc new ids");
-  gof_ = arena.alloc_n<int32_t>(size_t(H) * F, "lc coarse of fine");
-  best_ = arena.alloc_n<float>(size_t(H) * C, "lc best sim");
-  ctl_ = arena.alloc_n<int32_t>(size_t(2) * H * 8, "lc kmeans control");
-  bytes_ = arena.used() - used0;
+  // Every array: taken from the arena, or only counted (arena_bytes).
+  auto take = [&](auto*& p, size_t n, const char* what) {
+    using T = std::remove_pointer_t<std::remove_reference_t<decltype(p)>>;
+    if (arena) p = arena->alloc_n<T>(n, what);
+    bytes_ += align_up(n * sizeof(T), 256);
+  };
+  take(starts_, size_t(S) * (C + 1), "lc starts");
+  take(n_chunks_, SH, "lc n_chunks");
+  take(n_fine_, SH, "lc n_fine");
+  take(n_coarse_, SH, "lc n_coarse");
+  take(fc_, SH * F * D, "lc fine centers");
+  take(fr_, SH * F, "lc fine radii");
+  take(ftok_, SH * F, "lc fine tokens");
+  take(fcnt_, SH * F, "lc fine counts");
+  take(fhead_, SH * F, "lc fine heads");
+  take(ftail_, SH * F, "lc fine tails");
+  take(fnch_, SH * F, "lc fine chunk counts");
+  take(gc_, SH * G * D, "lc coarse centers");
+  take(gr_, SH * G, "lc coarse radii");
+  take(gtok_, SH * G, "lc coarse tokens");
+  take(gcnt_, SH * G, "lc coarse counts");
+  take(gfirst_, SH * (G + 1), "lc coarse first");
+  take(cnext_, SH * C, "lc chunk next");
+  take(cfine_, SH * C, "lc chunk fine");
+  take(X_, size_t(H) * C * D, "lc chunk keys");
+  take(mean_, size_t(H) * C * D, "lc chunk means");
+  take(C_, size_t(H) * F * D, "lc kmeans centroids");
+  take(FC_, size_t(H) * F * D, "lc fine centroids");
+  take(GC_, size_t(H) * G * D, "lc coarse centroids");
+  take(sum_, size_t(H) * F * D, "lc kmeans sums");
+  take(acc_, size_t(H) * (F + G) * D, "lc center acc");
+  take(rad2_, size_t(H) * (F + G), "lc radii acc");
+  take(cnt_, size_t(H) * F, "lc kmeans counts");
+  take(assign_, size_t(H) * C, "lc assign");
+  take(fassign_, size_t(H) * C, "lc fine assign");
+  take(gassign_, size_t(H) * C, "lc coarse assign");
+  take(remap_, size_t(H) * F, "lc remap");
+  take(newid_, size_t(H) * F, "lc new ids");
+  take(gof_, size_t(H) * F, "lc coarse of fine");
+  take(best_, size_t(H) * C, "lc best sim");
+  take(ctl_, size_t(2) * H * 8, "lc kmeans control");
+  sort_cap_ = pow2_at_least(C);
+  if (!arena) return;
   SPADE_CUDA(cudaMemset(n_chunks_, 0, SH * sizeof(int32_t)));
   SPADE_CUDA(cudaMemset(n_fine_, 0, SH * sizeof(int32_t)));
   SPADE_CUDA(cudaMemset(n_coarse_, 0, SH * sizeof(int32_t)));
-  sort_cap_ = pow2_at_least(C);
   const int big = int(std::min<size_t>(size_t(sort_cap_) * 8, 200 * 1024));
   set_build_sort_smem(big);
+}
+
+void LcIndexGpu::reset(int slot, cudaStream_t s) {
+  SPADE_CHECK(slot >= 0 && slot < cfg_.slots, "LcIndexGpu::reset: bad slot");
+  const size_t o = size_t(slot) * cfg_.Hkv, n = size_t(cfg_.Hkv) * sizeof(int32_t);
+  SPADE_CUDA(cudaMemsetAsync(n_chunks_ + o, 0, n, s));
+  SPADE_CUDA(cudaMemsetAsync(n_fine_ + o, 0, n, s));
+  SPADE_CUDA(cudaMemsetAsync(n_coarse_ + o, 0, n, s));
 }
 
 LcIndexGpu::Host LcIndexGpu::download(int slot, int h) const {

@@ -67,6 +67,7 @@ struct LcSearchArgs {
   const int32_t* kv_len = nullptr;  // [B] device
   int B = 0, Hq = 0;
   int64_t budget = 1024;
+  bool budget_total = false;        // the budget includes the sink and the un-indexed tail
   int coarse_topk = 0;              // 0: auto cover rule
   double coarse_cover = 4.0;
   int sink = 16;
@@ -80,6 +81,12 @@ struct LcSearchArgs {
 class LcIndexGpu {
  public:
   LcIndexGpu(DeviceArena& arena, const LcIndexConfig& cfg);
+  // Arena bytes the constructor takes for `cfg` (sizing a DeviceArena up front).
+  static size_t arena_bytes(const LcIndexConfig& cfg);
+
+  // Empties slot `slot` (async on s): no chunks, so search() lists every token [0, kv_len).
+  // A (request, layer) slot handed to a new request is reset first.
+  void reset(int slot, cudaStream_t s);
 
   // Builds slot `slot` over chunks [0, n_chunks) of `starts` (host, n_chunks + 1 entries,
   // absolute positions) from this layer's K cache (k: [page][Hkv][P][D] bf16; page_table:
@@ -121,6 +128,8 @@ class LcIndexGpu {
   size_t device_bytes() const { return bytes_; }
 
  private:
+  // arena null: only sizes the arrays (bytes_), for arena_bytes().
+  LcIndexGpu(DeviceArena* arena, const LcIndexConfig& cfg);
   LcIndexConfig cfg_;
   int max_fine_ = 0, sort_cap_ = 0;
   bool timing_ = false;

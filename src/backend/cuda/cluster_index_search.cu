@@ -74,6 +74,11 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   const int32_t* starts = k.starts + int64_t(slot) * (k.maxC + 1);
   const int M = k.n_chunks[sh_], NG = k.n_coarse[sh_];
   const int L = a.kv_len[b];
+  // budget_total: the budget also counts the sink and the un-indexed tail (the CPU's
+  // budget_mode=total: what is left for chunks).
+  const int64_t budget =
+      a.budget_total ? max(int64_t(0), a.budget - min(a.sink, L) - (L - (M > 0 ? starts[M] : min(a.sink, L))))
+                     : a.budget;
   LC_TRACE(0);
   const int n2max = pow2_at_least(k.maxF);
   (void)n2max;
@@ -141,7 +146,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     }
     return best;
   };
-  const bool run = M > 0 && a.budget > 0 && NG > 0;
+  const bool run = M > 0 && budget > 0 && NG > 0;
   if (run) {
     // One thread per node (a staged-rows variant measured slower: the sequential dot chain
     // dominates, and tiles of staged rows serialize it).
@@ -165,7 +170,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       if (a.coarse_topk > 0) {
         kg = min(NG, a.coarse_topk);
       } else {
-        const double want = a.coarse_cover * double(a.budget);
+        const double want = a.coarse_cover * double(budget);
         double have = 0;
         for (kg = 0; kg < NG && have < want; ++kg) have += double(gtok[gorder[kg]]);
       }
@@ -239,7 +244,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       const int len = j < nflat ? lens[j] : 0;
       int tot = 0;
       const int ex = block_excl_scan(len, sh, tot) + carry;
-      const bool fits = j < nflat && int64_t(ex) + len <= a.budget;
+      const bool fits = j < nflat && int64_t(ex) + len <= budget;
       if (fits) {
         flag[flat[j]] = 1;
         const int r = atomicAdd(&s_nsel, 1);
@@ -266,7 +271,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     }
     __syncthreads();
     if (t == 0) {
-      int64_t left = a.budget - used;
+      int64_t left = budget - used;
       const int mn = s_minlen;
       for (int j = i0; j < nflat && left >= mn; ++j)
         if (lens[j] <= left) {

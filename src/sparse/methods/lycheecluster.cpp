@@ -39,27 +39,14 @@ const ClusterIndex* LycheeClusterState::index(int layer, int head) const {
 }
 
 size_t LycheeClusterState::index_bytes() const {
-  size_t b = starts_.size() * sizeof(int32_t);
+  size_t b = chunks_.starts().size() * sizeof(int32_t);
   for (const auto& x : idx_) b += x.bytes();
   return b;
 }
 
 void LycheeClusterState::extend_chunks(int64_t L, int sink, const ChunkerOptions& opt) {
-  if (L == chunked_for_) return;
-  chunked_for_ = L;
-  int64_t from = sink;
-  if (!starts_.empty()) {
-    from = starts_.back();
-    starts_.pop_back();
-  }
-  if (from >= L) {
-    starts_.push_back(int32_t(from));
-    return;
-  }
   const auto t0 = Clock::now();
-  TokenTextView view(&text_, L);
-  const int64_t upto = chunk_tokens(view, from, L, false, opt, starts_);
-  starts_.push_back(int32_t(upto));
+  chunks_.extend(text_, L, sink, opt);
   stats_.chunk_seconds += since(t0);
 }
 
@@ -112,7 +99,7 @@ std::unique_ptr<MethodState> LycheeClusterMethod::new_state() const {
 void LycheeClusterMethod::sync(StepContext& c, LycheeClusterState& st) const {
   const int layer = c.layer;
   const int32_t have = st.layer_chunks_[size_t(layer)];
-  const int64_t indexed_end = have > 0 ? st.starts_[size_t(have)] : p_.sink;
+  const int64_t indexed_end = have > 0 ? st.chunk_starts()[size_t(have)] : p_.sink;
   if (have > 0 && c.L - indexed_end < p_.buffer) return;
   st.extend_chunks(c.L, p_.sink, p_.chunker);
   const int32_t avail = st.n_chunks();
@@ -125,9 +112,9 @@ void LycheeClusterMethod::sync(StepContext& c, LycheeClusterState& st) const {
       ClusterIndex& ix = st.idx_[size_t(layer) * size_t(Hkv) + size_t(h)];
       KeyFn key = [&, h](int64_t pos) { return c.kv->k_row(layer, *c.pt, pos, int(h)); };
       if (have == 0) {
-        ix.build(c.D, key, st.starts_.data(), avail, p_.index);
+        ix.build(c.D, key, st.chunk_starts().data(), avail, p_.index);
       } else {
-        for (int32_t ch = have; ch < avail; ++ch) ix.insert(key, st.starts_.data(), ch);
+        for (int32_t ch = have; ch < avail; ++ch) ix.insert(key, st.chunk_starts().data(), ch);
       }
     }
   };
@@ -164,7 +151,7 @@ void LycheeClusterMethod::select(StepContext& c, Selection& out) const {
   const double cpu0 = cpu_clock(CLOCK_THREAD_CPUTIME_ID);
   const int32_t have = st.layer_chunks_[size_t(c.layer)];
   const int64_t sink = std::min<int64_t>(p_.sink, L);
-  const int64_t recent_begin = have > 0 ? st.starts_[size_t(have)] : sink;
+  const int64_t recent_begin = have > 0 ? st.chunk_starts()[size_t(have)] : sink;
   SearchParams sp = p_.search;
   if (p_.budget_total) sp.budget = std::max<int64_t>(0, p_.budget - sink - (L - recent_begin));
   else sp.budget = p_.budget;
@@ -174,15 +161,15 @@ void LycheeClusterMethod::select(StepContext& c, Selection& out) const {
     for (int64_t p = 0; p < sink; ++p) out.push(int32_t(p));
     const ClusterIndex* ix = have > 0 ? &st.idx_[size_t(c.layer) * size_t(c.Hkv) + size_t(h)] : nullptr;
     if (ix && ix->built()) {
-      st.chunks_.clear();
+      st.sel_chunks_.clear();
       st.fines_.clear();
-      const int64_t got = ix->search(c.q + int64_t(h) * c.G * c.D, c.G, sp, st.starts_.data(),
-                                     st.chunks_, p_.stability ? &st.fines_ : nullptr, st.search_);
+      const int64_t got = ix->search(c.q + int64_t(h) * c.G * c.D, c.G, sp, st.chunk_starts().data(),
+                                     st.sel_chunks_, p_.stability ? &st.fines_ : nullptr, st.search_);
       st.stats_.searches++;
       st.stats_.selected_tokens += got;
-      std::sort(st.chunks_.begin(), st.chunks_.end());
-      for (int32_t ch : st.chunks_)
-        for (int32_t p = st.starts_[size_t(ch)]; p < st.starts_[size_t(ch) + 1]; ++p) out.push(p);
+      std::sort(st.sel_chunks_.begin(), st.sel_chunks_.end());
+      for (int32_t ch : st.sel_chunks_)
+        for (int32_t p = st.chunk_starts()[size_t(ch)]; p < st.chunk_starts()[size_t(ch) + 1]; ++p) out.push(p);
       if (p_.stability) {
         auto& s = st.stab_[size_t(c.layer) * size_t(c.Hkv) + size_t(h)];
         const int64_t n = int64_t(st.fines_.size());

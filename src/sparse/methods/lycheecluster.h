@@ -85,8 +85,8 @@ class LycheeClusterState final : public MethodState {
 
   // Closed chunks: chunk c covers [chunk_starts()[c], chunk_starts()[c + 1]); the last entry
   // is where the next chunk will start (empty before the first chunking).
-  const std::vector<int32_t>& chunk_starts() const { return starts_; }
-  int32_t n_chunks() const { return starts_.empty() ? 0 : int32_t(starts_.size()) - 1; }
+  const std::vector<int32_t>& chunk_starts() const { return chunks_.starts(); }
+  int32_t n_chunks() const { return chunks_.n_chunks(); }
   // The index of (layer, KV head); nullptr when that layer has none (yet).
   const ClusterIndex* index(int layer, int head) const;
   // Chunks indexed at `layer` (0 before its build).
@@ -109,8 +109,7 @@ class LycheeClusterState final : public MethodState {
   void extend_chunks(int64_t L, int sink, const ChunkerOptions& opt);
 
   std::vector<std::string> text_;
-  std::vector<int32_t> starts_;
-  int64_t chunked_for_ = -1;  // L of the last extend_chunks
+  StreamingChunks chunks_;
   int hkv_ = 0;
   std::vector<ClusterIndex> idx_;       // [layer][head]
   std::vector<int32_t> layer_chunks_;   // [layer]
@@ -118,7 +117,7 @@ class LycheeClusterState final : public MethodState {
   LycheeClusterStats stats_;
   // Selection scratch.
   SearchScratch search_;
-  std::vector<int32_t> chunks_, fines_;
+  std::vector<int32_t> sel_chunks_, fines_;
 };
 
 class LycheeClusterMethod final : public SparseMethod {
