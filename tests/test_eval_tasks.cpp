@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -170,5 +171,101 @@ TEST(EvalResults, ResumeSkipsRecordedKeysAndReportRenders) {
   EXPECT_NE(md.find("| quest:budget=256 |"), std::string::npos) << md;
   EXPECT_NE(md.find("Tasks full attention does not solve"), std::string::npos);
   EXPECT_NE(md.find("| niah_single_number | 2048 | 0.00 |"), std::string::npos) << md;
+  std::remove(path.c_str());
+}
+
+// A sweep resumed with other settings (SAMPLES=2, then 3, then a CPU-only method with 1):
+// the header states the samples the records hold and each command's placement and date, not
+// the first command's.
+TEST(EvalResults, ResumedReportHeaderStatesWhatTheRecordsHold) {
+  const std::string path = testing::TempDir() + "spade_eval_results_resume_test.json";
+  std::remove(path.c_str());
+  auto meta = [](int samples, const std::string& placement, const std::string& date) {
+    return nlohmann::json{{"model", "m"}, {"backend", "cuda"}, {"samples", samples},
+                          {"placement", placement}, {"date", date}};
+  };
+  // `samples` samples per (task, length) of `method`, the keys already held skipped.
+  auto sweep = [](ResultFile& f, const std::string& method, const std::string& backend,
+                  int samples) {
+    for (const std::string task : {"niah_single_number", "json_lookup"})
+      for (int L : {2048, 4096})
+        for (int k = 0; k < samples; ++k) {
+          const std::string key = "tasks|" + task + "|" + std::to_string(L) + "|" +
+                                  std::to_string(k) + "|" + method;
+          if (f.has(key)) continue;
+          f.add({{"key", key}, {"task", task}, {"length", L}, {"sample", k}, {"method", method},
+                 {"score", 1.0}, {"backend", backend}});
+        }
+    f.save();
+  };
+  {
+    ResultFile f(path, "tasks", meta(2, "GPU: full", "2026-11-22"), "spade eval tasks --samples 2");
+    sweep(f, "full", "cuda", 2);
+  }
+  {
+    ResultFile f(path, "tasks", meta(3, "GPU: full", "2026-11-22"), "spade eval tasks --samples 3");
+    EXPECT_EQ(f.loaded(), 8u);
+    sweep(f, "full", "cuda", 3);
+  }
+  ResultFile f(path, "tasks", meta(1, "GPU: none; CPU: lycheecluster (no GPU path)", "2026-11-23"),
+               "spade eval tasks --methods lycheecluster --samples 1");
+  sweep(f, "lycheecluster", "cpu", 1);
+  const nlohmann::json& doc = f.doc();
+  EXPECT_EQ(doc["meta"]["samples"], 2);  // "meta" stays the first command's (compatibility)
+  ASSERT_EQ(doc["runs"].size(), 3u);
+  EXPECT_EQ(doc["runs"][0]["records"], 8);
+  EXPECT_EQ(doc["runs"][1]["records"], 4);
+  EXPECT_EQ(doc["runs"][2]["records"], 4);
+  EXPECT_EQ(doc["runs"][1]["meta"]["samples"], 3);
+
+  const std::string md = markdown_report(doc);
+  EXPECT_EQ(md.find("- samples: 2"), std::string::npos) << md;
+  EXPECT_NE(md.find("- samples per cell: 3 (full); 1 (lycheecluster)\n"), std::string::npos) << md;
+  EXPECT_NE(md.find("- placement:\n  - commands 1-2: GPU: full\n"
+                    "  - command 3: GPU: none; CPU: lycheecluster (no GPU path)\n"),
+            std::string::npos) << md;
+  EXPECT_NE(md.find("- date:\n  - commands 1-2: 2026-11-22\n  - command 3: 2026-11-23\n"),
+            std::string::npos) << md;
+  EXPECT_NE(md.find("- model: m\n"), std::string::npos) << md;  // the same in every command
+  EXPECT_NE(md.find("- records: 16\n"), std::string::npos) << md;
+  EXPECT_NE(md.find("# command 1: 8 records\nspade eval tasks --samples 2\n"
+                    "# command 2: 4 records\nspade eval tasks --samples 3\n"
+                    "# command 3: 4 records\nspade eval tasks --methods lycheecluster --samples 1\n"),
+            std::string::npos) << md;
+  EXPECT_NE(md.find("| lycheecluster | cpu |"), std::string::npos) << md;
+
+  // A cell short of samples (an interrupted command) shows as a range.
+  nlohmann::json cut = doc;
+  auto& rs = cut["results"];
+  rs.erase(std::remove_if(rs.begin(), rs.end(), [](const nlohmann::json& r) {
+             return r["key"] == "tasks|json_lookup|4096|2|full";
+           }),
+           rs.end());
+  EXPECT_NE(markdown_report(cut).find("- samples per cell: 2-3 (full); 1 (lycheecluster)\n"),
+            std::string::npos);
+
+  // A file written before "runs" (every command's meta but the first's unknown): the header
+  // says so, samples still come from the records.
+  nlohmann::json old = doc;
+  old.erase("runs");
+  const std::string omd = markdown_report(old);
+  EXPECT_NE(omd.find("- placement: GPU: full\n"), std::string::npos) << omd;
+  EXPECT_NE(omd.find("- samples per cell: 3 (full); 1 (lycheecluster)\n"), std::string::npos) << omd;
+  EXPECT_NE(omd.find("- settings of commands 2-3: not recorded"), std::string::npos) << omd;
+  // ... and resuming it records the new command's settings beside the first's.
+  old["results"] = nlohmann::json::array();
+  {
+    std::ofstream o(path);
+    o << old.dump();
+  }
+  ResultFile g(path, "tasks", meta(1, "GPU: full", "2026-11-24"), "spade eval tasks again");
+  ASSERT_EQ(g.doc()["runs"].size(), 4u);
+  EXPECT_EQ(g.doc()["runs"][0]["meta"], g.doc()["meta"]);
+  EXPECT_TRUE(g.doc()["runs"][1]["meta"].is_null());
+  EXPECT_EQ(g.doc()["runs"][3]["meta"]["date"], "2026-11-24");
+  const std::string gmd = markdown_report(g.doc());
+  EXPECT_NE(gmd.find("- date:\n  - command 1: 2026-11-22\n  - command 4: 2026-11-24\n"),
+            std::string::npos) << gmd;
+  EXPECT_NE(gmd.find("- settings of commands 2-3: not recorded"), std::string::npos) << gmd;
   std::remove(path.c_str());
 }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -92,18 +93,110 @@ double num(const json& r, const char* k) {
   return r.contains(k) && r.at(k).is_number() ? r.at(k).get<double>() : NAN;
 }
 
+// "1-2, 4" of 0-based command indices.
+std::string ranges(const std::vector<size_t>& ix) {
+  std::string s;
+  for (size_t a = 0; a < ix.size();) {
+    size_t b = a;
+    while (b + 1 < ix.size() && ix[b + 1] == ix[b] + 1) ++b;
+    s += (s.empty() ? "" : ", ") + std::to_string(ix[a] + 1) +
+         (b > a ? "-" + std::to_string(ix[b] + 1) : "");
+    a = b + 1;
+  }
+  return s;
+}
+
+// Samples per cell (method x task x length) as the records hold them, whatever each
+// command's --samples said: "3", or per method "3 (full, quest:budget=128); 1-2 (oracle-topp)".
+// Empty when the records carry no "sample".
+std::string samples_per_cell(const json& rs) {
+  std::map<std::string, std::map<std::string, std::set<std::string>>> cells;  // method -> cell -> samples
+  for (const auto& r : rs) {
+    if (!r.contains("sample") || !r.contains("method")) continue;
+    const std::string cell = (r.contains("task") ? str_of(r.at("task")) : "") + "|" +
+                             (r.contains("length") ? str_of(r.at("length")) : "");
+    cells[str_of(r.at("method"))][cell].insert(str_of(r.at("sample")));
+  }
+  if (cells.empty()) return "";
+  std::vector<std::pair<std::string, std::string>> groups;  // count or range -> methods
+  for (const auto& m : order_of(rs, "method")) {
+    if (!cells.count(m)) continue;
+    size_t lo = SIZE_MAX, hi = 0;
+    for (const auto& [cell, ks] : cells[m]) lo = std::min(lo, ks.size()), hi = std::max(hi, ks.size());
+    const std::string n = std::to_string(lo) + (hi > lo ? "-" + std::to_string(hi) : "");
+    auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& x) { return x.first == n; });
+    if (g == groups.end()) groups.push_back({n, m});
+    else g->second += ", " + m;
+  }
+  if (groups.size() == 1) return groups[0].first;
+  std::string s;
+  for (const auto& [n, ms] : groups) s += (s.empty() ? "" : "; ") + n + " (" + ms + ")";
+  return s;
+}
+
+// The meta of each command ("runs", results.h), null where not recorded.
+std::vector<json> run_metas(const json& doc) {
+  const size_t n = doc.contains("commands") ? doc.at("commands").size() : 0;
+  std::vector<json> out(std::max<size_t>(n, 1));
+  if (doc.contains("runs") && doc.at("runs").size() == n) {
+    for (size_t i = 0; i < n; ++i) out[i] = doc.at("runs")[i].value("meta", json());
+  } else {
+    out[0] = doc.at("meta");  // a file before "runs": its meta is the first command's
+  }
+  return out;
+}
+
 std::string header(const json& doc, const std::string& title) {
   std::string s = "# " + title + "\n\n";
+  const json& rs = doc.at("results");
+  const std::vector<json> metas = run_metas(doc);
+  std::vector<size_t> known, unknown;
+  for (size_t i = 0; i < metas.size(); ++i)
+    (metas[i].is_object() ? known : unknown).push_back(i);
+  const std::string samples = samples_per_cell(rs);
   const json& m = doc.at("meta");
-  for (auto it = m.begin(); it != m.end(); ++it)
-    s += "- " + it.key() + ": " + str_of(it.value()) + "\n";
-  s += "- records: " + std::to_string(doc.at("results").size()) + "\n";
+  for (auto it = m.begin(); it != m.end(); ++it) {
+    if (it.key() == "samples" && !samples.empty()) {  // what the records hold, not --samples
+      s += "- samples per cell: " + samples + "\n";
+      continue;
+    }
+    // Each value with the commands that had it (a key a command lacks reads "-").
+    std::vector<std::pair<std::string, std::vector<size_t>>> vals;
+    for (size_t i = 0; i < metas.size(); ++i) {
+      if (!metas[i].is_object()) continue;
+      const std::string v = metas[i].contains(it.key()) ? str_of(metas[i].at(it.key())) : "-";
+      auto g = std::find_if(vals.begin(), vals.end(), [&](const auto& x) { return x.first == v; });
+      if (g == vals.end()) vals.push_back({v, {i}});
+      else g->second.push_back(i);
+    }
+    if (vals.size() <= 1) {
+      s += "- " + it.key() + ": " + (vals.empty() ? str_of(it.value()) : vals[0].first) + "\n";
+      continue;
+    }
+    s += "- " + it.key() + ":\n";
+    for (const auto& [v, ix] : vals)
+      s += "  - command" + std::string(ix.size() > 1 ? "s " : " ") + ranges(ix) + ": " + v + "\n";
+  }
+  if (!samples.empty() && !m.contains("samples")) s += "- samples per cell: " + samples + "\n";
+  s += "- records: " + std::to_string(rs.size()) + "\n";
+  if (!unknown.empty() && metas.size() > 1)
+    s += "- settings of command" + std::string(unknown.size() > 1 ? "s " : " ") + ranges(unknown) +
+         ": not recorded (the file predates per-command settings); the values above are "
+         "from command" + (known.size() > 1 ? "s " : " ") + ranges(known) + "\n";
   if (doc.contains("notes"))  // free-text remarks added to the JSON by hand
     for (const auto& n : doc.at("notes")) s += "- note: " + str_of(n) + "\n";
   if (doc.contains("commands") && !doc.at("commands").empty()) {
-    s += "\nCommand" + std::string(doc.at("commands").size() > 1 ? "s (the run was resumed)" : "") +
-         ":\n\n```\n";
-    for (const auto& c : doc.at("commands")) s += c.get<std::string>() + "\n";
+    const json& cmds = doc.at("commands");
+    const bool counted = doc.contains("runs") && doc.at("runs").size() == cmds.size();
+    s += "\nCommand" + std::string(cmds.size() > 1 ? "s (the run was resumed)" : "") + ":\n\n```\n";
+    for (size_t i = 0; i < cmds.size(); ++i) {
+      if (cmds.size() > 1) {
+        const json n = counted ? doc.at("runs")[i].value("records", json()) : json();
+        s += "# command " + std::to_string(i + 1) +
+             (n.is_number() ? ": " + n.dump() + " records" : "") + "\n";
+      }
+      s += cmds[i].get<std::string>() + "\n";
+    }
     s += "```\n";
   }
   return s + "\n";

@@ -27,9 +27,19 @@ ResultFile::ResultFile(std::string path, const std::string& kind, const nlohmann
     doc_ = {{"kind", kind}, {"meta", nlohmann::json::object()}, {"commands", nlohmann::json::array()},
             {"results", nlohmann::json::array()}};
   }
+  auto& runs = doc_["runs"];  // null (pre-"runs" file, or fresh) becomes an array
+  if (!runs.is_array()) runs = nlohmann::json::array();
+  const auto& cmds = doc_["commands"];
+  // Commands of a file written before "runs": the first one's meta is "meta"; the others'
+  // were not recorded.
+  for (size_t i = runs.size(); i < cmds.size(); ++i)
+    runs.push_back({{"meta", i == 0 ? doc_["meta"] : nlohmann::json()}, {"records", nullptr}});
+  SPADE_CHECK(runs.size() == cmds.size(), "'", path_, "' has ", cmds.size(), " commands but ",
+              runs.size(), " runs");
   for (auto it = meta.begin(); it != meta.end(); ++it)
     if (!doc_["meta"].contains(it.key())) doc_["meta"][it.key()] = it.value();
   doc_["commands"].push_back(command);
+  runs.push_back({{"meta", meta}, {"records", 0}});
   for (const auto& r : doc_["results"]) keys_.insert(r.at("key").get<std::string>());
   loaded_ = keys_.size();
 }
@@ -38,6 +48,8 @@ void ResultFile::add(nlohmann::json record) {
   const std::string key = record.at("key").get<std::string>();
   SPADE_CHECK(keys_.insert(key).second, "duplicate eval record '", key, "'");
   doc_["results"].push_back(std::move(record));
+  auto& n = doc_["runs"].back()["records"];
+  n = n.get<int64_t>() + 1;
 }
 
 void ResultFile::save() const {

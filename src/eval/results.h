@@ -5,7 +5,14 @@
 // interrupted sweep loses at most the batch in flight.
 //
 // {"kind": "tasks" | "ppl" | "agree" | "recall", "meta": {...}, "commands": [...],
-//  "results": [{"key": ..., ...}, ...]}
+//  "runs": [{"meta": {...}, "records": N}, ...], "results": [{"key": ..., ...}, ...]}
+//
+// A resumed file has one command per run: "commands" and "runs" are parallel, "runs" holding
+// each command's own meta (its --samples, placement, date, ...) and how many records it
+// added. "meta" is the first command's (plus keys first met later): kept for the --device
+// check and the plots, but the report states each command's values from "runs". Files
+// written before "runs" existed get {"meta": null, "records": null} for their later commands
+// (not recorded), and the first command's meta for the first.
 #pragma once
 #include <nlohmann/json.hpp>
 #include <set>
@@ -16,11 +23,12 @@ namespace spade::eval {
 class ResultFile {
  public:
   // Loads `path` if it exists (it must be of the same kind), else starts an empty document.
-  // `meta` fills the keys the document lacks; `command` is appended to "commands".
+  // `meta` fills the keys "meta" lacks; `command` is appended to "commands" and {meta, 0
+  // records} to "runs".
   ResultFile(std::string path, const std::string& kind, const nlohmann::json& meta,
              const std::string& command);
   bool has(const std::string& key) const { return keys_.count(key) > 0; }
-  void add(nlohmann::json record);  // record["key"] must be new
+  void add(nlohmann::json record);  // record["key"] must be new; counted to this command's run
   void save() const;
   const nlohmann::json& doc() const { return doc_; }
   size_t loaded() const { return loaded_; }
