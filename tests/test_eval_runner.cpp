@@ -31,6 +31,9 @@ TEST(EvalRunner, CpuDevicePlacesEveryRunOnTheCpu) {
 }
 
 TEST(EvalRunner, CudaDeviceFollowsHasCudaPathAndTheGpuConfig) {
+  EXPECT_TRUE(has_cuda_path("quest+blasst"));  // a stack: every stage has one
+  EXPECT_TRUE(has_cuda_path("quest+twilight+blasst"));
+  EXPECT_FALSE(has_cuda_path("oracle-topp+blasst"));
   const auto runs = expand_methods("full;quest;oracle-topp;oracle-topk;streaming", {64, 128});
   // No GPU config check: has_cuda_path alone decides.
   const auto p = place_runs(runs, Device::CUDA);

@@ -318,7 +318,7 @@ int run(int argc, char** argv) {
       if (gpu_text) state->append_token_text(tok->token_bytes(id));
       return emit(id);
     }, state.get());
-    if (stats && copt.sparse.method == CudaSparse::Method::Blasst) print_gpu_blasst_stats(gpu);
+    if (stats && copt.sparse.blasst_any()) print_gpu_blasst_stats(gpu);
     if (stats) print_step_times(st.step_ms);
 #else
     fail("--device cuda: this build has no CUDA backend");

@@ -9,7 +9,10 @@ inline constexpr const char* kCudaSparseMethods[] = {
     "full",         "streaming",   "quest",  "tidal",   "lessismore",
     "lycheedecode", "oracle-topk", "blasst", "twilight", "lycheecluster"};
 
+// A stack "a+b[+c]" (e.g. quest+blasst) has one when every stage has.
 inline bool has_cuda_path(const std::string& method) {
+  if (const size_t plus = method.find('+'); plus != std::string::npos)
+    return has_cuda_path(method.substr(0, plus)) && has_cuda_path(method.substr(plus + 1));
   for (const char* m : kCudaSparseMethods)
     if (method == m) return true;
   return false;

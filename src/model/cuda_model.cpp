@@ -226,7 +226,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
     sp_bytes += size_t(n_pages_ + 2 * mb + 8 + 4 * mb * Hkv * 64 * n_patterns) * 4 +
                 size_t(64 * mb * Hq) * (D + 1) * 4 + size_t(mb * Hkv) * 4 + (4u << 20);
   }
-  if (sp.method == CudaSparse::Method::Blasst) sp_bytes += size_t(4) * NL * Hkv * 8 + 1024;
+  if (sp.blasst_any()) sp_bytes += size_t(4) * NL * Hkv * 8 + 1024;
   // Token top-k of selection layers over long rows (Tidal, LycheeDecode, oracle-topk).
   // LessIsMore: its per-query-head rows of n_uni tokens.
   const bool lim_topk = sp.method == CudaSparse::Method::LessIsMore;
@@ -369,7 +369,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   lim.max_pages = n_pages_;
   lim.max_split = 64;
   attn_ = std::make_unique<cuda::AttentionWorkspace>(A, lim, int(Hq), int(Hkv), int(D), P);
-  if (sp.method == CudaSparse::Method::Blasst) {
+  if (sp.blasst_any()) {
     const size_t n = size_t(4) * NL * Hkv;
     blasst_counts_ = A.alloc_n<unsigned long long>(n, "blasst tile counters");
     SPADE_CUDA(cudaMemset(blasst_counts_, 0, n * 8));
@@ -662,7 +662,7 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
       ld_layer(int(l), q, kc, vc, att, scale);
     } else if (sparse_step_ && spc.method == CudaSparse::Method::LycheeCluster) {
       if (int(l) >= spc.dense_layers) lc_layer(int(l), q, kc, vc, att, scale);
-      else attn_->run(q, kc, vc, att, scale, st);
+      else attn_->run(q, kc, vc, att, scale, st, blasst_skip(int(l)));
     } else if (sparse_step_ && scored_layer(int(l), q, kc, vc, att, scale)) {
       // a Tidal / LessIsMore selection layer or an oracle-topk layer (cuda_model_sparse.cpp)
     } else if (sparse_step_ && int(l) >= spc.dense_layers) {
@@ -684,9 +684,10 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
         ts.base_off = sel_off_, ts.base_idx = sel_idx_, ts.gran = cuda::SelGran::Chunk16;
         ts.B = step_B_, ts.scale = scale;
         twilight_->run(ts, st);
-        sparse_kept_->run(q, kc, vc, twilight_->kept_off(), twilight_->kept_idx(), att, scale, st);
+        sparse_kept_->run(q, kc, vc, twilight_->kept_off(), twilight_->kept_idx(), att, scale, st,
+                          0, nullptr, 0, sel_skip(int(l)));
       } else {
-        sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st);
+        sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st, 0, nullptr, 0, sel_skip(int(l)));
       }
     } else {
       attn_->run(q, kc, vc, att, scale, st, blasst_skip(int(l)));

@@ -36,6 +36,7 @@ class SparseAttention;
 class TwilightPruner;
 class LcIndexGpu;
 struct LcInsert;
+struct SelSkip;
 struct SparseSeq;
 struct BlasstSkip;
 }  // namespace cuda
@@ -71,6 +72,13 @@ struct CudaSparse {
   // blasst: lambda >= 0 fixed (0 = never skip), else a / L (decode a, prefill prefill_a)
   double blasst_lambda = -1, blasst_a = 0, blasst_prefill_a = 0;
   bool blasst_decode = true, blasst_prefill = true;
+  // BLASST over a selection (`--sparse quest+blasst`, blasst:base=M): `method` is the base's,
+  // and its attention launches also skip: over the lists (SparseAttention's SelSkip, lambda =
+  // a / the selection's tokens when blasst_len_selected, else a / the context) and in its dense
+  // launches (dense layers, the dense fallback, prefill when blasst_prefill). Launches that
+  // emit scores (Tidal / LessIsMore selection layers, LycheeDecode retrieval heads) do not skip.
+  bool blasst_sel = false, blasst_len_selected = true;
+  bool blasst_any() const { return method == Method::Blasst || blasst_sel; }
   int head_dim = 0;  // set by cuda_sparse_config (describe: prefill skipping needs 128)
   // tidal, lessismore: layer roles (dense / select / reuse); dense_layers mirrors schedule's
   sparse::LayerSchedule schedule;
@@ -224,6 +232,7 @@ class CudaModel {
   bool sel_pending_ = false;
   void drop_graphs();
   cuda::BlasstSkip blasst_skip(int layer) const;  // this step's skipping in `layer` (or none)
+  cuda::SelSkip sel_skip(int layer) const;  // the same inside a selection (blasst_sel)
   // LycheeCluster (cuda_model_lycheecluster.cpp). lc_prepare: per request of a decode step,
   // whether it is past the dense threshold (any_sparse), its list bound (max_entries), and
   // the index builds / lazy inserts this step runs (the CPU method's sync rule, host

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "backend/cuda/attention.h"
+#include "backend/cuda/sparse_attention.h"
 #include "core/error.h"
 #include "model/cuda_model.h"
 
@@ -17,8 +18,7 @@ cuda::BlasstSkip CudaModel::blasst_skip(int layer) const {
   const CudaSparse& sp = opt_.sparse;
   cuda::BlasstSkip k;
   const bool dec = attn_->decode();
-  if (sp.method != CudaSparse::Method::Blasst || !(dec ? sp.blasst_decode : blasst_prefill_active()))
-    return k;
+  if (!sp.blasst_any() || !(dec ? sp.blasst_decode : blasst_prefill_active())) return k;
   if (sp.blasst_lambda >= 0) {
     if (sp.blasst_lambda > 0) k.log_lambda = float(std::log(sp.blasst_lambda));
   } else {
@@ -31,9 +31,20 @@ cuda::BlasstSkip CudaModel::blasst_skip(int layer) const {
   return k;
 }
 
+cuda::SelSkip CudaModel::sel_skip(int layer) const {
+  const CudaSparse& sp = opt_.sparse;
+  cuda::SelSkip k;
+  if (!sp.blasst_sel || !sp.blasst_decode) return k;
+  const cuda::BlasstSkip b = blasst_skip(layer);
+  k.log_lambda = b.log_lambda;
+  k.per_length = b.per_length;
+  k.length_selected = sp.blasst_len_selected;
+  k.counts = b.counts;
+  return k;
+}
+
 bool CudaModel::blasst_prefill_active() const {
-  return opt_.sparse.method == CudaSparse::Method::Blasst && opt_.sparse.blasst_prefill &&
-         attn_->prefill_wgmma_active();
+  return opt_.sparse.blasst_any() && opt_.sparse.blasst_prefill && attn_->prefill_wgmma_active();
 }
 
 std::vector<uint64_t> CudaModel::blasst_counts(bool prefill) const {

@@ -219,7 +219,7 @@ void CudaModel::lc_layer(int l, const void* q, const void* kc_, const void* vc_,
   cuda::LcIndexGpu::compact(lc_lists_, lc_counts_, step_B_ * Hkv, lc_cap_, sel_off_, sel_idx_, st);
   if (quest_trace) trace_quest(l);
   sparse_->run(static_cast<const cuda::bf16*>(q), kc, static_cast<const cuda::bf16*>(vc_), sel_off_,
-               sel_idx_, static_cast<cuda::bf16*>(att), scale, st);
+               sel_idx_, static_cast<cuda::bf16*>(att), scale, st, 0, nullptr, 0, sel_skip(l));
 }
 
 }  // namespace spade

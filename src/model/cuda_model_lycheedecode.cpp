@@ -36,12 +36,14 @@ void CudaModel::ld_layer(int layer, const void* q_, const void* kc_, const void*
   const bool selects = layer + 1 < cfg_.n_layers &&
                        std::any_of(roles.begin(), roles.end(), [](uint8_t r) { return r != 0; });
   const int pattern = ld_pattern_of_[size_t(layer)];
+  // BLASST over LycheeDecode skips only in launches that emit no scores.
   if (pattern < 0) {  // all retrieval heads: dense attention
     const cuda::DecodeScores ds{sel_scores_, ld};
-    attn_->run(q, kc, vc, att, scale, st, {}, selects ? &ds : nullptr);
+    attn_->run(q, kc, vc, att, scale, st, selects ? cuda::BlasstSkip{} : blasst_skip(layer),
+               selects ? &ds : nullptr);
   } else {
     sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st, pattern,
-                 selects ? sel_scores_ : nullptr, ld);
+                 selects ? sel_scores_ : nullptr, ld, selects ? cuda::SelSkip{} : sel_skip(layer));
   }
   if (!selects) return;
   uint32_t heads = 0;

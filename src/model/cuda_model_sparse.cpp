@@ -56,7 +56,7 @@ bool CudaModel::scored_layer(int l, const void* q_, const void* kc_, const void*
     cuda::token_compact_lists(tidal_strided_, sparse_->dev_kv_len(), step_B_, Hkv, tidal_k,
                               sel_off_, sel_idx_, st);
     if (quest_trace) trace_quest(l), trace_scores(l);
-    sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st);
+    sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st, 0, nullptr, 0, sel_skip(l));
   } else if (lim && role == sparse::LayerSchedule::Role::Select) {
     // Full attention that also emits every query head's scores; their merged ranking, the
     // sinks and the recency window become the one list of each request.

@@ -13,7 +13,27 @@
 
 namespace spade {
 
+namespace {
+std::string blasst_lambda_text(const CudaSparse& s, bool prefill) {
+  if (s.blasst_lambda >= 0) return cat("lambda=", s.blasst_lambda);
+  return cat("lambda=", prefill ? s.blasst_prefill_a : s.blasst_a, "/L");
+}
+}  // namespace
+
 std::string CudaSparse::describe() const {
+  if (blasst_sel) {
+    CudaSparse base = *this;
+    base.blasst_sel = false;
+    return cat("blasst over [", base.describe(), "]: decode ",
+               blasst_decode ? cat(blasst_lambda_text(*this, false), " (L: ",
+                                   blasst_len_selected ? "the selection's tokens" : "the context",
+                                   "; tiles: 16-entry warp chunks of the lists, V rows of skipped "
+                                   "chunks not read; launches that emit scores do not skip)")
+                             : std::string("off"),
+               ", prefill ", !blasst_prefill ? std::string("dense (prefill=1 turns skipping on)")
+                             : head_dim == 128 ? blasst_lambda_text(*this, true) + " (tiles: 64 rows x 128 keys)"
+                                               : cat("dense (head_dim ", head_dim, ")"));
+  }
   switch (method) {
     case Method::None: return "full";
     case Method::Streaming:
@@ -79,12 +99,23 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
   sparse::SparseConfig cfg = cfg_in;
   // GPU-only option, removed before the CPU's option table checks the rest.
   std::string scores = "exact";
+  const bool gave_scores = cfg.options.count("gpu_scores") > 0;
   if (auto it = cfg.options.find("gpu_scores"); it != cfg.options.end()) {
     scores = it->second;
     cfg.options.erase(it);
   }
   SPADE_CHECK(scores == "exact" || scores == "fast", "gpu_scores must be exact or fast, got '",
               scores, "'");
+  // A stack "a+b[+c]" is its last stage over base "a[+b]" (as sparse::make_stack builds it).
+  if (cfg.method.find('+') != std::string::npos) {
+    const std::vector<std::string> st = sparse::split_stack(cfg.method);
+    SPADE_CHECK(!cfg.options.count("base"), "sparse stack '", cfg.method, "' and option base= both "
+                "name a base");
+    std::string base;
+    for (size_t i = 0; i + 1 < st.size(); ++i) base += (i ? "+" : "") + st[i];
+    cfg.method = st.back();
+    cfg.options["base"] = base;
+  }
   const sparse::MethodInfo& info = sparse::find_method(cfg.method);
   if (info.name == "full") return r;
   SPADE_CHECK(has_cuda_path(info.name), "--device cuda: sparse method '", cfg.method,
@@ -95,13 +126,33 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
   r.head_dim = model.head_dim;
   if (info.name == "blasst") {
     const sparse::BlasstMethod* bm = sparse::as_blasst(*method);
-    SPADE_CHECK(bm && o.str("base") == "full", "--device cuda: blasst runs over full attention "
-                "only (base=", o.str("base"), " needs the selection kernels' skipping)");
+    SPADE_CHECK(bm, "--device cuda: blasst: not a BLASST method");
     for (const char* k : {"tile", "prefill_tile", "q_block"})
       SPADE_CHECK(!cfg.options.count(k), "--device cuda: blasst option '", k, "' is fixed by the "
                   "GPU kernels (decode tiles: 16-token warp chunks; prefill: 64 rows x 128 keys)");
     SPADE_CHECK(bm->params().order == cpu::TileOrder::Sequential,
                 "--device cuda: blasst visits tiles in sequential order only");
+    const std::string base = o.str("base");
+    if (base != "full") {
+      // BLASST inside a GPU selection: the base's GPU form, whose attention launches skip.
+      sparse::SparseConfig bc;
+      bc.method = base;
+      bc.options = sparse::route_to_base("blasst", sparse::blasst_own_options(), base,
+                                         sparse::given_options(o));
+      if (gave_scores) bc.options["gpu_scores"] = scores;
+      CudaSparse b = cuda_sparse_config(bc, model, kv_page_size);
+      SPADE_CHECK(b.method != CudaSparse::Method::None && !b.blasst_any(), "--device cuda: blasst "
+                  "base '", base, "' must be a GPU selector");
+      b.blasst_sel = true;
+      b.blasst_lambda = bm->params().lambda;
+      b.blasst_a = bm->params().a;
+      b.blasst_prefill_a = bm->params().prefill_a >= 0 ? bm->params().prefill_a : bm->params().a;
+      b.blasst_decode = bm->params().decode;
+      b.blasst_prefill = bm->params().prefill && cfg.options.count("prefill");
+      b.blasst_len_selected = bm->params().length_selected;
+      b.head_dim = model.head_dim;
+      return b;
+    }
     r.method = CudaSparse::Method::Blasst;
     r.blasst_lambda = bm->params().lambda;
     r.blasst_a = bm->params().a;

@@ -1,7 +1,8 @@
 // BLASST inside CudaModel (`--device cuda --sparse blasst`): the CPU method's options map to
 // the GPU kernels' skipping; lambda = 0 is the dense path; a lambda too small to skip runs the
 // skipping kernels and must give dense attention's logits; the tile counters count every
-// 16-token chunk of every decode step exactly once per (layer, KV head); a / L skips tiles.
+// 16-token chunk of every decode step exactly once per (layer, KV head); a / L skips tiles;
+// and BLASST inside Quest's selections (InsideQuestSelections).
 // Random bf16-rounded weights (as test_cuda_sparse_model.cpp), two requests batched.
 #include <algorithm>
 #include <cmath>
@@ -77,7 +78,7 @@ void check(int D) {
     SCOPED_TRACE(spec);
     CudaModel m(w, opts(c, spec));
     m.reset_blasst_counts();
-    const Run got = run_model(m, c, steps);
+    const auto got = run_model(m, c, steps);
     const bool exact = std::string(spec).rfind("blasst:lambda=0,", 0) == 0;
     const bool skips = std::string(spec).rfind("blasst:a=300", 0) == 0;
     double worst = 0;
@@ -120,6 +121,53 @@ TEST(CudaBlasstModel, HeadDim64) {
   check(64);
 }
 
+// BLASST inside a selection (`--sparse quest+blasst`): a lambda too small to skip gives
+// Quest's logits (within 1e-2: the dense layer runs the skipping dense kernel, whose tile
+// schedule differs; the sparse layer's SKIP pipeline alone is bit-identical,
+// test_cuda_sparse_blasst.cpp); every chunk of every list and of the dense layer is counted
+// once; a larger lambda skips.
+TEST(CudaBlasstModel, InsideQuestSelections) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = blasst_cfg(128);
+  const ModelWeights w = bf16_model(c, 31);
+  const int steps = 12;
+  CudaModel quest(w, opts(c, "quest:budget=256,dense_layers=1"));
+  const auto ref = run_model(quest, c, steps);
+  int64_t dense_chunks = 0;
+  for (int64_t L : ref.lens) dense_chunks += (L + 15) / 16;
+  const int64_t list_chunks = int64_t(steps) * 2 * (256 / 16);  // 16 pages per list
+  for (const char* spec : {"quest+blasst:budget=256,dense_layers=1,lambda=1e-30",
+                           "quest+blasst:budget=256,dense_layers=1,lambda=0.05"}) {
+    SCOPED_TRACE(spec);
+    CudaModel m(w, opts(c, spec));
+    ASSERT_TRUE(m.sparse().blasst_sel);
+    m.reset_blasst_counts();
+    const auto got = run_model(m, c, steps);
+    const bool tiny = std::string(spec).find("1e-30") != std::string::npos;
+    double worst = 0;
+    for (int s = 0; s < steps; ++s) {
+      const double e = rel_err(got.logits[size_t(s)], ref.logits[size_t(s)]);
+      worst = std::max(worst, e);
+      if (tiny) EXPECT_LT(e, 1e-2) << "step " << s;
+      else EXPECT_TRUE(std::isfinite(e)) << "step " << s;
+    }
+    const std::vector<uint64_t> dc = m.blasst_counts(false);
+    uint64_t skipped[2] = {0, 0};
+    for (int l = 0; l < c.n_layers; ++l)
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        const size_t i = (size_t(l) * c.n_kv_heads + h) * 2;
+        EXPECT_EQ(int64_t(dc[i]), l == 0 ? dense_chunks : list_chunks) << "layer " << l << " head " << h;
+        skipped[l > 0] += dc[i + 1];
+      }
+    if (tiny) EXPECT_EQ(skipped[0] + skipped[1], 0u);
+    else EXPECT_GT(skipped[1], 0u) << "lambda 0.05 skips chunks of the Quest lists";
+    std::printf("[ blasst in quest ] %s: worst logits rel err vs quest %.3g, skipped chunks: dense "
+                "layer %llu/%lld, quest layer %llu/%lld per head x %d heads\n", spec, worst,
+                (unsigned long long)skipped[0], (long long)dense_chunks * c.n_kv_heads,
+                (unsigned long long)skipped[1], (long long)list_chunks, c.n_kv_heads);
+  }
+}
+
 TEST(CudaBlasstModel, CalibrationProbe) {
   // The probe behind `spade calibrate blasst --device cuda`: lambda 0 and a lambda too small
   // to skip give 0; lambda = a / L with a = lambda * L (one step: L fixed) gives the lambda's
@@ -152,8 +200,20 @@ TEST(CudaBlasstModel, OptionsMapOrFailClearly) {
   auto expect_error = [&](const std::string& spec, const char* what) {
     expect_cuda_config_error(spec, what, c);
   };
-  expect_error("blasst:base=quest", "over full attention only");
+  expect_error("blasst:base=oracle-topp", "no GPU path");
   expect_error("blasst:tile=32", "fixed by the GPU kernels");
+  for (const char* spec : {"blasst:base=quest,budget=512", "quest+blasst:budget=512"}) {
+    const CudaSparse q = cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);
+    EXPECT_EQ(q.method, CudaSparse::Method::Quest) << spec;
+    EXPECT_TRUE(q.blasst_sel && q.blasst_any()) << spec;
+    EXPECT_EQ(q.budget, 512) << spec;
+    EXPECT_NE(q.describe().find("blasst over [quest budget=512"), std::string::npos) << q.describe();
+  }
+  const CudaSparse tw = cuda_sparse_config(
+      sparse::SparseConfig::parse_spec("quest+twilight+blasst:budget=512,length=context"), c, 16);
+  EXPECT_EQ(tw.method, CudaSparse::Method::Twilight);
+  EXPECT_TRUE(tw.blasst_sel);
+  EXPECT_FALSE(tw.blasst_len_selected);
   expect_error("blasst:order=reverse", "sequential");
   const CudaSparse d = cuda_sparse_config(sparse::SparseConfig::parse_spec("blasst"), c, 16);
   EXPECT_EQ(d.method, CudaSparse::Method::Blasst);

@@ -23,6 +23,10 @@
 // q + out 2*Hq*D*2 per request, partials 2 * splits * G * (D + 1) * 4 per (request, KV head).
 // Shared memory: 4 KB Q + 4 warps x 3 stages x 8 KB (D = 128) + 1 KB alignment = 101 KB
 // (2 CTAs per SM).
+// BLASST inside the selection (SelSkip, the SKIP instances): after Q K^T of a chunk, the warp
+// votes; a chunk whose every query row's max is below the running max of the kept chunks by
+// more than -ln lambda skips exp, the row sum, P V and its V rows (only K is read for it):
+// bytes per skipped row 2*D (K) instead of 4*D.
 #include <algorithm>
 #include <cmath>
 
@@ -54,6 +58,12 @@ struct SpArgs {
   // mean over the G query heads of q.k_j * scale, from the products the softmax uses.
   float* scores_out;
   int64_t scores_ld;
+  // BLASST (SKIP instances): threshold log2(lambda) (fixed), or log2(a) - log2(length) per
+  // (request, head) with length = the selection's tokens (skip_len_selected) or kv_len, capped
+  // at 0; counters [Hkv][2] (chunks seen, chunks skipped), optional.
+  float skip_log2;
+  int skip_per_length, skip_len_selected;
+  unsigned long long* skip_counts;
 };
 
 constexpr int kTK = 16;  // rows per chunk
@@ -72,7 +82,9 @@ struct SpCfg {
 };
 
 // TOKEN: Token lists (per-row gather); else Chunk16 / Block64 / dense (16-token runs).
-template <int D, int W, int S, bool TOKEN>
+// SKIP: BLASST inside the selection (chunks far below the running max are skipped, their V
+// rows not loaded); no dense-head score emission then.
+template <int D, int W, int S, bool TOKEN, bool SKIP>
 __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   using C = SpCfg<D, W, S>;
   constexpr int CH = C::CH, RPI = C::RPI, NT = C::kThreads;
@@ -135,7 +147,8 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   };
   // Copies one chunk into ring stage st: token mode, row r from lane r's rid (shuffled);
   // page modes, rows rid + r for r < lim. Invalid rows are zero-filled (V = 0: no 0 * NaN).
-  auto issue = [&](int st, int rid, int lim) {
+  // which: 1 = K rows, 2 = V rows, 3 = both.
+  auto issue = [&](int st, int rid, int lim, int which) {
     bf16* dK = ring + (warp * S + st) * C::kStage;
     bf16* dV = dK + C::kTile;
 #pragma unroll
@@ -146,8 +159,8 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
       else rr = (rid >= 0 && r < lim) ? rid + r : -1;
       const bool valid = rr >= 0;
       const int64_t off = valid ? int64_t(rr) * D + cc * 8 : 0;
-      cp_async16(dK + swz<D>(r, cc * 8), a.k + off, valid);
-      cp_async16(dV + swz<D>(r, cc * 8), a.v + off, valid);
+      if (which & 1) cp_async16(dK + swz<D>(r, cc * 8), a.k + off, valid);
+      if (which & 2) cp_async16(dV + swz<D>(r, cc * 8), a.v + off, valid);
     }
   };
 
@@ -158,16 +171,20 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     const bf16* src = a.q + (int64_t(seq) * a.Hq + kvh * G + r) * D + c * 8;
     cp_async16(sQ + swz<D>(r, c * 8), valid ? src : a.q, valid);
   }
-  // Ring prologue: chunks 0 .. S-2, with their entries resolved in place.
-  int lq[S];  // valid rows of chunks kk, kk + 1, ... (a register queue, shifted each step)
+  // Ring prologue: chunks 0 .. S-2, with their entries resolved in place. SKIP (BLASST): K
+  // rows only, each chunk a commit-group pair ([empty], [K]) like the main loop's ([V], [K]).
+  int lq[S];    // valid rows of chunks kk, kk + 1, ... (a register queue, shifted each step)
+  int ridq[S];  // SKIP: their resolved row ids (the V rows are issued once a chunk is kept)
 #pragma unroll
-  for (int s = 0; s < S; ++s) lq[s] = 0;
+  for (int s = 0; s < S; ++s) lq[s] = 0, ridq[s] = -1;
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
+    if constexpr (SKIP) cp_async_commit();
     if (s < n_my) {
       const Ent e = stage_a(s);
       lq[s] = e.lim;
-      issue(s, stage_b(e.tok), e.lim);
+      ridq[s] = stage_b(e.tok);
+      issue(s, ridq[s], e.lim, SKIP ? 1 : 3);
     }
     cp_async_commit();
   }
@@ -183,7 +200,8 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     tok_ahead = e.tok;
     lim_ahead = e.lim;
   }
-  cp_async_wait<S - 2>();
+  if constexpr (SKIP) cp_async_wait<2 * S - 3>();  // Q (group 0) has landed
+  else cp_async_wait<S - 2>();
   __syncthreads();
 
   uint32_t qa[D / 16][4];
@@ -205,37 +223,14 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int t4 = lane & 3;
   const float sl2 = a.scale_log2;
+  const int mi = lane >> 3;
 
-  int st_issue = S - 1, st_use = 0;
-  for (int kk = 0; kk < n_my; ++kk) {
-    __syncwarp();
-    const int kn = kk + S - 1;
-    if (kn < n_my) issue(st_issue, rid_next, lim_next);
-    lq[S - 1] = lim_next;
-    cp_async_commit();
-    // Advance the address pipeline: resolve chunk kn + 1 (page id), load chunk kn + 2's entry.
-    if (kn + 1 < n_my) {
-      rid_next = stage_b(tok_ahead);
-      lim_next = lim_ahead;
-    }
-    if (kn + 2 < n_my) {
-      const Ent e = stage_a(kn + 2);
-      tok_ahead = e.tok;
-      lim_ahead = e.lim;
-    }
-    const bf16* tK = ring + (warp * S + st_use) * C::kStage;
-    const bf16* tV = tK + C::kTile;
-    const int lim = lq[0];
-    cp_async_wait<S - 1>();
-    __syncwarp();
-    const unsigned char* bK = reinterpret_cast<const unsigned char*>(tK);
-    const unsigned char* bV = reinterpret_cast<const unsigned char*>(tV);
-    float s[kTK / 8][4], s2[kTK / 8][4];
+  // S = Q K^T of the chunk in bK: raw products, even k-steps in s, odd in s2.
+  auto qk = [&](const unsigned char* bK, float (&s)[kTK / 8][4], float (&s2)[kTK / 8][4]) {
 #pragma unroll
     for (int nb = 0; nb < kTK / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nb][e] = 0.f, s2[nb][e] = 0.f;
-    const int mi = lane >> 3;
 #pragma unroll
     for (int k16 = 0; k16 < D / 16; ++k16) {
       const int r = (lane & 7) + ((mi & 2) ? 8 : 0);
@@ -250,31 +245,15 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
         mma16816(s[1], qa[k16], b2, b3);
       }
     }
-    if (dense && a.scores_out) {  // CTA-uniform; a dense head's chunk c is tokens [16c, 16c + 16)
-      // Rows 0..15 of a column live in the 8 lanes with the same t4 (row lane / 4 in [e], row
-      // lane / 4 + 8 in [2 + e]); rows >= G have q = 0 and add 0.
-      const float f = sl2 * 0.6931471805599453f / float(G);
-      float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
-      const int j0 = chunk_of(kk) * kTK;
-#pragma unroll
-      for (int nb = 0; nb < kTK / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = s[nb][e] + s2[nb][e] + s[nb][2 + e] + s2[nb][2 + e];
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          const int j = j0 + nb * 8 + 2 * t4 + e;
-          if ((lane >> 2) == 0 && j < L) dst[j] = v * f;
-        }
-    }
+  };
+  // s <- (s + s2) in log2 units, rows >= lim masked; mx[i] = row maxima (rows lane/4 + 8i).
+  auto scale_mask = [&](float (&s)[kTK / 8][4], const float (&s2)[kTK / 8][4], int lim,
+                        float (&mx)[2]) {
     const bool mask = lim < kTK;
-    float alpha[2] = {1.f, 1.f};
-    bool need = false;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+      mx[i] = -INFINITY;
       if (i == 1 && !hi_rows) break;
-      float mx = -INFINITY;
 #pragma unroll
       for (int nb = 0; nb < kTK / 8; ++nb)
 #pragma unroll
@@ -282,13 +261,23 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
           float x = (s[nb][2 * i + e] + s2[nb][2 * i + e]) * sl2;
           if (mask && nb * 8 + 2 * t4 + e >= lim) x = -INFINITY;
           s[nb][2 * i + e] = x;
-          mx = fmaxf(mx, x);
+          mx[i] = fmaxf(mx[i], x);
         }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      if (mx > m[i] + 8.f) {
-        alpha[i] = exp2f(m[i] - mx);
-        m[i] = mx;
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    }
+  };
+  // Online softmax of a scaled chunk (lazy rescale: the reference max moves only when a row
+  // max exceeds it by 8), s <- p, then P packed to bf16 A fragments.
+  auto softmax_pack = [&](float (&s)[kTK / 8][4], const float (&mx)[2], uint32_t (&pa)[4]) {
+    float alpha[2] = {1.f, 1.f};
+    bool need = false;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (i == 1 && !hi_rows) break;
+      if (mx[i] > m[i] + 8.f) {
+        alpha[i] = exp2f(m[i] - mx[i]);
+        m[i] = mx[i];
         need = true;
       }
       const float mu = m[i] == -INFINITY ? 0.f : m[i];
@@ -312,26 +301,156 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
         o[nd][3] *= alpha[1];
       }
     }
-    {
-      uint32_t pa[4];
-      pa[0] = pack_bf16(s[0][0], s[0][1]);
-      pa[1] = pack_bf16(s[0][2], s[0][3]);
-      pa[2] = pack_bf16(s[1][0], s[1][1]);
-      pa[3] = pack_bf16(s[1][2], s[1][3]);
+    pa[0] = pack_bf16(s[0][0], s[0][1]);
+    pa[1] = pack_bf16(s[0][2], s[0][3]);
+    pa[2] = pack_bf16(s[1][0], s[1][1]);
+    pa[3] = pack_bf16(s[1][2], s[1][3]);
+  };
+  // O += P V of the chunk whose V rows are in bV.
+  auto pv = [&](const uint32_t (&pa)[4], const unsigned char* bV) {
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        const int r = (lane & 7) + ((mi & 1) ? 8 : 0);
-        const int col = dp * 16 + ((mi & 2) ? 8 : 0);
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(b0, b1, b2, b3, bV + swz<D>(r, col) * 2);
-        mma16816(o[2 * dp], pa, b0, b1);
-        mma16816(o[2 * dp + 1], pa, b2, b3);
-      }
+    for (int dp = 0; dp < D / 16; ++dp) {
+      const int r = (lane & 7) + ((mi & 1) ? 8 : 0);
+      const int col = dp * 16 + ((mi & 2) ? 8 : 0);
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4_t(b0, b1, b2, b3, bV + swz<D>(r, col) * 2);
+      mma16816(o[2 * dp], pa, b0, b1);
+      mma16816(o[2 * dp + 1], pa, b2, b3);
     }
+  };
+  auto stage_ptr = [&](int st) {
+    return reinterpret_cast<const unsigned char*>(ring + (warp * S + st) * C::kStage);
+  };
+
+  if constexpr (!SKIP) {
+  int st_issue = S - 1, st_use = 0;
+  for (int kk = 0; kk < n_my; ++kk) {
+    __syncwarp();
+    const int kn = kk + S - 1;
+    if (kn < n_my) issue(st_issue, rid_next, lim_next, 3);
+    lq[S - 1] = lim_next;
+    cp_async_commit();
+    // Advance the address pipeline: resolve chunk kn + 1 (page id), load chunk kn + 2's entry.
+    if (kn + 1 < n_my) {
+      rid_next = stage_b(tok_ahead);
+      lim_next = lim_ahead;
+    }
+    if (kn + 2 < n_my) {
+      const Ent e = stage_a(kn + 2);
+      tok_ahead = e.tok;
+      lim_ahead = e.lim;
+    }
+    const int lim = lq[0];
+    cp_async_wait<S - 1>();
+    __syncwarp();
+    const unsigned char* bK = stage_ptr(st_use);
+    float s[kTK / 8][4], s2[kTK / 8][4];
+    qk(bK, s, s2);
+    if (dense && a.scores_out) {  // CTA-uniform; a dense head's chunk c is tokens [16c, 16c + 16)
+      // Rows 0..15 of a column live in the 8 lanes with the same t4 (row lane / 4 in [e], row
+      // lane / 4 + 8 in [2 + e]); rows >= G have q = 0 and add 0.
+      const float f = sl2 * 0.6931471805599453f / float(G);
+      float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
+      const int j0 = chunk_of(kk) * kTK;
+#pragma unroll
+      for (int nb = 0; nb < kTK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = s[nb][e] + s2[nb][e] + s[nb][2 + e] + s2[nb][2 + e];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          const int j = j0 + nb * 8 + 2 * t4 + e;
+          if ((lane >> 2) == 0 && j < L) dst[j] = v * f;
+        }
+    }
+    float mx[2];
+    scale_mask(s, s2, lim, mx);
+    uint32_t pa[4];
+    softmax_pack(s, mx, pa);
+    pv(pa, bK + C::kTile * sizeof(bf16));
     st_issue = st_issue + 1 == S ? 0 : st_issue + 1;
     st_use = st_use + 1 == S ? 0 : st_use + 1;
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) lq[s] = lq[s + 1];
+  }
+  } else {
+    // BLASST (SKIP): a chunk is skipped when no query row of the group has a score within
+    // thr (log2 lambda) of the running maximum of the kept chunks: no exp, no P V, and its V
+    // rows are never loaded. P V runs one chunk behind (P of chunk kk waits in registers while
+    // V_kk lands). Commit groups per iteration: [V_kk or empty] then [K_{kk+S-1}]; so K_kk is
+    // complete when <= 2S-4 groups are pending and V_{kk-1} when <= 3 are (after iteration
+    // kk's two commits). K_{kk+S-1} goes to stage (kk-1) % S, whose V half still holds
+    // V_{kk-1}: the halves are disjoint. No seed: each warp's first chunk is always kept.
+    const int sel_tok = dense ? L : TOKEN ? n_ent
+                        : min(L, n_ent * (a.gran == int(SelGran::Block64) ? 64 : 16));
+    const float thr = a.skip_per_length
+                          ? fminf(0.f, a.skip_log2 - log2f(float(max(1, a.skip_len_selected ? sel_tok : L))))
+                          : a.skip_log2;
+    float mt[2] = {-INFINITY, -INFINITY};
+    uint32_t pend[4];
+    bool have_pend = false;
+    int st_use = 0, st_prev = S - 1;
+    unsigned tiles = 0, skipped = 0;
+    for (int kk = 0; kk < n_my; ++kk) {
+      __syncwarp();  // every lane is done with iteration kk-1's shared-memory reads
+      cp_async_wait<2 * S - 4>();
+      __syncwarp();  // K_kk visible to the warp
+      const unsigned char* bK = stage_ptr(st_use);
+      float s[kTK / 8][4], s2[kTK / 8][4], mx[2];
+      qk(bK, s, s2);
+      scale_mask(s, s2, lq[0], mx);
+      bool keep_row = false;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (i == 1 && !hi_rows) break;
+        if ((lane >> 2) + 8 * i < G && !(mx[i] - fmaxf(mt[i], mx[i]) < thr)) keep_row = true;
+      }
+      const bool keep = __any_sync(0xffffffffu, keep_row);
+      ++tiles;
+      if (keep) {
+        issue(st_use, ridq[0], lq[0], 2);
+        mt[0] = fmaxf(mt[0], mx[0]);
+        mt[1] = fmaxf(mt[1], mx[1]);
+      } else {
+        ++skipped;
+      }
+      cp_async_commit();  // [V_kk] (empty when skipped)
+      const int kn = kk + S - 1;
+      if (kn < n_my) issue(st_prev, rid_next, lim_next, 1);
+      lq[S - 1] = lim_next;
+      ridq[S - 1] = rid_next;
+      cp_async_commit();  // [K_{kk+S-1}]
+      if (kn + 1 < n_my) {
+        rid_next = stage_b(tok_ahead);
+        lim_next = lim_ahead;
+      }
+      if (kn + 2 < n_my) {
+        const Ent e = stage_a(kn + 2);
+        tok_ahead = e.tok;
+        lim_ahead = e.lim;
+      }
+      if (have_pend) {  // O += P_{kk-1} V_{kk-1}, before chunk kk may rescale O
+        cp_async_wait<3>();
+        __syncwarp();
+        pv(pend, stage_ptr(st_prev) + C::kTile * sizeof(bf16));
+      }
+      have_pend = keep;
+      if (keep) softmax_pack(s, mx, pend);
+      st_prev = st_use;
+      st_use = st_use + 1 == S ? 0 : st_use + 1;
+#pragma unroll
+      for (int s = 0; s < S - 1; ++s) lq[s] = lq[s + 1], ridq[s] = ridq[s + 1];
+    }
+    if (have_pend) {
+      cp_async_wait<0>();
+      __syncwarp();
+      pv(pend, stage_ptr(st_prev) + C::kTile * sizeof(bf16));
+    }
+    if (a.skip_counts && lane == 0) {
+      atomicAdd(a.skip_counts + 2 * kvh, (unsigned long long)tiles);
+      atomicAdd(a.skip_counts + 2 * kvh + 1, (unsigned long long)skipped);
+    }
   }
   cp_async_wait<0>();
 #pragma unroll
@@ -451,17 +570,23 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
 
 constexpr int kW = 4, kS = 3;
 
-template <int D, bool TOKEN>
+template <int D, bool TOKEN, bool SKIP>
 void launch_one(const SpArgs& a, int n_items, cudaStream_t s) {
   using C = SpCfg<D, kW, kS>;
   static bool done = false;
   if (!done) {
-    SPADE_CUDA(cudaFuncSetAttribute(sparse_decode_kernel<D, kW, kS, TOKEN>,
+    SPADE_CUDA(cudaFuncSetAttribute(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmem)));
     done = true;
   }
-  sparse_decode_kernel<D, kW, kS, TOKEN><<<n_items, C::kThreads, C::kSmem, s>>>(a);
+  sparse_decode_kernel<D, kW, kS, TOKEN, SKIP><<<n_items, C::kThreads, C::kSmem, s>>>(a);
   SPADE_CUDA_LAUNCH();
+}
+
+template <int D>
+void launch_d(const SpArgs& a, bool tok, bool skip, int n, cudaStream_t s) {
+  if (skip) tok ? launch_one<D, true, true>(a, n, s) : launch_one<D, false, true>(a, n, s);
+  else tok ? launch_one<D, true, false>(a, n, s) : launch_one<D, false, false>(a, n, s);
 }
 
 }  // namespace
@@ -495,10 +620,10 @@ SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_
 int SparseAttention::ctas_per_sm() const {
   int n = 0;
   if (D_ == 128)
-    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<128, kW, kS, true>,
+    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<128, kW, kS, true, false>,
                                                              kW * 32, SpCfg<128, kW, kS>::kSmem));
   else
-    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<64, kW, kS, true>,
+    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<64, kW, kS, true, false>,
                                                              kW * 32, SpCfg<64, kW, kS>::kSmem));
   return std::max(n, 1);
 }
@@ -616,10 +741,14 @@ void SparseAttention::plan_patterns(const std::vector<SparseSeq>& batch, SelGran
 void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cache,
                           const int32_t* sel_off, const int32_t* sel_idx, bf16* out, float scale,
                           cudaStream_t s, int pattern, float* dense_scores,
-                          int64_t scores_ld) const {
+                          int64_t scores_ld, const SelSkip& skip) const {
   SPADE_CHECK(pattern >= 0 && pattern < int(pattern_first_.size()), "sparse attention: pattern ",
               pattern, " was not planned");
   SPADE_CHECK(!dense_scores || scores_ld > 0, "sparse attention: scores need a row stride");
+  SPADE_CHECK(!(skip.active() && dense_scores), "sparse attention: BLASST skipping and dense-head "
+              "score emission do not run together");
+  SPADE_CHECK(skip.log_lambda <= 0.f || !skip.active(), "sparse attention: ln lambda ",
+              skip.log_lambda, " must be <= 0");
   SpArgs a{};
   a.scores_out = dense_scores;
   a.scores_ld = scores_ld;
@@ -644,10 +773,14 @@ void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cach
   a.gran = int(gran_);
   a.total_rows = int64_t(B_) * Hq_;
   a.scale_log2 = scale * 1.4426950408889634f;
+  a.skip_log2 = skip.log_lambda * 1.4426950408889634f;
+  a.skip_per_length = skip.per_length ? 1 : 0;
+  a.skip_len_selected = skip.length_selected ? 1 : 0;
+  a.skip_counts = skip.counts;
   const bool tok = gran_ == SelGran::Token;
   const int n = pattern_count_[size_t(pattern)];
-  if (D_ == 128) tok ? launch_one<128, true>(a, n, s) : launch_one<128, false>(a, n, s);
-  else tok ? launch_one<64, true>(a, n, s) : launch_one<64, false>(a, n, s);
+  if (D_ == 128) launch_d<128>(a, tok, skip.active(), n, s);
+  else launch_d<64>(a, tok, skip.active(), n, s);
 }
 
 }  // namespace spade::cuda

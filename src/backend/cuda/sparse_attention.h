@@ -20,6 +20,7 @@
 // page tables, lengths, work items; list lengths only as upper bounds, the kernel reads the
 // real ones from sel_off) -> run(...) per layer. Launches of one object must not overlap.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -33,6 +34,18 @@ struct SparseSeq {
   const int32_t* pages = nullptr;  // host page ids in token order
   int n_pages = 0;
   int kv_len = 0;  // tokens in the cache, this step's token included
+};
+
+// BLASST inside a selection (SparseAttention::run): threshold ln(lambda) <= 0 (-inf: off), or
+// lambda = a / length with log_lambda = ln(a) and per_length (length: the (request, head)'s
+// selected tokens when length_selected, else its context; lambda capped at 1). counts:
+// optional device [Hkv][2] (chunks seen, chunks skipped), accumulated. A chunk = 16 entries of
+// a warp's share of the list; each warp's first chunk is always kept (no seed).
+struct SelSkip {
+  float log_lambda = -INFINITY;
+  bool per_length = false, length_selected = true;
+  unsigned long long* counts = nullptr;
+  bool active() const { return log_lambda > -INFINITY; }
 };
 
 class SparseAttention {
@@ -58,9 +71,10 @@ class SparseAttention {
   // group-mean scores dense_scores[(b * Hkv + h) * scores_ld + j] = mean over the G query heads
   // of q.k_j * scale for every j < kv_len (as the dense kernel's DecodeScores; LycheeDecode's
   // retrieval heads), from the same products: no second pass over K.
+  // skip: BLASST inside the selection (not together with dense_scores).
   void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* sel_off,
            const int32_t* sel_idx, bf16* out, float scale, cudaStream_t s, int pattern = 0,
-           float* dense_scores = nullptr, int64_t scores_ld = 0) const;
+           float* dense_scores = nullptr, int64_t scores_ld = 0, const SelSkip& skip = {}) const;
 
   int n_items() const { return n_items_; }  // of pattern 0
   // Work items of each pattern of the last plan (launch shapes: a CUDA graph's key).
