@@ -9,6 +9,8 @@
 //                stratified-random positions (one position drawn in each L/budget stretch)
 //   page16       SparseAttention over per-head lists of budget/16 random 16-token pages
 //   shared_token one token list per request shared by all KV heads (LessIsMore)
+//   token_skip_lnX  the token lists with BLASST skipping inside them (SelSkip, ln lambda = X;
+//                lambda sweep on random data; selection_skip lines: sparsity, speed-up)
 //   quest        the whole Quest step: metadata update of each request's last page, page
 //                scores, top-k (radix select), attention over the selected pages
 //   quest_select the selection part of `quest` alone (quest_score / quest_topk: its two stages)
@@ -198,6 +200,7 @@ void bench_shape(int L, int B) {
   std::vector<SparseSeq> seqs(B);
   for (int b = 0; b < B; ++b) seqs[b] = {perm.data() + size_t(b) * pps, pps, L};
   SparseAttention sa(arena, B, region_pages, Hq, Hkv, D, P, 64);
+  unsigned long long* d_skip_counts = arena.alloc_n<unsigned long long>(size_t(2) * Hkv, "skip counts");
   int32_t* d_rown = arena.alloc_n<int32_t>(size_t(B) * Hq + B, "row lengths");
   int32_t* d_strided = arena.alloc_n<int32_t>(size_t(B) * Hq * 4096, "strided top-k");
   int32_t* d_merged = arena.alloc_n<int32_t>(size_t(B) * 4096, "merged top-k");
@@ -250,6 +253,32 @@ void bench_shape(int L, int B) {
       sa.plan(seqs, SelGran::Token, Hkv, std::vector<int>(nl, budget), nullptr, 0);
       const double us = time_calls(R, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, budget), o, scale, 0); }, &mn);
       emit("token", L, B, budget, us, mn, double(nl) * budget * (kv_row + 4) + qo_bytes, R, sa.n_items(), sa.max_split_used());
+      // BLASST inside the same lists (SelSkip), a lambda sweep on random data: bytes = K and
+      // the index of every entry + V of the kept chunks' rows; speed-up vs the plain row above.
+      for (float ll : {-1000.f, -1.f, -0.5f, -0.25f, 0.f}) {
+        SelSkip sk;
+        sk.log_lambda = ll;
+        sk.counts = d_skip_counts;
+        SPADE_CUDA(cudaMemset(d_skip_counts, 0, sizeof(unsigned long long) * 2 * Hkv));
+        const double us_s = time_calls(R, [&](int r) {
+          sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, budget), o, scale, 0, 0, nullptr, 0, sk);
+        }, &mn);
+        std::vector<unsigned long long> c(size_t(2) * Hkv);
+        SPADE_CUDA(cudaMemcpy(c.data(), d_skip_counts, 8 * c.size(), cudaMemcpyDeviceToHost));
+        double tiles = 0, skipped = 0;
+        for (int h = 0; h < Hkv; ++h) tiles += double(c[size_t(2 * h)]), skipped += double(c[size_t(2 * h + 1)]);
+        const double sparsity = tiles > 0 ? skipped / tiles : 0.0;
+        const double bytes = double(nl) * budget * (D * 2 + 4) + double(nl) * budget * (1 - sparsity) * D * 2 + qo_bytes;
+        char name[40];
+        std::snprintf(name, sizeof name, "token_skip_ln%g", double(ll));
+        emit(name, L, B, budget, us_s, mn, bytes, R, sa.n_items(), sa.max_split_used());
+        std::fprintf(g_out, "{\"kind\":\"selection_skip\",\"L\":%d,\"B\":%d,\"budget\":%d,"
+                            "\"ln_lambda\":%g,\"sparsity\":%.4f,\"us\":%.3f,\"us_plain\":%.3f,"
+                            "\"speedup_vs_plain\":%.3f}\n", L, B, budget, double(ll), sparsity, us_s, us,
+                     us / us_s);
+        std::fprintf(stderr, "  skip ln lambda %g: sparsity %.3f, %.2f us vs %.2f plain: %.2fx\n",
+                     double(ll), sparsity, us_s, us, us / us_s);
+      }
     }
     {  // one shared token list per request
       const int nl = B;
