@@ -18,7 +18,8 @@
 //   contraction, so the fp32 scores are bit-identical) and the group max is taken over both.
 //   Shared memory 75 KB at D = 128 (3 CTAs per SM).
 // topk_kernel (Quest and topk_rows)
-//   reads  n fp32 scores of one row once into shared memory as keys (rows up to 40960 entries;
+//   reads  n fp32 scores of one row once into shared memory as keys (rows up to 40960 entries,
+//          one padding word per 32 keys against bank conflicts in the compaction passes;
 //          longer rows re-read L2 in each of the 6 passes: 4 digit histograms, 2 compaction)
 //   writes k int32 indices, ascending
 //   CTA = one row, 1024 threads. Scores map to order-preserving uint32 keys (NaN lowest, -0 =
@@ -151,9 +152,14 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 constexpr int kTopkThreads = 1024;
 
 
+// Shared-memory slot of key i: one padding word per 32 keys, so the final passes (thread t
+// scans its own contiguous segment of n / 1024 keys) do not put every lane of a warp on one
+// bank (a segment of 32 keys made that a 32-way conflict on every read).
+__device__ __forceinline__ int topk_slot(int i) { return i + (i >> 5); }
+
 // Writes the k best of scores[0..n) (k < n) ascending into out[0..k). CACHED: the keys are
-// first copied into shared memory skeys[0..n) (8 loads in flight per thread), and every pass
-// reads them there; else each pass re-reads the scores (from L2).
+// first copied into shared memory skeys[topk_slot(0..n)] (8 loads in flight per thread), and
+// every pass reads them there; else each pass re-reads the scores (from L2).
 template <bool CACHED>
 __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __restrict__ out,
                          uint32_t* skeys) {
@@ -168,12 +174,12 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
 #pragma unroll
       for (int u = 0; u < 8; ++u) v[u] = sc[i + u * kTopkThreads];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) skeys[i + u * kTopkThreads] = order_key(v[u]);
+      for (int u = 0; u < 8; ++u) skeys[topk_slot(i + u * kTopkThreads)] = order_key(v[u]);
     }
-    for (; i < n; i += kTopkThreads) skeys[i] = order_key(sc[i]);
+    for (; i < n; i += kTopkThreads) skeys[topk_slot(i)] = order_key(sc[i]);
     __syncthreads();
   }
-  auto key = [&](int i) { return CACHED ? skeys[i] : order_key(sc[i]); };
+  auto key = [&](int i) { return CACHED ? skeys[topk_slot(i)] : order_key(sc[i]); };
   uint32_t prefix = 0, mask = 0;
   int rem = k;  // how many of the keys matching prefix are still to take
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -247,8 +253,10 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
   }
 }
 
-// Dynamic shared memory of the top-k kernels: keys of rows up to kTopkCache entries.
-constexpr int kTopkCache = 40960;  // 160 KB
+// Dynamic shared memory of the top-k kernels: keys of rows up to kTopkCache entries (plus the
+// padding of topk_slot: 165 KB).
+constexpr int kTopkCache = 40960;
+constexpr size_t topk_smem_bytes(int cache) { return size_t(cache + (cache >> 5) + 1) * 4; }
 
 __global__ void __launch_bounds__(kTopkThreads) quest_topk_kernel(const QuestArgs a, int cache) {
   extern __shared__ uint32_t skeys[];
@@ -385,7 +393,8 @@ template <typename K>
 int topk_cache_attr(K kernel, int64_t max_n) {
   static bool done = false;
   if (!done) {
-    SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTopkCache * 4));
+    SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(topk_smem_bytes(kTopkCache))));
     done = true;
   }
   return int(std::min<int64_t>(max_n, kTopkCache));
@@ -393,7 +402,7 @@ int topk_cache_attr(K kernel, int64_t max_n) {
 
 void quest_topk(const QuestArgs& a, cudaStream_t s) {
   const int cache = topk_cache_attr(quest_topk_kernel, a.max_pages);
-  quest_topk_kernel<<<a.B * a.Hkv, kTopkThreads, size_t(cache) * 4, s>>>(a, cache);
+  quest_topk_kernel<<<a.B * a.Hkv, kTopkThreads, topk_smem_bytes(cache), s>>>(a, cache);
   SPADE_CUDA_LAUNCH();
 }
 
@@ -406,7 +415,7 @@ void topk_rows(const float* scores, int64_t ld, const int32_t* n, int n_rows, in
                cudaStream_t s) {
   if (n_rows <= 0) return;
   const int cache = topk_cache_attr(topk_rows_kernel, ld);
-  topk_rows_kernel<<<n_rows, kTopkThreads, size_t(cache) * 4, s>>>(scores, ld, n, k, out, cache);
+  topk_rows_kernel<<<n_rows, kTopkThreads, topk_smem_bytes(cache), s>>>(scores, ld, n, k, out, cache);
   SPADE_CUDA_LAUNCH();
 }
 
@@ -439,7 +448,7 @@ void topk_rows_long(const float* scores, int64_t ld, const int32_t* n, int n_row
   int32_t* n2 = reinterpret_cast<int32_t*>(p + align(cand * 4) + align(cand * 4));
   int32_t* idx2 = n2 + (align(size_t(n_rows) * 4) / 4);
   const int c1 = topk_cache_attr(topk_chunks_kernel, kTopkChunk);
-  topk_chunks_kernel<<<dim3(unsigned(nc), unsigned(n_rows)), kTopkThreads, size_t(c1) * 4, s>>>(
+  topk_chunks_kernel<<<dim3(unsigned(nc), unsigned(n_rows)), kTopkThreads, topk_smem_bytes(c1), s>>>(
       scores, ld, n, k, kTopkChunk, nc, cs, cp, n2);
   SPADE_CUDA_LAUNCH();
   topk_rows(cs, int64_t(nc) * k, n2, n_rows, k, idx2, s);
