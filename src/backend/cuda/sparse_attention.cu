@@ -200,6 +200,19 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     tok_ahead = e.tok;
     lim_ahead = e.lim;
   }
+  // Advances the address pipeline once chunk kn is issued: resolves chunk kn + 1 (page id) and
+  // loads chunk kn + 2's entry.
+  auto advance = [&](int kn) {
+    if (kn + 1 < n_my) {
+      rid_next = stage_b(tok_ahead);
+      lim_next = lim_ahead;
+    }
+    if (kn + 2 < n_my) {
+      const Ent e = stage_a(kn + 2);
+      tok_ahead = e.tok;
+      lim_ahead = e.lim;
+    }
+  };
   if constexpr (SKIP) cp_async_wait<2 * S - 3>();  // Q (group 0) has landed
   else cp_async_wait<S - 2>();
   __syncthreads();
@@ -330,16 +343,7 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     if (kn < n_my) issue(st_issue, rid_next, lim_next, 3);
     lq[S - 1] = lim_next;
     cp_async_commit();
-    // Advance the address pipeline: resolve chunk kn + 1 (page id), load chunk kn + 2's entry.
-    if (kn + 1 < n_my) {
-      rid_next = stage_b(tok_ahead);
-      lim_next = lim_ahead;
-    }
-    if (kn + 2 < n_my) {
-      const Ent e = stage_a(kn + 2);
-      tok_ahead = e.tok;
-      lim_ahead = e.lim;
-    }
+    advance(kn);
     const int lim = lq[0];
     cp_async_wait<S - 1>();
     __syncwarp();
@@ -421,15 +425,7 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
       lq[S - 1] = lim_next;
       ridq[S - 1] = rid_next;
       cp_async_commit();  // [K_{kk+S-1}]
-      if (kn + 1 < n_my) {
-        rid_next = stage_b(tok_ahead);
-        lim_next = lim_ahead;
-      }
-      if (kn + 2 < n_my) {
-        const Ent e = stage_a(kn + 2);
-        tok_ahead = e.tok;
-        lim_ahead = e.lim;
-      }
+      advance(kn);
       if (have_pend) {  // O += P_{kk-1} V_{kk-1}, before chunk kk may rescale O
         cp_async_wait<3>();
         __syncwarp();
