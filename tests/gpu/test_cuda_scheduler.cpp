@@ -60,6 +60,27 @@ std::vector<std::vector<int32_t>> run(Scheduler& sched, const std::vector<std::v
   return out;
 }
 
+// n random prompts (seed), prompt i of base + (i * step) % span tokens.
+std::vector<std::vector<int32_t>> random_prompts(uint32_t seed, int n, int base, int step, int span,
+                                                 int vocab) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < n; ++i) {
+    std::vector<int32_t> p(size_t(base + (i * step) % span));
+    for (auto& t : p) t = int32_t(rng() % uint32_t(vocab));
+    prompts.push_back(std::move(p));
+  }
+  return prompts;
+}
+
+// Batch 4, steps of 64 tokens: prompts are prefilled in chunks mixed with decode steps.
+SchedulerOptions batch4_options() {
+  SchedulerOptions so;
+  so.max_batch = 4;
+  so.max_step_tokens = 64;
+  return so;
+}
+
 // The tests' model: 3 layers, 8 query / 2 KV heads of 64, bf16-rounded random weights.
 ModelWeights sched_model() {
   ModelConfig c;
@@ -87,16 +108,8 @@ TEST(CudaScheduler, BatchedGreedyAgreesWithTheCpuSchedulerAndReturnsEveryPage) {
   SKIP_WITHOUT_GPU();
   const ModelWeights w = sched_model();
   const ModelConfig& c = w.config;
-  std::mt19937 rng(5);
-  std::vector<std::vector<int32_t>> prompts;
-  for (int i = 0; i < 12; ++i) {
-    std::vector<int32_t> p(size_t(5 + (i * 37) % 150));
-    for (auto& t : p) t = int32_t(rng() % uint32_t(c.vocab));
-    prompts.push_back(std::move(p));
-  }
-  SchedulerOptions so;
-  so.max_batch = 4;
-  so.max_step_tokens = 64;
+  const auto prompts = random_prompts(5, 12, 5, 37, 150, c.vocab);
+  const SchedulerOptions so = batch4_options();
   IdText text;
   const int N = 12;
 
@@ -155,16 +168,8 @@ TEST(CudaScheduler, LycheeClusterRequestsRunToTheEndAndReturnTheirSlots) {
   SKIP_WITHOUT_GPU();
   const ModelWeights w = sched_model();
   const ModelConfig& c = w.config;
-  std::mt19937 rng(6);
-  std::vector<std::vector<int32_t>> prompts;
-  for (int i = 0; i < 10; ++i) {
-    std::vector<int32_t> p(size_t(20 + (i * 53) % 300));
-    for (auto& t : p) t = int32_t(rng() % uint32_t(c.vocab));
-    prompts.push_back(std::move(p));
-  }
-  SchedulerOptions so;
-  so.max_batch = 4;
-  so.max_step_tokens = 64;
+  const auto prompts = random_prompts(6, 10, 20, 53, 300, c.vocab);
+  const SchedulerOptions so = batch4_options();
   IdText text;
   CudaModelOptions opt;
   opt.kv_pages = 160;
