@@ -191,6 +191,9 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
       const int i = i0 + (tid & 31);
       const uint32_t u = i < n ? key(i) : 0u;
       const bool live = i < n && (u & mask) == prefix;
+      // Past the first digit few keys match the prefix: most warps have no live lane and
+      // skip the (costly) match.
+      if (!__any_sync(0xffffffffu, live)) continue;
       const uint32_t dig = live ? (u >> shift) & 255 : 256u;
       const uint32_t peers = __match_any_sync(0xffffffffu, dig);
       if (live && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[dig], uint32_t(__popc(peers)));
