@@ -7,8 +7,9 @@
 // Work: a CTA = (work item, KV head); an item is 128 packed rows (token, group head) of one
 // sequence: row p -> token p / G, head kvh*G + p % G, so every K/V tile read serves the whole
 // GQA group. 384 threads: warps 0-7 are two consumer warpgroups (64 rows each, 224 registers
-// after setmaxnreg), warps 8-11 the producer warpgroup (56 registers). The producer streams 128-token K and V tiles through a 2-stage shared ring with
-// 16-byte cp.async (zero-filled past the keys), 2 or 3 stages, signalling per-stage "full" mbarriers
+// after setmaxnreg), warps 8-11 the producer warpgroup (56 registers). The producer streams
+// 128-token K and V tiles through a shared ring of ST = 2 or 3 stages with 16-byte cp.async
+// (zero-filled past the keys), signalling per-stage "full" mbarriers
 // (cp.async.mbarrier.arrive.noinc); consumers release a stage on its "empty" mbarrier.
 // Shared tiles are [2 halves of 64 columns][128 rows][128 B], 128-byte swizzled (chunk c of
 // row r at c ^ (r & 7)): the canonical wgmma layout (K-major for Q and K, N-major for V).
@@ -19,21 +20,29 @@
 // matrix work.
 // Shared memory: Q 32 KB + ST x (K 32 KB + V 32 KB) = 160 KB (ST = 2) or 224 KB (ST = 3), +1 KB
 // alignment: 1 CTA/SM.
-// BLASST (SKIP = true, chosen when a.skip_log2 > -inf; attention.h BlasstSkip): after S = Q K^T
-// and the causal mask, each of the 64 rows of a consumer warpgroup votes "skip" when its tile
-// max x (log2 units) satisfies x - max(m, x) < skip_log2 (m = the row's running max, which
-// here is the exact running max: a skipped tile leaves it, l and O untouched), or when the row
-// sees no key of the tile, or lies past the item's rows (padding). The 128 votes are combined
-// by one `bar.red.and.pred` on a warpgroup-local named barrier (id 3 + wg, 128 threads; the
-// ping-pong barriers 1/2 are untouched, so the S-issue turns stay as in the dense kernel).
-// A skipped tile costs S = Q K^T, the mask and the max: no exp, row sum, O rescale, P packing
-// or P V wgmma. The producer still loads V (prefill is compute-bound); the consumer still waits
-// on the tile's V "full" barrier before releasing the stage, so the mbarrier phases and the
-// ring's reuse order are those of the dense kernel. No extra shared memory; one counter register
-// (skipped tiles); at the end the warpgroup's first thread adds the tiles its rows see (t * BN <
-// the causal limit of its last valid row) and the skipped ones among them to
-// skip_counts[kvh][0/1] (tiles no row sees are skipped by the vote and counted in neither).
-// The dense instantiation (SKIP = false) compiles to the same code as before.
+// BLASST (SKIP = true, chosen when a.skip_log2 > -inf; attention.h BlasstSkip; always ST = 3):
+// after S = Q K^T and the causal mask, each of the 64 rows of a consumer warpgroup votes "skip"
+// when its tile max x (log2 units) satisfies x - max(m, x) < skip_log2 (m = the row's running
+// max, which here is the exact running max: a skipped tile leaves it, l and O untouched), or
+// when the row sees no key of the tile, or lies past the item's rows (padding). The 128 votes
+// are combined by one `bar.red.and.pred` on a warpgroup-local named barrier (id 3 + wg, 128
+// threads; the ping-pong barriers 1/2 are untouched). A skipped tile costs S = Q K^T, the mask
+// and the max: no exp, row sum, O rescale, P packing or P V wgmma, and its V rows are not read
+// unless the other warpgroup keeps the tile. At high sparsity the K + V stream, not the tensor
+// cores, sets the pace (H100, 64K: loading no V at all took 1.45x off the time at 73%, skipping
+// only the math 1.17x), so:
+//   - the producer splits: warps 8-9 stream K tiles ST ahead as in the dense kernel; warps
+//     10-11 load a tile's V only after both warpgroups published their votes (need flags in
+//     shared memory + a per-stage "decided" mbarrier, 256 arrivals) and only if one keeps it,
+//     then arrive on the stage's "empty" barrier too (so "decided" never runs a phase ahead);
+//   - a consumer runs P V one kept tile behind: tile t issues S(t), then P V of the last kept
+//     tile (its V was requested a whole S + softmax earlier), votes and exponentiates tile t
+//     while that P V runs, and waits for it only to rescale O and pack P(t). A kept tile's
+//     stage is released after its P V, a skipped tile's at once.
+// One counter register (skipped tiles); at the end the warpgroup's first thread adds the tiles
+// its rows see (t * BN < the causal limit of its last valid row) and the skipped ones among
+// them to skip_counts[kvh][0/1] (tiles no row sees are skipped by the vote and counted in
+// neither). Extra shared memory: 2 x ST mbarriers + 2 x ST flags.
 // Napkin math (Llama-3-8B shapes, 8K causal): 4*8192^2/2*128*32 = 550 GFLOP -> 0.9 ms at
 // 600 TFLOP/s; the bf16 tensor roof measured here is ~790 TFLOP/s.
 #include <cmath>
@@ -48,7 +57,7 @@ constexpr int kPfThreads = 384;
 constexpr uint32_t kHalf = 128 * 128;        // bytes of one 64-column half of a tile
 constexpr uint32_t kTileBytes = 2 * kHalf;   // 32 KB
 template <int ST>  // K/V ring stages
-constexpr size_t pf_smem() { return 1024 + (1 + 2 * ST) * size_t(kTileBytes) + 8 * (1 + 3 * ST); }
+constexpr size_t pf_smem() { return 1024 + (1 + 2 * ST) * size_t(kTileBytes) + 8 * (1 + 4 * ST) + 8 * ST; }
 
 static_assert(kPfBM == 2 * 64 && kPfBN == 128, "two 64-row consumer warpgroups, 128-key tiles");
 
@@ -115,10 +124,26 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+__device__ __forceinline__ void wgmma_wait1() {  // all but the newest committed group done
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
+// 2^x with flush-to-zero: one MUFU.EX2, without exp2f's fix-up for denormal results (three
+// more instructions per exponential; p < 2^-126 of the row max is 0 either way in bf16 P).
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 template <int N>
 __device__ __forceinline__ void reg_fence(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void reg_fence(uint32_t (&d)[8][4]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(d[i][j])::"memory");
 }
 // D[64x128] (+)= A[64x16] * B[16x128]; A and B from shared memory (descriptors, K-major).
 // scale_d == 0: D = A*B (the accumulator is not read).
@@ -163,6 +188,9 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
   auto bar_fk = [&](int s) { return bar0 + 8 * (1 + s); };
   auto bar_fv = [&](int s) { return bar0 + 8 * (1 + ST + s); };
   auto bar_em = [&](int s) { return bar0 + 8 * (1 + 2 * ST + s); };
+  auto bar_dec = [&](int s) { return bar0 + 8 * (1 + 3 * ST + s); };  // SKIP: tile decided
+  // SKIP: need_v[2 * s + wg] != 0 iff warpgroup wg keeps the stage's tile (needs its V rows).
+  volatile uint32_t* need_v = reinterpret_cast<volatile uint32_t*>(base + (bar_dec(ST) - base_s));
 
   const int4 item = a.items[blockIdx.x];
   const int seq = item.x, row0 = item.y;
@@ -182,10 +210,12 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
 
   if (tid == 0) {
     mbar_init(bar_q, 128);
+    // SKIP: K and V have 64 loader threads each, and the V loaders also release the stage.
     for (int s = 0; s < ST; ++s) {
-      mbar_init(bar_fk(s), 128);
-      mbar_init(bar_fv(s), 128);
-      mbar_init(bar_em(s), 256);
+      mbar_init(bar_fk(s), SKIP ? 64 : 128);
+      mbar_init(bar_fv(s), SKIP ? 64 : 128);
+      mbar_init(bar_em(s), SKIP ? 256 + 64 : 256);
+      if (SKIP) mbar_init(bar_dec(s), 256);
     }
   }
   __syncthreads();
@@ -214,19 +244,20 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
       cp_async16(base + tile_off(r, c), src, valid);
     }
     cp_async_arrive_noinc(bar_q);
-    // Fast path: warp pw loads 16-row blocks 2pw and 2pw+1 of each tile (one page id each,
-    // held by lanes 0 and 1, read one tile ahead).
-    auto load_ids = [&](int t) {
-      const int jb = t * BN + 16 * (2 * pw + lane);
-      return (lane < 2 && jb < n_keys) ? pt[pdiv(jb)] : 0;
+    // A tile is loaded by NW warps (index w): fast path, warp w loads the 16-row blocks
+    // (8 / NW) w .. (8 / NW) (w + 1) - 1 of each tile (one page id each, held by lanes 0..,
+    // read one tile ahead); otherwise rows (128 / NW) w .. with a page lookup per row.
+    auto load_ids = [&](int t, int NW, int w) {
+      const int nb = 8 / NW, jb = t * BN + 16 * (nb * w + lane);
+      return (lane < nb && jb < n_keys) ? pt[pdiv(jb)] : 0;
     };
-    int ids = fast && n_tiles > 0 ? load_ids(0) : 0;
-    auto load_tile = [&](const bf16* g, uint32_t dst, int kv0, int my_ids) {
+    auto load_tile = [&](const bf16* g, uint32_t dst, int kv0, int my_ids, int NW, int w) {
       unsigned char* d = base + (dst - base_s);
       if (fast) {
-#pragma unroll
-        for (int bb = 0; bb < 2; ++bb) {
-          const int b = 2 * pw + bb;
+        const int nb = 8 / NW;
+#pragma unroll 2
+        for (int bb = 0; bb < nb; ++bb) {
+          const int b = nb * w + bb;
           const int jb = kv0 + 16 * b;
           const int id = __shfl_sync(0xffffffffu, my_ids, bb);
           const bf16* src = g + int64_t(id) * page_stride + kvh * head_stride +
@@ -239,9 +270,10 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
           }
         }
       } else {
+        const int rows = 128 / NW;
 #pragma unroll 4
-        for (int i = 0; i < 16; ++i) {
-          const int r = 32 * pw + rh + 2 * i;
+        for (int i = 0; i < rows / 2; ++i) {
+          const int r = rows * w + rh + 2 * i;
           const int j = kv0 + r;
           const bool valid = j < n_keys;
           const bf16* src = g;
@@ -252,15 +284,52 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
       }
     };
     int s = 0, ph = 0;  // stage of tile t, and the parity of its (t / ST)-th use
-    for (int t = 0; t < n_tiles; ++t) {
-      if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);  // released use (t / ST) - 1
-      const int cur = ids;
-      if (fast && t + 1 < n_tiles) ids = load_ids(t + 1);
-      load_tile(a.k, sK(s), t * BN, cur);
-      cp_async_arrive_noinc(bar_fk(s));
-      load_tile(a.v, sV(s), t * BN, cur);
-      cp_async_arrive_noinc(bar_fv(s));
-      if (++s == ST) s = 0, ph ^= 1;
+    if constexpr (!SKIP) {
+      int ids = fast && n_tiles > 0 ? load_ids(0, 4, pw) : 0;
+      for (int t = 0; t < n_tiles; ++t) {
+        if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);  // released use (t / ST) - 1
+        const int cur = ids;
+        if (fast && t + 1 < n_tiles) ids = load_ids(t + 1, 4, pw);
+        load_tile(a.k, sK(s), t * BN, cur, 4, pw);
+        cp_async_arrive_noinc(bar_fk(s));
+        load_tile(a.v, sV(s), t * BN, cur, 4, pw);
+        cp_async_arrive_noinc(bar_fv(s));
+        if (++s == ST) s = 0, ph ^= 1;
+      }
+    } else if (pw < 2) {
+      // SKIP, warps 8-9: K tiles, ST ahead as in the dense kernel.
+      int ids = fast && n_tiles > 0 ? load_ids(0, 2, pw) : 0;
+      for (int t = 0; t < n_tiles; ++t) {
+        if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);
+        const int cur = ids;
+        if (fast && t + 1 < n_tiles) ids = load_ids(t + 1, 2, pw);
+        load_tile(a.k, sK(s), t * BN, cur, 2, pw);
+        cp_async_arrive_noinc(bar_fk(s));
+        if (++s == ST) s = 0, ph ^= 1;
+      }
+    } else {
+      // SKIP, warps 10-11: V of tile t only once both warpgroups have voted on it, and only if
+      // one of them keeps it: a skipped tile's V rows are never read from L2 (at high sparsity
+      // the K + V stream, not the tensor cores, set the pace). Their arrival on the stage's
+      // "empty" barrier keeps the K loaders from reusing a stage whose vote they have not read,
+      // so "decided" never runs two phases ahead of them.
+      int ids = fast && n_tiles > 0 ? load_ids(0, 2, pw - 2) : 0;
+      for (int t = 0; t < n_tiles; ++t) {
+        const int cur = ids;
+        if (fast && t + 1 < n_tiles) ids = load_ids(t + 1, 2, pw - 2);
+        mbar_wait(bar_dec(s), ph);
+        if (need_v[2 * s] | need_v[2 * s + 1]) {
+          load_tile(a.v, sV(s), t * BN, cur, 2, pw - 2);
+          cp_async_arrive_noinc(bar_fv(s));
+        } else {
+          // A plain arrive, not a deferred one (which would also wait for this thread's
+          // earlier copies): the phase completes before the "empty" arrive below, so a warpgroup
+          // that did not wait on it never sees it a phase behind.
+          mbar_arrive(bar_fv(s));
+        }
+        mbar_arrive(bar_em(s));
+        if (++s == ST) s = 0, ph ^= 1;
+      }
     }
     cp_async_wait<0>();
     return;
@@ -284,12 +353,9 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
 
   mbar_wait(bar_q, 0);
   if (wg == 1) named_arrive(1, 256);  // warpgroup 0 issues first
-  int s = 0, ph = 0;
-  for (int t = 0; t < n_tiles; ++t) {
-    const int kv0 = t * BN;
-    float sc[64];
-    mbar_wait(bar_fk(s), ph);
-    fence_proxy_async();
+  // S = Q K^T of the stage's K tile into sc (8 wgmma, committed as one group), in this
+  // warpgroup's turn; the other warpgroup's turn starts right after the issue.
+  auto issue_s = [&](float (&sc)[64], int s) {
     named_sync(bar_me, 256);
     wgmma_fence();
 #pragma unroll
@@ -300,10 +366,17 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
     }
     wgmma_commit();
     named_arrive(bar_other, 256);
-    wgmma_wait0();
-    reg_fence(sc);
-
-    // Online softmax over this tile (raw scores; scale folded into the exponent).
+  };
+  // O += P V over the stage's V tile (8 wgmma, P from registers; the caller commits).
+  auto issue_pv = [&](const uint32_t (&pa)[8][4], int s) {
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      const uint64_t db = gmma_desc(sV(s) + kt * 2048, kHalf, 1024);
+      wgmma_m64n128k16_rs_tb(o, pa[kt], db);
+    }
+  };
+  // Causal mask (only tiles that reach a row's limit) and the two rows' tile maxima (raw).
+  auto mask_max = [&](float (&sc)[64], int kv0, float& mxA, float& mxB) {
     if (kv0 + BN > min_limit) {
 #pragma unroll
       for (int j = 0; j < 16; ++j)
@@ -314,7 +387,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
           if (col >= limB) sc[4 * j + 2 + e] = -INFINITY;
         }
     }
-    float mxA = -INFINITY, mxB = -INFINITY;
+    mxA = -INFINITY, mxB = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       mxA = fmaxf(mxA, fmaxf(sc[4 * j], sc[4 * j + 1]));
@@ -324,73 +397,140 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
     mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
     mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
     mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-    const float nA = fmaxf(mA, mxA * sl2), nB = fmaxf(mB, mxB * sl2);
-    bool skip = false;  // BLASST: this warpgroup skips the tile (uniform over its 128 threads)
-    if constexpr (SKIP) {
-      // Vote (BLASST Algorithm 1): m~ - max(m, m~) < ln(lambda) for every visible row; rows
-      // past the item (padding) and rows that see no key of the tile do not object.
-      const bool vA = row0 + rA >= n_rows || mxA == -INFINITY || mxA * sl2 - nA < thr;
-      const bool vB = row0 + rB >= n_rows || mxB == -INFINITY || mxB * sl2 - nB < thr;
-      skip = named_all(3 + wg, 128, __all_sync(0xffffffffu, vA && vB));
-      n_skip += skip;
+  };
+  // Online softmax of a kept tile: new maxima nA / nB, P = 2^(s * scale - m) in place in sc,
+  // row sums into l; returns the rescale factors of O in alA / alB (O itself is not touched).
+  auto softmax = [&](float (&sc)[64], float nA, float nB, float& alA, float& alB) {
+    const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;
+    alA = ex2_ftz(mA - uA), alB = ex2_ftz(mB - uB);
+    mA = nA;
+    mB = nB;
+    float rsA = 0.f, rsB = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pA = ex2_ftz(fmaf(sc[4 * j + e], sl2, -uA));
+        const float pB = ex2_ftz(fmaf(sc[4 * j + 2 + e], sl2, -uB));
+        sc[4 * j + e] = pA;
+        sc[4 * j + 2 + e] = pB;
+        rsA += pA;
+        rsB += pB;
+      }
+    lA = lA * alA + rsA;
+    lB = lB * alB + rsB;
+  };
+  auto rescale_pack = [&](const float (&sc)[64], float alA, float alB, uint32_t (&pa)[8][4]) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      o[4 * j] *= alA;
+      o[4 * j + 1] *= alA;
+      o[4 * j + 2] *= alB;
+      o[4 * j + 3] *= alB;
     }
-    if (!SKIP || !skip) {
-      const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;
-      const float alA = exp2f(mA - uA), alB = exp2f(mB - uB);
-      mA = nA;
-      mB = nB;
-      float rsA = 0.f, rsB = 0.f;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pA = exp2f(fmaf(sc[4 * j + e], sl2, -uA));
-          const float pB = exp2f(fmaf(sc[4 * j + 2 + e], sl2, -uB));
-          sc[4 * j + e] = pA;
-          sc[4 * j + 2 + e] = pB;
-          rsA += pA;
-          rsB += pB;
-        }
-        o[4 * j] *= alA;
-        o[4 * j + 1] *= alA;
-        o[4 * j + 2] *= alB;
-        o[4 * j + 3] *= alB;
-      }
-      lA = lA * alA + rsA;
-      lB = lB * alB + rsB;
-      if constexpr (SKIP) {
-        // Scheduling anchor: o feeds the P.V wgmma, so (l * 0 = +0 for the finite l) ptxas
-        // finishes the row-sum adds before the wgmma issues, which then go back to back as in
-        // the dense kernel (without it they were split by ~50 adds; the measured time of the
-        // SKIP instantiation did not change either way). The value of o does not change.
-        o[0] = fmaf(lA, 0.f, o[0]);
-        o[2] = fmaf(lB, 0.f, o[2]);
-      }
+    for (int kt = 0; kt < 8; ++kt) {
+      pa[kt][0] = pack_bf16(sc[8 * kt + 0], sc[8 * kt + 1]);
+      pa[kt][1] = pack_bf16(sc[8 * kt + 2], sc[8 * kt + 3]);
+      pa[kt][2] = pack_bf16(sc[8 * kt + 4], sc[8 * kt + 5]);
+      pa[kt][3] = pack_bf16(sc[8 * kt + 6], sc[8 * kt + 7]);
+    }
+  };
+  int s = 0, ph = 0;
+  if constexpr (!SKIP) {
+    for (int t = 0; t < n_tiles; ++t) {
+      float sc[64];
+      mbar_wait(bar_fk(s), ph);
+      fence_proxy_async();
+      issue_s(sc, s);
+      wgmma_wait0();
+      reg_fence(sc);
+      float mxA, mxB, alA, alB;
+      mask_max(sc, t * BN, mxA, mxB);
+      softmax(sc, fmaxf(mA, mxA * sl2), fmaxf(mB, mxB * sl2), alA, alB);
       uint32_t pa[8][4];
-#pragma unroll
-      for (int kt = 0; kt < 8; ++kt) {
-        pa[kt][0] = pack_bf16(sc[8 * kt + 0], sc[8 * kt + 1]);
-        pa[kt][1] = pack_bf16(sc[8 * kt + 2], sc[8 * kt + 3]);
-        pa[kt][2] = pack_bf16(sc[8 * kt + 4], sc[8 * kt + 5]);
-        pa[kt][3] = pack_bf16(sc[8 * kt + 6], sc[8 * kt + 7]);
-      }
+      rescale_pack(sc, alA, alB, pa);
       mbar_wait(bar_fv(s), ph);
       fence_proxy_async();
       reg_fence(o);
       wgmma_fence();
-#pragma unroll
-      for (int kt = 0; kt < 8; ++kt) {
-        const uint64_t db = gmma_desc(sV(s) + kt * 2048, kHalf, 1024);
-        wgmma_m64n128k16_rs_tb(o, pa[kt], db);
-      }
+      issue_pv(pa, s);
       wgmma_commit();
       wgmma_wait0();
       reg_fence(o);
-    } else {  // skipped: running max, row sums and O stay; release the stage once V has landed
-      mbar_wait(bar_fv(s), ph);
+      mbar_arrive(bar_em(s));
+      if (++s == ST) s = 0, ph ^= 1;
     }
-    mbar_arrive(bar_em(s));
-    if (++s == ST) s = 0, ph ^= 1;
+  } else {
+    // BLASST: P V runs one kept tile behind. Tile t: S(t) issues, then the pending P V of the
+    // last kept tile (its V rows were requested when that tile was decided, a whole S + softmax
+    // ago); the vote and the exponentials of tile t overlap that P V; only the O rescale and the
+    // packing of P(t) wait for it. The V loaders read a tile's V only when a warpgroup keeps it.
+    uint32_t pa[8][4];      // P of the pending kept tile (bf16 pairs)
+    bool pend = false;      // a kept tile's P V is pending (uniform over the warpgroup)
+    int ps = 0, pph = 0;    // its stage and that stage's parity
+    for (int t = 0; t < n_tiles; ++t) {
+      float sc[64];
+      mbar_wait(bar_fk(s), ph);
+      fence_proxy_async();
+      reg_fence(o);  // the pending P V's operands are final before the fence in issue_s
+      reg_fence(pa);
+      issue_s(sc, s);
+      if (pend) {
+        mbar_wait(bar_fv(ps), pph);
+        fence_proxy_async();
+        wgmma_fence();
+        issue_pv(pa, ps);
+      }
+      // The waits stay unconditional (an empty group when nothing was issued): a wgmma wait
+      // under a branch makes ptxas serialize every wgmma of the kernel (C7518).
+      wgmma_commit();
+      wgmma_wait1();  // S(t) done; P V may still run
+      reg_fence(sc);
+      float mxA, mxB;
+      mask_max(sc, t * BN, mxA, mxB);
+      const float nA = fmaxf(mA, mxA * sl2), nB = fmaxf(mB, mxB * sl2);
+      // Vote (BLASST Algorithm 1): m~ - max(m, m~) < ln(lambda) for every visible row; rows
+      // past the item (padding) and rows that see no key of the tile do not object.
+      const bool vA = row0 + rA >= n_rows || mxA == -INFINITY || mxA * sl2 - nA < thr;
+      const bool vB = row0 + rB >= n_rows || mxB == -INFINITY || mxB * sl2 - nB < thr;
+      // The outer __all_sync only tells ptxas the result is warp-uniform: with an opaque
+      // (inline asm) condition it moved the wgmma descriptor math of the whole loop off the
+      // uniform datapath (2x the R2UR, ~+5% time).
+      const bool skip = __all_sync(0xffffffffu, named_all(3 + wg, 128, __all_sync(0xffffffffu, vA && vB)));
+      n_skip += skip;
+      // Publish the vote to the V loaders (release: mbarrier arrive). Every thread writes
+      // and arrives: a branch on the thread id here (P V in flight) made ptxas serialize the
+      // wgmma.
+      need_v[2 * s + wg] = skip ? 0u : 1u;
+      mbar_arrive(bar_dec(s));
+      float alA = 1.f, alB = 1.f;
+      if (!skip) softmax(sc, nA, nB, alA, alB);  // skipped: m, l and O stay
+      wgmma_wait0();
+      reg_fence(o);
+      if (pend) {
+        mbar_arrive(bar_em(ps));
+        pend = false;
+      }
+      if (!skip) {
+        rescale_pack(sc, alA, alB, pa);
+        pend = true, ps = s, pph = ph;
+      } else {
+        mbar_arrive(bar_em(s));  // K read; V not needed by this warpgroup
+      }
+      if (++s == ST) s = 0, ph ^= 1;
+    }
+    if (pend) {
+      mbar_wait(bar_fv(ps), pph);
+      fence_proxy_async();
+      reg_fence(o);
+      wgmma_fence();
+      issue_pv(pa, ps);
+      wgmma_commit();
+      wgmma_wait0();
+      reg_fence(o);
+      mbar_arrive(bar_em(ps));
+    }
   }
   if (wg == 0) named_sync(1, 256);  // consume warpgroup 1's last turn signal
   if constexpr (SKIP) {
@@ -491,9 +631,12 @@ void launch_pf(const AttnArgs& a, dim3 grid, cudaStream_t s) {
 }  // namespace
 
 void launch_prefill_wgmma(const AttnArgs& a, dim3 grid, cudaStream_t s, int stages) {
-  const bool skip = a.skip_log2 > -INFINITY;
-  if (stages == 3) skip ? launch_pf<3, true>(a, grid, s) : launch_pf<3, false>(a, grid, s);
-  else skip ? launch_pf<2, true>(a, grid, s) : launch_pf<2, false>(a, grid, s);
+  // BLASST always runs on 3 stages: its kept tiles hold their stage one tile longer (P V runs
+  // one tile behind), which leaves a 2-stage ring no K prefetch (H100: +63% vs +28% at zero
+  // sparsity, bench/bench_blasst_prefill.cu).
+  if (a.skip_log2 > -INFINITY) launch_pf<3, true>(a, grid, s);
+  else if (stages == 3) launch_pf<3, false>(a, grid, s);
+  else launch_pf<2, false>(a, grid, s);
   SPADE_CUDA_LAUNCH();
 }
 
