@@ -11,6 +11,7 @@
 // (lengths: context:batch pairs). Build: bench/run_gpu_tpot_batch.sh prebuild.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <cstring>
 #include <memory>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_common.h"
+#include "backend/cuda/gemm.h"
 #include "copy_bandwidth.h"
 #include "model/cuda_model.h"
 #include "sparse/registry.h"
@@ -67,14 +69,19 @@ int main(int argc, char** argv) {
     char date[16];
     const std::time_t now = std::time(nullptr);
     std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+    // Decode projections with M <= gemv_max_m tokens run our GEMV, the rest cuBLASLt
+    // (backend/cuda/gemm.h; SPADE_GEMV overrides the default, 0 = cuBLASLt only).
+    int gemv_max_m = cuda::Gemm::kDefaultSmallM;
+    if (const char* e = std::getenv("SPADE_GEMV"); e && *e)
+      gemv_max_m = std::clamp(std::atoi(e), 0, cuda::kGemvMaxM);
     std::fprintf(out, "{\"device\":\"%s\",\"date\":\"%s\",\"commit\":\"%s\",\"command\":\"%s\","
-                      "\"copy_GBps\":%.1f,\"model\":\"%s\",\"steps\":%d,\"warm\":%d,\"what\":\"decode "
+                      "\"gemv_max_m\":%d,\"copy_GBps\":%.1f,\"model\":\"%s\",\"steps\":%d,\"warm\":%d,\"what\":\"decode "
                       "step time (CUDA events) of B requests decoding one token each, synthetic weights, "
                       "random KV of the given context; median = steady state, mean includes lazy index "
                       "updates and graph re-captures; baseline: full attention in the same run\","
                       "\"results\":[\n",
-                 cuda::device_summary().c_str(), date, commit.c_str(), command.c_str(), bw / 1e9,
-                 model.c_str(), steps, warm);
+                 cuda::device_summary().c_str(), date, commit.c_str(), command.c_str(), gemv_max_m,
+                 bw / 1e9, model.c_str(), steps, warm);
     bool first = true;
     const double H = c.hidden, F = c.ffn, D = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads;
     const double layer_w = ((Hq + 2 * Hkv) * D * H + H * Hq * D + 3 * F * H) * 2;

@@ -204,6 +204,58 @@ TEST(CudaOps, GemmBf16MatchesCpuMatmul) {
   }
 }
 
+// The decode GEMV (gemv.cu, Gemm::run_f32 with M <= small_m) against the CPU matmul and
+// against cuBLASLt on the same inputs: M = 1..8, odd N, K not a multiple of the 256 elements
+// a warp reads per pass, beta 0 / 1; unsupported operands fall back or fail clearly.
+TEST(CudaOps, GemvMatchesCpuAndCublas) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(15);
+  cuda::DeviceArena arena(64u << 20);
+  cuda::Gemm gemm(arena);
+  struct S { int N, K; } shapes[] = {{1, 8}, {577, 576}, {3, 5000}, {1536, 14336}, {49152, 64}};
+  for (auto [N, K] : shapes)
+    for (int M = 1; M <= cuda::kGemvMaxM; ++M) {
+      SCOPED_TRACE(testing::Message() << M << "x" << N << "x" << K);
+      auto x = round_bf16(randn(size_t(M) * K, rng));
+      auto w = round_bf16(randn(size_t(N) * K, rng, 1.f / std::sqrt(float(K))));
+      auto y0 = randn(size_t(M) * N, rng);
+      std::vector<float> ref(size_t(M) * N);
+      cpu::matmul(x.data(), w.data(), nullptr, ref.data(), M, N, K);
+      DevBuf<bf16> dx(to_bf16(x)), dw(to_bf16(w));
+      DevBuf<float> dy(size_t(M) * N);
+      ASSERT_TRUE(cuda::gemv_supported(dx.p, dw.p, M, K));
+      gemm.set_small_m(cuda::kGemvMaxM);
+      dy.poison();
+      gemm.run_f32(dx.p, dw.p, dy.p, M, N, K, 0.f, 0);
+      const auto ours = dy.download();
+      EXPECT_LT(rel_err(ours, ref), kTolGemm);
+      gemm.set_small_m(0);  // cuBLASLt on the same inputs
+      dy.poison();
+      gemm.run_f32(dx.p, dw.p, dy.p, M, N, K, 0.f, 0);
+      EXPECT_LT(rel_err(ours, dy.download()), kTolGemm);
+      gemm.set_small_m(cuda::kGemvMaxM);
+      dy.upload(y0);
+      gemm.run_f32(dx.p, dw.p, dy.p, M, N, K, 1.f, 0);
+      std::vector<float> ref2(ref);
+      for (size_t i = 0; i < ref2.size(); ++i) ref2[i] += y0[i];
+      EXPECT_LT(rel_err(dy.download(), ref2), kTolGemm);
+    }
+  // K % 8 != 0 or a misaligned x: run_f32 takes cuBLASLt, gemv_f32 refuses.
+  const int M = 2, N = 33, K = 12;
+  auto x = round_bf16(randn(size_t(M) * K + 1, rng));
+  auto w = round_bf16(randn(size_t(N) * K, rng, 0.3f));
+  std::vector<float> ref(size_t(M) * N);
+  cpu::matmul(x.data() + 1, w.data(), nullptr, ref.data(), M, N, K);
+  DevBuf<bf16> dx(to_bf16(x)), dw(to_bf16(w));
+  DevBuf<float> dy(size_t(M) * N);
+  EXPECT_FALSE(cuda::gemv_supported(dx.p + 1, dw.p, M, K));
+  dy.poison();
+  gemm.run_f32(dx.p + 1, dw.p, dy.p, M, N, K, 0.f, 0);
+  EXPECT_LT(rel_err(dy.download(), ref), kTolGemm);
+  EXPECT_THROW(cuda::gemv_f32(dx.p, dw.p, dy.p, M, N, K, 0.f, 0), Error);
+  EXPECT_THROW(cuda::gemv_f32(dx.p, dw.p, dy.p, 9, N, 16, 0.f, 0), Error);
+}
+
 TEST(CudaOps, SamplingGreedyAndFilters) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(6);

@@ -3,7 +3,8 @@
 // into y (fp32): that is how the residual add of the o- and down-projections is fused.
 // Napkin math: decode (M <= 32) is weight-bandwidth bound (2*N*K bytes); prefill is
 // tensor-core bound (2*M*N*K flops). The heuristic's choice is cached per shape; its
-// workspace comes from the device arena, so steady state allocates nothing.
+// workspace comes from the device arena, so steady state allocates nothing. Decode shapes
+// (M <= small_m(), fp32 out) go to our own weight-streaming GEMV (gemv.cu) instead.
 #pragma once
 #include <map>
 #include <tuple>
@@ -11,6 +12,13 @@
 #include "backend/cuda/cuda_common.h"
 
 namespace spade::cuda {
+
+// gemv.cu: y_f32[M,N] = beta * y + x W^T for 1 <= M <= kGemvMaxM, K % 8 == 0, 16-byte
+// aligned x and W (gemv_supported); gemv_f32 throws otherwise.
+constexpr int kGemvMaxM = 8;
+bool gemv_supported(const bf16* x, const bf16* W, int M, int K);
+void gemv_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
+              cudaStream_t s);
 
 class Gemm {
  public:
@@ -24,6 +32,13 @@ class Gemm {
                cudaStream_t s);
   // y_bf16 = x W^T
   void run_bf16(const bf16* x, const bf16* W, bf16* y, int M, int N, int K, cudaStream_t s);
+  // run_f32 with M <= this (and gemv_supported) runs gemv_f32, else cuBLASLt. 0 = always
+  // cuBLASLt. Default kDefaultSmallM; env SPADE_GEMV=<max M> overrides (0 for A/B timings).
+  void set_small_m(int m) { small_m_ = m < 0 ? 0 : (m > kGemvMaxM ? kGemvMaxM : m); }
+  int small_m() const { return small_m_; }
+  // H100 (bench/bench_gemv.cu): the GEMV is 1.05-1.18x faster than cuBLASLt at M = 1 and
+  // 1.00-1.09x at M = 2 on Llama-3.1-8B shapes, slower from M = 4 (x re-read per token).
+  static constexpr int kDefaultSmallM = 2;
 
  private:
   struct Plan {
@@ -38,6 +53,7 @@ class Gemm {
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  int small_m_ = kDefaultSmallM;
   std::map<std::tuple<int, int, int, bool, bool>, Plan> plans_;
 };
 
