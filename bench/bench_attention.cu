@@ -86,7 +86,11 @@ void bench_decode(FILE* out, int L, int B, int force_split) {
   std::vector<int32_t> perm(n_pages);
   std::iota(perm.begin(), perm.end(), 0);
   std::mt19937 rng(1);
-  std::shuffle(perm.begin(), perm.end(), rng);
+  // SPADE_BENCH_PAGE_ORDER=sequential keeps each sequence's pages in id order (what a fresh
+  // KVPool hands out); the default shuffles them (a pool after churn).
+  const char* order = std::getenv("SPADE_BENCH_PAGE_ORDER");
+  const bool sequential = order && std::string(order) == "sequential";
+  if (!sequential) std::shuffle(perm.begin(), perm.end(), rng);
   std::vector<AttnSeq> batch(B);
   for (int b = 0; b < B; ++b)
     batch[b] = {perm.data() + b * pages_per_seq, int(pages_per_seq), L, 1};
@@ -114,11 +118,11 @@ void bench_decode(FILE* out, int L, int B, int force_split) {
     const double bytes = kv_bytes + 2.0 * B * Hq * D * 2;
     std::fprintf(out,
                  "{\"kind\":\"decode\",\"impl\":\"spade\",\"kernel\":\"%s%s\",\"variant\":\"%s\",\"L\":%d,\"B\":%d,"
-                 "\"Hq\":%d,\"Hkv\":%d,\"D\":%d,\"page\":%d,\"splits\":%d,\"buffers\":%d,"
+                 "\"Hq\":%d,\"Hkv\":%d,\"D\":%d,\"page\":%d,\"page_order\":\"%s\",\"splits\":%d,\"buffers\":%d,"
                  "\"us\":%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"GBps\":%.1f}\n",
                  AttentionWorkspace::decode_kernel_name(kern), policy ? "/x" : "",
                  AttentionWorkspace::decode_kernel_name(ws.decode_variant() == 0 ? 0 : ws.decode_variant() + 1),
-                 L, B, Hq, Hkv, D, P, ws.n_split(), nbuf,
+                 L, B, Hq, Hkv, D, P, sequential ? "sequential" : "shuffled", ws.n_split(), nbuf,
                  us, *std::min_element(per.begin(), per.end()), bytes, bytes / us * 1e-3);
     std::fflush(out);
   }

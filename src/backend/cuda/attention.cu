@@ -453,11 +453,14 @@ int AttentionWorkspace::variant_occupancy(int variant) const {
   return occ_cache_[variant];
 }
 
-// Auto: measured on an H200 (docs/cuda.md, v3/v4): with fewer (sequence, KV head) pairs than
-// SMs the 8-warp CTAs (one per SM) were fastest, otherwise the 4-warp CTAs (two per SM); the
-// TMA (v4) twins were 5-7% slower than cp.async everywhere and are not picked.
-int AttentionWorkspace::auto_variant(int B) const {
-  const bool few = int64_t(B) * Hkv_ < sm_count();
+// Auto: the 8-warp CTAs (one per SM, half the splits) only for very few (sequence, KV head)
+// pairs at contexts up to 32K, else the 4-warp CTAs (two per SM). H100
+// (bench/results/attention_h100_20261122.json, attention_decode_*_h100_20261122.json): batch 1
+// (8 pairs) at 8K / 32K 8-warp 19.5 / 53.8 us vs 4-warp 21.0 / 55.2; at 128K 4-warp 190.5-192.9
+// vs 193.6-196.1; batch 8 (64 pairs) 4-warp faster by 1-3% at 8K-128K (the H200 rule, 8-warp
+// whenever pairs < SMs, lost there). The TMA (v4) twins are not faster and are not picked.
+int AttentionWorkspace::auto_variant(int B, int max_kv) const {
+  const bool few = int64_t(B) * Hkv_ <= 16 && max_kv <= 32768;
   return few ? 2 : 1;
 }
 
@@ -525,12 +528,12 @@ int AttentionWorkspace::decode_warps() const {
   return D_ == 64 ? 4 : decode_v3_variant(variant_).warps;  // D = 64 has 4-warp kernels only
 }
 
-int AttentionWorkspace::resolve_variant(int B) const {
-  return decode_kernel_ == 0 ? 0 : decode_kernel_ == 1 ? auto_variant(B) : decode_kernel_ - 1;
+int AttentionWorkspace::resolve_variant(int B, int max_kv) const {
+  return decode_kernel_ == 0 ? 0 : decode_kernel_ == 1 ? auto_variant(B, max_kv) : decode_kernel_ - 1;
 }
 
 int AttentionWorkspace::choose_split(int B, int max_kv) const {
-  const int variant = resolve_variant(B);
+  const int variant = resolve_variant(B, max_kv);
   const int slots = sm_count() * variant_occupancy(variant);
   const int base = B * Hkv_;
   if (variant == 0) {  // v2: one wave of CTAs, >= 2 tiles of 64 per split
@@ -627,7 +630,7 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
   // The pinned staging buffer is reused by the next plan(): make sure this copy is done.
   SPADE_CUDA(cudaStreamSynchronize(s));
   B_ = B;
-  variant_ = decode ? resolve_variant(B) : 0;
+  variant_ = decode ? resolve_variant(B, max_kv) : 0;
   n_items_ = n;
   n_split_ = ns;
   total_q_ = total_q;

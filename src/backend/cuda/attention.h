@@ -138,8 +138,8 @@ class AttentionWorkspace {
   mutable std::vector<int> occ_cache_;
   struct TensorMaps;
   std::unique_ptr<TensorMaps> tmaps_;
-  int resolve_variant(int B) const;
-  int auto_variant(int B) const;
+  int resolve_variant(int B, int max_kv) const;
+  int auto_variant(int B, int max_kv) const;
   int variant_occupancy(int variant) const;
   int prefill_kernel_ = 1;
   unsigned long long* trace_ = nullptr;
