@@ -22,11 +22,16 @@ struct SearchK {
   const int32_t *gtok, *gfirst, *fhead, *fnch, *cnext;
   int maxF, maxG, maxC, D, Hkv;
   int64_t off_cand, off_flat, off_q, off_lens, off_flag;  // shared-memory layout (bytes)
+  int64_t off_next, off_starts;  // staged chunk links and starts; -1 = not staged (too big)
 };
 
 // Shared-memory layout of lc_search_kernel (bytes, 16-aligned regions): keys [pow2(maxF)] u64 |
 // cand [maxF] i32 | flat [max(maxC, 256)] i32 (also the sorted chosen chunks of the output) |
-// q [G][D] f32 | lens [maxC] i16 | flag [maxC] u8.
+// q [G][D] f32 | lens [maxC] i16 | flag [maxC] u8 | (if the total stays <= kStageLimit) the
+// slot's chunk links cnext [maxC] i32 and starts [maxC + 1] i32, copied in with cp.async at the
+// start so the list walks of the flatten phase read shared memory instead of chasing pointers
+// through DRAM.
+constexpr size_t kStageLimit = 220 * 1024;
 inline size_t search_smem_layout(SearchK& k, int G) {
   auto al = [](size_t x) { return (x + 15) / 16 * 16; };
   size_t o = al(size_t(pow2_at_least(k.maxF)) * 8);
@@ -41,7 +46,56 @@ inline size_t search_smem_layout(SearchK& k, int G) {
   o += al(size_t(k.maxC) * 2);
   k.off_flag = int64_t(o);
   o += al(size_t(k.maxC));
+  const size_t staged = al(size_t(k.maxC) * 4) + al(size_t(k.maxC + 1) * 4);
+  k.off_next = k.off_starts = -1;
+  if (o + staged <= kStageLimit) {
+    k.off_next = int64_t(o);
+    o += al(size_t(k.maxC) * 4);
+    k.off_starts = int64_t(o);
+    o += al(size_t(k.maxC + 1) * 4);
+  }
   return o;
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
+
+// Bound of one node for D = 8 NC (the generic loop's arithmetic, same order, so the same bits),
+// with all NC 16-byte loads of the center row issued before any math: one DRAM round trip per
+// row instead of one per 4 loads.
+template <int NC>
+__device__ __forceinline__ float lc_bound_fixed(const __half* cen, float r, const float* q,
+                                                const float* qn, int G) {
+  constexpr int D = 8 * NC;
+  uint4 raw[NC];
+#pragma unroll
+  for (int i = 0; i < NC; ++i) raw[i] = *reinterpret_cast<const uint4*>(cen + 8 * i);
+  float best = -INFINITY;
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < NC; ++i) {
+      const __half* hv = reinterpret_cast<const __half*>(&raw[i]);
+      float c[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) c[j] = __half2float(hv[j]);
+#pragma unroll
+      for (int gg = 0; gg < 4; ++gg) {
+        if (g0 + gg < G) {
+          const float* qg = q + (g0 + gg) * D + 8 * i;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qg[j], c[j]));
+        }
+      }
+    }
+#pragma unroll
+    for (int gg = 0; gg < 4; ++gg)
+      if (g0 + gg < G) best = fmaxf(best, __fadd_rn(acc[gg], __fmul_rn(qn[g0 + gg], r)));
+  }
+  return best;
 }
 
 // lc_search_kernel: CTA per (KV head, request), kSearchThreads threads.
@@ -94,6 +148,21 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   __shared__ int sh[33];
   __shared__ int s_nsel, s_minlen;
   __shared__ unsigned long long selk[256];  // chosen chunk ids (sorted for the output)
+  __shared__ int s_kg;
+  // Chunk links and starts of this slot: staged in shared memory while the scoring runs (the
+  // flatten and emit phases read them through nx / st, staged or not).
+  const bool staged = k.off_next >= 0 && M > 0;
+  const int32_t* nx = k.cnext + int64_t(sh_) * k.maxC;
+  const int32_t* st = starts;
+  if (staged) {
+    int32_t* s_next = reinterpret_cast<int32_t*>(smem_b + k.off_next);
+    int32_t* s_starts = reinterpret_cast<int32_t*>(smem_b + k.off_starts);
+    for (int c = t; c < M; c += blockDim.x) cp_async4(s_next + c, nx + c);
+    for (int c = t; c <= M; c += blockDim.x) cp_async4(s_starts + c, starts + c);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    nx = s_next;
+    st = s_starts;
+  }
 
   for (int e = t; e < G * D; e += blockDim.x)
     q[e] = __bfloat162float(a.q[(int64_t(b) * a.Hq + h * G) * D + e]);
@@ -121,6 +190,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   // in d order with __fmul_rn / __fadd_rn (the CPU's dot(), no FMA) plus |q_g| * r, so the
   // scores are bit-identical to ClusterIndex::search's.
   auto bound = [&](const __half* cen, float r) {
+    if (D == 128) return lc_bound_fixed<16>(cen, r, q, qn, G);
     float best = -INFINITY;
     for (int g0 = 0; g0 < G; g0 += 4) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -164,23 +234,32 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       }
       gorder[r] = t;
     }
+    if (t == 0) s_kg = NG;
     __syncthreads();
-    if (t == 0) {
-      int kg = NG;
-      if (a.coarse_topk > 0) {
-        kg = min(NG, a.coarse_topk);
-      } else {
+    // k_g: the CPU's loop (add the ranked nodes' token counts until they cover coarse_cover x
+    // budget) as a scan: k_g = 1 + the first rank whose inclusive count reaches the target
+    // (sums of ints: exact in the CPU's double), NG if none, 0 for a target <= 0.
+    {
+      const int v = t < NG ? gtok[gorder[t]] : 0;
+      int tot = 0;
+      const int before = block_excl_scan(v, sh, tot);
+      if (a.coarse_topk <= 0) {
         const double want = a.coarse_cover * double(budget);
-        double have = 0;
-        for (kg = 0; kg < NG && have < want; ++kg) have += double(gtok[gorder[kg]]);
+        if (want <= 0.0) {
+          if (t == 0) s_kg = 0;
+        } else if (t < NG && double(before + v) >= want) {
+          atomicMin(&s_kg, t + 1);
+        }
       }
-      for (int j = 0; j < kg; ++j) keep[gorder[j]] = 1;
-      int o = 0;
-      for (int g = 0; g < NG; ++g) {
-        goff[g] = o;
-        if (keep[g]) o += gfirst[g + 1] - gfirst[g];
-      }
-      goff[NG] = o;
+      __syncthreads();
+      const int kg = a.coarse_topk > 0 ? min(NG, a.coarse_topk) : s_kg;
+      if (t < NG) keep[gorder[t]] = t < kg;
+      __syncthreads();
+      // Candidate offsets: exclusive scan of the kept nodes' fine counts, in node order.
+      const int nf = t < NG && keep[t] ? gfirst[t + 1] - gfirst[t] : 0;
+      const int off = block_excl_scan(nf, sh, tot);
+      if (t < NG) goff[t] = off;
+      if (t == 0) goff[NG] = tot;
     }
     __syncthreads();
     const int nc = goff[NG];
@@ -214,6 +293,8 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       block_bitonic(keys, n2);
     }
     LC_TRACE(4);
+    if (staged) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
     // Flatten: chunks of the ranked clusters, in rank order, each list in position order.
     int base = 0;
     for (int j0 = 0; j0 < nc; j0 += blockDim.x) {
@@ -226,8 +307,8 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
         int c = k.fhead[int64_t(sh_) * k.maxF + f];
         for (int i = 0; i < cntj && c >= 0; ++i) {
           flat[off + i] = c;
-          lens[off + i] = int16_t(starts[c + 1] - starts[c]);
-          c = k.cnext[int64_t(sh_) * k.maxC + c];
+          lens[off + i] = int16_t(st[c + 1] - st[c]);
+          c = nx[c];
         }
       }
       base += tot;
@@ -329,6 +410,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     if (a.trace) a.trace[(int64_t(b) * k.Hkv + h) * 8 + 7] = global_ns();
     if (a.chosen) a.chosen[b * k.Hkv + h] = pos - sink;
   }
+  if (staged && !run) asm volatile("cp.async.wait_all;\n" ::: "memory");  // (nothing read them)
 }
 
 // lc_compact_kernel: strided lists -> CSR. CTA per list: its offset = sum of the earlier
