@@ -5,6 +5,7 @@
 #include <cmath>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -142,6 +143,15 @@ struct RandomPagedCache {
     std::copy(vh.begin(), vh.end(), kv.v_page(0, 0));
     q = round_bf16(randn(lens.size() * size_t(Hq) * D, rng));
   }
+};
+
+// What a CPU method that checks the GPU's traced sets (and continues with them up to near-ties)
+// records: the trace to read, which request a page table is, and the set counts.
+struct TracedSets {
+  const CudaModel::QuestTrace* gpu = nullptr;
+  std::map<const PageTable*, int> req_of;
+  mutable int rows = 0, identical = 0, near_tie = 0, bad = 0;
+  mutable double max_err = 0, max_diff_frac = 0;
 };
 
 // Whether the sorted sets g (GPU) and c (CPU) differ only by near-ties of the CPU's values v

@@ -173,6 +173,29 @@ TEST(CudaOps, QkvPostRopeAppend) {
   }
 }
 
+// A random projection problem: bf16-rounded x [M, K] and W [N, K] (scale 1 / sqrt(K)), a
+// residual y0 [M, N], the CPU reference x W^T, and their device copies (dy uninitialized).
+struct GemmCase {
+  std::vector<float> x, w, y0, ref;
+  DevBuf<bf16> dx, dw;
+  DevBuf<float> dy;
+  GemmCase(int M, int N, int K, std::mt19937& rng)
+      : x(round_bf16(randn(size_t(M) * K, rng))),
+        w(round_bf16(randn(size_t(N) * K, rng, 1.f / std::sqrt(float(K))))),
+        y0(randn(size_t(M) * N, rng)),
+        ref(size_t(M) * N),
+        dx(to_bf16(x)),
+        dw(to_bf16(w)),
+        dy(size_t(M) * N) {
+    cpu::matmul(x.data(), w.data(), nullptr, ref.data(), M, N, K);
+  }
+  std::vector<float> ref_plus_y0() const {
+    std::vector<float> r(ref);
+    for (size_t i = 0; i < r.size(); ++i) r[i] += y0[i];
+    return r;
+  }
+};
+
 TEST(CudaOps, GemmBf16MatchesCpuMatmul) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(5);
@@ -182,25 +205,18 @@ TEST(CudaOps, GemmBf16MatchesCpuMatmul) {
                                        {64, 192, 576}, {300, 576, 1536}, {3, 4096, 4096}};
   for (auto [M, N, K] : shapes) {
     SCOPED_TRACE(testing::Message() << M << "x" << N << "x" << K);
-    auto x = round_bf16(randn(size_t(M) * K, rng));
-    auto w = round_bf16(randn(size_t(N) * K, rng, 1.f / std::sqrt(float(K))));
-    auto y0 = randn(size_t(M) * N, rng);
-    std::vector<float> ref(size_t(M) * N);
-    cpu::matmul(x.data(), w.data(), nullptr, ref.data(), M, N, K);
-    DevBuf<bf16> dx(to_bf16(x)), dw(to_bf16(w)), dyb(size_t(M) * N);
-    DevBuf<float> dy(size_t(M) * N);
-    dy.poison();
-    gemm.run_f32(dx.p, dw.p, dy.p, M, N, K, 0.f, 0);
-    EXPECT_LT(rel_err(dy.download(), ref), kTolGemm);
+    GemmCase g(M, N, K, rng);
+    DevBuf<bf16> dyb(size_t(M) * N);
+    g.dy.poison();
+    gemm.run_f32(g.dx.p, g.dw.p, g.dy.p, M, N, K, 0.f, 0);
+    EXPECT_LT(rel_err(g.dy.download(), g.ref), kTolGemm);
     // beta = 1: y += x W^T (the fused residual add).
-    dy.upload(y0);
-    gemm.run_f32(dx.p, dw.p, dy.p, M, N, K, 1.f, 0);
-    std::vector<float> ref2(ref);
-    for (size_t i = 0; i < ref2.size(); ++i) ref2[i] += y0[i];
-    EXPECT_LT(rel_err(dy.download(), ref2), kTolGemm);
+    g.dy.upload(g.y0);
+    gemm.run_f32(g.dx.p, g.dw.p, g.dy.p, M, N, K, 1.f, 0);
+    EXPECT_LT(rel_err(g.dy.download(), g.ref_plus_y0()), kTolGemm);
     dyb.poison();
-    gemm.run_bf16(dx.p, dw.p, dyb.p, M, N, K, 0);
-    EXPECT_LT(rel_err(from_bf16(dyb.download()), ref), kTolBf16Out);
+    gemm.run_bf16(g.dx.p, g.dw.p, dyb.p, M, N, K, 0);
+    EXPECT_LT(rel_err(from_bf16(dyb.download()), g.ref), kTolBf16Out);
   }
 }
 
@@ -216,29 +232,21 @@ TEST(CudaOps, GemvMatchesCpuAndCublas) {
   for (auto [N, K] : shapes)
     for (int M = 1; M <= cuda::kGemvMaxM; ++M) {
       SCOPED_TRACE(testing::Message() << M << "x" << N << "x" << K);
-      auto x = round_bf16(randn(size_t(M) * K, rng));
-      auto w = round_bf16(randn(size_t(N) * K, rng, 1.f / std::sqrt(float(K))));
-      auto y0 = randn(size_t(M) * N, rng);
-      std::vector<float> ref(size_t(M) * N);
-      cpu::matmul(x.data(), w.data(), nullptr, ref.data(), M, N, K);
-      DevBuf<bf16> dx(to_bf16(x)), dw(to_bf16(w));
-      DevBuf<float> dy(size_t(M) * N);
-      ASSERT_TRUE(cuda::gemv_supported(dx.p, dw.p, M, K));
+      GemmCase g(M, N, K, rng);
+      ASSERT_TRUE(cuda::gemv_supported(g.dx.p, g.dw.p, M, K));
       gemm.set_small_m(cuda::kGemvMaxM);
-      dy.poison();
-      gemm.run_f32(dx.p, dw.p, dy.p, M, N, K, 0.f, 0);
-      const auto ours = dy.download();
-      EXPECT_LT(rel_err(ours, ref), kTolGemm);
+      g.dy.poison();
+      gemm.run_f32(g.dx.p, g.dw.p, g.dy.p, M, N, K, 0.f, 0);
+      const auto ours = g.dy.download();
+      EXPECT_LT(rel_err(ours, g.ref), kTolGemm);
       gemm.set_small_m(0);  // cuBLASLt on the same inputs
-      dy.poison();
-      gemm.run_f32(dx.p, dw.p, dy.p, M, N, K, 0.f, 0);
-      EXPECT_LT(rel_err(ours, dy.download()), kTolGemm);
+      g.dy.poison();
+      gemm.run_f32(g.dx.p, g.dw.p, g.dy.p, M, N, K, 0.f, 0);
+      EXPECT_LT(rel_err(ours, g.dy.download()), kTolGemm);
       gemm.set_small_m(cuda::kGemvMaxM);
-      dy.upload(y0);
-      gemm.run_f32(dx.p, dw.p, dy.p, M, N, K, 1.f, 0);
-      std::vector<float> ref2(ref);
-      for (size_t i = 0; i < ref2.size(); ++i) ref2[i] += y0[i];
-      EXPECT_LT(rel_err(dy.download(), ref2), kTolGemm);
+      g.dy.upload(g.y0);
+      gemm.run_f32(g.dx.p, g.dw.p, g.dy.p, M, N, K, 1.f, 0);
+      EXPECT_LT(rel_err(g.dy.download(), g.ref_plus_y0()), kTolGemm);
     }
   // K % 8 != 0 or a misaligned x: run_f32 takes cuBLASLt, gemv_f32 refuses.
   const int M = 2, N = 33, K = 12;

@@ -58,7 +58,7 @@ TEST(CudaOracle, GroupWeightsMatchCpu) {
 }
 
 // OracleTopKMethod whose sets are compared with the GPU's and replaced by them (near-ties).
-class TracingOracle final : public sparse::SparseMethod {
+class TracingOracle final : public sparse::SparseMethod, public TracedSets {
  public:
   TracingOracle(std::shared_ptr<const sparse::SparseMethod> inner, int64_t budget, int dense)
       : inner_(std::move(inner)), budget_(budget), dense_(dense) {}
@@ -110,10 +110,6 @@ class TracingOracle final : public sparse::SparseMethod {
       out.close_head();
     }
   }
-  const CudaModel::QuestTrace* gpu = nullptr;
-  std::map<const PageTable*, int> req_of;
-  mutable int rows = 0, identical = 0, near_tie = 0, bad = 0;
-  mutable double max_err = 0, max_diff_frac = 0;
 
  private:
   std::shared_ptr<const sparse::SparseMethod> inner_;

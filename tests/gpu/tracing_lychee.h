@@ -18,7 +18,7 @@ namespace spade::test {
 
 // LycheeDecodeMethod whose next-layer sets are compared with the GPU's (and replaced by them
 // up to near-ties).
-class TracingLychee final : public sparse::SparseMethod {
+class TracingLychee final : public sparse::SparseMethod, public TracedSets {
  public:
   explicit TracingLychee(std::shared_ptr<const sparse::SparseMethod> inner)
       : inner_(std::move(inner)), ld_(static_cast<const sparse::LycheeDecodeMethod&>(*inner_)) {}
@@ -69,10 +69,6 @@ class TracingLychee final : public sparse::SparseMethod {
       st.all[size_t(h)] = int64_t(g_h.size()) == L;
     }
   }
-  const CudaModel::QuestTrace* gpu = nullptr;
-  std::map<const PageTable*, int> req_of;
-  mutable int rows = 0, identical = 0, near_tie = 0, bad = 0;
-  mutable double max_err = 0, max_diff_frac = 0;
 
  private:
   std::shared_ptr<const sparse::SparseMethod> inner_;

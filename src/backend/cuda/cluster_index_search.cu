@@ -63,13 +63,36 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
                : "memory");
 }
 
-// Bound of one node for D = 8 NC (the generic loop's arithmetic, same order, so the same bits),
-// with all NC 16-byte loads of the center row issued before any math: one DRAM round trip per
-// row instead of one per 4 loads.
+// acc[gg] += q_{g0+gg}[d0, d0 + 8) . c for one 16-byte piece of a center row: __fmul_rn /
+// __fadd_rn in d order (the CPU's dot(), no FMA), so the scores are bit-identical to the CPU's.
+__device__ __forceinline__ void lc_dot_piece(const uint4& raw, const float* q, int D, int d0,
+                                             int g0, int G, float (&acc)[4]) {
+  const __half* hv = reinterpret_cast<const __half*>(&raw);
+  float c[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) c[j] = __half2float(hv[j]);
+#pragma unroll
+  for (int gg = 0; gg < 4; ++gg) {
+    if (g0 + gg < G) {
+      const float* qg = q + (g0 + gg) * D + d0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qg[j], c[j]));
+    }
+  }
+}
+// max(best, q_g . c + |q_g| r) over the group's heads g0 .. g0 + 3.
+__device__ __forceinline__ float lc_bound_max(const float (&acc)[4], const float* qn, float r,
+                                              int g0, int G, float best) {
+#pragma unroll
+  for (int gg = 0; gg < 4; ++gg)
+    if (g0 + gg < G) best = fmaxf(best, __fadd_rn(acc[gg], __fmul_rn(qn[g0 + gg], r)));
+  return best;
+}
+// Bound of one node for D = 8 NC with all NC 16-byte loads of the center row issued before any
+// math: one DRAM round trip per row instead of one per 4 loads (same arithmetic, same bits).
 template <int NC>
 __device__ __forceinline__ float lc_bound_fixed(const __half* cen, float r, const float* q,
                                                 const float* qn, int G) {
-  constexpr int D = 8 * NC;
   uint4 raw[NC];
 #pragma unroll
   for (int i = 0; i < NC; ++i) raw[i] = *reinterpret_cast<const uint4*>(cen + 8 * i);
@@ -77,23 +100,8 @@ __device__ __forceinline__ float lc_bound_fixed(const __half* cen, float r, cons
   for (int g0 = 0; g0 < G; g0 += 4) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < NC; ++i) {
-      const __half* hv = reinterpret_cast<const __half*>(&raw[i]);
-      float c[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) c[j] = __half2float(hv[j]);
-#pragma unroll
-      for (int gg = 0; gg < 4; ++gg) {
-        if (g0 + gg < G) {
-          const float* qg = q + (g0 + gg) * D + 8 * i;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qg[j], c[j]));
-        }
-      }
-    }
-#pragma unroll
-    for (int gg = 0; gg < 4; ++gg)
-      if (g0 + gg < G) best = fmaxf(best, __fadd_rn(acc[gg], __fmul_rn(qn[g0 + gg], r)));
+    for (int i = 0; i < NC; ++i) lc_dot_piece(raw[i], q, 8 * NC, 8 * i, g0, G, acc);
+    best = lc_bound_max(acc, qn, r, g0, G, best);
   }
   return best;
 }
@@ -195,24 +203,9 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     for (int g0 = 0; g0 < G; g0 += 4) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-      for (int d0 = 0; d0 < D; d0 += 8) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(cen + d0);
-        const __half* hv = reinterpret_cast<const __half*>(&raw);
-        float c[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) c[j] = __half2float(hv[j]);
-#pragma unroll
-        for (int gg = 0; gg < 4; ++gg) {
-          if (g0 + gg < G) {
-            const float* qg = q + (g0 + gg) * D + d0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qg[j], c[j]));
-          }
-        }
-      }
-#pragma unroll
-      for (int gg = 0; gg < 4; ++gg)
-        if (g0 + gg < G) best = fmaxf(best, __fadd_rn(acc[gg], __fmul_rn(qn[g0 + gg], r)));
+      for (int d0 = 0; d0 < D; d0 += 8)
+        lc_dot_piece(*reinterpret_cast<const uint4*>(cen + d0), q, D, d0, g0, G, acc);
+      best = lc_bound_max(acc, qn, r, g0, G, best);
     }
     return best;
   };
