@@ -250,6 +250,7 @@ class CudaModel {
   int32_t* lc_slot_host_ = nullptr;   // pinned mirror
   int32_t* lc_lists_ = nullptr;       // strided lists [max_batch * Hkv][lc_cap_]
   int32_t* lc_counts_ = nullptr;      // [max_batch * Hkv]
+  int32_t* lc_off_ = nullptr;         // [max_batch * Hkv]: i * lc_cap_ (the lists' offsets)
   int lc_cap_ = 0;                    // list bound: sink + budget + the longest un-indexed tail
   struct LcSync {                     // one request's build (n_old == 0) or lazy insert
     int req_slot = 0, n_old = 0, n_new = 0;

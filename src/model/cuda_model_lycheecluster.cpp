@@ -12,12 +12,14 @@
 //     update). Chunking runs on the host (token text); builds and inserts run in the layer
 //     loop after the layer's K append, as on the CPU. Steps that sync run eagerly; the others
 //     replay CUDA graphs (every launch reads fixed device addresses);
-//   search per (request, KV head) -> sink + chosen chunks + un-indexed tail (Token lists),
-//     compacted to CSR, then SparseAttention over them.
+//   search per (request, KV head) -> sink + chosen chunks + un-indexed tail (Token lists at a
+//     fixed stride, with their lengths), which SparseAttention reads in place (compacted to
+//     CSR only for a trace).
 #if defined(SPADE_HAVE_CUDA)
 #include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <vector>
 
 #include "backend/cuda/cluster_index.h"
 #include "backend/cuda/sparse_attention.h"
@@ -119,6 +121,11 @@ void CudaModel::lc_alloc() {
   lc_ = std::make_unique<cuda::LcIndexGpu>(A, s.index);
   lc_lists_ = A.alloc_n<int32_t>(mb * Hkv * size_t(s.cap), "lycheecluster lists");
   lc_counts_ = A.alloc_n<int32_t>(mb * Hkv, "lycheecluster list lengths");
+  // The attention reads the strided lists in place (list i at i * cap, lc_counts_[i] long).
+  lc_off_ = A.alloc_n<int32_t>(mb * Hkv, "lycheecluster list offsets");
+  std::vector<int32_t> off(mb * Hkv);
+  for (size_t i = 0; i < off.size(); ++i) off[i] = int32_t(i * size_t(s.cap));
+  SPADE_CUDA(cudaMemcpy(lc_off_, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
   lc_slot_dev_ = A.alloc_n<int32_t>(size_t(s.n_sparse) * mb, "lycheecluster slot table");
   SPADE_CUDA(cudaMallocHost(&lc_slot_host_, sizeof(int32_t) * size_t(s.n_sparse) * mb));
 }
@@ -216,10 +223,13 @@ void CudaModel::lc_layer(int l, const void* q, const void* kc_, const void* vc_,
   a.sink = p.sink, a.cap = lc_cap_;
   a.lists = lc_lists_, a.counts = lc_counts_;
   lc_->search(a, st);
-  cuda::LcIndexGpu::compact(lc_lists_, lc_counts_, step_B_ * Hkv, lc_cap_, sel_off_, sel_idx_, st);
-  if (quest_trace) trace_quest(l);
-  sparse_->run(static_cast<const cuda::bf16*>(q), kc, static_cast<const cuda::bf16*>(vc_), sel_off_,
-               sel_idx_, static_cast<cuda::bf16*>(att), scale, st, 0, nullptr, 0, sel_skip(l));
+  if (quest_trace) {  // the trace reads CSR lists
+    cuda::LcIndexGpu::compact(lc_lists_, lc_counts_, step_B_ * Hkv, lc_cap_, sel_off_, sel_idx_, st);
+    trace_quest(l);
+  }
+  sparse_->run(static_cast<const cuda::bf16*>(q), kc, static_cast<const cuda::bf16*>(vc_), lc_off_,
+               lc_lists_, static_cast<cuda::bf16*>(att), scale, st, 0, nullptr, 0, sel_skip(l),
+               lc_counts_);
 }
 
 }  // namespace spade

@@ -8,6 +8,7 @@
 //  - topk_rows with heavy ties and NaN vs sparse::top_k_range (identical sets).
 // Fresh random inputs per case; outputs poisoned (NaN) before each launch.
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <iterator>
 #include <numeric>
@@ -168,6 +169,20 @@ void run_attn_case(const AttnCase& c, uint32_t seed) {
   cuda::SparseAttention sa(arena, 16, tot_pages, c.Hq, c.Hkv, c.D, P);
   DevBuf<bf16> dk(to_bf16(pool.kh)), dv(to_bf16(pool.vh)), dq(to_bf16(q)), dout(q.size());
   DevBuf<int32_t> doff(off), didx(idx.empty() ? std::vector<int32_t>{0} : idx);
+  // The same lists at a fixed stride with their lengths (run's sel_cnt; LycheeCluster's layout):
+  // the gaps hold token 0, so reading past a list's length would change the output.
+  const int n_lists = int(off.size()) - 1;
+  int stride = 1;
+  for (int i = 0; i < n_lists; ++i) stride = std::max(stride, off[size_t(i) + 1] - off[size_t(i)] + 3);
+  std::vector<int32_t> s_off(static_cast<size_t>(n_lists)), s_cnt(static_cast<size_t>(n_lists)),
+      s_idx(static_cast<size_t>(n_lists) * size_t(stride), 0);
+  for (int i = 0; i < n_lists; ++i) {
+    s_off[size_t(i)] = i * stride;
+    s_cnt[size_t(i)] = off[size_t(i) + 1] - off[size_t(i)];
+    std::copy(idx.begin() + off[size_t(i)], idx.begin() + off[size_t(i) + 1], s_idx.begin() + i * stride);
+  }
+  DevBuf<int32_t> dsoff(s_off), dscnt(s_cnt), dsidx(s_idx);
+  DevBuf<bf16> dout2(q.size());
   for (int fs : c.splits) {
     for (int rep = 0; rep < 2; ++rep) {  // twice: the split counters must be back at 0
       SCOPED_TRACE(testing::Message() << "force_split=" << fs << " rep=" << rep);
@@ -177,6 +192,13 @@ void run_attn_case(const AttnCase& c, uint32_t seed) {
       auto got = from_bf16(dout.download());
       const double e = rel_err(got, ref);
       EXPECT_LT(e, kTolAttn) << "items=" << sa.n_items() << " max_split=" << sa.max_split_used();
+      if (rep == 0) {
+        dout2.poison();
+        sa.run(dq.p, dk.p, dv.p, dsoff.p, dsidx.p, dout2.p, scale, 0, 0, nullptr, 0, {}, dscnt.p);
+        const auto a = dout.download(), b = dout2.download();
+        EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)))
+            << "strided lists (sel_cnt) differ from the same lists in CSR";
+      }
     }
   }
 }

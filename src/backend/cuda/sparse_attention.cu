@@ -47,6 +47,7 @@ struct SpArgs {
   const int32_t* kv_len;
   const int32_t* sel_off;
   const int32_t* sel_idx;
+  const int32_t* sel_cnt;  // optional: list i = sel_cnt[i] entries at sel_off[i] (strided lists)
   const int4* items;
   float* part_o;
   float* part_lse;
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   const int* pt = a.page_table + a.page_off[seq];
   const int list = seq * a.lists_per_req + (a.lists_per_req == 1 ? 0 : kvh);
   const int e0 = a.sel_off[list];
-  const int n_ent = dense ? 0 : a.sel_off[list + 1] - e0;
+  const int n_ent = dense ? 0 : a.sel_cnt ? a.sel_cnt[list] : a.sel_off[list + 1] - e0;
   const int* sel = a.sel_idx + e0;
   // Chunks of this (request, head), then this CTA's share of them.
   int n_ch;
@@ -737,7 +738,7 @@ void SparseAttention::plan_patterns(const std::vector<SparseSeq>& batch, SelGran
 void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cache,
                           const int32_t* sel_off, const int32_t* sel_idx, bf16* out, float scale,
                           cudaStream_t s, int pattern, float* dense_scores,
-                          int64_t scores_ld, const SelSkip& skip) const {
+                          int64_t scores_ld, const SelSkip& skip, const int32_t* sel_cnt) const {
   SPADE_CHECK(pattern >= 0 && pattern < int(pattern_first_.size()), "sparse attention: pattern ",
               pattern, " was not planned");
   SPADE_CHECK(!dense_scores || scores_ld > 0, "sparse attention: scores need a row stride");
@@ -757,6 +758,7 @@ void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cach
   a.kv_len = meta_dev_ + off_len_;
   a.sel_off = sel_off;
   a.sel_idx = sel_idx;
+  a.sel_cnt = sel_cnt;
   a.items = reinterpret_cast<const int4*>(meta_dev_ + off_items_) + pattern_first_[size_t(pattern)];
   a.part_o = part_o_;
   a.part_lse = part_lse_;

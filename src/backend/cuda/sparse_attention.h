@@ -72,9 +72,12 @@ class SparseAttention {
   // of q.k_j * scale for every j < kv_len (as the dense kernel's DecodeScores; LycheeDecode's
   // retrieval heads), from the same products: no second pass over K.
   // skip: BLASST inside the selection (not together with dense_scores).
+  // sel_cnt (optional): list i is the sel_cnt[i] entries at sel_idx + sel_off[i] instead of
+  // [sel_off[i], sel_off[i + 1]) (lists written at a fixed stride need no compaction).
   void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* sel_off,
            const int32_t* sel_idx, bf16* out, float scale, cudaStream_t s, int pattern = 0,
-           float* dense_scores = nullptr, int64_t scores_ld = 0, const SelSkip& skip = {}) const;
+           float* dense_scores = nullptr, int64_t scores_ld = 0, const SelSkip& skip = {},
+           const int32_t* sel_cnt = nullptr) const;
 
   int n_items() const { return n_items_; }  // of pattern 0
   // Work items of each pattern of the last plan (launch shapes: a CUDA graph's key).
