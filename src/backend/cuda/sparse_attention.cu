@@ -567,15 +567,25 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
 
 constexpr int kW = 4, kS = 3;
 
+// Raises the instance's dynamic shared-memory limit (once). Must run before an occupancy
+// query too: without it the query answers for the default 48 KB limit (0 CTAs/SM), and a plan
+// made before the first launch cut its work into other splits than every later plan (a
+// different summation order: not bit-identical).
 template <int D, bool TOKEN, bool SKIP>
-void launch_one(const SpArgs& a, int n_items, cudaStream_t s) {
-  using C = SpCfg<D, kW, kS>;
+void prepare_one() {
   static bool done = false;
   if (!done) {
     SPADE_CUDA(cudaFuncSetAttribute(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmem)));
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(SpCfg<D, kW, kS>::kSmem)));
     done = true;
   }
+}
+
+template <int D, bool TOKEN, bool SKIP>
+void launch_one(const SpArgs& a, int n_items, cudaStream_t s) {
+  using C = SpCfg<D, kW, kS>;
+  prepare_one<D, TOKEN, SKIP>();
   sparse_decode_kernel<D, kW, kS, TOKEN, SKIP><<<n_items, C::kThreads, C::kSmem, s>>>(a);
   SPADE_CUDA_LAUNCH();
 }
@@ -612,10 +622,13 @@ SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_
   part_lse_ = arena.alloc_n<float>(size_t(max_split) * rows, "sparse attention split lse");
   counters_ = arena.alloc_n<int>(size_t(max_batch) * Hkv, "sparse attention split counters");
   SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * size_t(max_batch) * Hkv));
+  ctas_per_sm_ = query_ctas_per_sm();
 }
 
-int SparseAttention::ctas_per_sm() const {
+int SparseAttention::query_ctas_per_sm() const {
   int n = 0;
+  if (D_ == 128) prepare_one<128, true, false>();
+  else prepare_one<64, true, false>();
   if (D_ == 128)
     SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<128, kW, kS, true, false>,
                                                              kW * 32, SpCfg<128, kW, kS>::kSmem));

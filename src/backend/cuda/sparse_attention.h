@@ -88,10 +88,12 @@ class SparseAttention {
   const int32_t* dev_page_off() const { return meta_dev_ + off_po_; }
   const int32_t* dev_kv_len() const { return meta_dev_ + off_len_; }
   int max_split_used() const { return max_split_used_; }
-  int ctas_per_sm() const;
+  int ctas_per_sm() const { return ctas_per_sm_; }
 
  private:
-  int Hq_, Hkv_, D_, P_, max_batch_, max_split_, max_patterns_;
+  int query_ctas_per_sm() const;
+
+  int Hq_, Hkv_, D_, P_, max_batch_, max_split_, max_patterns_, ctas_per_sm_ = 1;
   int64_t max_pages_;
   int32_t* meta_dev_ = nullptr;
   int32_t* meta_host_ = nullptr;
