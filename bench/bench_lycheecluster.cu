@@ -304,26 +304,50 @@ int main(int argc, char** argv) {
       };
       const double t_search = time_ms(search, 20);
       const double t_search_only = time_ms([&] { ix.search(a, nullptr); }, 20);
-      // Phase timestamps of one traced search (global timer, ns): per phase, the max over lists.
-      unsigned long long* tr = arena.alloc_n<unsigned long long>(size_t(B) * Hkv * 8, "trace");
-      SPADE_CUDA(cudaMemset(tr, 0, sizeof(unsigned long long) * B * Hkv * 8));
-      a.trace = tr;
-      ix.search(a, nullptr);
-      a.trace = nullptr;
-      std::vector<unsigned long long> ht(size_t(B) * Hkv * 8);
-      SPADE_CUDA(cudaMemcpy(ht.data(), tr, 8 * ht.size(), cudaMemcpyDeviceToHost));
-      std::string phases = "[";
-      for (int ph = 1; ph < 8; ++ph) {
-        double mx = 0;
-        for (int l = 0; l < B * Hkv; ++l) {
-          const unsigned long long t0 = ht[size_t(l) * 8 + ph - 1], t1 = ht[size_t(l) * 8 + ph];
-          if (t0 && t1) mx = std::max(mx, double(t1 - t0) / 1000.0);
+      // Phase stamps of 11 traced searches (SM cycles; each the last of 10 back to back): per
+      // phase the max over lists, then the median over the searches, in kilocycles; sizes of
+      // list 0 (slots 12-15).
+      constexpr int TS = kLcTraceSlots;
+      unsigned long long* tr = arena.alloc_n<unsigned long long>(size_t(B) * Hkv * TS, "trace");
+      std::vector<std::vector<double>> ph_runs(11);
+      std::vector<unsigned long long> ht(size_t(B) * Hkv * TS);
+      auto span = [&](int l, int from, int to) {
+        const unsigned long long t0 = ht[size_t(l) * TS + from], t1 = ht[size_t(l) * TS + to];
+        return t0 && t1 && t1 >= t0 ? double(t1 - t0) / 1000.0 : 0.0;  // kilocycles
+      };
+      // Phases 0-6 (q/norms, coarse, fine scores, sort, flatten, greedy, emit), then the coarse
+      // phase's parts: scoring, ranking, k_g + scans, candidates.
+      const int from[11] = {0, 1, 2, 3, 4, 5, 6, 1, 8, 9, 10}, to[11] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 2};
+      for (auto& run : ph_runs) {
+        SPADE_CUDA(cudaMemset(tr, 0, sizeof(unsigned long long) * B * Hkv * TS));
+        a.trace = tr;
+        // Back to back, the last one's stamps kept: clocks as in a decode loop, not idle ones.
+        for (int w = 0; w < 10; ++w) ix.search(a, nullptr);
+        a.trace = nullptr;
+        SPADE_CUDA(cudaMemcpy(ht.data(), tr, 8 * ht.size(), cudaMemcpyDeviceToHost));
+        for (int p = 0; p < 11; ++p) {
+          double mx = 0;
+          for (int l = 0; l < B * Hkv; ++l) mx = std::max(mx, span(l, from[p], to[p]));
+          run.push_back(mx);
         }
-        phases += (ph > 1 ? ", " : "") + std::to_string(mx);
       }
+      auto med_phase = [&](int p) {
+        std::vector<double> v;
+        for (auto& run : ph_runs) v.push_back(run[size_t(p)]);
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      std::string phases = "[", coarse_parts = "[";
+      for (int p = 0; p < 7; ++p) phases += (p ? ", " : "") + std::to_string(med_phase(p));
+      for (int p = 7; p < 11; ++p) coarse_parts += (p > 7 ? ", " : "") + std::to_string(med_phase(p));
       phases += "]";
-      std::printf("  search phases (us, max over lists): q/norms, coarse, fine scores, sort, flatten, greedy, emit = %s\n",
-                  phases.c_str());
+      coarse_parts += "]";
+      char sizes[160];
+      std::snprintf(sizes, sizeof sizes, "{\"coarse_nodes\": %llu, \"fine_candidates\": %llu, \"flat_chunks\": %llu, \"chosen_chunks\": %llu}",
+                    ht[12], ht[13], ht[14], ht[15]);
+      std::printf("  search phases (kcycles, max over lists, median of 11): q/norms, coarse, fine scores, sort, flatten, greedy, emit = %s\n"
+                  "  coarse phase parts: scoring, ranking, k_g + scans, candidates = %s; list 0 sizes %s\n",
+                  phases.c_str(), coarse_parts.c_str(), sizes);
       search();
       std::vector<int32_t> hc(size_t(B) * Hkv);
       SPADE_CUDA(cudaMemcpy(hc.data(), counts, 4 * hc.size(), cudaMemcpyDeviceToHost));
@@ -344,11 +368,11 @@ int main(int argc, char** argv) {
       // Per decode step: search every step; one flush (insert) every 128 tokens per request.
       const double t_upd_step = t_flush / 128.0;
       std::snprintf(buf, sizeof buf,
-                    "%s{\"B\": %d, \"mean_list_tokens\": %.1f, \"search_compact_ms\": %.4f, \"search_only_ms\": %.4f, \"search_phases_us\": %s, "
+                    "%s{\"B\": %d, \"mean_list_tokens\": %.1f, \"search_compact_ms\": %.4f, \"search_only_ms\": %.4f, \"search_phases_kcycles\": %s, \"coarse_parts_kcycles\": %s, \"search_sizes\": %s, "
                     "\"update_amortized_ms\": %.5f, \"update_flush_ms\": %.4f, \"sparse_attention_ms\": %.4f, "
                     "\"dense_attention_ms\": %.4f, \"search_update_over_dense\": %.4f, "
                     "\"attention_speedup_sparse_plus_search\": %.3f}",
-                    first ? "" : ", ", B, mean_list, t_search, t_search_only, phases.c_str(), t_upd_step, t_flush, t_sparse, t_dense,
+                    first ? "" : ", ", B, mean_list, t_search, t_search_only, phases.c_str(), coarse_parts.c_str(), sizes, t_upd_step, t_flush, t_sparse, t_dense,
                     (t_search + t_upd_step) / t_dense, t_dense / (t_sparse + t_search + t_upd_step));
       json += buf;
       first = false;

@@ -61,6 +61,7 @@ struct LcInsert {
   int n_new = 0;
 };
 
+constexpr int kLcTraceSlots = 16;  // LcSearchArgs::trace entries per list
 struct LcSearchArgs {
   const bf16* q = nullptr;          // [B, Hq, D]
   const int32_t* slot = nullptr;    // [B] device: slot of each request
@@ -75,7 +76,7 @@ struct LcSearchArgs {
   int32_t* lists = nullptr;         // [B * Hkv][cap] strided output
   int32_t* counts = nullptr;        // [B * Hkv]
   int32_t* chosen = nullptr;        // optional [B * Hkv]: chunk tokens chosen
-  unsigned long long* trace = nullptr;  // optional [B * Hkv][8]: phase timestamps (ns, bench)
+  unsigned long long* trace = nullptr;  // optional [B * Hkv][kLcTraceSlots]: phase timestamps (ns, bench)
 };
 
 class LcIndexGpu {

@@ -82,6 +82,38 @@ __device__ inline void block_bitonic(unsigned long long* s, int n) {
   }
 }
 
+// Ascending sort of n <= blockDim.x distinct keys s[0, n) by counting (s 16-byte aligned):
+// key i's rank is the number of smaller keys. `per` threads (a power of two <= 32, as many as
+// the block allows) count one key's rank over contiguous slices, two keys per 16-byte load and
+// four in flight, then add up through shuffles (a key's threads share a warp). All threads
+// must call it.
+__device__ inline void block_count_sort(unsigned long long* s, int n) {
+  int per = 1;
+  while (per < 32 && per * 2 * n <= int(blockDim.x)) per <<= 1;
+  const int i = threadIdx.x / per, part = threadIdx.x % per;
+  const unsigned long long my = i < n ? s[i] : 0ull;
+  int r = 0;
+  if (i < n) {
+    const int chunk = ((n + per - 1) / per + 3) & ~3;  // a multiple of 4: slices stay aligned
+    const int u0 = part * chunk, u1 = min(n, u0 + chunk);
+    const ulonglong2* s2 = reinterpret_cast<const ulonglong2*>(s);
+    int r0 = 0, r1 = 0, r2 = 0, r3 = 0, u = u0;
+    for (; u + 8 <= u1; u += 8) {
+      const ulonglong2 a = s2[u / 2], b = s2[u / 2 + 1], c = s2[u / 2 + 2], d = s2[u / 2 + 3];
+      r0 += (a.x < my) + (a.y < my);
+      r1 += (b.x < my) + (b.y < my);
+      r2 += (c.x < my) + (c.y < my);
+      r3 += (d.x < my) + (d.y < my);
+    }
+    for (; u < u1; ++u) r0 += s[u] < my;
+    r = r0 + r1 + r2 + r3;
+  }
+  for (int o = 1; o < per; o <<= 1) r += __shfl_xor_sync(kFull, r, o);
+  __syncthreads();
+  if (i < n && part == 0) s[r] = my;
+  __syncthreads();
+}
+
 __host__ __device__ inline int pow2_at_least(int n) {
   int p = 1;
   while (p < n) p <<= 1;
