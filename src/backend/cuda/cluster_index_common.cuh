@@ -82,35 +82,47 @@ __device__ inline void block_bitonic(unsigned long long* s, int n) {
   }
 }
 
-// Ascending sort of n <= blockDim.x distinct keys s[0, n) by counting (s 16-byte aligned):
-// key i's rank is the number of smaller keys. `per` threads (a power of two <= 32, as many as
-// the block allows) count one key's rank over contiguous slices, two keys per 16-byte load and
-// four in flight, then add up through shuffles (a key's threads share a warp). All threads
-// must call it.
-__device__ inline void block_count_sort(unsigned long long* s, int n) {
-  int per = 1;
-  while (per < 32 && per * 2 * n <= int(blockDim.x)) per <<= 1;
-  const int i = threadIdx.x / per, part = threadIdx.x % per;
-  const unsigned long long my = i < n ? s[i] : 0ull;
-  int r = 0;
-  if (i < n) {
-    const int chunk = ((n + per - 1) / per + 3) & ~3;  // a multiple of 4: slices stay aligned
-    const int u0 = part * chunk, u1 = min(n, u0 + chunk);
-    const ulonglong2* s2 = reinterpret_cast<const ulonglong2*>(s);
-    int r0 = 0, r1 = 0, r2 = 0, r3 = 0, u = u0;
-    for (; u + 8 <= u1; u += 8) {
-      const ulonglong2 a = s2[u / 2], b = s2[u / 2 + 1], c = s2[u / 2 + 2], d = s2[u / 2 + 3];
-      r0 += (a.x < my) + (a.y < my);
-      r1 += (b.x < my) + (b.y < my);
-      r2 += (c.x < my) + (c.y < my);
-      r3 += (d.x < my) + (d.y < my);
+// Ascending sort of n <= blockDim.x distinct keys s[0, n), all below ~0 (s holds at least
+// roundup(n, 32) entries): each warp sorts 32 of them in registers (bitonic through shuffles,
+// padded with ~0), then every key's rank is its lane plus, for each other warp's sorted run,
+// the number of that run's keys below it (a 5-step binary search in shared memory), and the
+// key is stored at its rank. 15 shuffle steps, 4 barriers, and at most 15 short searches per
+// thread, instead of n comparisons per key or a barrier per bitonic step. All threads call it.
+__device__ inline void block_merge_sort(unsigned long long* s, int n) {
+  const int t = threadIdx.x, lane = t & 31, w = t >> 5;
+  const int runs = (n + 31) >> 5;
+  unsigned long long v = t < n ? s[t] : ~0ull;
+  for (int k = 2; k <= 32; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const unsigned long long o = __shfl_xor_sync(kFull, v, j);
+      const bool keep_min = ((lane & j) == 0) == ((lane & k) == 0);
+      v = keep_min ? (v < o ? v : o) : (v < o ? o : v);
     }
-    for (; u < u1; ++u) r0 += s[u] < my;
-    r = r0 + r1 + r2 + r3;
+  if (runs == 1) {  // one warp: already in order
+    __syncthreads();
+    if (t < n) s[t] = v;
+    __syncthreads();
+    return;
   }
-  for (int o = 1; o < per; o <<= 1) r += __shfl_xor_sync(kFull, r, o);
   __syncthreads();
-  if (i < n && part == 0) s[r] = my;
+  if (w < runs) s[t] = v;
+  __syncthreads();
+  int r = lane;
+  if (t < n) {
+    // Keys of run o below v (its own run counts 0: the lane is its rank there). Unrolled and
+    // branch-free so several runs' 5-step searches are in flight together.
+#pragma unroll 4
+    for (int o = 0; o < runs; ++o) {
+      const unsigned long long* run = s + 32 * o;
+      int lo = 0;  // the first index whose key is >= v, or 31
+#pragma unroll
+      for (int step = 16; step > 0; step >>= 1) lo += run[lo + step - 1] < v ? step : 0;
+      const int below = lo + (lo == 31 && run[31] < v ? 1 : 0);
+      r += o == w ? 0 : below;
+    }
+  }
+  __syncthreads();
+  if (t < n) s[r] = v;
   __syncthreads();
 }
 

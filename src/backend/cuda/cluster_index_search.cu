@@ -23,6 +23,7 @@ struct SearchK {
   int maxF, maxG, maxC, D, Hkv;
   int64_t off_cand, off_flat, off_q, off_lens, off_flag;  // shared-memory layout (bytes)
   int64_t off_next, off_starts;  // staged chunk links and starts; -1 = not staged (too big)
+  int64_t off_fmeta;  // candidates' chunk counts and first chunks [2][maxF] i32; -1 = not kept
 };
 
 // Shared-memory layout of lc_search_kernel (bytes, 16-aligned regions): keys [pow2(maxF)] u64 |
@@ -30,7 +31,8 @@ struct SearchK {
 // q [roundup(G, 4)][D] f32 (rows >= G zero) | lens [maxC] i16 | flag [maxC] u8 | (if the
 // total stays <= kStageLimit) the slot's chunk links cnext [maxC] i32 and starts [maxC + 1]
 // i32, copied in with cp.async at the start so the list walks of the flatten phase read shared
-// memory instead of chasing pointers through DRAM.
+// memory instead of chasing pointers through DRAM | (if it still fits) the candidates' chunk
+// counts and first chunks [2][maxF] i32, loaded during the sort (the flatten's reads).
 constexpr size_t kStageLimit = 220 * 1024;
 inline size_t search_smem_layout(SearchK& k, int G) {
   auto al = [](size_t x) { return (x + 15) / 16 * 16; };
@@ -47,12 +49,16 @@ inline size_t search_smem_layout(SearchK& k, int G) {
   k.off_flag = int64_t(o);
   o += al(size_t(k.maxC));
   const size_t staged = al(size_t(k.maxC) * 4) + al(size_t(k.maxC + 1) * 4);
-  k.off_next = k.off_starts = -1;
+  k.off_next = k.off_starts = k.off_fmeta = -1;
   if (o + staged <= kStageLimit) {
     k.off_next = int64_t(o);
     o += al(size_t(k.maxC) * 4);
     k.off_starts = int64_t(o);
     o += al(size_t(k.maxC + 1) * 4);
+  }
+  if (o + al(size_t(k.maxF) * 8) <= kStageLimit) {
+    k.off_fmeta = int64_t(o);
+    o += al(size_t(k.maxF) * 8);
   }
   return o;
 }
@@ -99,49 +105,55 @@ __device__ __forceinline__ float lc_bound_max(const float (&acc)[4], const float
 }
 // Bound of one node for D = 8 NC with all NC 16-byte loads of the center row issued before any
 // math: one DRAM round trip per row instead of one per 4 loads (same arithmetic, same bits).
+// The 2 halves of the row run through ONE copy of the 8-piece body (a 2-trip loop over a
+// register copy of the current half): half the code of a full unroll, which kept the warps waiting on
+// instruction fetch (ncu: "no instruction" stalls in this loop).
 template <int NC>
 __device__ __forceinline__ float lc_bound_fixed(const __half* cen, float r, const float* q,
                                                 const float* qn, int G) {
-  uint4 raw[NC];
+  static_assert(NC % 2 == 0, "two halves");
+  constexpr int H = NC / 2;
+  uint4 lo[H], hi[H];
 #pragma unroll
-  for (int i = 0; i < NC; ++i) raw[i] = *reinterpret_cast<const uint4*>(cen + 8 * i);
+  for (int i = 0; i < H; ++i) {
+    lo[i] = *reinterpret_cast<const uint4*>(cen + 8 * i);
+    hi[i] = *reinterpret_cast<const uint4*>(cen + 8 * (H + i));
+  }
   float best = -INFINITY;
   for (int g0 = 0; g0 < G; g0 += 4) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    uint4 cur[H];
 #pragma unroll
-    for (int i = 0; i < NC; ++i) lc_dot_piece(raw[i], q, 8 * NC, 8 * i, g0, acc);
+    for (int i = 0; i < H; ++i) cur[i] = lo[i];
+#pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < H; ++i) lc_dot_piece(cur[i], q, 8 * NC, 8 * (H * half + i), g0, acc);
+#pragma unroll
+      for (int i = 0; i < H; ++i) cur[i] = hi[i];
+    }
     best = lc_bound_max(acc, qn, r, g0, G, best);
   }
   return best;
 }
 
-// Ascending bitonic sort of the n2 keys s[0, n2) (n2 a power of two <= blockDim.x) with one
-// key per thread in registers: strides < 32 through warp shuffles, larger ones through shared
-// memory (a barrier pair each: 10 of the 45 steps at n2 = 512, against 45 barriers for
-// block_bitonic). All threads must call it; threads >= n2 carry a dummy key.
-__device__ __forceinline__ void block_bitonic_regs(unsigned long long* s, int n2) {
-  const int t = threadIdx.x;
-  unsigned long long v = t < n2 ? s[t] : ~0ull;
-  for (int k = 2; k <= n2; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      unsigned long long o;
-      if (j >= 32) {
-        __syncthreads();
-        if (t < n2) s[t] = v;
-        __syncthreads();
-        o = t < n2 ? s[t ^ j] : ~0ull;
-      } else {
-        o = __shfl_xor_sync(kFull, v, j);
-      }
-      // Lower index of the pair keeps the min when the run ascends ((t & k) == 0).
-      const bool lower = (t & j) == 0, up = (t & k) == 0;
-      const unsigned long long mn = v < o ? v : o, mx = v < o ? o : v;
-      v = (lower == up) ? mn : mx;
-    }
+// q_g . c of ONE head for D = 8 NC: the chain of that head in lc_bound_fixed (same operations,
+// same order, same bits), so a node's bound can be assembled from one thread per head.
+template <int NC>
+__device__ __forceinline__ float lc_head_dot_fixed(const __half* cen, const float* qg) {
+  uint4 raw[NC];
+#pragma unroll
+  for (int i = 0; i < NC; ++i) raw[i] = *reinterpret_cast<const uint4*>(cen + 8 * i);
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < NC; ++i) {
+    const __half* hv = reinterpret_cast<const __half*>(&raw[i]);
+    const float4 lo = reinterpret_cast<const float4*>(qg + 8 * i)[0], hi = reinterpret_cast<const float4*>(qg + 8 * i)[1];
+    const float qv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc = __fadd_rn(acc, __fmul_rn(qv[j], __half2float(hv[j])));
   }
-  __syncthreads();
-  if (t < n2) s[t] = v;
-  __syncthreads();
+  return acc;
 }
 
 // lc_search_kernel: CTA per (KV head, request), kSearchThreads threads.
@@ -158,7 +170,7 @@ __device__ __forceinline__ void block_bitonic_regs(unsigned long long* s, int n2
 constexpr int kSearchThreads = kSearchThreadsHost;
 // Phase stamps (bench only, a.trace non-null): [list][kLcTraceSlots] SM clock cycles (clock64:
 // one CTA stays on one SM, so differences are exact); slots 0-7 the phases, 8-10 inside the
-// coarse phase, 12-15 sizes (coarse nodes, fine candidates, flattened chunks, chosen chunks).
+// coarse phase, 11 between the loads and the q norms, 12-15 sizes (coarse nodes, fine candidates, flattened chunks, chosen chunks).
 #define LC_TRACE(i) \
   if (a.trace && t == 0) a.trace[(int64_t(b) * k.Hkv + h) * kLcTraceSlots + (i)] = clock64()
 #define LC_TRACE_VALUE(i, v) \
@@ -168,17 +180,25 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   const LcSearchArgs& a = k.a;
   const int h = blockIdx.x, b = blockIdx.y, t = threadIdx.x, lane = t & 31, w = t >> 5;
   const int nw = blockDim.x >> 5, D = k.D, G = a.Hq / k.Hkv;
+  LC_TRACE(0);
+  // Loads in dependency rounds, each issued as early as it can be: q (needs only b, h) with the
+  // slot and length; then the slot's counts and coarse-node arrays; then starts[M].
+  const int GD = G * D, GD4 = (G + 3) / 4 * 4 * D;  // q rows padded to 4 heads (zeros)
+  const auto* qsrc = a.q + (int64_t(b) * a.Hq + h * G) * D;
+  float q_r[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = t + i * int(blockDim.x);
+    q_r[i] = e < GD ? __bfloat162float(qsrc[e]) : 0.f;
+  }
   const int slot = a.slot[b];
+  const int L = a.kv_len[b];
   const int sh_ = slot * k.Hkv + h;
   const int32_t* starts = k.starts + int64_t(slot) * (k.maxC + 1);
   const int M = k.n_chunks[sh_], NG = k.n_coarse[sh_];
-  const int L = a.kv_len[b];
-  // budget_total: the budget also counts the sink and the un-indexed tail (the CPU's
-  // budget_mode=total: what is left for chunks).
-  const int64_t budget =
-      a.budget_total ? max(int64_t(0), a.budget - min(a.sink, L) - (L - (M > 0 ? starts[M] : min(a.sink, L))))
-                     : a.budget;
-  LC_TRACE(0);
+  const int gtok_r = t < k.maxG ? k.gtok[int64_t(sh_) * k.maxG + t] : 0;
+  const int gfirst_r = t <= k.maxG ? k.gfirst[int64_t(sh_) * (k.maxG + 1) + t] : 0;
+  const int starts_M = M > 0 ? starts[M] : 0;  // used late (budget, tail): latency hidden
   const int n2max = pow2_at_least(k.maxF);
   (void)n2max;
   char* smem_b = reinterpret_cast<char*>(smem_u64);
@@ -210,25 +230,55 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     st = s_starts;
   }
 
-  for (int e = t; e < (G + 3) / 4 * 4 * D; e += blockDim.x)
-    q[e] = e < G * D ? __bfloat162float(a.q[(int64_t(b) * a.Hq + h * G) * D + e]) : 0.f;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    if (t + i * int(blockDim.x) < GD4) q[t + i * blockDim.x] = q_r[i];
+  for (int e = t + 2 * blockDim.x; e < GD4; e += blockDim.x) q[e] = e < GD ? __bfloat162float(qsrc[e]) : 0.f;
   if (t < NG) {
-    gtok[t] = k.gtok[int64_t(sh_) * k.maxG + t];
+    gtok[t] = gtok_r;
     keep[t] = 0;
   }
-  if (t <= NG) gfirst[t] = k.gfirst[int64_t(sh_) * (k.maxG + 1) + t];
+  if (t <= NG) gfirst[t] = gfirst_r;
   for (int c = t; c < M; c += blockDim.x) flag[c] = 0;
   if (t == 0) {
     s_nsel = 0;
     s_minlen = 1 << 30;
   }
   __syncthreads();
-  for (int g = w; g < G; g += nw) {
-    float v[kMaxDPL];
-#pragma unroll
-    for (int j = 0; j < kMaxDPL; ++j) v[j] = lane + 32 * j < D ? q[g * D + lane + 32 * j] : 0.f;
-    const double s = warp_seq_sumsq<kMaxDPL>(v, D);
-    if (lane == 0) qn[g] = __double2float_rn(sqrt(s));
+  LC_TRACE(11);
+  // budget_total: the budget also counts the sink and the un-indexed tail (the CPU's
+  // budget_mode=total: what is left for chunks).
+  const int64_t budget =
+      a.budget_total ? max(int64_t(0), a.budget - min(a.sink, L) - (L - (M > 0 ? starts_M : min(a.sink, L))))
+                     : a.budget;
+  const bool run = M > 0 && budget > 0 && NG > 0;
+  // Coarse nodes a thread per (node, head) (G a power of two <= 32: a node's heads share a warp)
+  // when they fit beside the last G warps, which compute the q norms meanwhile: the norms'
+  // serial double chains then hide behind the center-row loads and dot chains.
+  const bool coarse_par = run && D == 128 && G <= 32 && (G & (G - 1)) == 0 && G < nw &&
+                          NG * G <= 32 * (nw - G);
+  const int64_t gbase = int64_t(sh_) * k.maxG;
+  // |q_g|: the CPU's sequential double sum of squares (d ascending), by lane 0 of a warp per
+  // head straight from shared memory (4 values per load; the products are exact in double, the
+  // sums round in the CPU's order).
+  const int norm_w0 = coarse_par ? nw - G : 0;
+  for (int g = w - norm_w0; g >= 0 && g < G; g += nw)
+    if (lane == 0) {
+      const float4* qg = reinterpret_cast<const float4*>(q + g * D);
+      double sum = 0.0;
+      for (int d4 = 0; d4 < D / 4; ++d4) {
+        const float4 x = qg[d4];
+        sum = __dadd_rn(sum, __dmul_rn(double(x.x), double(x.x)));
+        sum = __dadd_rn(sum, __dmul_rn(double(x.y), double(x.y)));
+        sum = __dadd_rn(sum, __dmul_rn(double(x.z), double(x.z)));
+        sum = __dadd_rn(sum, __dmul_rn(double(x.w), double(x.w)));
+      }
+      qn[g] = __double2float_rn(sqrt(sum));
+    }
+  float cdot = 0.f, crad = 0.f;
+  if (coarse_par && t < NG * G) {
+    crad = k.gr[gbase + t / G];
+    cdot = lc_head_dot_fixed<16>(k.gc + (gbase + t / G) * D, q + (t % G) * D);
   }
   __syncthreads();
     LC_TRACE(1);
@@ -247,18 +297,27 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     }
     return best;
   };
-  const bool run = M > 0 && budget > 0 && NG > 0;
   if (run) {
-    // One thread per node (a staged-rows variant measured slower: the sequential dot chain
-    // dominates, and tiles of staged rows serialize it).
-    const int64_t gbase = int64_t(sh_) * k.maxG;
-    for (int g = t; g < NG; g += blockDim.x) gscore[g] = bound(k.gc + (gbase + g) * D, k.gr[gbase + g]);
+    if (coarse_par) {
+      // max over the node's G lanes of dot + |q_g| r, from -inf as lc_bound_max (fmaxf drops
+      // NaN, so an all-NaN node is -inf either way).
+      if (w < (NG * G + 31) / 32) {
+        float v = -INFINITY;
+        if (t < NG * G) v = fmaxf(v, __fadd_rn(cdot, __fmul_rn(qn[t % G], crad)));
+        for (int o = 1; o < G; o <<= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+        if (t < NG * G && t % G == 0) gscore[t / G] = v;
+      }
+    } else {
+      // One thread per node (a staged-rows variant measured slower: the sequential dot chain
+      // dominates, and tiles of staged rows serialize it).
+      for (int g = t; g < NG; g += blockDim.x) gscore[g] = bound(k.gc + (gbase + g) * D, k.gr[gbase + g]);
+    }
     __syncthreads();
     LC_TRACE(8);
     // Rank: score descending, NaN last, ties by node id = ascending (~okey(score), id).
     if (t < NG) ckeys[t] = (static_cast<unsigned long long>(~okey(gscore[t])) << 32) | unsigned(t);
     __syncthreads();
-    block_count_sort(ckeys, NG);
+    block_merge_sort(ckeys, NG);
     if (t < NG) gorder[t] = int(ckeys[t] & 0xffffffffu);
     if (t == 0) s_kg = NG;
     __syncthreads();
@@ -308,11 +367,27 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       }
       keys[j] = key;
     }
+    // The flatten's reads of candidate t (chunk count, first chunk), in flight during the sort.
+    int32_t* fm_cnt = k.off_fmeta >= 0 ? reinterpret_cast<int32_t*>(smem_b + k.off_fmeta) : nullptr;
+    int32_t* fm_head = fm_cnt ? fm_cnt + k.maxF : nullptr;
+    int pre_cnt = 0, pre_head = 0;
+    if (fm_cnt && t < nc) {
+      const int f = cand[t];
+      pre_cnt = k.fnch[fbase + f];
+      pre_head = k.fhead[fbase + f];
+    }
     __syncthreads();
     LC_TRACE(3);
     // Keys are distinct (the low word is j).
-    if (n2 <= int(blockDim.x)) block_bitonic_regs(keys, n2);
+    if (nc <= int(blockDim.x)) block_merge_sort(keys, nc);
     else block_bitonic(keys, n2);
+    if (fm_cnt) {
+      if (t < nc) fm_cnt[t] = pre_cnt, fm_head[t] = pre_head;
+      for (int j = t + blockDim.x; j < nc; j += blockDim.x) {
+        fm_cnt[j] = k.fnch[fbase + cand[j]];
+        fm_head[j] = k.fhead[fbase + cand[j]];
+      }
+    }
     LC_TRACE(4);
     if (staged) asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();
@@ -320,12 +395,12 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     int base = 0;
     for (int j0 = 0; j0 < nc; j0 += blockDim.x) {
       const int j = j0 + t;
-      const int f = j < nc ? cand[int(keys[j] & 0xffffffffu)] : -1;
-      const int cntj = f >= 0 ? k.fnch[fbase + f] : 0;
+      const int jj = j < nc ? int(keys[j] & 0xffffffffu) : -1;
+      const int cntj = jj < 0 ? 0 : fm_cnt ? fm_cnt[jj] : k.fnch[fbase + cand[jj]];
       int tot = 0;
       const int off = block_excl_scan(cntj, sh, tot) + base;
-      if (f >= 0) {
-        int c = k.fhead[fbase + f];
+      if (jj >= 0) {
+        int c = fm_head ? fm_head[jj] : k.fhead[fbase + cand[jj]];
         for (int i = 0; i < cntj && c >= 0; ++i) {
           flat[off + i] = c;
           lens[off + i] = int16_t(st[c + 1] - st[c]);
@@ -347,11 +422,11 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       const int len = j < nflat ? lens[j] : 0;
       int tot = 0;
       const int ex = block_excl_scan(len, sh, tot) + carry;
+      // The fitting chunks are a prefix (ex grows with j), so chunk j is the j-th chosen.
       const bool fits = j < nflat && int64_t(ex) + len <= budget;
       if (fits) {
         flag[flat[j]] = 1;
-        const int r = atomicAdd(&s_nsel, 1);
-        if (r < 256) selk[r] = static_cast<unsigned long long>(flat[j]);
+        if (j < 256) selk[j] = static_cast<unsigned long long>(flat[j]);
       }
       const int nfit = __syncthreads_count(fits);
       carry += tot;
@@ -374,6 +449,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     }
     __syncthreads();
     if (t == 0) {
+      s_nsel = i0;
       int64_t left = budget - used;
       const int mn = s_minlen;
       for (int j = i0; j < nflat && left >= mn; ++j)
@@ -395,21 +471,26 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   int pos = sink;
   const int nsel = s_nsel;
   if (nsel > 0 && nsel <= 256) {
-    // Few chunks (<= 256; budget / 8-token chunks): sort their ids, scan their lengths.
-    // Rank by counting (chunk ids are distinct) into flat (free now; >= 256 entries).
-    if (t < nsel) {
-      const unsigned long long my = selk[t];
-      int r = 0;
-      for (int i = 0; i < nsel; ++i) r += selk[i] < my;
-      flat[r] = int(my);
-    }
-    __syncthreads();
-    const int c = t < nsel ? flat[t] : -1;
+    // Few chunks (<= 256; budget / 8-token chunks): sort their ids (distinct), scan their
+    // lengths.
+    block_merge_sort(selk, nsel);
+    const int c = t < nsel ? int(selk[t]) : -1;
     const int len = c >= 0 ? st[c + 1] - st[c] : 0;  // st: staged (landed before the flatten)
     int tot = 0;
-    const int off = block_excl_scan(len, sh, tot) + pos;
-    for (int i = 0; i < len; ++i)
-      if (off + i < a.cap) out[off + i] = st[c] + i;
+    const int off = block_excl_scan(len, sh, tot);
+    if (t < nsel) flat[t] = off;  // flat is free now (>= 256 entries)
+    __syncthreads();
+    // Coalesced stores: entry i belongs to the last chosen chunk whose offset is <= i (an empty
+    // chunk shares its offset with the next one and is never picked).
+    for (int i = t; i < tot && pos + i < a.cap; i += blockDim.x) {
+      int lo = 0, hi = nsel - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (flat[mid] <= i) lo = mid;
+        else hi = mid - 1;
+      }
+      out[pos + i] = st[int(selk[lo])] + (i - flat[lo]);
+    }
     pos += tot;
   } else if (nsel > 256) {
     // Many chunks: scan all M chunks in position order over the chosen flags.
@@ -423,7 +504,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       pos += tot;
     }
   }
-  const int rb = M > 0 ? starts[M] : sink;
+  const int rb = M > 0 ? starts_M : sink;
   const int tb = max(rb, sink);
   for (int p = tb + t; p < L; p += blockDim.x)
     if (pos + p - tb < a.cap) out[pos + p - tb] = p;
