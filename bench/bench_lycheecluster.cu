@@ -317,7 +317,9 @@ int main(int argc, char** argv) {
       };
       // Phases 0-6 (q/norms, coarse, fine scores, sort, flatten, greedy, emit), then the coarse
       // phase's parts: scoring, ranking, k_g + scans, candidates.
-      const int from[11] = {0, 1, 2, 3, 4, 5, 6, 1, 8, 9, 10}, to[11] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 2};
+      // Then the first phase's loads and q norms.
+      const int from[13] = {0, 1, 2, 3, 4, 5, 6, 1, 8, 9, 10, 0, 11},
+                to[13] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 2, 11, 1};
       for (auto& run : ph_runs) {
         SPADE_CUDA(cudaMemset(tr, 0, sizeof(unsigned long long) * B * Hkv * TS));
         a.trace = tr;
@@ -325,7 +327,7 @@ int main(int argc, char** argv) {
         for (int w = 0; w < 10; ++w) ix.search(a, nullptr);
         a.trace = nullptr;
         SPADE_CUDA(cudaMemcpy(ht.data(), tr, 8 * ht.size(), cudaMemcpyDeviceToHost));
-        for (int p = 0; p < 11; ++p) {
+        for (int p = 0; p < 13; ++p) {
           double mx = 0;
           for (int l = 0; l < B * Hkv; ++l) mx = std::max(mx, span(l, from[p], to[p]));
           run.push_back(mx);
@@ -340,14 +342,15 @@ int main(int argc, char** argv) {
       std::string phases = "[", coarse_parts = "[";
       for (int p = 0; p < 7; ++p) phases += (p ? ", " : "") + std::to_string(med_phase(p));
       for (int p = 7; p < 11; ++p) coarse_parts += (p > 7 ? ", " : "") + std::to_string(med_phase(p));
+      const std::string first_parts = "[" + std::to_string(med_phase(11)) + ", " + std::to_string(med_phase(12)) + "]";
       phases += "]";
       coarse_parts += "]";
       char sizes[160];
       std::snprintf(sizes, sizeof sizes, "{\"coarse_nodes\": %llu, \"fine_candidates\": %llu, \"flat_chunks\": %llu, \"chosen_chunks\": %llu}",
                     ht[12], ht[13], ht[14], ht[15]);
       std::printf("  search phases (kcycles, max over lists, median of 11): q/norms, coarse, fine scores, sort, flatten, greedy, emit = %s\n"
-                  "  coarse phase parts: scoring, ranking, k_g + scans, candidates = %s; list 0 sizes %s\n",
-                  phases.c_str(), coarse_parts.c_str(), sizes);
+                  "  coarse phase parts: scoring, ranking, k_g + scans, candidates = %s; first phase: loads, q norms = %s; list 0 sizes %s\n",
+                  phases.c_str(), coarse_parts.c_str(), first_parts.c_str(), sizes);
       search();
       std::vector<int32_t> hc(size_t(B) * Hkv);
       SPADE_CUDA(cudaMemcpy(hc.data(), counts, 4 * hc.size(), cudaMemcpyDeviceToHost));
@@ -368,11 +371,11 @@ int main(int argc, char** argv) {
       // Per decode step: search every step; one flush (insert) every 128 tokens per request.
       const double t_upd_step = t_flush / 128.0;
       std::snprintf(buf, sizeof buf,
-                    "%s{\"B\": %d, \"mean_list_tokens\": %.1f, \"search_compact_ms\": %.4f, \"search_only_ms\": %.4f, \"search_phases_kcycles\": %s, \"coarse_parts_kcycles\": %s, \"search_sizes\": %s, "
+                    "%s{\"B\": %d, \"mean_list_tokens\": %.1f, \"search_compact_ms\": %.4f, \"search_only_ms\": %.4f, \"search_phases_kcycles\": %s, \"coarse_parts_kcycles\": %s, \"first_parts_kcycles\": %s, \"search_sizes\": %s, "
                     "\"update_amortized_ms\": %.5f, \"update_flush_ms\": %.4f, \"sparse_attention_ms\": %.4f, "
                     "\"dense_attention_ms\": %.4f, \"search_update_over_dense\": %.4f, "
                     "\"attention_speedup_sparse_plus_search\": %.3f}",
-                    first ? "" : ", ", B, mean_list, t_search, t_search_only, phases.c_str(), coarse_parts.c_str(), sizes, t_upd_step, t_flush, t_sparse, t_dense,
+                    first ? "" : ", ", B, mean_list, t_search, t_search_only, phases.c_str(), coarse_parts.c_str(), first_parts.c_str(), sizes, t_upd_step, t_flush, t_sparse, t_dense,
                     (t_search + t_upd_step) / t_dense, t_dense / (t_sparse + t_search + t_upd_step));
       json += buf;
       first = false;

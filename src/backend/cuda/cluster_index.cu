@@ -104,13 +104,16 @@ LcIndexGpu::Host LcIndexGpu::download(int slot, int h) const {
   o.n_chunks = get(n_chunks_ + sh, 1)[0];
   o.n_fine = get(n_fine_ + sh, 1)[0];
   o.n_coarse = get(n_coarse_ + sh, 1)[0];
-  auto h2f = [](const std::vector<__half>& v) {
-    std::vector<float> r(v.size());
-    for (size_t i = 0; i < v.size(); ++i) r[i] = __half2float(v[i]);
+  // Centers are piece-major on the device (lc_cen_off): gather row-major rows.
+  auto rows = [&](const __half* blk, int maxN, int n) {
+    const std::vector<__half> all = get(blk, size_t(maxN) * D);
+    std::vector<float> r(size_t(n) * D);
+    for (int i = 0; i < n; ++i)
+      for (int d = 0; d < D; ++d) r[size_t(i) * D + d] = __half2float(all[size_t(lc_detail::lc_cen_off(maxN, i, d))]);
     return r;
   };
-  o.fine_c = h2f(get(fc_ + sh * F * D, size_t(o.n_fine) * D));
-  o.coarse_c = h2f(get(gc_ + sh * G * D, size_t(o.n_coarse) * D));
+  o.fine_c = rows(fc_ + sh * F * D, F, o.n_fine);
+  o.coarse_c = rows(gc_ + sh * G * D, G, o.n_coarse);
   o.fine_r = get(fr_ + sh * F, size_t(o.n_fine));
   o.coarse_r = get(gr_ + sh * G, size_t(o.n_coarse));
   o.fine_tokens = get(ftok_ + sh * F, size_t(o.n_fine));

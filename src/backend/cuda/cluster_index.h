@@ -6,8 +6,10 @@
 // in fixed-capacity device arrays taken from a DeviceArena at construction:
 //   per slot        starts[max_chunks + 1] int32 (absolute token positions, from the CPU
 //                   chunker), n_chunks
-//   per (slot, h)   fine  : c16 [max_fine][D] fp16, radius/tokens/count/head/tail/nch [max_fine]
-//                   coarse: c16 [max_coarse][D] fp16, radius/tokens/count [max_coarse],
+//   per (slot, h)   fine  : c16 [D/8][max_fine][8] fp16 (piece-major: the 16-byte pieces of
+//                           all nodes' dims 8p..8p+7 side by side), radius/tokens/count/head/
+//                           tail/nch [max_fine]
+//                   coarse: c16 [D/8][max_coarse][8] fp16, radius/tokens/count [max_coarse],
 //                           first[max_coarse + 1] (fine ids of unit g: [first[g], first[g+1]))
 //                   chunk : next[max_chunks] (per-fine linked lists in position order),
 //                           fine_of[max_chunks]
@@ -141,11 +143,11 @@ class LcIndexGpu {
   int32_t* n_chunks_ = nullptr;    // [slots][Hkv]
   int32_t* n_fine_ = nullptr;      // [slots][Hkv]
   int32_t* n_coarse_ = nullptr;    // [slots][Hkv]
-  __half* fc_ = nullptr;           // [..][max_fine][D]
+  __half* fc_ = nullptr;           // [..][D/8][max_fine][8] (piece-major)
   float* fr_ = nullptr;
   int32_t *ftok_ = nullptr, *fcnt_ = nullptr, *fhead_ = nullptr, *ftail_ = nullptr,
           *fnch_ = nullptr;
-  __half* gc_ = nullptr;           // [..][max_coarse][D]
+  __half* gc_ = nullptr;           // [..][D/8][max_coarse][8] (piece-major)
   float* gr_ = nullptr;
   int32_t *gtok_ = nullptr, *gcnt_ = nullptr, *gfirst_ = nullptr;  // first: [max_coarse + 1]
   int32_t *cnext_ = nullptr, *cfine_ = nullptr;                    // [max_chunks]

@@ -418,15 +418,16 @@ __global__ void lc_center_final_kernel(SlotPtrs s, const double* acc) {
   double v = __dmul_rn(acc[(int64_t(h) * (s.maxF + s.maxG) + node) * s.D + d], inv);
   v = fmin(fmax(v, -65000.0), 65000.0);
   const __half hv = __float2half_rn(__double2float_rn(v));
-  if (fine) s.fc[(int64_t(h) * s.maxF + i) * s.D + d] = hv;
-  else s.gc[(int64_t(h) * s.maxG + i) * s.D + d] = hv;
+  if (fine) s.fc[int64_t(h) * s.maxF * s.D + lc_cen_off(s.maxF, i, d)] = hv;
+  else s.gc[int64_t(h) * s.maxG * s.D + lc_cen_off(s.maxG, i, d)] = hv;
 }
 
-// Sequential double distance |k - c| (d ascending, the CPU's dist()).
-__device__ double seq_dist_bf16(const bf16* k, const __half* c, int D) {
+// Sequential double distance |k - c| (d ascending, the CPU's dist()); c = node n of the
+// piece-major center block `blk` of maxN nodes.
+__device__ double seq_dist_bf16(const bf16* k, const __half* blk, int maxN, int n, int D) {
   double s = 0.0;
   for (int d = 0; d < D; ++d) {
-    const double t = __dsub_rn(double(__bfloat162float(k[d])), double(__half2float(c[d])));
+    const double t = __dsub_rn(double(__bfloat162float(k[d])), double(__half2float(blk[lc_cen_off(maxN, n, d)])));
     s = __dadd_rn(s, __dmul_rn(t, t));
   }
   return sqrt(s);
@@ -441,13 +442,13 @@ __global__ void lc_radius_kernel(SlotPtrs s, int M, const bf16* k, const int32_t
   if (wid >= M * s.Hkv) return;
   const int c = wid / s.Hkv, h = wid % s.Hkv;
   const int f = s.cfine[int64_t(h) * s.maxC + c], g = gof[h * s.maxF + f];
-  const __half* fcen = s.fc + (int64_t(h) * s.maxF + f) * s.D;
-  const __half* gcen = s.gc + (int64_t(h) * s.maxG + g) * s.D;
+  const __half* fblk = s.fc + int64_t(h) * s.maxF * s.D;
+  const __half* gblk = s.gc + int64_t(h) * s.maxG * s.D;
   double rf = 0.0, rg = 0.0;
   for (int p = s.starts[c] + lane; p < s.starts[c + 1]; p += 32) {
     const bf16* row = key_row(k, pt, p, h, s.Hkv, s.P, s.D);
-    rf = fmax(rf, seq_dist_bf16(row, fcen, s.D));
-    rg = fmax(rg, seq_dist_bf16(row, gcen, s.D));
+    rf = fmax(rf, seq_dist_bf16(row, fblk, s.maxF, f, s.D));
+    rg = fmax(rg, seq_dist_bf16(row, gblk, s.maxG, g, s.D));
   }
   for (int o = 16; o > 0; o >>= 1) {
     rf = fmax(rf, __shfl_xor_sync(kFull, rf, o));

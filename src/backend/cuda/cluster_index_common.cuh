@@ -143,6 +143,14 @@ __device__ __forceinline__ const bf16* key_row(const bf16* k, const int32_t* pt,
   return k + ((int64_t(pt[p / P]) * Hkv + h) * P + (p % P)) * D;
 }
 
+// Center storage (fine and coarse; cluster_index.h): per (slot, head) a block of maxN nodes x D
+// fp16, PIECE-MAJOR: dims [8p, 8p + 8) of node n are the 16 bytes at halves (p * maxN + n) * 8
+// of the block. The search's thread-per-node loads of one piece are then contiguous across a
+// warp (row-major rows made every 16-byte load of a warp touch 32 cache lines).
+__host__ __device__ __forceinline__ int64_t lc_cen_off(int maxN, int n, int d) {
+  return (int64_t(d >> 3) * maxN + n) * 8 + (d & 7);
+}
+
 // Pointers of one slot (assembly in the build; the lazy update offsets slot 0's).
 struct SlotPtrs {
   const int32_t* starts;

@@ -108,16 +108,17 @@ __device__ __forceinline__ float lc_bound_max(const float (&acc)[4], const float
 // The 2 halves of the row run through ONE copy of the 8-piece body (a 2-trip loop over a
 // register copy of the current half): half the code of a full unroll, which kept the warps waiting on
 // instruction fetch (ncu: "no instruction" stalls in this loop).
+// cen: the node's first piece; ps: halves between its pieces (piece-major blocks: maxN * 8).
 template <int NC>
-__device__ __forceinline__ float lc_bound_fixed(const __half* cen, float r, const float* q,
-                                                const float* qn, int G) {
+__device__ __forceinline__ float lc_bound_fixed(const __half* cen, int64_t ps, float r,
+                                                const float* q, const float* qn, int G) {
   static_assert(NC % 2 == 0, "two halves");
   constexpr int H = NC / 2;
   uint4 lo[H], hi[H];
 #pragma unroll
   for (int i = 0; i < H; ++i) {
-    lo[i] = *reinterpret_cast<const uint4*>(cen + 8 * i);
-    hi[i] = *reinterpret_cast<const uint4*>(cen + 8 * (H + i));
+    lo[i] = *reinterpret_cast<const uint4*>(cen + i * ps);
+    hi[i] = *reinterpret_cast<const uint4*>(cen + (H + i) * ps);
   }
   float best = -INFINITY;
   for (int g0 = 0; g0 < G; g0 += 4) {
@@ -140,10 +141,10 @@ __device__ __forceinline__ float lc_bound_fixed(const __half* cen, float r, cons
 // q_g . c of ONE head for D = 8 NC: the chain of that head in lc_bound_fixed (same operations,
 // same order, same bits), so a node's bound can be assembled from one thread per head.
 template <int NC>
-__device__ __forceinline__ float lc_head_dot_fixed(const __half* cen, const float* qg) {
+__device__ __forceinline__ float lc_head_dot_fixed(const __half* cen, int64_t ps, const float* qg) {
   uint4 raw[NC];
 #pragma unroll
-  for (int i = 0; i < NC; ++i) raw[i] = *reinterpret_cast<const uint4*>(cen + 8 * i);
+  for (int i = 0; i < NC; ++i) raw[i] = *reinterpret_cast<const uint4*>(cen + i * ps);
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < NC; ++i) {
@@ -278,21 +279,22 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   float cdot = 0.f, crad = 0.f;
   if (coarse_par && t < NG * G) {
     crad = k.gr[gbase + t / G];
-    cdot = lc_head_dot_fixed<16>(k.gc + (gbase + t / G) * D, q + (t % G) * D);
+    cdot = lc_head_dot_fixed<16>(k.gc + gbase * D + (t / G) * 8, int64_t(k.maxG) * 8, q + (t % G) * D);
   }
   __syncthreads();
     LC_TRACE(1);
   // Bound of one node aggregated (max) over the group, one thread per node: q_g . c summed
   // in d order with __fmul_rn / __fadd_rn (the CPU's dot(), no FMA) plus |q_g| * r, so the
   // scores are bit-identical to ClusterIndex::search's.
-  auto bound = [&](const __half* cen, float r) {
-    if (D == 128) return lc_bound_fixed<16>(cen, r, q, qn, G);
+  // cen: the node's first piece in its piece-major block, ps: halves between pieces.
+  auto bound = [&](const __half* cen, int64_t ps, float r) {
+    if (D == 128) return lc_bound_fixed<16>(cen, ps, r, q, qn, G);
     float best = -INFINITY;
     for (int g0 = 0; g0 < G; g0 += 4) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
       for (int d0 = 0; d0 < D; d0 += 8)
-        lc_dot_piece(*reinterpret_cast<const uint4*>(cen + d0), q, D, d0, g0, acc);
+        lc_dot_piece(*reinterpret_cast<const uint4*>(cen + (d0 >> 3) * ps), q, D, d0, g0, acc);
       best = lc_bound_max(acc, qn, r, g0, G, best);
     }
     return best;
@@ -310,7 +312,8 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     } else {
       // One thread per node (a staged-rows variant measured slower: the sequential dot chain
       // dominates, and tiles of staged rows serialize it).
-      for (int g = t; g < NG; g += blockDim.x) gscore[g] = bound(k.gc + (gbase + g) * D, k.gr[gbase + g]);
+      for (int g = t; g < NG; g += blockDim.x)
+        gscore[g] = bound(k.gc + gbase * D + g * 8, int64_t(k.maxG) * 8, k.gr[gbase + g]);
     }
     __syncthreads();
     LC_TRACE(8);
@@ -363,7 +366,8 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       unsigned long long key = ~0ull;
       if (j < nc) {
         const int f = cand[j];
-        key = (static_cast<unsigned long long>(~okey(bound(k.fc + (fbase + f) * D, k.fr[fbase + f]))) << 32) | unsigned(j);
+        const float sc = bound(k.fc + fbase * D + f * 8, int64_t(k.maxF) * 8, k.fr[fbase + f]);
+        key = (static_cast<unsigned long long>(~okey(sc)) << 32) | unsigned(j);
       }
       keys[j] = key;
     }

@@ -107,12 +107,13 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
       float bsim = -INFINITY;
       int bk = -1;
       for (int n = lo + t; n < hi; n += blockDim.x) {
-        const __half* cen = level ? s.gc + (go + n) * D : s.fc + (fo + n) * D;
+        const __half* blk = level ? s.gc + go * D : s.fc + fo * D;  // piece-major
+        const int maxN = level ? s.maxG : s.maxF;
         float dp = 0.f;
         double nn = 0.0;
 #pragma unroll 4
         for (int d0 = 0; d0 < D; d0 += 8) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(cen + d0);
+          const uint4 raw = *reinterpret_cast<const uint4*>(blk + lc_cen_off(maxN, n, d0));
           const __half* hv = reinterpret_cast<const __half*>(&raw);
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
@@ -157,19 +158,20 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
     const int m = e - b;
     for (int level = 0; level < 2; ++level) {
       const int node = sel[level];
-      __half* cen = level ? s.gc + (go + node) * D : s.fc + (fo + node) * D;
+      __half* blk = level ? s.gc + go * D : s.fc + fo * D;  // piece-major
+      const int maxN = level ? s.maxG : s.maxF;
       int32_t* cntp = level ? s.gcnt + go + node : s.fcnt + fo + node;
       int32_t* tokp = level ? s.gtok + go + node : s.ftok + fo + node;
       float* radp = level ? s.gr + go + node : s.fr + fo + node;
       const int n = *cntp;
       const double wgt = double(m) / double(n + m);
       for (int d = t; d < D; d += blockDim.x) {
-        const float oc = __half2float(cen[d]);
+        const float oc = __half2float(blk[lc_cen_off(maxN, node, d)]);
         oldc[d] = oc;
         double v = __dadd_rn(double(oc), __dmul_rn(wgt, __dsub_rn(mean[d], double(oc))));
         v = fmin(fmax(v, -65000.0), 65000.0);
         const __half hv = __float2half_rn(__double2float_rn(v));
-        cen[d] = hv;
+        blk[lc_cen_off(maxN, node, d)] = hv;
         newc[d] = __half2float(hv);
       }
       __syncthreads();
