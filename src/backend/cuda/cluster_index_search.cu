@@ -69,49 +69,52 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
                : "memory");
 }
 
-// acc[gg] += q_{g0+gg}[d0, d0 + 8) . c for one 16-byte piece of a center row, for 4 heads
+// acc[gg] += q_{g0+gg}[d0, d0 + 8) . c for one 16-byte piece of a center row, for NH heads
 // at once: __fmul_rn / __fadd_rn in d order (the CPU's dot(), no FMA), so the scores are
 // bit-identical to the CPU's. q has a multiple of 4 head rows (rows >= G are zero and their
-// sums unused), so the 4 chains carry no branch and interleave (4 FADDs in flight, q read as
-// float4).
+// sums unused), so the NH chains carry no branch and interleave (q read as float4).
+template <int NH>
 __device__ __forceinline__ void lc_dot_piece(const uint4& raw, const float* q, int D, int d0,
-                                             int g0, float (&acc)[4]) {
+                                             int g0, float (&acc)[NH]) {
   const __half* hv = reinterpret_cast<const __half*>(&raw);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {  // 4 dims at a time: 16 q registers live
-    float4 qv[4];
+  for (int half = 0; half < 2; ++half) {  // 4 dims at a time: 4 NH q registers live
+    float4 qv[NH];
 #pragma unroll
-    for (int gg = 0; gg < 4; ++gg) qv[gg] = reinterpret_cast<const float4*>(q + (g0 + gg) * D + d0)[half];
+    for (int gg = 0; gg < NH; ++gg) qv[gg] = reinterpret_cast<const float4*>(q + (g0 + gg) * D + d0)[half];
     float cc[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) cc[j] = __half2float(hv[4 * half + j]);
 #pragma unroll
-    for (int gg = 0; gg < 4; ++gg) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qv[gg].x, cc[0]));
+    for (int gg = 0; gg < NH; ++gg) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qv[gg].x, cc[0]));
 #pragma unroll
-    for (int gg = 0; gg < 4; ++gg) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qv[gg].y, cc[1]));
+    for (int gg = 0; gg < NH; ++gg) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qv[gg].y, cc[1]));
 #pragma unroll
-    for (int gg = 0; gg < 4; ++gg) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qv[gg].z, cc[2]));
+    for (int gg = 0; gg < NH; ++gg) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qv[gg].z, cc[2]));
 #pragma unroll
-    for (int gg = 0; gg < 4; ++gg) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qv[gg].w, cc[3]));
+    for (int gg = 0; gg < NH; ++gg) acc[gg] = __fadd_rn(acc[gg], __fmul_rn(qv[gg].w, cc[3]));
   }
 }
-// max(best, q_g . c + |q_g| r) over the group's heads g0 .. g0 + 3 that exist.
-__device__ __forceinline__ float lc_bound_max(const float (&acc)[4], const float* qn, float r,
+// max(best, q_g . c + |q_g| r) over the heads g0 .. g0 + NH - 1 that exist.
+template <int NH>
+__device__ __forceinline__ float lc_bound_max(const float (&acc)[NH], const float* qn, float r,
                                               int g0, int G, float best) {
 #pragma unroll
-  for (int gg = 0; gg < 4; ++gg)
+  for (int gg = 0; gg < NH; ++gg)
     if (g0 + gg < G) best = fmaxf(best, __fadd_rn(acc[gg], __fmul_rn(qn[g0 + gg], r)));
   return best;
 }
-// Bound of one node for D = 8 NC with all NC 16-byte loads of the center row issued before any
-// math: one DRAM round trip per row instead of one per 4 loads (same arithmetic, same bits).
+// Bound of one node over the heads [gb, ge) (NH at a time) for D = 8 NC, from -inf (the
+// node's bound is the max of such parts), with all NC 16-byte loads of the center row issued
+// before any math: one DRAM round trip per row (same arithmetic, same bits per head).
 // The 2 halves of the row run through ONE copy of the 8-piece body (a 2-trip loop over a
-// register copy of the current half): half the code of a full unroll, which kept the warps waiting on
-// instruction fetch (ncu: "no instruction" stalls in this loop).
+// register copy of the current half): half the code of a full unroll, which kept the warps
+// waiting on instruction fetch (ncu: "no instruction" stalls in this loop).
 // cen: the node's first piece; ps: halves between its pieces (piece-major blocks: maxN * 8).
-template <int NC>
+template <int NC, int NH>
 __device__ __forceinline__ float lc_bound_fixed(const __half* cen, int64_t ps, float r,
-                                                const float* q, const float* qn, int G) {
+                                                const float* q, const float* qn, int gb, int ge,
+                                                int G) {
   static_assert(NC % 2 == 0, "two halves");
   constexpr int H = NC / 2;
   uint4 lo[H], hi[H];
@@ -121,30 +124,30 @@ __device__ __forceinline__ float lc_bound_fixed(const __half* cen, int64_t ps, f
     hi[i] = *reinterpret_cast<const uint4*>(cen + (H + i) * ps);
   }
   float best = -INFINITY;
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int g0 = gb; g0 < ge; g0 += NH) {
+    float acc[NH];
+#pragma unroll
+    for (int gg = 0; gg < NH; ++gg) acc[gg] = 0.f;
     uint4 cur[H];
 #pragma unroll
     for (int i = 0; i < H; ++i) cur[i] = lo[i];
 #pragma unroll 1
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
-      for (int i = 0; i < H; ++i) lc_dot_piece(cur[i], q, 8 * NC, 8 * (H * half + i), g0, acc);
+      for (int i = 0; i < H; ++i) lc_dot_piece<NH>(cur[i], q, 8 * NC, 8 * (H * half + i), g0, acc);
 #pragma unroll
       for (int i = 0; i < H; ++i) cur[i] = hi[i];
     }
-    best = lc_bound_max(acc, qn, r, g0, G, best);
+    best = lc_bound_max<NH>(acc, qn, r, g0, G, best);
   }
   return best;
 }
 
 // q_g . c of ONE head for D = 8 NC: the chain of that head in lc_bound_fixed (same operations,
 // same order, same bits), so a node's bound can be assembled from one thread per head.
+// raw: the node's NC pieces, loaded by the caller (early: see the coarse rows in the kernel).
 template <int NC>
-__device__ __forceinline__ float lc_head_dot_fixed(const __half* cen, int64_t ps, const float* qg) {
-  uint4 raw[NC];
-#pragma unroll
-  for (int i = 0; i < NC; ++i) raw[i] = *reinterpret_cast<const uint4*>(cen + i * ps);
+__device__ __forceinline__ float lc_head_dot_fixed(const uint4 (&raw)[NC], const float* qg) {
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < NC; ++i) {
@@ -200,6 +203,20 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   const int gtok_r = t < k.maxG ? k.gtok[int64_t(sh_) * k.maxG + t] : 0;
   const int gfirst_r = t <= k.maxG ? k.gfirst[int64_t(sh_) * (k.maxG + 1) + t] : 0;
   const int starts_M = M > 0 ? starts[M] : 0;  // used late (budget, tail): latency hidden
+  // The coarse rows of the thread-per-(node, head) scoring below (if its shape allows it),
+  // loaded now, before NG is known (rows up to maxG exist): their DRAM trip overlaps the
+  // loads above instead of following them.
+  const bool coarse_shape = D == 128 && G <= 32 && (G & (G - 1)) == 0 && G < nw &&
+                            k.maxG * G <= 32 * (nw - G);
+  const int64_t gbase = int64_t(sh_) * k.maxG;
+  uint4 craw[16];
+  float crad = 0.f;
+  if (coarse_shape && t < k.maxG * G) {
+    const __half* cen = k.gc + gbase * D + (t / G) * 8;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) craw[i] = *reinterpret_cast<const uint4*>(cen + int64_t(i) * k.maxG * 8);
+    crad = k.gr[gbase + t / G];
+  }
   const int n2max = pow2_at_least(k.maxF);
   (void)n2max;
   char* smem_b = reinterpret_cast<char*>(smem_u64);
@@ -215,7 +232,6 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   __shared__ int s_nsel, s_minlen;
   __shared__ unsigned long long selk[256];  // chosen chunk ids (sorted for the output)
   __shared__ __align__(16) unsigned long long ckeys[64];  // coarse nodes by score (sort keys)
-  __shared__ int s_kg;
   // Chunk links and starts of this slot: staged in shared memory while the scoring runs (the
   // flatten and emit phases read them through nx / st, staged or not).
   const bool staged = k.off_next >= 0 && M > 0;
@@ -255,10 +271,8 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   const bool run = M > 0 && budget > 0 && NG > 0;
   // Coarse nodes a thread per (node, head) (G a power of two <= 32: a node's heads share a warp)
   // when they fit beside the last G warps, which compute the q norms meanwhile: the norms'
-  // serial double chains then hide behind the center-row loads and dot chains.
-  const bool coarse_par = run && D == 128 && G <= 32 && (G & (G - 1)) == 0 && G < nw &&
-                          NG * G <= 32 * (nw - G);
-  const int64_t gbase = int64_t(sh_) * k.maxG;
+  // serial double chains then hide behind the dot chains (rows loaded at the start).
+  const bool coarse_par = run && coarse_shape;
   // |q_g|: the CPU's sequential double sum of squares (d ascending), by lane 0 of a warp per
   // head straight from shared memory (4 values per load; the products are exact in double, the
   // sums round in the CPU's order).
@@ -276,26 +290,29 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       }
       qn[g] = __double2float_rn(sqrt(sum));
     }
-  float cdot = 0.f, crad = 0.f;
-  if (coarse_par && t < NG * G) {
-    crad = k.gr[gbase + t / G];
-    cdot = lc_head_dot_fixed<16>(k.gc + gbase * D + (t / G) * 8, int64_t(k.maxG) * 8, q + (t % G) * D);
-  }
+  float cdot = 0.f;
+  if (coarse_par && t < NG * G) cdot = lc_head_dot_fixed<16>(craw, q + (t % G) * D);
   __syncthreads();
     LC_TRACE(1);
   // Bound of one node aggregated (max) over the group, one thread per node: q_g . c summed
   // in d order with __fmul_rn / __fadd_rn (the CPU's dot(), no FMA) plus |q_g| * r, so the
   // scores are bit-identical to ClusterIndex::search's.
   // cen: the node's first piece in its piece-major block, ps: halves between pieces.
-  auto bound = [&](const __half* cen, int64_t ps, float r) {
-    if (D == 128) return lc_bound_fixed<16>(cen, ps, r, q, qn, G);
+  // part p of T (a power of two dividing G when T > 1): the heads [p G / T, (p + 1) G / T).
+  auto bound = [&](const __half* cen, int64_t ps, float r, int p = 0, int T = 1) {
+    const int gb = p * (G / T), ge = T == 1 ? G : gb + G / T;
+    if (D == 128) {
+      if (ge - gb == 1) return lc_bound_fixed<16, 1>(cen, ps, r, q, qn, gb, ge, G);
+      if (ge - gb == 2) return lc_bound_fixed<16, 2>(cen, ps, r, q, qn, gb, ge, G);
+      return lc_bound_fixed<16, 4>(cen, ps, r, q, qn, gb, ge, G);
+    }
     float best = -INFINITY;
     for (int g0 = 0; g0 < G; g0 += 4) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
       for (int d0 = 0; d0 < D; d0 += 8)
-        lc_dot_piece(*reinterpret_cast<const uint4*>(cen + (d0 >> 3) * ps), q, D, d0, g0, acc);
-      best = lc_bound_max(acc, qn, r, g0, G, best);
+        lc_dot_piece<4>(*reinterpret_cast<const uint4*>(cen + (d0 >> 3) * ps), q, D, d0, g0, acc);
+      best = lc_bound_max<4>(acc, qn, r, g0, G, best);
     }
     return best;
   };
@@ -322,33 +339,47 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     __syncthreads();
     block_merge_sort(ckeys, NG);
     if (t < NG) gorder[t] = int(ckeys[t] & 0xffffffffu);
-    if (t == 0) s_kg = NG;
     __syncthreads();
     LC_TRACE(9);
     // k_g: the CPU's loop (add the ranked nodes' token counts until they cover coarse_cover x
     // budget) as a scan: k_g = 1 + the first rank whose inclusive count reaches the target
-    // (sums of ints: exact in the CPU's double), NG if none, 0 for a target <= 0.
-    {
-      const int v = t < NG ? gtok[gorder[t]] : 0;
-      int tot = 0;
-      const int before = block_excl_scan(v, sh, tot);
-      if (a.coarse_topk <= 0) {
-        const double want = a.coarse_cover * double(budget);
-        if (want <= 0.0) {
-          if (t == 0) s_kg = 0;
-        } else if (t < NG && double(before + v) >= want) {
-          atomicMin(&s_kg, t + 1);
-        }
+    // (sums of ints: exact in the CPU's double), NG if none, 0 for a target <= 0. Then the
+    // candidate offsets: exclusive scan of the kept nodes' fine counts, in node order. Both in
+    // warp 0 (NG <= 64: two entries per lane), without block barriers.
+    if (w == 0) {
+      const int r0 = 2 * lane, r1 = r0 + 1;
+      const int v0 = r0 < NG ? gtok[gorder[r0]] : 0, v1 = r1 < NG ? gtok[gorder[r1]] : 0;
+      int incl = v0 + v1;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(kFull, incl, o);
+        if (lane >= o) incl += y;
       }
-      __syncthreads();
-      const int kg = a.coarse_topk > 0 ? min(NG, a.coarse_topk) : s_kg;
-      if (t < NG) keep[gorder[t]] = t < kg;
-      __syncthreads();
-      // Candidate offsets: exclusive scan of the kept nodes' fine counts, in node order.
-      const int nf = t < NG && keep[t] ? gfirst[t + 1] - gfirst[t] : 0;
-      const int off = block_excl_scan(nf, sh, tot);
-      if (t < NG) goff[t] = off;
-      if (t == 0) goff[NG] = tot;
+      const int before0 = incl - v0 - v1;
+      int kg;
+      if (a.coarse_topk > 0) {
+        kg = min(NG, a.coarse_topk);
+      } else {
+        const double want = a.coarse_cover * double(budget);
+        int first = NG;
+        if (r0 < NG && double(before0 + v0) >= want) first = r0 + 1;
+        else if (r1 < NG && double(before0 + v0 + v1) >= want) first = r1 + 1;
+        for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(kFull, first, o));
+        kg = want <= 0.0 ? 0 : first;
+      }
+      if (r0 < NG) keep[gorder[r0]] = r0 < kg;
+      if (r1 < NG) keep[gorder[r1]] = r1 < kg;
+      __syncwarp();
+      const int n0 = r0 < NG && keep[r0] ? gfirst[r0 + 1] - gfirst[r0] : 0;  // node order now
+      const int n1 = r1 < NG && keep[r1] ? gfirst[r1 + 1] - gfirst[r1] : 0;
+      int inc2 = n0 + n1;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(kFull, inc2, o);
+        if (lane >= o) inc2 += y;
+      }
+      const int ex0 = inc2 - n0 - n1;
+      if (r0 < NG) goff[r0] = ex0;
+      if (r1 < NG) goff[r1] = ex0 + n0;
+      if (lane == 31) goff[NG] = inc2;
     }
     __syncthreads();
     LC_TRACE(10);
@@ -362,15 +393,23 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     LC_TRACE(2);
     const int n2 = pow2_at_least(max(nc, 1));
     const int64_t fbase = int64_t(sh_) * k.maxF;
-    for (int j = t; j < n2; j += blockDim.x) {
-      unsigned long long key = ~0ull;
+    // T threads per candidate (each a 1/T share of the heads, max-reduced over the T lanes)
+    // when the candidates leave threads idle: more warps share the dot chains (D = 128, G a
+    // power of two >= T).
+    int T = 1;
+    if (D == 128 && (G & (G - 1)) == 0)
+      while (T < 4 && T * 2 <= G && nc * T * 2 <= int(blockDim.x)) T *= 2;
+    for (int e0 = 0; e0 < nc * T; e0 += blockDim.x) {
+      const int e = e0 + t, j = e / T, p = e % T;
+      float sc = -INFINITY;
       if (j < nc) {
         const int f = cand[j];
-        const float sc = bound(k.fc + fbase * D + f * 8, int64_t(k.maxF) * 8, k.fr[fbase + f]);
-        key = (static_cast<unsigned long long>(~okey(sc)) << 32) | unsigned(j);
+        sc = bound(k.fc + fbase * D + f * 8, int64_t(k.maxF) * 8, k.fr[fbase + f], p, T);
       }
-      keys[j] = key;
+      for (int o = 1; o < T; o <<= 1) sc = fmaxf(sc, __shfl_xor_sync(kFull, sc, o));
+      if (j < nc && p == 0) keys[j] = (static_cast<unsigned long long>(~okey(sc)) << 32) | unsigned(j);
     }
+    for (int j = nc + t; j < n2; j += blockDim.x) keys[j] = ~0ull;
     // The flatten's reads of candidate t (chunk count, first chunk), in flight during the sort.
     int32_t* fm_cnt = k.off_fmeta >= 0 ? reinterpret_cast<int32_t*>(smem_b + k.off_fmeta) : nullptr;
     int32_t* fm_head = fm_cnt ? fm_cnt + k.maxF : nullptr;
