@@ -231,7 +231,6 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   __shared__ int sh[33];
   __shared__ int s_nsel, s_minlen;
   __shared__ unsigned long long selk[256];  // chosen chunk ids (sorted for the output)
-  __shared__ __align__(16) unsigned long long ckeys[64];  // coarse nodes by score (sort keys)
   // Chunk links and starts of this slot: staged in shared memory while the scoring runs (the
   // flatten and emit phases read them through nx / st, staged or not).
   const bool staged = k.off_next >= 0 && M > 0;
@@ -334,12 +333,19 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     }
     __syncthreads();
     LC_TRACE(8);
-    // Rank: score descending, NaN last, ties by node id = ascending (~okey(score), id).
-    if (t < NG) ckeys[t] = (static_cast<unsigned long long>(~okey(gscore[t])) << 32) | unsigned(t);
-    __syncthreads();
-    block_merge_sort(ckeys, NG);
-    if (t < NG) gorder[t] = int(ckeys[t] & 0xffffffffu);
-    __syncthreads();
+    // Rank: score descending, NaN last, ties by node id = ascending (~okey(score), id); NG <=
+    // 64 keys sorted by warp 0 in registers (two per lane), then k_g and the offsets below in
+    // the same warp: no block barrier until the candidates are known.
+    if (w == 0) {
+      auto ckey = [&](int n) {
+        return n < NG ? (static_cast<unsigned long long>(~okey(gscore[n])) << 32) | unsigned(n) : ~0ull;
+      };
+      unsigned long long k0 = ckey(lane), k1 = ckey(lane + 32);
+      warp_bitonic64(k0, k1, lane);
+      if (lane < NG) gorder[lane] = int(k0 & 0xffffffffu);
+      if (lane + 32 < NG) gorder[lane + 32] = int(k1 & 0xffffffffu);
+      __syncwarp();
+    }
     LC_TRACE(9);
     // k_g: the CPU's loop (add the ranked nodes' token counts until they cover coarse_cover x
     // budget) as a scan: k_g = 1 + the first rank whose inclusive count reaches the target
