@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/load_stream.cuh"
+
 #define CK(x)                                                                                 \
   do {                                                                                        \
     cudaError_t e_ = (x);                                                                     \
@@ -38,13 +40,7 @@ namespace {
 constexpr int kHkv = 8;
 constexpr int kPiece = 4096;  // bytes of one page-head
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+using spade::cuda::ld_stream;
 
 // One warp reads piece (page, head) of K and V: 2 x 4 KB, 8 loads of 16 bytes per lane each.
 __device__ __forceinline__ unsigned read_piece(const char* K, const char* V, long long off,

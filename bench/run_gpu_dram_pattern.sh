@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = prebuild ]; then
   mkdir -p .prebuilt-d
-  nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a bench/bench_dram_pattern.cu \
+  nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_dram_pattern.cu \
     -o .prebuilt-d/bench_dram_pattern
   exit 0
 fi

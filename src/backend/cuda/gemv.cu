@@ -15,6 +15,7 @@
 // Napkin math (Llama-3.1-8B, M = 1): 436 MB of weights per layer stack (qkv 48 MB, o 32 MB,
 // gate/up 224 MB, down 112 MB) + 1 GB lm_head; at 3.0 TB/s that is 5.3 ms of the TPOT.
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/load_stream.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -24,13 +25,6 @@ namespace {
 // small matrices).
 constexpr int kRows = 1, kUnroll = 4, kWarps = 8;
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 __device__ __forceinline__ float lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
 __device__ __forceinline__ float dot8(const uint4& w, const uint4& v, float acc) {
