@@ -108,4 +108,231 @@ __device__ __forceinline__ int swz(int r, int col) {
   return r * D + ((((col >> 3) ^ (r & 7))) << 3) + (col & 7);
 }
 
+// ---- Chunk math of the split-KV decode kernels (dense: attention_decode.cu; selections:
+// sparse_attention.cu), one warp per TK-token chunk: S in the m16n8k16 accumulator layout (rows
+// lane/4 and lane/4 + 8 = i 0 / 1, columns 8 nb + 2 (lane % 4) + e), rows >= 8 only when
+// hi_rows (G > 8).
+
+// s <- (s + s2) * sl2 (the two k-step chains, in log2 units), columns >= lim masked to -inf;
+// mx[i] = the chunk's row maxima (quad-reduced).
+template <int TK>
+__device__ __forceinline__ void scale_mask_chunk(float (&s)[TK / 8][4], const float (&s2)[TK / 8][4],
+                                                 int lim, float sl2, bool hi_rows, float (&mx)[2]) {
+  const int t4 = threadIdx.x & 3;
+  const bool mask = lim < TK;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = -INFINITY;
+    if (i == 1 && !hi_rows) break;
+#pragma unroll
+    for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = (s[nb][2 * i + e] + s2[nb][2 * i + e]) * sl2;
+        if (mask && nb * 8 + 2 * t4 + e >= lim) x = -INFINITY;
+        s[nb][2 * i + e] = x;
+        mx[i] = fmaxf(mx[i], x);
+      }
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+  }
+}
+
+// Online softmax with a lazy rescale: the reference max m moves only when a row max exceeds it
+// by > 8 (p <= 256), so o is rescaled rarely. s becomes the probabilities; l the row sums.
+template <int D, int TK>
+__device__ __forceinline__ void online_softmax_chunk(float (&s)[TK / 8][4], const float (&mx)[2],
+                                                     float (&m)[2], float (&l)[2],
+                                                     float (&o)[D / 8][4], bool hi_rows) {
+  float alpha[2] = {1.f, 1.f};
+  bool need = false;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (i == 1 && !hi_rows) break;
+    if (mx[i] > m[i] + 8.f) {
+      alpha[i] = exp2f(m[i] - mx[i]);
+      m[i] = mx[i];
+      need = true;
+    }
+    const float mu = m[i] == -INFINITY ? 0.f : m[i];
+    float rs = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = exp2f(s[nb][2 * i + e] - mu);
+        s[nb][2 * i + e] = p;
+        rs += p;
+      }
+    l[i] = l[i] * alpha[i] + rs;
+  }
+  if (__any_sync(0xffffffffu, need)) {
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) {
+      o[nd][0] *= alpha[0];
+      o[nd][1] *= alpha[0];
+      o[nd][2] *= alpha[1];
+      o[nd][3] *= alpha[1];
+    }
+  }
+}
+
+// ---- Epilogue of the split-KV decode kernels (dense: attention_decode.cu; selections:
+// sparse_attention.cu). Each of the W warps holds o[D/8][4] (mma accumulators: rows lane/4 and
+// lane/4 + 8, columns 8 nd + 2 (lane % 4) + {0, 1}), its running row max m (log2 units) and row
+// sum l, for the rows g < G of one (sequence, KV head, split).
+
+// Merges the W warps through shared memory (W * 16 * (D + 2) floats at smem; the caller's ring
+// must be drained) and writes row row_base + g, g < G: bf16 out[row][D] when nsplit == 1, else
+// the fp32 partial part_o[split][row][D] and its log2-sum-exp part_lse[split][row].
+template <int D, int W>
+__device__ __forceinline__ void merge_warps_store(const float (&o)[D / 8][4], const float (&m)[2],
+                                                  const float (&l)[2], unsigned char* smem, int G,
+                                                  int64_t row_base, int split, int nsplit,
+                                                  int64_t total_rows, bf16* out, float* part_o,
+                                                  float* part_lse) {
+  constexpr int NT = W * 32;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+  float* sO = reinterpret_cast<float*>(smem);  // [W][16][D]
+  float* sM = sO + W * 16 * D;                 // [W][16]
+  float* sL = sM + W * 16;                     // [W][16]
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = g8 + 8 * i;
+    if (r < G) {
+      float* dst = sO + (warp * 16 + r) * D;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd)
+        *reinterpret_cast<float2*>(dst + nd * 8 + 2 * t4) = make_float2(o[nd][2 * i], o[nd][2 * i + 1]);
+      if (t4 == 0) {
+        sM[warp * 16 + r] = m[i];
+        sL[warp * 16 + r] = l[i];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * D; idx += NT) {
+    const int g = idx / D, d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, sM[w * 16 + g]);
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float sc = exp2f(sM[w * 16 + g] - mu);
+      num += sc * sO[(w * 16 + g) * D + d];
+      den += sc * sL[w * 16 + g];
+    }
+    const float val = den > 0.f ? num / den : 0.f;
+    const int64_t gr = row_base + g;
+    if (nsplit == 1) {
+      out[gr * D + d] = __float2bfloat16(val);
+    } else {
+      part_o[(int64_t(split) * total_rows + gr) * D + d] = val;
+      if (d == 0) part_lse[int64_t(split) * total_rows + gr] = den > 0.f ? mu + log2f(den) : -INFINITY;
+    }
+  }
+}
+
+// After merge_warps_store with nsplit > 1: whether this CTA is the last of the nsplit CTAs of its
+// (sequence, KV head) to finish (arrival counter; s_last: a __shared__ int of the kernel). The
+// last one runs combine_splits and resets the counter.
+__device__ __forceinline__ bool last_split_cta(int* counter, int nsplit, int& s_last) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == nsplit - 1;
+  __syncthreads();
+  if (!s_last) return false;
+  __threadfence();
+  return true;
+}
+
+// out rows row_base + g (g < G, <= 16) = sum over the ns splits of softmax-weighted partials:
+// one round of lse loads, then the partial rows as float4 with 8 loads in flight per thread
+// (latency, not bytes, bounds it); when the G rows have fewer float4 items than threads, thread
+// groups take interleaved splits and add up in shared memory. Shared memory at smem: NT float4
+// + ns * G + 32 floats (NT * 16 + (ns * G + 32) * 4 bytes). Resets *counter.
+template <int D, int NT>
+__device__ __forceinline__ void combine_splits(const float* part_o, const float* part_lse,
+                                               int64_t total_rows, int64_t row_base, int ns, int G,
+                                               bf16* out, unsigned char* smem, int* counter) {
+  const int tid = threadIdx.x;
+  constexpr int V4 = D / 4;
+  const int items = G * V4;  // float4 outputs
+  const int groups = items >= NT ? 1 : NT / items;
+  float4* sRed = reinterpret_cast<float4*>(smem);                  // [groups][items]
+  float* sW = reinterpret_cast<float*>(smem + size_t(NT) * 16);    // [ns][G] lse -> weights
+  float* sMu = sW + ns * G;                                        // [G]
+  float* sInv = sMu + 16;                                          // [G]
+  for (int idx = tid; idx < ns * G; idx += NT) {
+    const int sp = idx / G, g = idx % G;
+    sW[idx] = __ldcg(part_lse + int64_t(sp) * total_rows + row_base + g);
+  }
+  __syncthreads();
+  if (tid < G) {
+    float mx = -INFINITY;
+    for (int sp = 0; sp < ns; ++sp) mx = fmaxf(mx, sW[sp * G + tid]);
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float den = 0.f;
+    for (int sp = 0; sp < ns; ++sp) den += exp2f(sW[sp * G + tid] - mu);
+    sMu[tid] = mu;
+    sInv[tid] = den > 0.f ? 1.f / den : 0.f;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < ns * G; idx += NT) {
+    const int g = idx % G;
+    sW[idx] = exp2f(sW[idx] - sMu[g]) * sInv[g];
+  }
+  __syncthreads();
+  const int64_t sstride4 = total_rows * V4;  // float4 stride between splits
+  const float4* po4 = reinterpret_cast<const float4*>(part_o);
+  // Sum over splits sp = s0, s0 + step, ... of w * partial for float4 item i (8 loads in flight).
+  auto accum = [&](int i, int s0, int step) {
+    const int g = i / V4;
+    const float4* src = po4 + (row_base + g) * V4 + (i % V4);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    int sp = s0;
+    for (; sp + 7 * step < ns; sp += 8 * step) {
+      float4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = __ldcg(src + int64_t(sp + u * step) * sstride4);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const float w = sW[(sp + u * step) * G + g];
+        acc.x += w * v[u].x, acc.y += w * v[u].y, acc.z += w * v[u].z, acc.w += w * v[u].w;
+      }
+    }
+    for (; sp < ns; sp += step) {
+      const float4 v = __ldcg(src + int64_t(sp) * sstride4);
+      const float w = sW[sp * G + g];
+      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+    }
+    return acc;
+  };
+  auto store = [&](int i, float4 v) {
+    const int g = i / V4;
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (row_base + g) * D + (i % V4) * 4);
+    dst[0] = __floats2bfloat162_rn(v.x, v.y);
+    dst[1] = __floats2bfloat162_rn(v.z, v.w);
+  };
+  if (groups == 1) {
+    for (int i = tid; i < items; i += NT) store(i, accum(i, 0, 1));
+  } else {
+    const int gi = tid / items;
+    if (gi < groups) sRed[gi * items + tid % items] = accum(tid % items, gi, groups);
+    __syncthreads();
+    for (int i = tid; i < items; i += NT) {
+      float4 v = sRed[i];
+      for (int q = 1; q < groups; ++q) {
+        const float4 u = sRed[q * items + i];
+        v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+      }
+      store(i, v);
+    }
+  }
+  if (tid == 0) *counter = 0;  // ready for the next launch
+}
+
 }  // namespace spade::cuda::attn_detail

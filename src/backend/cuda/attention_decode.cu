@@ -297,59 +297,10 @@ __global__ void __launch_bounds__(W * 32)
   };
   // Scale to log2 units, mask columns past L, row maxima of the chunk (quad-reduced).
   auto chunk_max = [&](int j0, float (&sc)[TK / 8][4], const float (&sc2)[TK / 8][4],
-                       float (&mx)[2]) {
-    const bool mask = j0 + TK > L;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = -INFINITY;
-      if (i == 1 && !hi_rows) break;
-#pragma unroll
-      for (int nb = 0; nb < TK / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = (sc[nb][2 * i + e] + sc2[nb][2 * i + e]) * sl2;
-          if (mask && j0 + nb * 8 + 2 * t4 + e >= L) x = -INFINITY;
-          sc[nb][2 * i + e] = x;
-          mx[i] = fmaxf(mx[i], x);
-        }
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    }
-  };
-  // Online softmax with a lazy rescale: the reference max m moves only when the chunk's max
-  // exceeds it by > 8 (p <= 256), so o is rescaled rarely. sc becomes the probabilities.
+                       float (&mx)[2]) { scale_mask_chunk<TK>(sc, sc2, L - j0, sl2, hi_rows, mx); };
+  // Online softmax (lazy rescale) of the chunk: sc becomes the probabilities.
   auto softmax = [&](float (&sc)[TK / 8][4], const float (&mx)[2]) {
-    float alpha[2] = {1.f, 1.f};
-    bool need = false;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (i == 1 && !hi_rows) break;
-      if (mx[i] > m[i] + 8.f) {
-        alpha[i] = exp2f(m[i] - mx[i]);
-        m[i] = mx[i];
-        need = true;
-      }
-      const float mu = m[i] == -INFINITY ? 0.f : m[i];
-      float rs = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < TK / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2f(sc[nb][2 * i + e] - mu);
-          sc[nb][2 * i + e] = p;
-          rs += p;
-        }
-      l[i] = l[i] * alpha[i] + rs;
-    }
-    if (__any_sync(0xffffffffu, need)) {
-#pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
-        o[nd][0] *= alpha[0];
-        o[nd][1] *= alpha[0];
-        o[nd][2] *= alpha[1];
-        o[nd][3] *= alpha[1];
-      }
-    }
+    online_softmax_chunk<D, TK>(sc, mx, m, l, o, hi_rows);
   };
 
   if constexpr (!SKIP) {
@@ -516,134 +467,15 @@ __global__ void __launch_bounds__(W * 32)
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
   }
 
-  // Merge the W warps (rows < G) through shared memory; the ring is free now.
-  float* sO = reinterpret_cast<float*>(smem_raw);  // [W][16][D]
-  float* sM = sO + W * 16 * D;                       // [W][16]
-  float* sL = sM + W * 16;                           // [W][16]
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = g8 + 8 * i;
-    if (r < G) {
-      float* dst = sO + (warp * 16 + r) * D;
-#pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd)
-        *reinterpret_cast<float2*>(dst + nd * 8 + 2 * t4) = make_float2(o[nd][2 * i], o[nd][2 * i + 1]);
-      if (t4 == 0) {
-        sM[warp * 16 + r] = m[i];
-        sL[warp * 16 + r] = l[i];
-      }
-    }
-  }
-  __syncthreads();
+  // Merge the W warps (rows < G) through shared memory (the ring is free now), then the split
+  // combine by the last CTA of this (sequence, KV head) to finish.
   const int64_t row_base = int64_t(q0) * a.Hq + kvh * G;
-  for (int idx = tid; idx < G * D; idx += NT) {
-    const int g = idx / D, d = idx % D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < W; ++w) mx = fmaxf(mx, sM[w * 16 + g]);
-    const float mu = mx == -INFINITY ? 0.f : mx;
-    float num = 0.f, den = 0.f;
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const float sc = exp2f(sM[w * 16 + g] - mu);
-      num += sc * sO[(w * 16 + g) * D + d];
-      den += sc * sL[w * 16 + g];
-    }
-    const float val = den > 0.f ? num / den : 0.f;
-    const int64_t gr = row_base + g;
-    if (a.nsplit == 1) {
-      a.out[gr * D + d] = __float2bfloat16(val);
-    } else {
-      a.part_o[(int64_t(split) * a.total_rows + gr) * D + d] = val;
-      if (d == 0) a.part_lse[int64_t(split) * a.total_rows + gr] = den > 0.f ? mu + log2f(den) : -INFINITY;
-    }
-  }
+  merge_warps_store<D, W>(o, m, l, smem_raw, G, row_base, split, a.nsplit, a.total_rows, a.out,
+                          a.part_o, a.part_lse);
   if (a.nsplit == 1) return;
-
-  // Split combine by the last CTA of this (sequence, KV head) to finish.
-  __threadfence();
-  __syncthreads();
-  int* counter = a.counters + seq * a.Hkv + kvh;
-  if (tid == 0) s_last = atomicAdd(counter, 1) == a.nsplit - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  const int ns = a.nsplit;
-  constexpr int V4 = D / 4;
-  const int items = G * V4;  // float4 outputs
-  const int groups = items >= NT ? 1 : NT / items;
-  float4* sRed = reinterpret_cast<float4*>(smem_raw);                    // [groups][items]
-  float* sW = reinterpret_cast<float*>(smem_raw + size_t(NT) * 16);      // [ns][G] lse -> weights
-  float* sMu = sW + ns * G;                                              // [G]
-  float* sInv = sMu + 16;                                                // [G]
-  for (int idx = tid; idx < ns * G; idx += NT) {
-    const int sp = idx / G, g = idx % G;
-    sW[idx] = __ldcg(a.part_lse + int64_t(sp) * a.total_rows + row_base + g);
-  }
-  __syncthreads();
-  if (tid < G) {
-    float mx = -INFINITY;
-    for (int sp = 0; sp < ns; ++sp) mx = fmaxf(mx, sW[sp * G + tid]);
-    const float mu = mx == -INFINITY ? 0.f : mx;
-    float den = 0.f;
-    for (int sp = 0; sp < ns; ++sp) den += exp2f(sW[sp * G + tid] - mu);
-    sMu[tid] = mu;
-    sInv[tid] = den > 0.f ? 1.f / den : 0.f;
-  }
-  __syncthreads();
-  for (int idx = tid; idx < ns * G; idx += NT) {
-    const int g = idx % G;
-    sW[idx] = exp2f(sW[idx] - sMu[g]) * sInv[g];
-  }
-  __syncthreads();
-  const int64_t sstride4 = a.total_rows * V4;  // float4 stride between splits
-  const float4* po4 = reinterpret_cast<const float4*>(a.part_o);
-  // Sum over splits sp = s0, s0 + step, ... of w * partial for float4 item i (8 loads in flight).
-  auto accum = [&](int i, int s0, int step) {
-    const int g = i / V4;
-    const float4* src = po4 + (row_base + g) * V4 + (i % V4);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    int sp = s0;
-    for (; sp + 7 * step < ns; sp += 8 * step) {
-      float4 v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = __ldcg(src + int64_t(sp + u * step) * sstride4);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const float w = sW[(sp + u * step) * G + g];
-        acc.x += w * v[u].x, acc.y += w * v[u].y, acc.z += w * v[u].z, acc.w += w * v[u].w;
-      }
-    }
-    for (; sp < ns; sp += step) {
-      const float4 v = __ldcg(src + int64_t(sp) * sstride4);
-      const float w = sW[sp * G + g];
-      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
-    }
-    return acc;
-  };
-  auto store = [&](int i, float4 v) {
-    const int g = i / V4;
-    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + (row_base + g) * D + (i % V4) * 4);
-    dst[0] = __floats2bfloat162_rn(v.x, v.y);
-    dst[1] = __floats2bfloat162_rn(v.z, v.w);
-  };
-  if (groups == 1) {
-    for (int i = tid; i < items; i += NT) store(i, accum(i, 0, 1));
-  } else {
-    const int gi = tid / items;
-    if (gi < groups) sRed[gi * items + tid % items] = accum(tid % items, gi, groups);
-    __syncthreads();
-    for (int i = tid; i < items; i += NT) {
-      float4 v = sRed[i];
-      for (int q = 1; q < groups; ++q) {
-        const float4 u = sRed[q * items + i];
-        v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
-      }
-      store(i, v);
-    }
-  }
-  if (tid == 0) *counter = 0;  // ready for the next launch
+  if (!last_split_cta(a.counters + seq * a.Hkv + kvh, a.nsplit, s_last)) return;
+  combine_splits<D, NT>(a.part_o, a.part_lse, a.total_rows, row_base, a.nsplit, G, a.out, smem_raw,
+                        a.counters + seq * a.Hkv + kvh);
 }
 
 // Variant table (index v - 1). Shared memory at D = 128: 4 KB Q + W*S*8 KB + 1 KB.

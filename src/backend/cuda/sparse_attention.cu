@@ -260,61 +260,13 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
       }
     }
   };
-  // s <- (s + s2) in log2 units, rows >= lim masked; mx[i] = row maxima (rows lane/4 + 8i).
+  // s <- (s + s2) in log2 units, columns >= lim masked; mx[i] = row maxima (rows lane/4 + 8i).
   auto scale_mask = [&](float (&s)[kTK / 8][4], const float (&s2)[kTK / 8][4], int lim,
-                        float (&mx)[2]) {
-    const bool mask = lim < kTK;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = -INFINITY;
-      if (i == 1 && !hi_rows) break;
-#pragma unroll
-      for (int nb = 0; nb < kTK / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = (s[nb][2 * i + e] + s2[nb][2 * i + e]) * sl2;
-          if (mask && nb * 8 + 2 * t4 + e >= lim) x = -INFINITY;
-          s[nb][2 * i + e] = x;
-          mx[i] = fmaxf(mx[i], x);
-        }
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    }
-  };
+                        float (&mx)[2]) { scale_mask_chunk<kTK>(s, s2, lim, sl2, hi_rows, mx); };
   // Online softmax of a scaled chunk (lazy rescale: the reference max moves only when a row
   // max exceeds it by 8), s <- p, then P packed to bf16 A fragments.
   auto softmax_pack = [&](float (&s)[kTK / 8][4], const float (&mx)[2], uint32_t (&pa)[4]) {
-    float alpha[2] = {1.f, 1.f};
-    bool need = false;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (i == 1 && !hi_rows) break;
-      if (mx[i] > m[i] + 8.f) {
-        alpha[i] = exp2f(m[i] - mx[i]);
-        m[i] = mx[i];
-        need = true;
-      }
-      const float mu = m[i] == -INFINITY ? 0.f : m[i];
-      float rs = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < kTK / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2f(s[nb][2 * i + e] - mu);
-          s[nb][2 * i + e] = p;
-          rs += p;
-        }
-      l[i] = l[i] * alpha[i] + rs;
-    }
-    if (__any_sync(0xffffffffu, need)) {
-#pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
-        o[nd][0] *= alpha[0];
-        o[nd][1] *= alpha[0];
-        o[nd][2] *= alpha[1];
-        o[nd][3] *= alpha[1];
-      }
-    }
+    online_softmax_chunk<D, kTK>(s, mx, m, l, o, hi_rows);
     pa[0] = pack_bf16(s[0][0], s[0][1]);
     pa[1] = pack_bf16(s[0][2], s[0][3]);
     pa[2] = pack_bf16(s[1][0], s[1][1]);
@@ -456,113 +408,15 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
   }
 
-  // Merge the W warps (rows < G) through shared memory.
-  const int g8 = lane >> 2;
-  float* sO = reinterpret_cast<float*>(smem_raw);
-  float* sM = sO + W * 16 * D;
-  float* sL = sM + W * 16;
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = g8 + 8 * i;
-    if (r < G) {
-      float* dst = sO + (warp * 16 + r) * D;
-#pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd)
-        *reinterpret_cast<float2*>(dst + nd * 8 + 2 * t4) = make_float2(o[nd][2 * i], o[nd][2 * i + 1]);
-      if (t4 == 0) {
-        sM[warp * 16 + r] = m[i];
-        sL[warp * 16 + r] = l[i];
-      }
-    }
-  }
-  __syncthreads();
+  // Merge the W warps (rows < G) through shared memory, then the split combine by the last CTA
+  // of this (request, KV head) to finish.
   const int64_t row_base = int64_t(seq) * a.Hq + kvh * G;
-  for (int idx = tid; idx < G * D; idx += NT) {
-    const int g = idx / D, d = idx % D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < W; ++w) mx = fmaxf(mx, sM[w * 16 + g]);
-    const float mu = mx == -INFINITY ? 0.f : mx;
-    float num = 0.f, den = 0.f;
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const float sc = exp2f(sM[w * 16 + g] - mu);
-      num += sc * sO[(w * 16 + g) * D + d];
-      den += sc * sL[w * 16 + g];
-    }
-    const float val = den > 0.f ? num / den : 0.f;
-    const int64_t gr = row_base + g;
-    if (nsplit == 1) {
-      a.out[gr * D + d] = __float2bfloat16(val);
-    } else {
-      a.part_o[(int64_t(split) * a.total_rows + gr) * D + d] = val;
-      if (d == 0) a.part_lse[int64_t(split) * a.total_rows + gr] = den > 0.f ? mu + log2f(den) : -INFINITY;
-    }
-  }
+  merge_warps_store<D, W>(o, m, l, smem_raw, G, row_base, split, nsplit, a.total_rows, a.out,
+                          a.part_o, a.part_lse);
   if (nsplit == 1) return;
-
-  // Split combine by the last CTA of this (request, KV head) to finish.
-  __threadfence();
-  __syncthreads();
   int* counter = a.counters + seq * a.Hkv + kvh;
-  if (tid == 0) s_last = atomicAdd(counter, 1) == nsplit - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  const int ns = nsplit;
-  constexpr int V4 = D / 4;
-  const int items = G * V4;
-  float* sW = reinterpret_cast<float*>(smem_raw);  // [ns][G]
-  float* sMu = sW + ns * G;
-  float* sInv = sMu + 16;
-  for (int idx = tid; idx < ns * G; idx += NT) {
-    const int sp = idx / G, g = idx % G;
-    sW[idx] = __ldcg(a.part_lse + int64_t(sp) * a.total_rows + row_base + g);
-  }
-  __syncthreads();
-  if (tid < G) {
-    float mx = -INFINITY;
-    for (int sp = 0; sp < ns; ++sp) mx = fmaxf(mx, sW[sp * G + tid]);
-    const float mu = mx == -INFINITY ? 0.f : mx;
-    float den = 0.f;
-    for (int sp = 0; sp < ns; ++sp) den += exp2f(sW[sp * G + tid] - mu);
-    sMu[tid] = mu;
-    sInv[tid] = den > 0.f ? 1.f / den : 0.f;
-  }
-  __syncthreads();
-  for (int idx = tid; idx < ns * G; idx += NT) {
-    const int g = idx % G;
-    sW[idx] = exp2f(sW[idx] - sMu[g]) * sInv[g];
-  }
-  __syncthreads();
-  const int64_t sstride4 = a.total_rows * V4;
-  const float4* po4 = reinterpret_cast<const float4*>(a.part_o);
-  for (int i = tid; i < items; i += NT) {
-    const int g = i / V4;
-    const float4* src = po4 + (row_base + g) * V4 + (i % V4);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    int sp = 0;
-    for (; sp + 7 < ns; sp += 8) {
-      float4 v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = __ldcg(src + int64_t(sp + u) * sstride4);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const float w = sW[(sp + u) * G + g];
-        acc.x += w * v[u].x, acc.y += w * v[u].y, acc.z += w * v[u].z, acc.w += w * v[u].w;
-      }
-    }
-    for (; sp < ns; ++sp) {
-      const float4 v = __ldcg(src + int64_t(sp) * sstride4);
-      const float w = sW[sp * G + g];
-      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
-    }
-    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + (row_base + g) * D + (i % V4) * 4);
-    dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
-    dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
-  }
-  if (tid == 0) *counter = 0;
+  if (!last_split_cta(counter, nsplit, s_last)) return;
+  combine_splits<D, NT>(a.part_o, a.part_lse, a.total_rows, row_base, nsplit, G, a.out, smem_raw, counter);
 }
 
 constexpr int kW = 4, kS = 3;
