@@ -23,6 +23,7 @@
 #include "model/loader.h"
 #include "sparse/methods/lycheecluster.h"
 #include "sparse/registry.h"
+#include "smollm2_model.h"
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
 
@@ -31,29 +32,11 @@ using namespace spade::sparse;
 
 namespace {
 
-const char* kSmol = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-std::string smol_path() { return test::source_dir() + "/" + kSmol; }
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-struct Model {
-  std::unique_ptr<ModelWeights> w;
-  std::unique_ptr<Tokenizer> tok;
-};
-Model& smol() {
-  static Model m = [] {
-    Model x;
-    x.w = load_model(smol_path());
-    x.tok = Tokenizer::load(smol_path());
-    return x;
-  }();
-  return m;
-}
+using test::read_text;
+const char* kSmol = test::kSmolLM2;
+std::string smol_path() { return test::smollm2_path(); }
+using Model = test::SmolLM2;
+Model& smol() { return test::smollm2(); }
 
 struct RunResult {
   std::string spec;

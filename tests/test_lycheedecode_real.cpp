@@ -26,6 +26,7 @@
 #include "sparse/methods/lycheedecode.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
+#include "smollm2_model.h"
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
 
@@ -34,29 +35,11 @@ using namespace spade::sparse;
 
 namespace {
 
-const char* kSmol = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-std::string smol_path() { return test::source_dir() + "/" + kSmol; }
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-struct Smol {
-  std::unique_ptr<ModelWeights> w;
-  std::unique_ptr<Tokenizer> tok;
-};
-Smol& smol() {
-  static Smol m = [] {
-    Smol x;
-    x.w = load_model(smol_path());
-    x.tok = Tokenizer::load(smol_path());
-    return x;
-  }();
-  return m;
-}
+using test::read_text;
+const char* kSmol = test::kSmolLM2;
+std::string smol_path() { return test::smollm2_path(); }
+using Smol = test::SmolLM2;
+Smol& smol() { return test::smollm2(); }
 
 // What one method did over a decode, teacher-forced on full attention's greedy tokens (recall,
 // density, per-step top-1 agreement) and free-running (greedy output vs full's).
