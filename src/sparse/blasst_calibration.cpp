@@ -119,17 +119,7 @@ ProbeSession::ProbeSession(std::shared_ptr<const SparseMethod> method, const Mod
                              KVPool& kv, bool measure_recall)
     : method_(std::move(method)), cfg_(cfg), kv_(kv), recall_(measure_recall) {
   SPADE_CHECK(method_, "ProbeSession: no method");
-  SPADE_CHECK(kv.layout().n_layers == cfg.n_layers && kv.layout().n_kv_heads == cfg.n_kv_heads &&
-                  kv.layout().head_dim == cfg.head_dim,
-              "ProbeSession: KV pool layout does not match the model");
-  ctx_.n_layers = cfg.n_layers;
-  ctx_.Hq = cfg.n_heads;
-  ctx_.Hkv = cfg.n_kv_heads;
-  ctx_.D = cfg.head_dim;
-  ctx_.G = cfg.n_heads / cfg.n_kv_heads;
-  ctx_.scale = 1.f / std::sqrt(float(cfg.head_dim));
-  ctx_.kv = &kv_;
-  ctx_.attention_scratch = &scratch_;
+  ctx_.bind(cfg, kv_, &scratch_, "ProbeSession");
   reset();
   fn_ = [this](int layer, const PageTable& pt, const float* q, int64_t p0, int64_t T, float* out) {
     attend(layer, pt, q, p0, T, out);

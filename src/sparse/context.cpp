@@ -1,6 +1,8 @@
 #include <algorithm>
+#include <cmath>
 
 #include "backend/cpu/attention.h"
+#include "core/error.h"
 #include "sparse/method.h"
 
 namespace spade::sparse {
@@ -13,6 +15,21 @@ const float* StepContext::full_weights() {
   weights_layer_ = layer;
   weights_step_ = step;
   return weights_.data();
+}
+
+void StepContext::bind(const ModelConfig& cfg, const KVPool& pool, cpu::AttentionScratch* scratch,
+                       const char* who) {
+  SPADE_CHECK(pool.layout().n_layers == cfg.n_layers && pool.layout().n_kv_heads == cfg.n_kv_heads &&
+                  pool.layout().head_dim == cfg.head_dim,
+              who, ": KV pool layout does not match the model");
+  n_layers = cfg.n_layers;
+  Hq = cfg.n_heads;
+  Hkv = cfg.n_kv_heads;
+  D = cfg.head_dim;
+  G = cfg.n_heads / cfg.n_kv_heads;
+  scale = 1.f / std::sqrt(float(cfg.head_dim));
+  kv = &pool;
+  attention_scratch = scratch;
 }
 
 void StepContext::reserve(int64_t n) {

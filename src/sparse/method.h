@@ -23,6 +23,7 @@
 
 #include "backend/cpu/attention.h"
 #include "kv/kv_pool.h"
+#include "model/config.h"
 #include "sparse/selection.h"
 
 namespace spade::sparse {
@@ -81,6 +82,10 @@ class StepContext {
     want_scores_ = false;
   }
   void invalidate_weights() { weights_layer_ = -1; }
+  // Shapes from the model, the KV pool (its layout must match the model; `who` names the
+  // session in the error) and the session's attention scratch.
+  void bind(const ModelConfig& cfg, const KVPool& pool, cpu::AttentionScratch* scratch,
+            const char* who);
   // Pre-sizes the scratch for contexts up to max_len tokens (no growth in the decode loop).
   void reserve(int64_t max_len);
   cpu::AttentionScratch* attention_scratch = nullptr;  // shared with the session

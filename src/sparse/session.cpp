@@ -61,17 +61,7 @@ SparseSession::SparseSession(std::shared_ptr<const SparseMethod> method, const M
                              KVPool& kv, SessionOptions opt)
     : method_(std::move(method)), cfg_(cfg), kv_(kv), opt_(opt) {
   SPADE_CHECK(method_, "SparseSession: no method");
-  SPADE_CHECK(kv.layout().n_layers == cfg.n_layers && kv.layout().n_kv_heads == cfg.n_kv_heads &&
-                  kv.layout().head_dim == cfg.head_dim,
-              "SparseSession: KV pool layout does not match the model");
-  ctx_.n_layers = cfg.n_layers;
-  ctx_.Hq = cfg.n_heads;
-  ctx_.Hkv = cfg.n_kv_heads;
-  ctx_.D = cfg.head_dim;
-  ctx_.G = cfg.n_heads / cfg.n_kv_heads;
-  ctx_.scale = 1.f / std::sqrt(float(cfg.head_dim));
-  ctx_.kv = &kv_;
-  ctx_.attention_scratch = &scratch_;
+  ctx_.bind(cfg, kv_, &scratch_, "SparseSession");
   step_.n_layers = cfg.n_layers;
   step_.n_kv_heads = cfg.n_kv_heads;
   step_.n_heads = cfg.n_heads;
