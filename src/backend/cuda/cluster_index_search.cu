@@ -161,16 +161,19 @@ __device__ __forceinline__ float lc_head_dot_fixed(const uint4 (&raw)[NC], const
 }
 
 // lc_search_kernel: CTA per (KV head, request), kSearchThreads threads.
-//   reads  q of the G heads (2*D B each); coarse centers (2*D B each) + radii + token counts;
-//          the kept units' fine centers (2*D B each) + radii; per-fine chunk counts and links
-//          and the candidate chunks' starts
+//   reads  q of the G heads (2*D B each); coarse centers (2*D B each, piece-major: a warp's
+//          16-byte loads of one piece are contiguous) + radii + token counts; the kept units'
+//          fine centers (2*D B each) + radii; per-fine chunk counts and links and the
+//          candidate chunks' starts (staged in shared memory with cp.async)
 //   writes the strided Token list (4 B per token: sink + chosen chunks ascending + tail) and
 //          the count
 //   shared: sort keys [pow2(maxF)] u64, candidate fine ids [maxF], flat chunk ids [maxC] i32,
-//   q [G][D] f32, flat lengths [maxC] i16, chosen flags [maxC] u8; coarse scores / order /
-//   tokens / ranges; up to 256 chosen chunk ids (sorted for the output; more: a flag scan).
-//   Every serial step runs over shared memory (the coarse k_g rule, the budget tail) so the
-//   latency of one search is a few block-wide phases.
+//   q [roundup(G, 4)][D] f32, flat lengths [maxC] i16, chosen flags [maxC] u8; coarse scores /
+//   order / tokens / ranges; up to 256 chosen chunk ids (sorted for the output; more: a flag
+//   scan). Phases: loads in dependency rounds; coarse dots beside the q norms; coarse ranking,
+//   k_g and candidates in warp 0; fine scoring (1-4 threads per candidate); merge sort; flatten;
+//   greedy fill; emit. Every serial step runs over shared memory (the coarse k_g rule, the
+//   budget tail). Measured phases: docs/cuda_lycheecluster.md.
 constexpr int kSearchThreads = kSearchThreadsHost;
 // Phase stamps (bench only, a.trace non-null): [list][kLcTraceSlots] SM clock cycles (clock64:
 // one CTA stays on one SM, so differences are exact); slots 0-7 the phases, 8-10 inside the
