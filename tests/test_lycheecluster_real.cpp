@@ -33,10 +33,6 @@ using namespace spade::sparse;
 namespace {
 
 using test::read_text;
-const char* kSmol = test::kSmolLM2;
-std::string smol_path() { return test::smollm2_path(); }
-using Model = test::SmolLM2;
-Model& smol() { return test::smollm2(); }
 
 struct RunResult {
   std::string spec;
@@ -185,9 +181,9 @@ double prefill(CpuModel& model, PageTable& pt, const std::vector<int32_t>& ids, 
 }  // namespace
 
 TEST(LycheeClusterReal, BoundsHoldOnRealKeysThroughLazyUpdates) {
-  if (!std::filesystem::exists(smol_path()))
-    GTEST_SKIP() << kSmol << " not present; fetch it with `bash scripts/fetch_model.sh`";
-  Model& sm = smol();
+  if (!std::filesystem::exists(test::smollm2_path()))
+    GTEST_SKIP() << test::kSmolLM2 << " not present; fetch it with `bash scripts/fetch_model.sh`";
+  test::SmolLM2& sm = test::smollm2();
   const ModelConfig& cfg = sm.w->config;
   const std::string text = read_text(test::source_dir() + "/tests/fixtures/chunker/mixed_text.txt");
   std::vector<int32_t> ids = sm.tok->encode(text, false);
@@ -271,8 +267,8 @@ TEST(LycheeClusterReal, BoundsHoldOnRealKeysThroughLazyUpdates) {
 // base name in docs/results, default lycheecluster_recall).
 TEST(LycheeClusterBench, RecallVsQuestOnSmolLM2) {
   if (!std::getenv("SPADE_LC_BENCH")) GTEST_SKIP() << "set SPADE_LC_BENCH=1 to run";
-  if (!std::filesystem::exists(smol_path())) GTEST_SKIP() << kSmol << " not present";
-  Model& sm = smol();
+  if (!std::filesystem::exists(test::smollm2_path())) GTEST_SKIP() << test::kSmolLM2 << " not present";
+  test::SmolLM2& sm = test::smollm2();
   const ModelConfig& cfg = sm.w->config;
   const int64_t steps = std::getenv("SPADE_LC_BENCH_STEPS") ? std::atol(std::getenv("SPADE_LC_BENCH_STEPS")) : 32;
   const int64_t want = std::getenv("SPADE_LC_BENCH_TOKENS") ? std::atol(std::getenv("SPADE_LC_BENCH_TOKENS")) : 4096;

@@ -36,10 +36,6 @@ using namespace spade::sparse;
 namespace {
 
 using test::read_text;
-const char* kSmol = test::kSmolLM2;
-std::string smol_path() { return test::smollm2_path(); }
-using Smol = test::SmolLM2;
-Smol& smol() { return test::smollm2(); }
 
 // What one method did over a decode, teacher-forced on full attention's greedy tokens (recall,
 // density, per-step top-1 agreement) and free-running (greedy output vs full's).
@@ -56,11 +52,11 @@ struct MethodRun {
 class Bench {
  public:
   Bench(const std::vector<int32_t>& prompt, int steps) : prompt_(prompt), steps_(steps) {
-    const ModelConfig& c = smol().w->config;
+    const ModelConfig& c = test::smollm2().w->config;
     const int64_t P = 16;
     kv_ = std::make_unique<KVPool>(KVLayout{c.n_layers, c.n_kv_heads, c.head_dim, int(P)},
                                    (int64_t(prompt.size()) + P - 1) / P + 2 * ((steps + P) / P + 2));
-    model_ = std::make_unique<CpuModel>(*smol().w, *kv_);
+    model_ = std::make_unique<CpuModel>(*test::smollm2().w, *kv_);
     std::vector<int64_t> row_of;
     for (size_t off = 0; off < prompt.size(); off += 1024) {
       std::vector<SeqInput> b = {{&base_, prompt.data() + off,
@@ -75,7 +71,7 @@ class Bench {
 
   // Free-running greedy decode from the shared prefill; logits of each step in `logits`.
   std::vector<int32_t> greedy(SparseSession* s, std::vector<std::vector<float>>* logits) {
-    const ModelConfig& c = smol().w->config;
+    const ModelConfig& c = test::smollm2().w->config;
     PageTable pt = kv_->fork(base_);
     std::vector<int32_t> out = {argmax(last_.data(), c.vocab)};
     std::vector<int64_t> row_of;
@@ -90,7 +86,7 @@ class Bench {
   }
 
   MethodRun run(const std::string& label, const std::string& spec, int64_t budget) {
-    const ModelConfig& c = smol().w->config;
+    const ModelConfig& c = test::smollm2().w->config;
     auto m = make_method(SparseConfig::parse_spec(spec), c);
     MethodRun r;
     r.label = label;
@@ -149,7 +145,7 @@ class Bench {
       }
       r.free_match = double(same) / double(r.tokens.size());
     }
-    r.output = smol().tok->decode(r.tokens, true);
+    r.output = test::smollm2().tok->decode(r.tokens, true);
     return r;
   }
 
@@ -163,13 +159,13 @@ class Bench {
   std::vector<int32_t> full_;
 };
 
-bool have_model() { return std::filesystem::exists(smol_path()); }
+bool have_model() { return std::filesystem::exists(test::smollm2_path()); }
 
 }  // namespace
 
 TEST(LycheeDecodeReal, TrainedRolesOnSmolLM2ReadFewTokensWithHighRecall) {
-  if (!have_model()) GTEST_SKIP() << kSmol << " missing (scripts/fetch_model.sh)";
-  Smol& sm = smol();
+  if (!have_model()) GTEST_SKIP() << test::kSmolLM2 << " missing (scripts/fetch_model.sh)";
+  test::SmolLM2& sm = test::smollm2();
   const ModelConfig& c = sm.w->config;
   std::string text = read_text(test::source_dir() + "/python/prompts/kjv_genesis1.txt") + "\n\n" +
                      read_text(test::source_dir() + "/tests/fixtures/chunker/mixed_text.txt");
@@ -250,8 +246,8 @@ TEST(LycheeDecodeReal, TrainedRolesOnSmolLM2ReadFewTokensWithHighRecall) {
 
 TEST(LycheeDecodeReal, Measurement) {
   if (!std::getenv("SPADE_LD_BENCH")) GTEST_SKIP() << "set SPADE_LD_BENCH=1 to run";
-  if (!have_model()) GTEST_SKIP() << kSmol << " missing";
-  Smol& sm = smol();
+  if (!have_model()) GTEST_SKIP() << test::kSmolLM2 << " missing";
+  test::SmolLM2& sm = test::smollm2();
   const ModelConfig& c = sm.w->config;
   auto env = [](const char* k, const char* d) {
     const char* v = std::getenv(k);
@@ -309,7 +305,7 @@ TEST(LycheeDecodeReal, Measurement) {
                   cut(read_text(test::shared_dir() + "/papers/twilight.md"), want), ""});
 
   nlohmann::json out;
-  out["model"] = kSmol;
+  out["model"] = test::kSmolLM2;
   for (const auto& [k, f] : {std::pair<std::string, std::string>{"auto", "auto"},
                               {"top9", top9_roles}, {"direct", direct_roles}}) {
     const HeadRoles r = resolve_head_roles(f, c);
