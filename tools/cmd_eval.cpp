@@ -291,6 +291,38 @@ std::string key_of(const std::string& kind, const std::string& what, int64_t L, 
 
 // ---------------------------------------------------------------- tasks
 
+// The frame of the task sweeps (tasks, agree): for every (length, task, sample) with runs not
+// yet in the result file, the prompt (set on the runner) and those runs' indices; the file is
+// saved after each prompt.
+template <typename Body>
+void sweep_task_prompts(Setup& s, EvalRunner& runner, ResultFile& file, const char* kind,
+                        const std::vector<std::string>& tasks, const std::vector<std::string>& hay,
+                        Progress& prog, Body&& body) {
+  for (int64_t L : s.lengths)
+    for (const auto& task : tasks)
+      for (int k = 0; k < s.samples; ++k) {
+        std::vector<size_t> todo;
+        for (size_t m = 0; m < s.runs.size(); ++m)
+          if (file.has(key_of(kind, task, L, k, s.runs[m].label))) prog.skip();
+          else todo.push_back(m);
+        if (todo.empty()) continue;
+        Prompt p = task_prompt(s, hay, task, L, k);
+        runner.set_prompt(p.tokens);
+        body(task, L, k, p, todo);
+        file.save();
+      }
+}
+
+// The end of a sweep (tasks, agree, ppl, recall): progress line, final save, the Markdown report
+// beside the JSON.
+void finish_sweep(const Args& a, Progress& prog, ResultFile& file, const std::string& out,
+                  const char* kind) {
+  prog.finish();
+  file.save();
+  write_report(file, md_path(a, out));
+  std::fprintf(stderr, "[eval %s] wrote %s and %s\n", kind, out.c_str(), md_path(a, out).c_str());
+}
+
 int run_tasks(const Args& a, const std::string& cmd) {
   Setup s = setup(a, "tasks");
   const auto tasks = parse_task_list(a.str("--tasks", "all"));
@@ -306,16 +338,9 @@ int run_tasks(const Args& a, const std::string& cmd) {
   EvalRunner runner(*s.w, s.runs, s.place, s.methods, s.ro, s.tok.get());
   Progress prog("eval tasks", int64_t(s.lengths.size() * tasks.size()) * s.samples *
                                   int64_t(s.runs.size()));
-  for (int64_t L : s.lengths)
-    for (const auto& task : tasks)
-      for (int k = 0; k < s.samples; ++k) {
-        std::vector<size_t> todo;
-        for (size_t m = 0; m < s.runs.size(); ++m)
-          if (file.has(key_of("tasks", task, L, k, s.runs[m].label))) prog.skip();
-          else todo.push_back(m);
-        if (todo.empty()) continue;
-        Prompt p = task_prompt(s, hay, task, L, k);
-        runner.set_prompt(p.tokens);
+  sweep_task_prompts(s, runner, file, "tasks", tasks, hay, prog,
+                     [&](const std::string& task, int64_t L, int k, const Prompt& p,
+                         const std::vector<size_t>& todo) {
         DecodeOptions opt;
         opt.max_new = std::min<int64_t>(cap, p.sample.max_new_tokens);
         opt.stop = s.tok->eos_ids();
@@ -343,12 +368,8 @@ int run_tasks(const Args& a, const std::string& cmd) {
           prog.done(1, cat(task, " L=", L, " #", k, " ", s.runs[m].label, " score ", score, ": ",
                            one_line(answer).substr(0, 40)));
         }
-        file.save();
-      }
-  prog.finish();
-  file.save();
-  write_report(file, md_path(a, out));
-  std::fprintf(stderr, "[eval tasks] wrote %s and %s\n", out.c_str(), md_path(a, out).c_str());
+      });
+  finish_sweep(a, prog, file, out, "tasks");
   return 0;
 }
 
@@ -380,16 +401,9 @@ int run_agree(const Args& a, const std::string& cmd) {
   const int V = s.w->config.vocab;
   Progress prog("eval agree", int64_t(s.lengths.size() * tasks.size()) * s.samples *
                                   int64_t(s.runs.size()));
-  for (int64_t L : s.lengths)
-    for (const auto& task : tasks)
-      for (int k = 0; k < s.samples; ++k) {
-        std::vector<size_t> todo;
-        for (size_t m = 0; m < s.runs.size(); ++m)
-          if (file.has(key_of("agree", task, L, k, s.runs[m].label))) prog.skip();
-          else todo.push_back(m);
-        if (todo.empty()) continue;
-        Prompt p = task_prompt(s, hay, task, L, k);
-        runner.set_prompt(p.tokens);
+  sweep_task_prompts(s, runner, file, "agree", tasks, hay, prog,
+                     [&](const std::string& task, int64_t L, int k, const Prompt& p,
+                         const std::vector<size_t>& todo) {
         DecodeOptions opt;
         opt.max_new = std::min<int64_t>(cap, p.sample.max_new_tokens);
         opt.stop = s.tok->eos_ids();
@@ -467,12 +481,8 @@ int run_agree(const Args& a, const std::string& cmd) {
           prog.done(1, cat(task, " L=", L, " #", k, " ", s.runs[m].label, " diverges at ", div,
                            " KL ", kl_mean));
         }
-        file.save();
-      }
-  prog.finish();
-  file.save();
-  write_report(file, md_path(a, out));
-  std::fprintf(stderr, "[eval agree] wrote %s and %s\n", out.c_str(), md_path(a, out).c_str());
+      });
+  finish_sweep(a, prog, file, out, "agree");
   return 0;
 }
 
@@ -579,11 +589,7 @@ int run_text(const Args& a, const std::string& cmd, const std::string& kind) {
       }
       file.save();
     }
-  prog.finish();
-  file.save();
-  write_report(file, md_path(a, out));
-  std::fprintf(stderr, "[eval %s] wrote %s and %s\n", kind.c_str(), out.c_str(),
-               md_path(a, out).c_str());
+  finish_sweep(a, prog, file, out, kind.c_str());
   return 0;
 }
 
