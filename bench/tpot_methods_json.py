@@ -34,14 +34,16 @@ for line in open(args.log):
     elif "[spade] attention (GPU):" in line:
         cur["attention"] = line.split("(GPU):", 1)[1].strip()
     elif "[spade] decode steps:" in line:
-        m = re.search(r"decode steps: (\d+), median ([\d.]+) ms, first ([\d.]+) ms, max ([\d.]+) ms, "
-                      r"sum of the steps over 2x the median ([\d.]+) ms", line)
+        m = re.search(r"decode steps: (\d+), median ([\d.]+) ms,(?: mean ([\d.]+) ms,)? first ([\d.]+) ms, "
+                      r"max ([\d.]+) ms, sum of the steps over 2x the median ([\d.]+) ms", line)
         if m:
             cur["steps"] = int(m.group(1))
             cur["median_step_ms"] = float(m.group(2))
-            cur["first_step_ms"] = float(m.group(3))
-            cur["max_step_ms"] = float(m.group(4))
-            cur["slow_steps_ms"] = float(m.group(5))
+            if m.group(3):
+                cur["mean_step_ms"] = float(m.group(3))
+            cur["first_step_ms"] = float(m.group(4))
+            cur["max_step_ms"] = float(m.group(5))
+            cur["slow_steps_ms"] = float(m.group(6))
     else:
         m = re.search(r"synthetic \S+ on (.*?) \| prompt (\d+) tokens, ([\d.]+) tok/s \| generated (\d+) "
                       r"tokens, ([\d.]+) ms/token", line)

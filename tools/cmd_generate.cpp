@@ -120,9 +120,11 @@ void print_step_times(std::vector<float> ms) {
   const float first = ms.front();
   std::vector<float> sorted(ms);
   std::sort(sorted.begin(), sorted.end());
-  std::fprintf(stderr, "[spade] decode steps: %zu, median %.3f ms, first %.2f ms, max %.2f ms, "
-               "sum of the steps over 2x the median %.1f ms\n",
-               ms.size(), sorted[sorted.size() / 2], first, sorted.back(),
+  double total = 0;
+  for (float x : ms) total += x;
+  std::fprintf(stderr, "[spade] decode steps: %zu, median %.3f ms, mean %.3f ms, first %.2f ms, "
+               "max %.2f ms, sum of the steps over 2x the median %.1f ms\n",
+               ms.size(), sorted[sorted.size() / 2], total / double(ms.size()), first, sorted.back(),
                [&] {
                  double s = 0;
                  for (float x : ms) s += x > 2 * sorted[sorted.size() / 2] ? x : 0;

@@ -233,7 +233,8 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   __shared__ int gorder[64], goff[65], keep[64], gtok[64], gfirst[65];
   __shared__ int sh[33];
   __shared__ int s_nsel, s_minlen;
-  __shared__ unsigned long long selk[256];  // chosen chunk ids (sorted for the output)
+  __shared__ int selk[256], selen[256];  // chosen chunk ids (rank order) and their lengths
+  __shared__ int s_tot;
   // Chunk links and starts of this slot: staged in shared memory while the scoring runs (the
   // flatten and emit phases read them through nx / st, staged or not).
   const bool staged = k.off_next >= 0 && M > 0;
@@ -337,16 +338,22 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     __syncthreads();
     LC_TRACE(8);
     // Rank: score descending, NaN last, ties by node id = ascending (~okey(score), id); NG <=
-    // 64 keys sorted by warp 0 in registers (two per lane), then k_g and the offsets below in
-    // the same warp: no block barrier until the candidates are known.
+    // 64 nodes ranked by warp 0, two per lane, by counting the nodes ahead of each (64
+    // independent compares per node over broadcast reads: shorter than a 21-step shuffle
+    // bitonic), then k_g and the offsets below in the same warp: no block barrier until the
+    // candidates are known.
     if (w == 0) {
-      auto ckey = [&](int n) {
-        return n < NG ? (static_cast<unsigned long long>(~okey(gscore[n])) << 32) | unsigned(n) : ~0ull;
-      };
-      unsigned long long k0 = ckey(lane), k1 = ckey(lane + 32);
-      warp_bitonic64(k0, k1, lane);
-      if (lane < NG) gorder[lane] = int(k0 & 0xffffffffu);
-      if (lane + 32 < NG) gorder[lane + 32] = int(k1 & 0xffffffffu);
+      const int n0 = lane, n1 = lane + 32;
+      const uint32_t o0 = n0 < NG ? okey(gscore[n0]) : 0u, o1 = n1 < NG ? okey(gscore[n1]) : 0u;
+      int r0 = 0, r1 = 0;
+#pragma unroll 8
+      for (int j = 0; j < NG; ++j) {
+        const uint32_t oj = okey(gscore[j]);
+        r0 += (oj > o0) | ((oj == o0) & (j < n0));
+        r1 += (oj > o1) | ((oj == o1) & (j < n1));
+      }
+      if (n0 < NG) gorder[r0] = n0;
+      if (n1 < NG) gorder[r1] = n1;
       __syncwarp();
     }
     LC_TRACE(9);
@@ -478,7 +485,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       const bool fits = j < nflat && int64_t(ex) + len <= budget;
       if (fits) {
         flag[flat[j]] = 1;
-        if (j < 256) selk[j] = static_cast<unsigned long long>(flat[j]);
+        if (j < 256) selk[j] = flat[j], selen[j] = st[flat[j] + 1] - st[flat[j]];
       }
       const int nfit = __syncthreads_count(fits);
       carry += tot;
@@ -507,7 +514,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       for (int j = i0; j < nflat && left >= mn; ++j)
         if (lens[j] <= left) {
           flag[flat[j]] = 1;
-          if (s_nsel < 256) selk[s_nsel] = static_cast<unsigned long long>(flat[j]);
+          if (s_nsel < 256) selk[s_nsel] = flat[j], selen[s_nsel] = st[flat[j] + 1] - st[flat[j]];
           ++s_nsel;
           left -= lens[j];
         }
@@ -523,15 +530,22 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   int pos = sink;
   const int nsel = s_nsel;
   if (nsel > 0 && nsel <= 256) {
-    // Few chunks (<= 256; budget / 8-token chunks): sort their ids (distinct), scan their
-    // lengths.
-    block_merge_sort(selk, nsel);
-    const int c = t < nsel ? int(selk[t]) : -1;
-    const int len = c >= 0 ? st[c + 1] - st[c] : 0;  // st: staged (landed before the flatten)
-    int tot = 0;
-    const int off = block_excl_scan(len, sh, tot);
-    if (t < nsel) flat[t] = off;  // flat is free now (>= 256 entries)
+    // Few chunks (<= 256; budget / 8-token chunks): chunk t's place in position order and its
+    // output offset by counting over the chosen ids (distinct) and summing the lengths of the
+    // ones before it: one loop over shared memory, no sort and no scan (ids in position order to
+    // ids_sorted, offsets to flat: free now, >= 256 entries).
+    __shared__ int ids_sorted[256];
+    if (t < nsel) {
+      const int c = selk[t];
+      int rank = 0, off = 0;
+      for (int j = 0; j < nsel; ++j)
+        if (selk[j] < c) ++rank, off += selen[j];
+      ids_sorted[rank] = c;
+      flat[rank] = off;
+      if (rank == nsel - 1) s_tot = off + selen[t];
+    }
     __syncthreads();
+    const int tot = s_tot;
     // Coalesced stores: entry i belongs to the last chosen chunk whose offset is <= i (an empty
     // chunk shares its offset with the next one and is never picked).
     for (int i = t; i < tot && pos + i < a.cap; i += blockDim.x) {
@@ -541,7 +555,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
         if (flat[mid] <= i) lo = mid;
         else hi = mid - 1;
       }
-      out[pos + i] = st[int(selk[lo])] + (i - flat[lo]);
+      out[pos + i] = st[ids_sorted[lo]] + (i - flat[lo]);
     }
     pos += tot;
   } else if (nsel > 256) {

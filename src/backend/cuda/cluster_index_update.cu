@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cluster_index_common.cuh"
 
 namespace spade::cuda {
@@ -38,174 +39,216 @@ __device__ SlotPtrs slot_ptrs(const SlotPtrs& z, int slot) {  // z: the pointers
 
 // lc_insert_kernel: inserts, for each request r of the batch (blockIdx.y), its chunks
 //   n_old .. n_old + n_new - 1 in order. CTA per (KV head, request), 256 threads.
-//   reads  the chunk's K rows once (2*D B per token, staged in shared memory as bf16 for
-//          chunks <= 32 tokens; longer chunks read global memory), every coarse center and the
-//          chosen unit's fine centers (2*D B each)
-//   writes the two nodes' fp16 center (2*D B), radius, counters, the chunk's links; head 0's
-//          CTA appends the chunk end to the slot's starts.
+//   reads  the new chunks' K rows once (2*D B per token; staged together in dynamic shared
+//          memory with cp.async when they fit kInsStageRows rows, else read from global memory
+//          where used), every coarse center and the chosen unit's fine centers (2*D B each)
+//   writes per chunk the two nodes' fp16 center (2*D B), radius, counters, the chunk's links;
+//          head 0's CTA appends the chunk end to the slot's starts.
 //   Pooling, norms and distances in double in the CPU's order; similarities fp32 dots
 //   (warp-reduced) / float(|c|), ties -> lower id.
-constexpr int kInsThreads = 256, kInsTok = 32;
+// Latency layout (a flush is ~11 dependent chunk inserts per layer): 5 block barriers per chunk;
+// the fine and coarse node updates (independent) run side by side; the norm chain is computed by
+// every thread from shared memory (no broadcast barrier) while its coarse center loads are in
+// flight; radius maxima are warp-reduced (fmax is exact in any order).
+constexpr int kInsThreads = 256, kInsStageRows = 256, kInsNW = kInsThreads / 32;
+
+// The 8-dim pieces [d0, d0 + 128) of node n's piece-major fp16 center: one round of loads.
+__device__ __forceinline__ void ins_load_center(const __half* blk, int maxN, int n, int d0, int D,
+                                                uint4 (&raw)[16]) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+    raw[j] = d0 + 8 * j < D ? *reinterpret_cast<const uint4*>(blk + lc_cen_off(maxN, n, d0 + 8 * j))
+                            : make_uint4(0, 0, 0, 0);
+}
+// dp += unit[d] * c[d] (fp32, no FMA, d ascending; unit scaled by fi first when scale), nn +=
+// c[d]^2 (double): the CPU most_similar's chains over [d0, min(d0 + 128, D)).
+__device__ __forceinline__ void ins_dot_center(const uint4 (&raw)[16], const float* unit, int d0, int D,
+                                               bool scale, float fi, float& dp, double& nn) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    if (d0 + 8 * j >= D) break;
+    const __half* hv = reinterpret_cast<const __half*>(&raw[j]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float cv = __half2float(hv[e]);
+      const float u = scale ? __fmul_rn(unit[d0 + 8 * j + e], fi) : unit[d0 + 8 * j + e];
+      dp = __fadd_rn(dp, __fmul_rn(u, cv));
+      nn = __dadd_rn(nn, __dmul_rn(double(cv), double(cv)));
+    }
+  }
+}
+// Best (sim, id) of the block (ties: lower id): warp shuffles, one slot per warp in wb / wk,
+// one barrier, then every thread reduces the warps' slots (no second barrier).
+__device__ __forceinline__ int ins_block_argmax(float bsim, int bk, float* wb, int* wk) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) {
+    const float os = __shfl_xor_sync(kFull, bsim, o);
+    const int ok = __shfl_xor_sync(kFull, bk, o);
+    if (ok >= 0 && (bk < 0 || os > bsim || (os == bsim && ok < bk))) {
+      bsim = os;
+      bk = ok;
+    }
+  }
+  if (lane == 0) {
+    wb[w] = bsim;
+    wk[w] = bk;
+  }
+  __syncthreads();
+  float bb = -INFINITY;
+  int kk = -1;
+  for (int j = 0; j < kInsNW; ++j)
+    if (wk[j] >= 0 && (kk < 0 || wb[j] > bb || (wb[j] == bb && wk[j] < kk))) {
+      bb = wb[j];
+      kk = wk[j];
+    }
+  return kk;
+}
+
 __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, const bf16* k, InsertBatch batch) {
+  extern __shared__ __align__(16) unsigned char ins_dyn[];
+  bf16* kr = reinterpret_cast<bf16*>(ins_dyn);  // [kInsStageRows][D] staged K rows
   const InsertReq& rq = batch.r[blockIdx.y];
   const SlotPtrs s = slot_ptrs(z, rq.slot);
   int32_t* starts_rw = const_cast<int32_t*>(s.starts);
   const int32_t* pt = rq.pt;
-  const int h = blockIdx.x, t = threadIdx.x, lane = t & 31, w = t >> 5, nw = blockDim.x >> 5;
+  const int h = blockIdx.x, t = threadIdx.x, lane = t & 31, w = t >> 5;
   const int D = s.D;
-  __shared__ double mean[256];
-  __shared__ float unit[256], oldc[256], newc[256];
-  __shared__ double sq[256];
-  __shared__ float wbest[32];
-  __shared__ int wbk[32];
-  __shared__ int sel[2];
-  __shared__ double rmax[kInsThreads];
-  __shared__ bf16 kr[kInsTok][256];
+  __shared__ double mean[256], sq[256];
+  __shared__ float unit[256];
+  __shared__ float oldc[2][256], newc[2][256];
+  __shared__ float wbest[2][kInsNW];
+  __shared__ double rmd[2][kInsNW];
+  __shared__ int wbk[2][kInsNW];
+  __shared__ int gfirst[65];
   const int64_t fo = int64_t(h) * s.maxF, go = int64_t(h) * s.maxG, co = int64_t(h) * s.maxC;
+  const int n_coarse = s.n_coarse[h];
+  for (int g = t; g <= max(n_coarse, 1); g += blockDim.x) gfirst[g] = s.gfirst[int64_t(h) * (s.maxG + 1) + g];
+  // Every new chunk's K rows in one round of cp.async (none of them change during the flush).
+  const int b0 = starts_rw[rq.n_old];
+  const int nrows = rq.ends[rq.n_new - 1] - b0;
+  const bool staged = nrows <= kInsStageRows;
+  if (staged) {
+    const int pcs = D / 8;
+    for (int x = t; x < nrows * pcs; x += blockDim.x) {
+      const int r = x / pcs, pc = x - r * pcs;
+      attn_detail::cp_async16(kr + r * D + pc * 8, key_row(k, pt, b0 + r, h, s.Hkv, s.P, D) + pc * 8, true);
+    }
+    attn_detail::cp_async_commit();
+    attn_detail::cp_async_wait<0>();
+  }
+  __syncthreads();
+  auto kv = [&](int p, int d) {
+    return staged ? __bfloat162float(kr[(p - b0) * D + d]) : __bfloat162float(key_row(k, pt, p, h, s.Hkv, s.P, D)[d]);
+  };
+  const __half* gblk = s.gc + go * D;  // piece-major
+  __half* fblk = s.fc + fo * D;
   for (int i = 0; i < rq.n_new; ++i) {
     const int c = rq.n_old + i;
-    const int b = i == 0 ? starts_rw[c] : rq.ends[i - 1], e = rq.ends[i];
-    const bool staged = e - b <= kInsTok;
-    __syncthreads();
+    const int b = i == 0 ? b0 : rq.ends[i - 1], e = rq.ends[i], m = e - b;
     if (h == 0 && t == 0) starts_rw[c + 1] = e;
-    if (staged)
-      for (int x = t; x < (e - b) * D; x += blockDim.x)
-        kr[x / D][x % D] = key_row(k, pt, b + x / D, h, s.Hkv, s.P, D)[x % D];
-    __syncthreads();
-    auto kv = [&](int p, int d) {
-      return staged ? __bfloat162float(kr[p - b][d]) : __bfloat162float(key_row(k, pt, p, h, s.Hkv, s.P, D)[d]);
-    };
-    // Pool.
+    // Pool: thread d, tokens in order.
     for (int d = t; d < D; d += blockDim.x) {
       double a = 0.0;
       for (int p = b; p < e; ++p) a = __dadd_rn(a, double(kv(p, d)));
-      const double m = __dmul_rn(a, 1.0 / double(max(1, e - b)));
-      mean[d] = m;
-      unit[d] = __double2float_rn(m);
+      const double mn = __dmul_rn(a, 1.0 / double(max(1, m)));
+      mean[d] = mn;
+      unit[d] = __double2float_rn(mn);
       sq[d] = __dmul_rn(double(unit[d]), double(unit[d]));
     }
-    __syncthreads();
-    if (t == 0) {
-      double ss = 0.0;
-      for (int d = 0; d < D; ++d) ss = __dadd_rn(ss, sq[d]);
-      sq[0] = sqrt(ss);
-    }
-    __syncthreads();
-    const double un = sq[0];
-    __syncthreads();
-    if (un > 0) {
-      const float fi = __double2float_rn(1.0 / un);
-      for (int d = t; d < D; d += blockDim.x) unit[d] = __fmul_rn(unit[d], fi);
-    }
-    __syncthreads();
-    // Most similar coarse unit, then fine cluster within it.
-    for (int level = 1; level >= 0; --level) {
-      const int lo = level ? 0 : s.gfirst[int64_t(h) * (s.maxG + 1) + sel[1]];
-      const int hi = level ? s.n_coarse[h] : s.gfirst[int64_t(h) * (s.maxG + 1) + sel[1] + 1];
-      // Thread per node: float dot in d order without FMA and the double norm, as the CPU's
-      // most_similar (bit-identical similarities); best per warp (ties: lower id).
-      float bsim = -INFINITY;
-      int bk = -1;
-      for (int n = lo + t; n < hi; n += blockDim.x) {
-        const __half* blk = level ? s.gc + go * D : s.fc + fo * D;  // piece-major
-        const int maxN = level ? s.maxG : s.maxF;
-        float dp = 0.f;
-        double nn = 0.0;
-#pragma unroll 4
-        for (int d0 = 0; d0 < D; d0 += 8) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(blk + lc_cen_off(maxN, n, d0));
-          const __half* hv = reinterpret_cast<const __half*>(&raw);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float cv = __half2float(hv[j]);
-            dp = __fadd_rn(dp, __fmul_rn(unit[d0 + j], cv));
-            nn = __dadd_rn(nn, __dmul_rn(double(cv), double(cv)));
-          }
-        }
-        const float nf = __double2float_rn(sqrt(nn));
-        const float sim = nf > 0 ? dp / nf : -INFINITY;
-        if (bk < 0 || sim > bsim) {
-          bsim = sim;
-          bk = n;
-        }
+    __syncthreads();  // B1
+    // Coarse: thread per unit; its first center's loads go out before the norm chain.
+    uint4 raw[16];
+    const bool has0 = t < n_coarse;
+    if (has0) ins_load_center(gblk, s.maxG, t, 0, D, raw);
+    double ss = 0.0;  // |pooled|^2, d ascending (every thread: no broadcast barrier)
+#pragma unroll 8
+    for (int d = 0; d < D; ++d) ss = __dadd_rn(ss, sq[d]);
+    const double un = sqrt(ss);
+    const bool scale = un > 0;
+    const float fi = scale ? __double2float_rn(1.0 / un) : 1.f;
+    float bsim = -INFINITY;
+    int bk = -1;
+    auto score = [&](const __half* blk, int maxN, int n, bool loaded) {
+      float dp = 0.f;
+      double nn = 0.0;
+      for (int d0 = 0; d0 < D; d0 += 128) {
+        if (!(loaded && d0 == 0)) ins_load_center(blk, maxN, n, d0, D, raw);
+        ins_dot_center(raw, unit, d0, D, scale, fi, dp, nn);
       }
-      for (int o = 16; o > 0; o >>= 1) {
-        const float os = __shfl_xor_sync(kFull, bsim, o);
-        const int ok = __shfl_xor_sync(kFull, bk, o);
-        if (ok >= 0 && (bk < 0 || os > bsim || (os == bsim && ok < bk))) {
-          bsim = os;
-          bk = ok;
-        }
+      const float nf = __double2float_rn(sqrt(nn));
+      const float sim = nf > 0 ? dp / nf : -INFINITY;
+      if (bk < 0 || sim > bsim) {
+        bsim = sim;
+        bk = n;
       }
-      if (lane == 0) {
-        wbest[w] = bsim;
-        wbk[w] = bk;
-      }
-      __syncthreads();
-      if (t == 0) {
-        float bb = -INFINITY;
-        int kk = -1;
-        for (int j = 0; j < nw; ++j)
-          if (wbk[j] >= 0 && (kk < 0 || wbest[j] > bb || (wbest[j] == bb && wbk[j] < kk))) {
-            bb = wbest[j];
-            kk = wbk[j];
-          }
-        sel[level] = kk < 0 ? lo : kk;
-      }
-      __syncthreads();
-    }
-    // Update fine (level 0) then coarse (level 1).
-    const int m = e - b;
-    for (int level = 0; level < 2; ++level) {
-      const int node = sel[level];
-      __half* blk = level ? s.gc + go * D : s.fc + fo * D;  // piece-major
+    };
+    for (int n = t; n < n_coarse; n += blockDim.x) score(gblk, s.maxG, n, n == t && has0);
+    int kk = ins_block_argmax(bsim, bk, wbest[1], wbk[1]);  // B2
+    const int g = kk < 0 ? 0 : kk;
+    const int lo = gfirst[g], hi = gfirst[g + 1];
+    bsim = -INFINITY;
+    bk = -1;
+    for (int n = lo + t; n < hi; n += blockDim.x) score(fblk, s.maxF, n, false);
+    kk = ins_block_argmax(bsim, bk, wbest[0], wbk[0]);  // B3
+    const int f = kk < 0 ? lo : kk;
+    // Update the fine (level 0) and coarse (level 1) node side by side.
+    for (int x = t; x < 2 * D; x += blockDim.x) {
+      const int level = x >= D, d = x - level * D;
+      const int node = level ? g : f;
+      __half* blk = level ? s.gc + go * D : fblk;
       const int maxN = level ? s.maxG : s.maxF;
-      int32_t* cntp = level ? s.gcnt + go + node : s.fcnt + fo + node;
-      int32_t* tokp = level ? s.gtok + go + node : s.ftok + fo + node;
-      float* radp = level ? s.gr + go + node : s.fr + fo + node;
-      const int n = *cntp;
+      const int n = level ? s.gcnt[go + node] : s.fcnt[fo + node];
       const double wgt = double(m) / double(n + m);
-      for (int d = t; d < D; d += blockDim.x) {
-        const float oc = __half2float(blk[lc_cen_off(maxN, node, d)]);
-        oldc[d] = oc;
-        double v = __dadd_rn(double(oc), __dmul_rn(wgt, __dsub_rn(mean[d], double(oc))));
-        v = fmin(fmax(v, -65000.0), 65000.0);
-        const __half hv = __float2half_rn(__double2float_rn(v));
-        blk[lc_cen_off(maxN, node, d)] = hv;
-        newc[d] = __half2float(hv);
-      }
-      __syncthreads();
-      // Distances: thread 0 = |c' - c|; threads 1.. = new tokens.
-      double r = 0.0;
-      if (t == 0) {
-        double ss = 0.0;
-        for (int d = 0; d < D; ++d) {
-          const double x = __dsub_rn(double(oldc[d]), double(newc[d]));
-          ss = __dadd_rn(ss, __dmul_rn(x, x));
-        }
-        r = __dadd_rn(double(*radp), sqrt(ss));
-      }
-      for (int p = b + t; p < e; p += blockDim.x) {
-        double ss = 0.0;
-        for (int d = 0; d < D; ++d) {
-          const double x = __dsub_rn(double(kv(p, d)), double(newc[d]));
-          ss = __dadd_rn(ss, __dmul_rn(x, x));
-        }
-        r = fmax(r, sqrt(ss));
-      }
-      rmax[t] = r;
-      __syncthreads();
-      if (t == 0) {
-        double rr = 0.0;
-        for (int j = 0; j < blockDim.x; ++j) rr = fmax(rr, rmax[j]);
-        *radp = round_up_f(rr);
-        *cntp = n + m;
-        *tokp += m;
-      }
-      __syncthreads();
+      const float oc = __half2float(blk[lc_cen_off(maxN, node, d)]);
+      oldc[level][d] = oc;
+      double v = __dadd_rn(double(oc), __dmul_rn(wgt, __dsub_rn(mean[d], double(oc))));
+      v = fmin(fmax(v, -65000.0), 65000.0);
+      const __half hv = __float2half_rn(__double2float_rn(v));
+      blk[lc_cen_off(maxN, node, d)] = hv;
+      newc[level][d] = __half2float(hv);
     }
+    __syncthreads();  // B4
+    // Radii: task j = 0 is r + |c' - c|, task j >= 1 token b + j - 1, for each level.
+    double rf = 0.0, rg = 0.0;  // fine, coarse
+    for (int x = t; x < 2 * (m + 1); x += blockDim.x) {
+      const int level = x & 1, j = x >> 1;
+      double acc = 0.0;
+      if (j == 0) {
+        for (int d = 0; d < D; ++d) {
+          const double dx = __dsub_rn(double(oldc[level][d]), double(newc[level][d]));
+          acc = __dadd_rn(acc, __dmul_rn(dx, dx));
+        }
+        const float rold = level ? s.gr[go + g] : s.fr[fo + f];
+        acc = __dadd_rn(double(rold), sqrt(acc));
+      } else {
+        const int p = b + j - 1;
+        for (int d = 0; d < D; ++d) {
+          const double dx = __dsub_rn(double(kv(p, d)), double(newc[level][d]));
+          acc = __dadd_rn(acc, __dmul_rn(dx, dx));
+        }
+        acc = sqrt(acc);
+      }
+      if (level) rg = fmax(rg, acc);
+      else rf = fmax(rf, acc);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      rf = fmax(rf, __shfl_xor_sync(kFull, rf, o));
+      rg = fmax(rg, __shfl_xor_sync(kFull, rg, o));
+    }
+    if (lane == 0) {
+      rmd[0][w] = rf;
+      rmd[1][w] = rg;
+    }
+    __syncthreads();  // B5
     if (t == 0) {
-      const int f = sel[0];
+      for (int level = 0; level < 2; ++level) {
+        double rr = 0.0;
+        for (int j = 0; j < kInsNW; ++j) rr = fmax(rr, rmd[level][j]);
+        const int64_t o = level ? go + g : fo + f;
+        (level ? s.gr : s.fr)[o] = round_up_f(rr);
+        (level ? s.gcnt : s.fcnt)[o] += m;
+        (level ? s.gtok : s.ftok)[o] += m;
+      }
       s.cnext[co + c] = -1;
       s.cfine[co + c] = f;
       const int tail = s.ftail[fo + f];
@@ -215,7 +258,6 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
       s.fnch[fo + f] += 1;
       s.n_chunks[h] = c + 1;
     }
-    __syncthreads();
   }
 }
 
@@ -238,12 +280,19 @@ void LcIndexGpu::insert_batch(const std::vector<LcInsert>& reqs, const bf16* k_c
   const SlotPtrs z{starts_, n_chunks_, n_fine_, n_coarse_, fc_, fr_, ftok_, fcnt_, fhead_, ftail_, fnch_,
                    gc_, gr_, gtok_, gcnt_, gfirst_, cnext_, cfine_, max_fine_, cfg_.max_coarse, C,
                    cfg_.D, H, cfg_.P};
+  const size_t smem = size_t(kInsStageRows) * size_t(cfg_.D) * sizeof(bf16);
+  static const bool smem_ok = [] {
+    SPADE_CUDA(cudaFuncSetAttribute(lc_insert_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kInsStageRows * 256 * int(sizeof(bf16))));
+    return true;
+  }();
+  (void)smem_ok;
   // Rounds of <= kMax chunks per request, <= kReq requests per launch.
   for (int done = 0;; done += InsertReq::kMax) {
     InsertBatch ib{};
     int n = 0;
     auto flush = [&] {
-      if (n) lc_insert_kernel<<<dim3(H, n), kInsThreads, 0, s>>>(z, k_cache, ib);
+      if (n) lc_insert_kernel<<<dim3(H, n), kInsThreads, smem, s>>>(z, k_cache, ib);
       n = 0;
     };
     bool any = false;
