@@ -82,25 +82,6 @@ __device__ inline void block_bitonic(unsigned long long* s, int n) {
   }
 }
 
-// Ascending bitonic sort of 64 keys held by one warp, element lane in a and lane + 32 in b:
-// the stride-32 steps compare a lane's own pair, the others go through shuffles.
-__device__ __forceinline__ void warp_bitonic64(unsigned long long& a, unsigned long long& b, int lane) {
-  for (int k = 2; k <= 64; k <<= 1)
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      if (j == 32) {  // pair (lane, lane + 32); k == 64: ascending
-        const unsigned long long mn = a < b ? a : b, mx = a < b ? b : a;
-        a = mn, b = mx;
-        continue;
-      }
-      const unsigned long long oa = __shfl_xor_sync(kFull, a, j), ob = __shfl_xor_sync(kFull, b, j);
-      const bool lower = (lane & j) == 0;
-      // element index i = lane (a) or lane + 32 (b): ascending run iff (i & k) == 0
-      const bool up_a = (lane & k) == 0, up_b = ((lane + 32) & k) == 0;
-      a = (lower == up_a) ? (a < oa ? a : oa) : (a < oa ? oa : a);
-      b = (lower == up_b) ? (b < ob ? b : ob) : (b < ob ? ob : b);
-    }
-}
-
 // Ascending sort of n <= blockDim.x distinct keys s[0, n), all below ~0 (s holds at least
 // roundup(n, 32) entries): each warp sorts 32 of them in registers (bitonic through shuffles,
 // padded with ~0), then every key's rank is its lane plus, for each other warp's sorted run,

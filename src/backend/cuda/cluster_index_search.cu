@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   __shared__ float qn[64], gscore[64];
   __shared__ int gorder[64], goff[65], keep[64], gtok[64], gfirst[65];
   __shared__ int sh[33];
-  __shared__ int s_nsel, s_minlen;
+  __shared__ int s_nsel, s_minlen, s_used;
   __shared__ int selk[256], selen[256];  // chosen chunk ids (rank order) and their lengths
   __shared__ int s_tot;
   // Chunk links and starts of this slot: staged in shared memory while the scoring runs (the
@@ -338,22 +338,22 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     __syncthreads();
     LC_TRACE(8);
     // Rank: score descending, NaN last, ties by node id = ascending (~okey(score), id); NG <=
-    // 64 nodes ranked by warp 0, two per lane, by counting the nodes ahead of each (64
-    // independent compares per node over broadcast reads: shorter than a 21-step shuffle
-    // bitonic), then k_g and the offsets below in the same warp: no block barrier until the
-    // candidates are known.
+    // 64 nodes ranked by warp 0, two per lane (n0 = lane, n1 = lane + 32), by counting the nodes
+    // ahead of each: 32 shuffle rounds (independent, fully unrolled) instead of a 21-step
+    // bitonic network's dependent ones; nodes >= NG hold key 0 with a higher id, never ahead.
+    // Then k_g and the offsets below in the same warp: no block barrier until the candidates
+    // are known.
     if (w == 0) {
-      const int n0 = lane, n1 = lane + 32;
-      const uint32_t o0 = n0 < NG ? okey(gscore[n0]) : 0u, o1 = n1 < NG ? okey(gscore[n1]) : 0u;
+      const uint32_t o0 = lane < NG ? okey(gscore[lane]) : 0u, o1 = lane + 32 < NG ? okey(gscore[lane + 32]) : 0u;
       int r0 = 0, r1 = 0;
-#pragma unroll 8
-      for (int j = 0; j < NG; ++j) {
-        const uint32_t oj = okey(gscore[j]);
-        r0 += (oj > o0) | ((oj == o0) & (j < n0));
-        r1 += (oj > o1) | ((oj == o1) & (j < n1));
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const uint32_t x = __shfl_sync(kFull, o0, j), y = __shfl_sync(kFull, o1, j);  // nodes j, j + 32
+        r0 += int(x > o0 || (x == o0 && j < lane)) + int(y > o0);
+        r1 += int(x >= o1) + int(y > o1 || (y == o1 && j < lane));
       }
-      if (n0 < NG) gorder[r0] = n0;
-      if (n1 < NG) gorder[r1] = n1;
+      if (lane < NG) gorder[r0] = lane;
+      if (lane + 32 < NG) gorder[r1] = lane + 32;
       __syncwarp();
     }
     LC_TRACE(9);
@@ -491,22 +491,19 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
       carry += tot;
       if (nfit < min(int(blockDim.x), nflat - j0)) {
         i0 = j0 + nfit;
+        if (j == i0) s_used = ex;  // the prefix's tokens: the first misfit's exclusive sum
         break;
       }
     }
-    int used = 0;
+    // The shortest chunk after the prefix (the tail's early stop).
+    if (i0 == nflat && t == 0) s_used = carry;
     {
-      int part = 0, mn = 1 << 30;
-      for (int j = t; j < nflat; j += blockDim.x) {
-        if (j < i0) part += lens[j];
-        else mn = min(mn, int(lens[j]));
-      }
-      int tot = 0;
-      block_excl_scan(part, sh, tot);
-      used = tot;
+      int mn = 1 << 30;
+      for (int j = i0 + t; j < nflat; j += blockDim.x) mn = min(mn, int(lens[j]));
       if (mn < (1 << 30)) atomicMin(&s_minlen, mn);
     }
     __syncthreads();
+    const int used = s_used;
     if (t == 0) {
       s_nsel = i0;
       int64_t left = budget - used;

@@ -46,11 +46,12 @@ __device__ SlotPtrs slot_ptrs(const SlotPtrs& z, int slot) {  // z: the pointers
 //          head 0's CTA appends the chunk end to the slot's starts.
 //   Pooling, norms and distances in double in the CPU's order; similarities fp32 dots
 //   (warp-reduced) / float(|c|), ties -> lower id.
-// Latency layout (a flush is ~11 dependent chunk inserts per layer): 5 block barriers per chunk;
+// Latency layout (a flush is ~11 dependent chunk inserts per layer): 4 block barriers per chunk;
 // the fine and coarse node updates (independent) run side by side; the norm chain is computed by
 // every thread from shared memory (no broadcast barrier) while its coarse center loads are in
-// flight; radius maxima are warp-reduced (fmax is exact in any order).
-constexpr int kInsThreads = 256, kInsStageRows = 256, kInsNW = kInsThreads / 32;
+// flight; radius maxima are warp-reduced (fmax is exact in any order); the next chunk is pooled
+// by warps 0-3 while warps 4-7 compute the radii.
+constexpr int kInsThreads = 256, kInsStageRows = 256, kInsNW = kInsThreads / 32, kInsPoolThreads = 128;
 
 // The 8-dim pieces [d0, d0 + 128) of node n's piece-major fp16 center: one round of loads.
 __device__ __forceinline__ void ins_load_center(const __half* blk, int maxN, int n, int d0, int D,
@@ -142,20 +143,25 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
   };
   const __half* gblk = s.gc + go * D;  // piece-major
   __half* fblk = s.fc + fo * D;
-  for (int i = 0; i < rq.n_new; ++i) {
-    const int c = rq.n_old + i;
-    const int b = i == 0 ? b0 : rq.ends[i - 1], e = rq.ends[i], m = e - b;
-    if (h == 0 && t == 0) starts_rw[c + 1] = e;
-    // Pool: thread d, tokens in order.
-    for (int d = t; d < D; d += blockDim.x) {
+  // Pool chunk i (threads [0, kInsPoolThreads), thread per d, tokens in order): mean, its
+  // float rounding and the squares of those. Chunk i + 1's pooling runs beside chunk i's radii.
+  auto pool = [&](int i) {
+    const int b = i == 0 ? b0 : rq.ends[i - 1], e = rq.ends[i];
+    for (int d = t; d < D; d += kInsPoolThreads) {
       double a = 0.0;
       for (int p = b; p < e; ++p) a = __dadd_rn(a, double(kv(p, d)));
-      const double mn = __dmul_rn(a, 1.0 / double(max(1, m)));
+      const double mn = __dmul_rn(a, 1.0 / double(max(1, e - b)));
       mean[d] = mn;
       unit[d] = __double2float_rn(mn);
       sq[d] = __dmul_rn(double(unit[d]), double(unit[d]));
     }
-    __syncthreads();  // B1
+  };
+  if (t < kInsPoolThreads) pool(0);
+  __syncthreads();
+  for (int i = 0; i < rq.n_new; ++i) {
+    const int c = rq.n_old + i;
+    const int b = i == 0 ? b0 : rq.ends[i - 1], e = rq.ends[i], m = e - b;
+    if (h == 0 && t == 0) starts_rw[c + 1] = e;
     // Coarse: thread per unit; its first center's loads go out before the norm chain.
     uint4 raw[16];
     const bool has0 = t < n_coarse;
@@ -208,28 +214,35 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
       newc[level][d] = __half2float(hv);
     }
     __syncthreads();  // B4
-    // Radii: task j = 0 is r + |c' - c|, task j >= 1 token b + j - 1, for each level.
+    // Radii (threads >= kInsPoolThreads; the others pool the next chunk meanwhile: mean, unit
+    // and sq are no longer read): tokens' distances to the new centers on the first 96 of them
+    // (task x: level x & 1, token b + x / 2), r + |c' - c| per level on the last warp's lanes 0-1.
     double rf = 0.0, rg = 0.0;  // fine, coarse
-    for (int x = t; x < 2 * (m + 1); x += blockDim.x) {
-      const int level = x & 1, j = x >> 1;
-      double acc = 0.0;
-      if (j == 0) {
-        for (int d = 0; d < D; ++d) {
-          const double dx = __dsub_rn(double(oldc[level][d]), double(newc[level][d]));
-          acc = __dadd_rn(acc, __dmul_rn(dx, dx));
-        }
-        const float rold = level ? s.gr[go + g] : s.fr[fo + f];
-        acc = __dadd_rn(double(rold), sqrt(acc));
-      } else {
-        const int p = b + j - 1;
+    if (t < kInsPoolThreads) {
+      if (i + 1 < rq.n_new) pool(i + 1);
+    } else if (t < kInsThreads - 32) {
+      for (int x = t - kInsPoolThreads; x < 2 * m; x += kInsThreads - 32 - kInsPoolThreads) {
+        const int level = x & 1, p = b + (x >> 1);
+        double acc = 0.0;
         for (int d = 0; d < D; ++d) {
           const double dx = __dsub_rn(double(kv(p, d)), double(newc[level][d]));
           acc = __dadd_rn(acc, __dmul_rn(dx, dx));
         }
         acc = sqrt(acc);
+        if (level) rg = fmax(rg, acc);
+        else rf = fmax(rf, acc);
       }
-      if (level) rg = fmax(rg, acc);
-      else rf = fmax(rf, acc);
+    } else if (lane < 2) {
+      const int level = lane;
+      double acc = 0.0;
+      for (int d = 0; d < D; ++d) {
+        const double dx = __dsub_rn(double(oldc[level][d]), double(newc[level][d]));
+        acc = __dadd_rn(acc, __dmul_rn(dx, dx));
+      }
+      const float rold = level ? s.gr[go + g] : s.fr[fo + f];
+      acc = __dadd_rn(double(rold), sqrt(acc));
+      if (level) rg = acc;
+      else rf = acc;
     }
     for (int o = 16; o > 0; o >>= 1) {
       rf = fmax(rf, __shfl_xor_sync(kFull, rf, o));
@@ -239,7 +252,7 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
       rmd[0][w] = rf;
       rmd[1][w] = rg;
     }
-    __syncthreads();  // B5
+    __syncthreads();  // B5 (also the next chunk's pooled vector is complete)
     if (t == 0) {
       for (int level = 0; level < 2; ++level) {
         double rr = 0.0;
