@@ -535,6 +535,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     if (t < nsel) {
       const int c = selk[t];
       int rank = 0, off = 0;
+#pragma unroll 8  // the loads of 8 entries in flight: the loop is bound by shared-memory latency
       for (int j = 0; j < nsel; ++j)
         if (selk[j] < c) ++rank, off += selen[j];
       ids_sorted[rank] = c;
