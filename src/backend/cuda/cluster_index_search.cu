@@ -175,6 +175,14 @@ __device__ __forceinline__ float lc_head_dot_fixed(const uint4 (&raw)[NC], const
 //   greedy fill; emit. Every serial step runs over shared memory (the coarse k_g rule, the
 //   budget tail). Measured phases: docs/cuda_lycheecluster.md.
 constexpr int kSearchThreads = kSearchThreadsHost;
+// Experiment knobs (bench variants; the defaults are the measured choice).
+#ifndef LC_RANK_UNROLL
+#define LC_RANK_UNROLL 32
+#endif
+#ifndef LC_FINE_ROUNDS
+#define LC_FINE_ROUNDS 1
+#endif
+constexpr int kRankUnroll = LC_RANK_UNROLL;
 // Phase stamps (bench only, a.trace non-null): [list][kLcTraceSlots] SM clock cycles (clock64:
 // one CTA stays on one SM, so differences are exact); slots 0-7 the phases, 8-10 inside the
 // coarse phase, 11 between the loads and the q norms, 12-15 sizes (coarse nodes, fine candidates, flattened chunks, chosen chunks).
@@ -346,7 +354,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     if (w == 0) {
       const uint32_t o0 = lane < NG ? okey(gscore[lane]) : 0u, o1 = lane + 32 < NG ? okey(gscore[lane + 32]) : 0u;
       int r0 = 0, r1 = 0;
-#pragma unroll
+#pragma unroll kRankUnroll
       for (int j = 0; j < 32; ++j) {
         const uint32_t x = __shfl_sync(kFull, o0, j), y = __shfl_sync(kFull, o1, j);  // nodes j, j + 32
         r0 += int(x > o0 || (x == o0 && j < lane)) + int(y > o0);
@@ -414,7 +422,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     // power of two >= T).
     int T = 1;
     if (D == 128 && (G & (G - 1)) == 0)
-      while (T < 4 && T * 2 <= G && nc * T * 2 <= int(blockDim.x)) T *= 2;
+      while (T < 4 && T * 2 <= G && nc * T * 2 <= LC_FINE_ROUNDS * int(blockDim.x)) T *= 2;
     for (int e0 = 0; e0 < nc * T; e0 += blockDim.x) {
       const int e = e0 + t, j = e / T, p = e % T;
       float sc = -INFINITY;

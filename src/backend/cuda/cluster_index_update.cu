@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
   const int D = s.D;
   __shared__ double mean[256], sq[256];
   __shared__ float unit[256];
-  __shared__ float oldc[2][256], newc[2][256];
+  __shared__ double oldc[2][256], newc[2][256];  // [fine, coarse][d], the centers as doubles
   __shared__ float wbest[2][kInsNW];
   __shared__ double rmd[2][kInsNW];
   __shared__ int wbk[2][kInsNW];
@@ -166,12 +166,21 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
     uint4 raw[16];
     const bool has0 = t < n_coarse;
     if (has0) ins_load_center(gblk, s.maxG, t, 0, D, raw);
-    double ss = 0.0;  // |pooled|^2, d ascending (every thread: no broadcast barrier)
+    // |pooled|, d ascending, computed by each warp that scores a node (no broadcast barrier),
+    // once per chunk.
+    bool have_norm = false, scale = false;
+    float fi = 1.f;
+    auto norm = [&] {
+      if (have_norm) return;
+      double ss = 0.0;
 #pragma unroll 8
-    for (int d = 0; d < D; ++d) ss = __dadd_rn(ss, sq[d]);
-    const double un = sqrt(ss);
-    const bool scale = un > 0;
-    const float fi = scale ? __double2float_rn(1.0 / un) : 1.f;
+      for (int d = 0; d < D; ++d) ss = __dadd_rn(ss, sq[d]);
+      const double un = sqrt(ss);
+      scale = un > 0;
+      fi = scale ? __double2float_rn(1.0 / un) : 1.f;
+      have_norm = true;
+    };
+    if (32 * w < n_coarse) norm();
     float bsim = -INFINITY;
     int bk = -1;
     auto score = [&](const __half* blk, int maxN, int n, bool loaded) {
@@ -194,6 +203,7 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
     const int lo = gfirst[g], hi = gfirst[g + 1];
     bsim = -INFINITY;
     bk = -1;
+    if (lo + 32 * w < hi) norm();
     for (int n = lo + t; n < hi; n += blockDim.x) score(fblk, s.maxF, n, false);
     kk = ins_block_argmax(bsim, bk, wbest[0], wbk[0]);  // B3
     const int f = kk < 0 ? lo : kk;
@@ -206,43 +216,45 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
       const int n = level ? s.gcnt[go + node] : s.fcnt[fo + node];
       const double wgt = double(m) / double(n + m);
       const float oc = __half2float(blk[lc_cen_off(maxN, node, d)]);
-      oldc[level][d] = oc;
+      oldc[level][d] = double(oc);
       double v = __dadd_rn(double(oc), __dmul_rn(wgt, __dsub_rn(mean[d], double(oc))));
       v = fmin(fmax(v, -65000.0), 65000.0);
       const __half hv = __float2half_rn(__double2float_rn(v));
       blk[lc_cen_off(maxN, node, d)] = hv;
-      newc[level][d] = __half2float(hv);
+      newc[level][d] = double(__half2float(hv));
     }
     __syncthreads();  // B4
     // Radii (threads >= kInsPoolThreads; the others pool the next chunk meanwhile: mean, unit
-    // and sq are no longer read): tokens' distances to the new centers on the first 96 of them
-    // (task x: level x & 1, token b + x / 2), r + |c' - c| per level on the last warp's lanes 0-1.
+    // and sq are no longer read): a token's distances to both new centers on the first 96 of
+    // them (two interleaved chains, one conversion of the key), r + |c' - c| of both levels
+    // on the last warp's lane 0.
     double rf = 0.0, rg = 0.0;  // fine, coarse
     if (t < kInsPoolThreads) {
       if (i + 1 < rq.n_new) pool(i + 1);
     } else if (t < kInsThreads - 32) {
-      for (int x = t - kInsPoolThreads; x < 2 * m; x += kInsThreads - 32 - kInsPoolThreads) {
-        const int level = x & 1, p = b + (x >> 1);
-        double acc = 0.0;
+      for (int p = b + t - kInsPoolThreads; p < e; p += kInsThreads - 32 - kInsPoolThreads) {
+        double af = 0.0, ag = 0.0;
+#pragma unroll 4
         for (int d = 0; d < D; ++d) {
-          const double dx = __dsub_rn(double(kv(p, d)), double(newc[level][d]));
-          acc = __dadd_rn(acc, __dmul_rn(dx, dx));
+          const double kd = double(kv(p, d));
+          const double xf = __dsub_rn(kd, newc[0][d]), xg = __dsub_rn(kd, newc[1][d]);
+          af = __dadd_rn(af, __dmul_rn(xf, xf));
+          ag = __dadd_rn(ag, __dmul_rn(xg, xg));
         }
-        acc = sqrt(acc);
-        if (level) rg = fmax(rg, acc);
-        else rf = fmax(rf, acc);
+        rf = fmax(rf, sqrt(af));
+        rg = fmax(rg, sqrt(ag));
       }
-    } else if (lane < 2) {
-      const int level = lane;
-      double acc = 0.0;
+    } else if (lane == 0) {
+      const float rof = s.fr[fo + f], rog = s.gr[go + g];
+      double af = 0.0, ag = 0.0;
+#pragma unroll 4
       for (int d = 0; d < D; ++d) {
-        const double dx = __dsub_rn(double(oldc[level][d]), double(newc[level][d]));
-        acc = __dadd_rn(acc, __dmul_rn(dx, dx));
+        const double xf = __dsub_rn(oldc[0][d], newc[0][d]), xg = __dsub_rn(oldc[1][d], newc[1][d]);
+        af = __dadd_rn(af, __dmul_rn(xf, xf));
+        ag = __dadd_rn(ag, __dmul_rn(xg, xg));
       }
-      const float rold = level ? s.gr[go + g] : s.fr[fo + f];
-      acc = __dadd_rn(double(rold), sqrt(acc));
-      if (level) rg = acc;
-      else rf = acc;
+      rf = __dadd_rn(double(rof), sqrt(af));
+      rg = __dadd_rn(double(rog), sqrt(ag));
     }
     for (int o = 16; o > 0; o >>= 1) {
       rf = fmax(rf, __shfl_xor_sync(kFull, rf, o));
