@@ -175,14 +175,6 @@ __device__ __forceinline__ float lc_head_dot_fixed(const uint4 (&raw)[NC], const
 //   greedy fill; emit. Every serial step runs over shared memory (the coarse k_g rule, the
 //   budget tail). Measured phases: docs/cuda_lycheecluster.md.
 constexpr int kSearchThreads = kSearchThreadsHost;
-// Experiment knobs (bench variants; the defaults are the measured choice).
-#ifndef LC_RANK_UNROLL
-#define LC_RANK_UNROLL 32
-#endif
-#ifndef LC_FINE_ROUNDS
-#define LC_FINE_ROUNDS 1
-#endif
-constexpr int kRankUnroll = LC_RANK_UNROLL;
 // Phase stamps (bench only, a.trace non-null): [list][kLcTraceSlots] SM clock cycles (clock64:
 // one CTA stays on one SM, so differences are exact); slots 0-7 the phases, 8-10 inside the
 // coarse phase, 11 between the loads and the q norms, 12-15 sizes (coarse nodes, fine candidates, flattened chunks, chosen chunks).
@@ -237,7 +229,8 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   float* q = reinterpret_cast<float*>(smem_b + k.off_q);               // [G][D]
   int16_t* lens = reinterpret_cast<int16_t*>(smem_b + k.off_lens);     // [maxC]
   uint8_t* flag = reinterpret_cast<uint8_t*>(smem_b + k.off_flag);     // [maxC] chosen chunks
-  __shared__ float qn[64], gscore[64];
+  __shared__ float qn[64];
+  __shared__ __align__(16) uint32_t gkey[64];  // okey of the coarse bounds (0 past NG)
   __shared__ int gorder[64], goff[65], keep[64], gtok[64], gfirst[65];
   __shared__ int sh[33];
   __shared__ int s_nsel, s_minlen, s_used;
@@ -266,6 +259,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     gtok[t] = gtok_r;
     keep[t] = 0;
   }
+  if (t < 64) gkey[t] = 0u;
   if (t <= NG) gfirst[t] = gfirst_r;
   for (int c = t; c < M; c += blockDim.x) flag[c] = 0;
   if (t == 0) {
@@ -335,30 +329,41 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
         float v = -INFINITY;
         if (t < NG * G) v = fmaxf(v, __fadd_rn(cdot, __fmul_rn(qn[t % G], crad)));
         for (int o = 1; o < G; o <<= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-        if (t < NG * G && t % G == 0) gscore[t / G] = v;
+        if (t < NG * G && t % G == 0) gkey[t / G] = okey(v);
       }
     } else {
       // One thread per node (a staged-rows variant measured slower: the sequential dot chain
       // dominates, and tiles of staged rows serialize it).
       for (int g = t; g < NG; g += blockDim.x)
-        gscore[g] = bound(k.gc + gbase * D + g * 8, int64_t(k.maxG) * 8, k.gr[gbase + g]);
+        gkey[g] = okey(bound(k.gc + gbase * D + g * 8, int64_t(k.maxG) * 8, k.gr[gbase + g]));
     }
     __syncthreads();
     LC_TRACE(8);
     // Rank: score descending, NaN last, ties by node id = ascending (~okey(score), id); NG <=
     // 64 nodes ranked by warp 0, two per lane (n0 = lane, n1 = lane + 32), by counting the nodes
-    // ahead of each: 32 shuffle rounds (independent, fully unrolled) instead of a 21-step
-    // bitonic network's dependent ones; nodes >= NG hold key 0 with a higher id, never ahead.
-    // Then k_g and the offsets below in the same warp: no block barrier until the candidates
-    // are known.
+    // ahead of each over broadcast 16-byte reads of the keys (16 independent loads; a shuffle
+    // per key ran ~35 cycles each, the 21-step bitonic network as long); keys past NG are 0
+    // with a higher id: never ahead. Then k_g and the offsets below in the same warp: no block
+    // barrier until the candidates are known.
     if (w == 0) {
-      const uint32_t o0 = lane < NG ? okey(gscore[lane]) : 0u, o1 = lane + 32 < NG ? okey(gscore[lane + 32]) : 0u;
+      const uint32_t o0 = gkey[lane], o1 = gkey[lane + 32];
       int r0 = 0, r1 = 0;
-#pragma unroll kRankUnroll
-      for (int j = 0; j < 32; ++j) {
-        const uint32_t x = __shfl_sync(kFull, o0, j), y = __shfl_sync(kFull, o1, j);  // nodes j, j + 32
-        r0 += int(x > o0 || (x == o0 && j < lane)) + int(y > o0);
-        r1 += int(x >= o1) + int(y > o1 || (y == o1 && j < lane));
+#pragma unroll
+      for (int q4 = 0; q4 < 16; ++q4) {
+        const uint4 v = reinterpret_cast<const uint4*>(gkey)[q4];
+        const uint32_t x4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = 4 * q4 + e;  // node j; lane < 32 <= lane + 32
+          const uint32_t x = x4[e];
+          if (j < 32) {
+            r0 += int(x > o0 || (x == o0 && j < lane));
+            r1 += int(x >= o1);
+          } else {
+            r0 += int(x > o0);
+            r1 += int(x > o1 || (x == o1 && j < lane + 32));
+          }
+        }
       }
       if (lane < NG) gorder[r0] = lane;
       if (lane + 32 < NG) gorder[r1] = lane + 32;
@@ -422,7 +427,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
     // power of two >= T).
     int T = 1;
     if (D == 128 && (G & (G - 1)) == 0)
-      while (T < 4 && T * 2 <= G && nc * T * 2 <= LC_FINE_ROUNDS * int(blockDim.x)) T *= 2;
+      while (T < 4 && T * 2 <= G && nc * T * 2 <= int(blockDim.x)) T *= 2;
     for (int e0 = 0; e0 < nc * T; e0 += blockDim.x) {
       const int e = e0 + t, j = e / T, p = e % T;
       float sc = -INFINITY;
