@@ -47,10 +47,12 @@ __device__ SlotPtrs slot_ptrs(const SlotPtrs& z, int slot) {  // z: the pointers
 //   Pooling, norms and distances in double in the CPU's order; similarities fp32 dots
 //   (warp-reduced) / float(|c|), ties -> lower id.
 // Latency layout (a flush is ~11 dependent chunk inserts per layer): 4 block barriers per chunk;
-// the fine and coarse node updates (independent) run side by side; the norm chain is computed by
-// every thread from shared memory (no broadcast barrier) while its coarse center loads are in
-// flight; radius maxima are warp-reduced (fmax is exact in any order); the next chunk is pooled
-// by warps 0-3 while warps 4-7 compute the radii.
+// the fine and coarse node updates (independent) run side by side; the pooled vector's norm chain
+// is computed by each warp that scores nodes (no broadcast barrier), beside the prefetched coarse
+// centers' norm chains; radius maxima are warp-reduced (fmax is exact in any order); the next
+// chunk is pooled by warps 0-3 while warps 4-7 compute the radii; K rows are read 8 values per
+// load, with the staged / paged choice made per row (ncu: the per-element choice kept the page
+// index division inside the distance loop, the radii were ~45% of the kernel).
 constexpr int kInsThreads = 256, kInsStageRows = 256, kInsNW = kInsThreads / 32, kInsPoolThreads = 128;
 
 // The 8-dim pieces [d0, d0 + 128) of node n's piece-major fp16 center: one round of loads.
@@ -61,20 +63,47 @@ __device__ __forceinline__ void ins_load_center(const __half* blk, int maxN, int
     raw[j] = d0 + 8 * j < D ? *reinterpret_cast<const uint4*>(blk + lc_cen_off(maxN, n, d0 + 8 * j))
                             : make_uint4(0, 0, 0, 0);
 }
-// dp += unit[d] * c[d] (fp32, no FMA, d ascending; unit scaled by fi first when scale), nn +=
-// c[d]^2 (double): the CPU most_similar's chains over [d0, min(d0 + 128, D)).
-__device__ __forceinline__ void ins_dot_center(const uint4 (&raw)[16], const float* unit, int d0, int D,
-                                               bool scale, float fi, float& dp, double& nn) {
+// nn += c[d]^2 (double) over [d0, min(d0 + 128, D)): the CPU most_similar's center-norm chain.
+__device__ __forceinline__ void ins_center_nn(const uint4 (&raw)[16], int d0, int D, double& nn) {
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     if (d0 + 8 * j >= D) break;
     const __half* hv = reinterpret_cast<const __half*>(&raw[j]);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float cv = __half2float(hv[e]);
+      const double cv = double(__half2float(hv[e]));
+      nn = __dadd_rn(nn, __dmul_rn(cv, cv));
+    }
+  }
+}
+// dp += unit[d] * c[d] (fp32, no FMA, d ascending; unit scaled by fi first when scale) over the
+// same range: the CPU most_similar's dot chain.
+__device__ __forceinline__ void ins_center_dp(const uint4 (&raw)[16], const float* unit, int d0, int D,
+                                              bool scale, float fi, float& dp) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    if (d0 + 8 * j >= D) break;
+    const __half* hv = reinterpret_cast<const __half*>(&raw[j]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
       const float u = scale ? __fmul_rn(unit[d0 + 8 * j + e], fi) : unit[d0 + 8 * j + e];
-      dp = __fadd_rn(dp, __fmul_rn(u, cv));
-      nn = __dadd_rn(nn, __dmul_rn(double(cv), double(cv)));
+      dp = __fadd_rn(dp, __fmul_rn(u, __half2float(hv[e])));
+    }
+  }
+}
+// af, ag += (k[d] - cf[d])^2, (k[d] - cg[d])^2 in double, d ascending (the CPU's distance
+// chains), for one bf16 row (16-byte aligned; shared or global) read 8 values per load.
+__device__ __forceinline__ void ins_dist2(const bf16* row, const double* cf, const double* cg, int D,
+                                          double& af, double& ag) {
+  for (int d0 = 0; d0 < D; d0 += 8) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + d0);
+    const bf16* kv = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const double kd = double(__bfloat162float(kv[e]));
+      const double xf = __dsub_rn(kd, cf[d0 + e]), xg = __dsub_rn(kd, cg[d0 + e]);
+      af = __dadd_rn(af, __dmul_rn(xf, xf));
+      ag = __dadd_rn(ag, __dmul_rn(xg, xg));
     }
   }
 }
@@ -105,7 +134,7 @@ __device__ __forceinline__ int ins_block_argmax(float bsim, int bk, float* wb, i
   return kk;
 }
 
-__global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, const bf16* k, InsertBatch batch) {
+__global__ void __launch_bounds__(kInsThreads, 1) lc_insert_kernel(SlotPtrs z, const bf16* k, InsertBatch batch) {
   extern __shared__ __align__(16) unsigned char ins_dyn[];
   bf16* kr = reinterpret_cast<bf16*>(ins_dyn);  // [kInsStageRows][D] staged K rows
   const InsertReq& rq = batch.r[blockIdx.y];
@@ -138,9 +167,9 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
     attn_detail::cp_async_wait<0>();
   }
   __syncthreads();
-  auto kv = [&](int p, int d) {
-    return staged ? __bfloat162float(kr[(p - b0) * D + d]) : __bfloat162float(key_row(k, pt, p, h, s.Hkv, s.P, D)[d]);
-  };
+  // Token p's K row: the staged copy or the paged cache (the branch is uniform and taken once per
+  // row, outside the d loops: a per-element select kept the page-index division in them).
+  auto global_row = [&](int p) { return key_row(k, pt, p, h, s.Hkv, s.P, D); };
   const __half* gblk = s.gc + go * D;  // piece-major
   __half* fblk = s.fc + fo * D;
   // Pool chunk i (threads [0, kInsPoolThreads), thread per d, tokens in order): mean, its
@@ -149,7 +178,10 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
     const int b = i == 0 ? b0 : rq.ends[i - 1], e = rq.ends[i];
     for (int d = t; d < D; d += kInsPoolThreads) {
       double a = 0.0;
-      for (int p = b; p < e; ++p) a = __dadd_rn(a, double(kv(p, d)));
+      if (staged)
+        for (int p = b; p < e; ++p) a = __dadd_rn(a, double(__bfloat162float(kr[(p - b0) * D + d])));
+      else
+        for (int p = b; p < e; ++p) a = __dadd_rn(a, double(__bfloat162float(global_row(p)[d])));
       const double mn = __dmul_rn(a, 1.0 / double(max(1, e - b)));
       mean[d] = mn;
       unit[d] = __double2float_rn(mn);
@@ -180,15 +212,22 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
       fi = scale ? __double2float_rn(1.0 / un) : 1.f;
       have_norm = true;
     };
+    double nn0 = 0.0;
+    if (has0) ins_center_nn(raw, 0, D, nn0);
     if (32 * w < n_coarse) norm();
     float bsim = -INFINITY;
     int bk = -1;
-    auto score = [&](const __half* blk, int maxN, int n, bool loaded) {
+    // Score node n: the first 128 dims' center norm may be done already (nn_pre, from the
+    // prefetched row: that chain ran beside the pooled vector's norm chain).
+    auto score = [&](const __half* blk, int maxN, int n, bool loaded, double nn_pre) {
       float dp = 0.f;
-      double nn = 0.0;
+      double nn = loaded ? nn_pre : 0.0;
       for (int d0 = 0; d0 < D; d0 += 128) {
-        if (!(loaded && d0 == 0)) ins_load_center(blk, maxN, n, d0, D, raw);
-        ins_dot_center(raw, unit, d0, D, scale, fi, dp, nn);
+        if (!(loaded && d0 == 0)) {
+          ins_load_center(blk, maxN, n, d0, D, raw);
+          ins_center_nn(raw, d0, D, nn);
+        }
+        ins_center_dp(raw, unit, d0, D, scale, fi, dp);
       }
       const float nf = __double2float_rn(sqrt(nn));
       const float sim = nf > 0 ? dp / nf : -INFINITY;
@@ -197,14 +236,14 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
         bk = n;
       }
     };
-    for (int n = t; n < n_coarse; n += blockDim.x) score(gblk, s.maxG, n, n == t && has0);
+    for (int n = t; n < n_coarse; n += blockDim.x) score(gblk, s.maxG, n, n == t && has0, nn0);
     int kk = ins_block_argmax(bsim, bk, wbest[1], wbk[1]);  // B2
     const int g = kk < 0 ? 0 : kk;
     const int lo = gfirst[g], hi = gfirst[g + 1];
     bsim = -INFINITY;
     bk = -1;
     if (lo + 32 * w < hi) norm();
-    for (int n = lo + t; n < hi; n += blockDim.x) score(fblk, s.maxF, n, false);
+    for (int n = lo + t; n < hi; n += blockDim.x) score(fblk, s.maxF, n, false, 0.0);
     kk = ins_block_argmax(bsim, bk, wbest[0], wbk[0]);  // B3
     const int f = kk < 0 ? lo : kk;
     // Update the fine (level 0) and coarse (level 1) node side by side.
@@ -234,13 +273,8 @@ __global__ void __launch_bounds__(kInsThreads) lc_insert_kernel(SlotPtrs z, cons
     } else if (t < kInsThreads - 32) {
       for (int p = b + t - kInsPoolThreads; p < e; p += kInsThreads - 32 - kInsPoolThreads) {
         double af = 0.0, ag = 0.0;
-#pragma unroll 4
-        for (int d = 0; d < D; ++d) {
-          const double kd = double(kv(p, d));
-          const double xf = __dsub_rn(kd, newc[0][d]), xg = __dsub_rn(kd, newc[1][d]);
-          af = __dadd_rn(af, __dmul_rn(xf, xf));
-          ag = __dadd_rn(ag, __dmul_rn(xg, xg));
-        }
+        if (staged) ins_dist2(kr + (p - b0) * D, newc[0], newc[1], D, af, ag);
+        else ins_dist2(global_row(p), newc[0], newc[1], D, af, ag);
         rf = fmax(rf, sqrt(af));
         rg = fmax(rg, sqrt(ag));
       }
