@@ -63,33 +63,29 @@ __device__ __forceinline__ void ins_load_center(const __half* blk, int maxN, int
     raw[j] = d0 + 8 * j < D ? *reinterpret_cast<const uint4*>(blk + lc_cen_off(maxN, n, d0 + 8 * j))
                             : make_uint4(0, 0, 0, 0);
 }
-// nn += c[d]^2 (double) over [d0, min(d0 + 128, D)): the CPU most_similar's center-norm chain.
-__device__ __forceinline__ void ins_center_nn(const uint4 (&raw)[16], int d0, int D, double& nn) {
+// f(d, c[d]) for d in [d0, min(d0 + 128, D)) ascending, from the loaded pieces.
+template <typename F>
+__device__ __forceinline__ void ins_each_center_value(const uint4 (&raw)[16], int d0, int D, F&& f) {
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     if (d0 + 8 * j >= D) break;
     const __half* hv = reinterpret_cast<const __half*>(&raw[j]);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const double cv = double(__half2float(hv[e]));
-      nn = __dadd_rn(nn, __dmul_rn(cv, cv));
-    }
+    for (int e = 0; e < 8; ++e) f(d0 + 8 * j + e, __half2float(hv[e]));
   }
 }
-// dp += unit[d] * c[d] (fp32, no FMA, d ascending; unit scaled by fi first when scale) over the
-// same range: the CPU most_similar's dot chain.
+// nn += c[d]^2 (double): the CPU most_similar's center-norm chain over the loaded range.
+__device__ __forceinline__ void ins_center_nn(const uint4 (&raw)[16], int d0, int D, double& nn) {
+  ins_each_center_value(raw, d0, D, [&](int, float c) { nn = __dadd_rn(nn, __dmul_rn(double(c), double(c))); });
+}
+// dp += unit[d] * c[d] (fp32, no FMA, d ascending; unit scaled by fi first when scale): the CPU
+// most_similar's dot chain over the same range.
 __device__ __forceinline__ void ins_center_dp(const uint4 (&raw)[16], const float* unit, int d0, int D,
                                               bool scale, float fi, float& dp) {
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    if (d0 + 8 * j >= D) break;
-    const __half* hv = reinterpret_cast<const __half*>(&raw[j]);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float u = scale ? __fmul_rn(unit[d0 + 8 * j + e], fi) : unit[d0 + 8 * j + e];
-      dp = __fadd_rn(dp, __fmul_rn(u, __half2float(hv[e])));
-    }
-  }
+  ins_each_center_value(raw, d0, D, [&](int d, float c) {
+    const float u = scale ? __fmul_rn(unit[d], fi) : unit[d];
+    dp = __fadd_rn(dp, __fmul_rn(u, c));
+  });
 }
 // af, ag += (k[d] - cf[d])^2, (k[d] - cg[d])^2 in double, d ascending (the CPU's distance
 // chains), for one bf16 row (16-byte aligned; shared or global) read 8 values per load.
