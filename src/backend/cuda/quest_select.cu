@@ -163,10 +163,13 @@ __device__ __forceinline__ int topk_slot(int i) { return i + (i >> 5); }
 template <bool CACHED>
 __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __restrict__ out,
                          uint32_t* skeys) {
-  __shared__ uint32_t hist[256];
+  // Two histograms and two result slots, alternating between passes: the next pass's
+  // histogram is cleared while this one fills, so a pass needs two block barriers.
+  __shared__ uint32_t hist[2][256];
   __shared__ int s_warp[64];
-  __shared__ uint32_t s_digit, s_above;
+  __shared__ uint32_t s_digit[2], s_above[2], s_exact[2];
   const int tid = threadIdx.x;
+  for (int i = tid; i < 256; i += kTopkThreads) hist[0][i] = 0;
   if (CACHED) {
     int i = tid;
     for (; i + 7 * kTopkThreads < n; i += 8 * kTopkThreads) {
@@ -177,28 +180,28 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
       for (int u = 0; u < 8; ++u) skeys[topk_slot(i + u * kTopkThreads)] = order_key(v[u]);
     }
     for (; i < n; i += kTopkThreads) skeys[topk_slot(i)] = order_key(sc[i]);
-    __syncthreads();
   }
+  __syncthreads();
   auto key = [&](int i) { return CACHED ? skeys[topk_slot(i)] : order_key(sc[i]); };
   uint32_t prefix = 0, mask = 0;
   int rem = k;  // how many of the keys matching prefix are still to take
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = tid; i < 256; i += kTopkThreads) hist[i] = 0;
-    __syncthreads();
+  for (int shift = 24, pb = 0; shift >= 0; shift -= 8, pb ^= 1) {
+    uint32_t* h = hist[pb];
+    for (int i = tid; i < 256; i += kTopkThreads) hist[pb ^ 1][i] = 0;
     // Plain shared-memory atomics. A warp-aggregated form (__match_any_sync, one add per group
     // of equal digits) was measured 1.5x slower for the whole top-k (H100, 128K batch 8: 18.3
     // -> 12.0 us; bench/results/topk_hist_variants_h100_20261122.json): the match costs more
     // than the same-address conflicts it avoids.
     for (int i = tid; i < n; i += kTopkThreads) {
       const uint32_t u = key(i);
-      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255], 1u);
+      if ((u & mask) == prefix) atomicAdd(&h[(u >> shift) & 255], 1u);
     }
     __syncthreads();
     if (tid < 32) {
       // Lane l owns bins 255 - 8l - 7 .. 255 - 8l (descending); suffix counts from the top.
       uint32_t c[8], sum = 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) c[j] = hist[255 - 8 * tid - j], sum += c[j];
+      for (int j = 0; j < 8; ++j) c[j] = h[255 - 8 * tid - j], sum += c[j];
       uint32_t incl = sum;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -211,8 +214,9 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           if (run + c[j] >= uint32_t(rem)) {
-            s_digit = 255 - 8 * tid - j;
-            s_above = run;
+            s_digit[pb] = 255 - 8 * tid - j;
+            s_above[pb] = run;
+            s_exact[pb] = run + c[j] == uint32_t(rem);  // the whole bin is taken
             break;
           }
           run += c[j];
@@ -220,23 +224,26 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
       }
     }
     __syncthreads();
-    prefix |= s_digit << shift;
+    prefix |= s_digit[pb] << shift;
     mask |= 255u << shift;
-    rem -= int(s_above);
-    __syncthreads();
+    rem -= int(s_above[pb]);
+    // Every key of the boundary bin is taken: the lower digits decide nothing more.
+    if (s_exact[pb]) break;
   }
-  const uint32_t T = prefix;  // the k-th largest key; take `rem` of the keys equal to T
+  // T: the masked k-th largest key; take the keys above it and `rem` of those equal to it
+  // (all of them when the passes stopped early).
+  const uint32_t T = prefix;
   const int seg = (n + kTopkThreads - 1) / kTopkThreads;
   const int i0 = min(n, tid * seg), i1 = min(n, i0 + seg);
   int n_eq = 0;
-  for (int i = i0; i < i1; ++i) n_eq += key(i) == T;
+  for (int i = i0; i < i1; ++i) n_eq += (key(i) & mask) == T;
   int tot;
   const int eq_before = block_exclusive_scan(n_eq, s_warp, &tot);
   int n_sel = 0;
   {
     int e = eq_before;
     for (int i = i0; i < i1; ++i) {
-      const uint32_t u = key(i);
+      const uint32_t u = key(i) & mask;
       if (u > T) ++n_sel;
       else if (u == T && e++ < rem) ++n_sel;
     }
@@ -245,7 +252,7 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
   {
     int e = eq_before;
     for (int i = i0; i < i1; ++i) {
-      const uint32_t u = key(i);
+      const uint32_t u = key(i) & mask;
       if (u > T || (u == T && e++ < rem)) out[pos++] = i;
     }
   }
