@@ -325,11 +325,12 @@ void LcIndexGpu::insert(int slot, const bf16* k_cache, const int32_t* page_table
 
 void LcIndexGpu::insert_batch(const std::vector<LcInsert>& reqs, const bf16* k_cache, cudaStream_t s) {
   const int H = cfg_.Hkv, C = cfg_.max_chunks;
-  std::vector<uint8_t> seen(size_t(cfg_.slots), 0);
-  for (const auto& r : reqs) {
+  // Checks without a host allocation (a flush runs inside a decode step; batches are small).
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const LcInsert& r = reqs[i];
     SPADE_CHECK(r.slot >= 0 && r.slot < cfg_.slots, "LcIndexGpu::insert: bad slot");
-    SPADE_CHECK(!seen[size_t(r.slot)], "LcIndexGpu::insert_batch: slot ", r.slot, " twice");
-    seen[size_t(r.slot)] = 1;
+    for (size_t j = 0; j < i; ++j)
+      SPADE_CHECK(reqs[j].slot != r.slot, "LcIndexGpu::insert_batch: slot ", r.slot, " twice");
     SPADE_CHECK(r.n_old >= 1 && r.n_old + r.n_new <= C, "LcIndexGpu::insert: chunk count out of range");
   }
   const SlotPtrs z{starts_, n_chunks_, n_fine_, n_coarse_, fc_, fr_, ftok_, fcnt_, fhead_, ftail_, fnch_,

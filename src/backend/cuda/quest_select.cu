@@ -20,12 +20,14 @@
 // topk_kernel (Quest and topk_rows)
 //   reads  n fp32 scores of one row once into shared memory as keys (rows up to 40960 entries,
 //          one padding word per 32 keys against bank conflicts in the compaction passes;
-//          longer rows re-read L2 in each of the 6 passes: 4 digit histograms, 2 compaction)
+//          longer rows re-read L2 in each pass: up to 4 digit histograms, 3 compaction scans)
 //   writes k int32 indices, ascending
 //   CTA = one row, 1024 threads. Scores map to order-preserving uint32 keys (NaN lowest, -0 =
-//   +0); 4 passes of 8-bit digit histograms in shared memory find the k-th largest key T; a
-//   block scan over position order then keeps every key > T and the lowest-index keys == T,
-//   i.e. exactly the CPU's ranks_before order (higher score, then lower position).
+//   +0); up to 4 passes of 8-bit digit histograms in shared memory (plain atomics; 2 block
+//   barriers each; they stop once the boundary digit's keys are all taken) find the k-th
+//   largest key T (masked to the digits decided); a block scan over position order then keeps
+//   every key > T and the lowest-index keys == T, i.e. exactly the CPU's ranks_before order
+//   (higher score, then lower position).
 #include <algorithm>
 #include <climits>
 #include <cmath>
