@@ -1,6 +1,7 @@
 // Twilight decode benchmark (select-then-prune on the GPU): Quest at a base budget of 8192
 // tokens alone (select + attention over its 512 pages) vs Quest 8192 + the Twilight pruner
-// (INT4 estimate + top-p + compaction) + attention over the kept tokens. Shape: Hq=32,
+// (INT4 estimate + top-p) + attention over the kept tokens (strided lists with counts; the
+// optional CSR compaction is timed alone as us_compact). Shape: Hq=32,
 // Hkv=8, D=128, P=16, bf16 K/V; contexts 32K / 128K, batch 1 / 8. One JSON line per point.
 //
 // Inputs: random N(0, 1) q and K/V; per (request, KV head) `planted` (default 256) random
@@ -13,8 +14,9 @@
 // Layers: per-layer caches are rotated call by call (n_layers such that the bytes a stage
 // reads over the rotation exceed 2x the 50 MB L2), so no stage is timed L2-hot.
 // Timing: CUDA events, median over reps of `calls` back-to-back launches (stream order, no
-// graph): each stage alone, and the whole step of each variant; plus the pruner's three
-// launches of every rotated layer replayed from one CUDA graph (us_pruner_graph, per layer).
+// graph): each stage alone (top-p also by the step-per-pass bisection, us_topp_bisection),
+// and the whole step of each variant; plus the pruner's two launches of every rotated
+// layer replayed from one CUDA graph (us_pruner_graph, per layer).
 // Byte floors: the pruner moves base tokens x (D/2 + 4) B of INT4 rows + kept x 4 B; floor
 // time = bytes / the copy bandwidth measured here (cudaMemcpy D2D, 2 x bytes / time).
 // The SparseAttention plan for the kept lists takes the previous step's kept counts as its
@@ -121,6 +123,14 @@ int main(int argc, char** argv) {
     for (int B : {1, 8}) pts.push_back({ctx, B, 256, "peaked"});
   pts.push_back({32768, 1, 0, "flat"});
   if (mode == "quick") pts = {{32768, 1, 256, "peaked"}, {32768, 8, 256, "peaked"}};
+  if (mode.rfind("point:", 0) == 0) {  // point:<ctx>:<B>:<peaked|flat> (profiling one point)
+    Pt one{32768, 1, 256, "peaked"};
+    char tag[16] = {0};
+    if (std::sscanf(mode.c_str(), "point:%d:%d:%15s", &one.ctx, &one.B, tag) != 3) return 2;
+    one.planted = std::string(tag) == "flat" ? 0 : 256;
+    one.tag = one.planted ? "peaked" : "flat";
+    pts = {one};
+  }
   for (const Pt& pt : pts) {
     const int ctx = pt.ctx, B = pt.B;
     const int npr = ctx / P;  // pages per request
@@ -218,10 +228,15 @@ int main(int argc, char** argv) {
     select(0);  // lists of layer 0 for the stage timings below (same lists for every layer)
     const double t_attn_base = time_us([&](int i) { const Layer& y = lay(i); sa_q.run(y.q, y.k, y.v, boff, bidx, att, scale, 0); }, calls, reps);
     const double t_est = time_us([&](int i) { pr.estimate(tstep(i), 0); }, calls, reps);
-    const double t_topp = time_us([&](int i) { pr.topp(tstep(i), 0); }, calls, reps);
+    // Top-p reads only the logits (L2-resident): timed on layer 0's, which match the lists.
+    pr.estimate(tstep(0), 0);
+    const double t_topp = time_us([&](int) { pr.topp(tstep(0), 0); }, calls, reps);
+    pr.set_topp_bisection_only(true);  // the step-per-pass search, same thresholds (tests)
+    const double t_topp_bisect = time_us([&](int) { pr.topp(tstep(0), 0); }, calls, reps);
+    pr.set_topp_bisection_only(false);
     const double t_cmp = time_us([&](int i) { pr.compact(tstep(i), 0); }, calls, reps);
     const double t_pruner = time_us([&](int i) { pr.run(tstep(i), 0); }, calls, reps);
-    // The pruner's three launches per layer, every layer once, replayed from a CUDA graph
+    // The pruner's two launches per layer, every layer once, replayed from a CUDA graph
     // (launch gaps removed); per layer.
     double t_pruner_graph = 0;
     {
@@ -238,7 +253,7 @@ int main(int argc, char** argv) {
       cudaGraphDestroy(graph);
       cudaStreamDestroy(gs);
     }
-    const double t_attn_kept = time_us([&](int i) { const Layer& y = lay(i); sa_t.run(y.q, y.k, y.v, pr.kept_off(), pr.kept_idx(), att, scale, 0); }, calls, reps);
+    const double t_attn_kept = time_us([&](int i) { const Layer& y = lay(i); sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0, nullptr, 0, {}, pr.kept_count()); }, calls, reps);
     const double t_dense = time_us([&](int i) { const Layer& y = lay(i); sa_d.run(y.q, y.k, y.v, boff, bidx, att, scale, 0); }, calls, reps);
     // Whole steps, in stream order.
     const double t_quest_step = time_us([&](int i) {
@@ -250,7 +265,8 @@ int main(int argc, char** argv) {
       const Layer& y = lay(i);
       select(i);
       pr.run(tstep(i), 0);
-      sa_t.run(y.q, y.k, y.v, pr.kept_off(), pr.kept_idx(), att, scale, 0);
+      sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0,
+               nullptr, 0, {}, pr.kept_count());
     }, calls, reps);
     const double base_tokens = double(B) * Hkv * base_budget;
     const double est_bytes = base_tokens * (D / 2 + 4);
@@ -262,14 +278,14 @@ int main(int argc, char** argv) {
                   "\"base_budget\":%d,\"p\":0.95,\"planted\":%d,\"layers_rotated\":%d,"
                   "\"kept_mean\":%.1f,\"kept_max\":%d,"
                   "\"us_quest_score\":%.2f,\"us_quest_topk\":%.2f,\"us_quest_select\":%.2f,"
-                  "\"us_attn_base\":%.2f,\"us_estimate\":%.2f,\"us_topp\":%.2f,\"us_compact\":%.2f,"
+                  "\"us_attn_base\":%.2f,\"us_estimate\":%.2f,\"us_topp\":%.2f,\"us_topp_bisection\":%.2f,\"us_compact\":%.2f,"
                   "\"us_pruner\":%.2f,\"us_pruner_graph\":%.2f,\"us_attn_kept\":%.2f,\"us_dense\":%.2f,"
                   "\"us_quest_step\":%.2f,\"us_twilight_step\":%.2f,"
                   "\"pruner_bytes\":%.0f,\"estimate_bytes\":%.0f,\"copy_bw_gbs\":%.1f,"
                   "\"pruner_floor_us\":%.2f,\"pruner_vs_floor\":%.3f,\"estimate_vs_floor\":%.3f,"
                   "\"speedup_vs_quest\":%.3f,\"speedup_vs_dense\":%.3f}",
                   pt.tag, ctx, B, Hq, Hkv, D, P, base_budget, pt.planted, n_layers, kept_mean, kept_max,
-                  t_score, t_topk, t_select, t_attn_base, t_est, t_topp, t_cmp, t_pruner, t_pruner_graph, t_attn_kept,
+                  t_score, t_topk, t_select, t_attn_base, t_est, t_topp, t_topp_bisect, t_cmp, t_pruner, t_pruner_graph, t_attn_kept,
                   t_dense, t_quest_step, t_tw_step, pr_bytes, est_bytes, bw / 1e9, floor_us,
                   t_pruner / floor_us, t_est / (est_bytes / bw * 1e6), t_quest_step / t_tw_step,
                   t_dense / t_tw_step);

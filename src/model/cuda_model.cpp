@@ -684,8 +684,8 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
         ts.base_off = sel_off_, ts.base_idx = sel_idx_, ts.gran = cuda::SelGran::Chunk16;
         ts.B = step_B_, ts.scale = scale;
         twilight_->run(ts, st);
-        sparse_kept_->run(q, kc, vc, twilight_->kept_off(), twilight_->kept_idx(), att, scale, st,
-                          0, nullptr, 0, sel_skip(int(l)));
+        sparse_kept_->run(q, kc, vc, twilight_->kept_strided_off(), twilight_->kept_strided_idx(),
+                          att, scale, st, 0, nullptr, 0, sel_skip(int(l)), twilight_->kept_count());
       } else {
         sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st, 0, nullptr, 0, sel_skip(int(l)));
       }

@@ -11,16 +11,22 @@
 //        group, on the CPU's weights w (of g): |w_i - t_g| <= eps + 1e-5 * max(w) (the
 //        threshold itself) or |sum_{w > w_i} w - p| <= 1e-5 (the mass just above it is p to
 //        rounding, so a bisection decision can flip). Any other difference fails.
+//      * both top-p CTA shapes (1024 x 8 weights for grids of at most one CTA per SM, else
+//        512 x 16) and the shared / global-memory ones (lists over 8192 slots);
+//      * top-p thresholds of the tree search bit-identical to the step-per-pass bisection's
+//        (TwilightPruner::set_topp_bisection_only) on the same logits; eps 1e-3 .. 1e-10;
 //      * attention over the GPU's kept CSR lists (SparseAttention, Token) vs
 //        cpu::attention_selected over the same positions (rel err < kTolAttn).
 //  - Quest (GPU) -> compact -> pruner -> attention, whole step: kept sets vs the CPU pruner
 //    over the GPU Quest selection (same rule).
 // Kept-count statistics are printed.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <numeric>
 #include <set>
+#include <string>
 
 #include "backend/cpu/attention.h"
 #include "backend/cuda/ops.h"
@@ -209,6 +215,12 @@ Pool make_pool(int Hq, int Hkv, int D, int P, const std::vector<int>& lens,
   return p;
 }
 
+std::string shortest(double x) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.17g", x);
+  return b;
+}
+
 struct PruneCase {
   int Hq = 32, Hkv = 8, D = 128;
   std::vector<int> lens;
@@ -217,6 +229,7 @@ struct PruneCase {
   int planted = 24;
   float q_scale = 1.f;
   double p = 0.95;
+  double eps = 1e-6;
   bool quest = false;  // base lists from quest_select on the GPU instead of random
 };
 
@@ -306,19 +319,30 @@ void run_prune_case(const PruneCase& c, uint32_t seed, Agreement& ag) {
   for (auto& e : ent)
     max_slots = std::max(max_slots, int(e.size()) * (c.gran == SelGran::Chunk16 ? 16 : 1));
   DevBuf<int32_t> dboff(boff), dbidx(bidx.empty() ? std::vector<int32_t>{0} : bidx);
-  cuda::TwilightPruner pr(arena, B, c.Hq, Hkv, D, P, max_slots, c.p, 1e-6);
+  cuda::TwilightPruner pr(arena, B, c.Hq, Hkv, D, P, max_slots, c.p, c.eps);
   cuda::TwilightStep st;
   st.q = dq.p, st.codes = dcodes.p, st.sz = dsz.p;
   st.page_table = dpt.p, st.page_off = dpo.p, st.kv_len = dkl.p;
   st.base_off = dboff.p, st.base_idx = dbidx.p, st.gran = c.gran, st.B = B, st.scale = scale;
-  pr.run(st, 0);
-  SPADE_CUDA(cudaDeviceSynchronize());
   const size_t n_lists = size_t(B) * Hkv;
+  // The step-per-pass bisection first (the reference search): the tree search must find
+  // the same thresholds, hence the same kept lists.
+  pr.set_topp_bisection_only(true);
+  pr.run(st, 0);
+  std::vector<float> thr_bisect(n_lists * G);
+  SPADE_CUDA(cudaMemcpy(thr_bisect.data(), pr.thresholds(), 4 * thr_bisect.size(), cudaMemcpyDeviceToHost));
+  pr.set_topp_bisection_only(false);
+  pr.run(st, 0);
+  pr.compact(st, 0);  // CSR copies of the strided lists, read below
+  SPADE_CUDA(cudaDeviceSynchronize());
   std::vector<int32_t> koff(n_lists + 1), kcnt(n_lists);
   SPADE_CUDA(cudaMemcpy(koff.data(), pr.kept_off(), 4 * koff.size(), cudaMemcpyDeviceToHost));
   SPADE_CUDA(cudaMemcpy(kcnt.data(), pr.kept_count(), 4 * kcnt.size(), cudaMemcpyDeviceToHost));
   std::vector<float> gthr(n_lists * G);
   SPADE_CUDA(cudaMemcpy(gthr.data(), pr.thresholds(), 4 * gthr.size(), cudaMemcpyDeviceToHost));
+  int64_t thr_differ = 0;
+  for (size_t i = 0; i < gthr.size(); ++i) thr_differ += std::memcmp(&gthr[i], &thr_bisect[i], 4) != 0;
+  EXPECT_EQ(thr_differ, 0) << "tree search vs step-per-pass bisection thresholds";
   std::vector<int32_t> kidx(size_t(std::max(1, koff.back())));
   SPADE_CUDA(cudaMemcpy(kidx.data(), pr.kept_idx(), 4 * kidx.size(), cudaMemcpyDeviceToHost));
   const size_t ms = size_t(pr.max_slots());
@@ -330,7 +354,9 @@ void run_prune_case(const PruneCase& c, uint32_t seed, Agreement& ag) {
   cfg.n_layers = 1, cfg.n_heads = c.Hq, cfg.n_kv_heads = Hkv, cfg.head_dim = D;
   cfg.hidden = c.Hq * D, cfg.ffn = 4, cfg.vocab = 8, cfg.max_context = 1 << 20;
   auto m = sparse::make_method(
-      sparse::SparseConfig::parse_spec("twilight:base=full,dense_layers=0,p=" + std::to_string(c.p)), cfg);
+      sparse::SparseConfig::parse_spec("twilight:base=full,dense_layers=0,p=" + std::to_string(c.p) +
+                                       ",eps=" + shortest(c.eps)),
+      cfg);
   double worst_logit = 0;
   std::vector<float> ref(q.size()), got_ref(q.size());
   cpu::AttentionScratch scratch;
@@ -416,7 +442,7 @@ void run_prune_case(const PruneCase& c, uint32_t seed, Agreement& ag) {
         for (auto& x : r) sum += (x = std::exp(x - mx));
         const float inv = float(1.0 / sum);
         for (auto& x : r) x *= inv;
-        thr[size_t(g)] = sparse::topp_binary_search(r.data(), n, c.p, 1e-6).threshold;
+        thr[size_t(g)] = sparse::topp_binary_search(r.data(), n, c.p, c.eps).threshold;
       }
       if (c.gran == SelGran::Token) {  // CPU output order = selection order; GPU's too
         std::sort(cpu_kept.begin(), cpu_kept.end());
@@ -449,7 +475,7 @@ void run_prune_case(const PruneCase& c, uint32_t seed, Agreement& ag) {
             wmax = std::max(wmax, x);
             if (x > wi) above += x;
           }
-          near = std::fabs(double(wi) - thr[size_t(g)]) <= 1e-6 + 1e-5 * wmax ||
+          near = std::fabs(double(wi) - thr[size_t(g)]) <= c.eps + 1e-5 * wmax ||
                  std::fabs(above - c.p) <= 1e-5;
         }
         all_near = all_near && near;
@@ -477,7 +503,10 @@ void run_prune_case(const PruneCase& c, uint32_t seed, Agreement& ag) {
   std::vector<int> kept_hint(n_lists, 512);  // upper bounds only set the split counts
   sa.plan(seqs, SelGran::Token, Hkv, kept_hint, nullptr, 0);
   dout.poison();
-  sa.run(dq.p, dk.p, dv.p, pr.kept_off(), pr.kept_idx(), dout.p, scale, 0);
+  // The strided lists with their counts, as CudaModel reads them (the kept sets above are
+  // their CSR copies).
+  sa.run(dq.p, dk.p, dv.p, pr.kept_strided_off(), pr.kept_strided_idx(), dout.p, scale, 0, 0,
+         nullptr, 0, {}, pr.kept_count());
   auto got = from_bf16(dout.download());
   EXPECT_LT(rel_err(got, got_ref), kTolAttn);
 }
@@ -514,6 +543,12 @@ TEST(CudaTwilight, PrunerChunk16VsCpu) {
   c3.base_entries = 200;
   c3.q_scale = 1.5f;
   run_prune_case(c3, 25, ag);
+  PruneCase c4;  // 5 x 32 = 160 top-p CTAs, over the SM count: 512-thread CTAs (the rest: 1024)
+  c4.lens = {1200, 3000, 700, 2222, 4096};
+  c4.base_entries = 96;
+  run_prune_case(c4, 26, ag);
+  c4.q_scale = 0.3f;
+  run_prune_case(c4, 27, ag);
   report("twilight chunk16", ag);
 }
 
@@ -538,6 +573,26 @@ TEST(CudaTwilight, PrunerTokenListsVsCpu) {
   c2.base_entries = 12000;
   run_prune_case(c2, 34, ag);
   report("twilight token", ag);
+}
+
+// eps sets how deep Algorithm 1 goes: 1e-3 ends within the first tree pass (many searches
+// stop on the undecided span), 1e-10 goes past the tree's exact depth (29 steps) into the
+// step-per-pass loop.
+TEST(CudaTwilight, PrunerEpsDepths) {
+  SKIP_WITHOUT_GPU();
+  Agreement ag;
+  PruneCase c;
+  c.gran = SelGran::Token;
+  c.lens = {6000, 2500};
+  c.base_entries = 2000;
+  for (double eps : {1e-3, 1e-10}) {
+    c.eps = eps;
+    c.q_scale = 1.f;
+    run_prune_case(c, 51, ag);
+    c.q_scale = 0.3f;  // flat
+    run_prune_case(c, 52, ag);
+  }
+  report("twilight eps", ag);
 }
 
 TEST(CudaTwilight, QuestThenPrune) {

@@ -1,46 +1,38 @@
-// Twilight pruner on the GPU: INT4 bulk quantizer, estimate, top-p, compaction (API and
-// formats in twilight.h).
+// Twilight pruner on the GPU: INT4 bulk quantizer, top-p, compaction (API and formats in
+// twilight.h; the estimate kernel is in twilight_estimate.cu).
 //
 // int4_quantize_kernel
 //   reads  n_valid bf16 key rows of each listed (page, KV head): D*2 bytes per row
 //   writes D/2 code bytes + one uint32 scale/zero per row (int4_keys.cuh's format)
 //   one warp per (listed page, KV head, row).
-// twl_estimate_kernel<D, NTILE>
-//   reads  per base token D/2 code bytes + 4 scale/zero bytes (68 B at D = 128, a quarter of
-//          the 256 B bf16 K row; the pruner's byte floor), the list's entries (4 B per entry),
-//          q of the G heads once per warp
-//   writes logits fp32 [list][G][max_slots] (4*G B per token: scratch, L2-resident)
-//   CTA = 4 warps of one list (b, KV head); a warp takes 16-slot tiles, two per iteration
-//   with all loads issued first: lane (row r = lane/4, t = lane%4) loads 16-byte pieces of
-//   rows r and r+8 (bytes [t*D/8, t*D/8 + D/8) = dims
-//   [t*D/4, t*D/4 + D/4)), turns each code byte into a bf16x2 (0x4300 | c is 128 + c, minus
-//   128: exact) and feeds mma.m16n8k16 (A = codes, 16 rows x 16 dims; B = q^T, 16 dims x 8
-//   heads, held in registers: lane's head r, the same dims). Within a k-step lane t's
-//   k = 2t, 2t+1, 2t+8, 2t+9 are its own dims t*D/4 + 4s + 0..3 for A and B alike, so no
-//   shuffle is needed; products are exact, accumulation fp32.
 // twl_topp_kernel
 //   reads  one (list, query head) logit row fp32 once (L2-hot after the estimate); the
 //          passes then read the fp32 weights from registers (lists up to 8192 slots),
 //          shared memory (up to 49152 slots) or global memory
-//   writes the head's kept mask (1 B per slot), its threshold; the last CTA of the list
-//          reads the G masks and writes the kept positions int32 [list][max_slots] in
+//   writes the head's kept mask (1 bit per slot, one ballot per 32 slots), its threshold;
+//          the last CTA of the list reads the G masks (4 B per 32 slots each) and writes the kept positions int32 [list][max_slots] in
 //          selection order and the kept count
 //   CTA = one (list, query head): 512 threads (2 CTAs per SM) with 16 weights each in
-//   registers (lists up to 8192 slots), else 256 threads over shared / global memory; one
-//   barrier per reduction (partials double-
-//   buffered). The bisection is sparse::topp_binary_search step for step (double midpoints,
-//   its termination test; masses fp32 within a thread's <= 16 weights, double across
-//   threads), two steps per pass: a pass measures the masses at m1 and at both candidate
-//   next midpoints and the min/max of each quarter of [l, r).
+//   registers (lists up to 8192 slots; 1024 threads x 8 when the grid has at most one CTA
+//   per SM), else 256 threads over shared / global memory.
+//   Softmax: two block reductions (max; sum and the count of largest weights). The search is
+//   sparse::topp_binary_search step for step (double midpoints, its termination test): eight
+//   steps per pass over the weights (topp_tree_search.cuh: shared-memory atomics bin the
+//   weights of [l, r) into 256 intervals, one warp builds the interval tree, one thread
+//   walks it; 2 barriers per pass), then, for searches deeper than 29 steps, passes of two
+//   steps (masses at m1 and both candidate next midpoints, min / max of each quarter of
+//   [l, r); masses fp32 within a thread's <= 16 weights, double across threads).
 // twl_compact_kernel
 //   reads  kept counts (B*Hkv ints) and the kept positions; writes CSR offsets / indices.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "backend/cuda/block_scan.cuh"
 #include "backend/cuda/int4_keys.cuh"
+#include "backend/cuda/topp_tree_search.cuh"
 #include "backend/cuda/twilight.h"
 
 namespace spade::cuda {
@@ -66,164 +58,12 @@ __global__ void int4_quantize_kernel(const bf16* __restrict__ k, uint8_t* __rest
   int4_quantize_row_warp(lo, hi, half, codes + row * half, sz + row);
 }
 
-// Byte k (0..3) of w: its two codes as bf16x2 {low nibble, high nibble}, exact.
-template <int K>
-__device__ __forceinline__ uint32_t codes_bf16x2(uint32_t w) {
-  const uint32_t x = w >> (8 * K);
-  const uint32_t v = (x & 0xfu) | ((x & 0xf0u) << 12) | 0x43004300u;  // 128 + c, per half
-  __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&v);
-  b = __hsub2(b, __floats2bfloat162_rn(128.f, 128.f));
-  return *reinterpret_cast<const uint32_t*>(&b);
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-constexpr int kEstWarps = 4;
-constexpr int kEstTilesPerWarp = 2;
-
-template <int D, int NTILE>
-__global__ void __launch_bounds__(kEstWarps * 32) twl_estimate_kernel(const TwilightStep st,
-                                                                       float* __restrict__ logits,
-                                                                       int Hq, int Hkv, int P,
-                                                                       int max_slots) {
-  constexpr int W = D / 32;  // 32-bit code words per lane per row (D/8 bytes)
-  constexpr int QW = D / 8;  // bf16x2 q words per lane and head tile (D/4 dims)
-  const int list = blockIdx.y, b = list / Hkv, h = list % Hkv;
-  const int G = Hq / Hkv;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int r = lane >> 2, t = lane & 3;
-  const int e0 = st.base_off[list], ne = st.base_off[list + 1] - e0;
-  const bool chunk = st.gran == SelGran::Chunk16;
-  const int n_slots = min(chunk ? 16 * ne : ne, max_slots);  // longer lists: caller's bug
-  const int n_tiles = (n_slots + 15) / 16;
-  const int first = blockIdx.x * kEstWarps + warp, stride = gridDim.x * kEstWarps;
-  if (first >= n_tiles) return;
-  const int L = st.kv_len[b];
-  const int32_t* pt = st.page_table + st.page_off[b];
-  // q of head nt*8 + r, dims [t*D/4, t*D/4 + D/4), as bf16x2; its full sum over D.
-  uint32_t qf[NTILE][QW];
-  float qs_a[NTILE], qs_b[NTILE];
-#pragma unroll
-  for (int nt = 0; nt < NTILE; ++nt) {
-    const int n = nt * 8 + r;
-    float part = 0.f;
-    if (n < G) {
-      const uint4* src = reinterpret_cast<const uint4*>(st.q + (int64_t(b) * Hq + h * G + n) * D + t * (D / 4));
-#pragma unroll
-      for (int c = 0; c < QW / 4; ++c) {
-        const uint4 v = src[c];
-        qf[nt][4 * c] = v.x, qf[nt][4 * c + 1] = v.y, qf[nt][4 * c + 2] = v.z, qf[nt][4 * c + 3] = v.w;
-      }
-#pragma unroll
-      for (int c = 0; c < QW; ++c) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qf[nt][c]));
-        part += f.x + f.y;
-      }
-    } else {
-#pragma unroll
-      for (int c = 0; c < QW; ++c) qf[nt][c] = 0u;
-    }
-    part += __shfl_xor_sync(0xffffffffu, part, 1);
-    part += __shfl_xor_sync(0xffffffffu, part, 2);  // sum(q) of head nt*8 + r
-    // This lane's accumulator columns are heads nt*8 + 2t and nt*8 + 2t + 1.
-    qs_a[nt] = __shfl_sync(0xffffffffu, part, (2 * t) * 4);
-    qs_b[nt] = __shfl_sync(0xffffffffu, part, (2 * t + 1) * 4);
-  }
-  // kEstTilesPerWarp tiles per iteration: all their index, page and code loads are issued
-  // before any math (memory-level parallelism; a warp's tiles are `stride` apart).
-  constexpr int U = kEstTilesPerWarp;
-  for (int tile0 = first; tile0 < n_tiles; tile0 += U * stride) {
-    int pos[U][2];
-    bool ok[U][2];
-    uint32_t w[U][2][W], szr[U][2];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int tile = tile0 + u * stride;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int slot = tile * 16 + r + 8 * hr;
-        if (chunk) {
-          ok[u][hr] = tile < n_tiles;
-          pos[u][hr] = ok[u][hr] ? __ldg(st.base_idx + e0 + tile) * 16 + r + 8 * hr : 0;
-          ok[u][hr] = ok[u][hr] && pos[u][hr] < L;
-        } else {
-          ok[u][hr] = slot < n_slots;
-          pos[u][hr] = ok[u][hr] ? __ldg(st.base_idx + e0 + slot) : 0;
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        if (ok[u][hr]) {
-          const int p = pos[u][hr];
-          const int64_t row = (int64_t(__ldg(pt + p / P)) * Hkv + h) * P + p % P;
-          const uint8_t* src = st.codes + row * (D / 2) + t * (D / 8);
-          if constexpr (W == 4) {
-            const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
-            w[u][hr][0] = v.x, w[u][hr][1] = v.y, w[u][hr][2] = v.z, w[u][hr][3] = v.w;
-          } else {
-            const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-            w[u][hr][0] = v.x, w[u][hr][1] = v.y;
-          }
-          szr[u][hr] = __ldg(st.sz + row);
-        } else {
-#pragma unroll
-          for (int c = 0; c < W; ++c) w[u][hr][c] = 0u;
-          szr[u][hr] = 0u;
-        }
-      }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int tile = tile0 + u * stride;
-      if (tile >= n_tiles) break;  // warp-uniform
-      float acc[NTILE][4];
-#pragma unroll
-      for (int nt = 0; nt < NTILE; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
-      for (int c = 0; c < W; ++c) {  // word c holds k-steps 2c (bytes 0, 1) and 2c + 1 (2, 3)
-        const uint32_t a00 = codes_bf16x2<0>(w[u][0][c]), a01 = codes_bf16x2<1>(w[u][0][c]);
-        const uint32_t a02 = codes_bf16x2<2>(w[u][0][c]), a03 = codes_bf16x2<3>(w[u][0][c]);
-        const uint32_t a10 = codes_bf16x2<0>(w[u][1][c]), a11 = codes_bf16x2<1>(w[u][1][c]);
-        const uint32_t a12 = codes_bf16x2<2>(w[u][1][c]), a13 = codes_bf16x2<3>(w[u][1][c]);
-#pragma unroll
-        for (int nt = 0; nt < NTILE; ++nt) {
-          mma_bf16(acc[nt], a00, a10, a01, a11, qf[nt][4 * c], qf[nt][4 * c + 1]);
-          mma_bf16(acc[nt], a02, a12, a03, a13, qf[nt][4 * c + 2], qf[nt][4 * c + 3]);
-        }
-      }
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int slot = tile * 16 + r + 8 * hr;
-        if (slot >= n_slots) continue;
-        const __half2 p2 = *reinterpret_cast<const __half2*>(&szr[u][hr]);
-        const float s = __low2float(p2), z = __high2float(p2);
-#pragma unroll
-        for (int nt = 0; nt < NTILE; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int g = nt * 8 + 2 * t + e;
-            if (g >= G) continue;
-            const float qsum = e ? qs_b[nt] : qs_a[nt];
-            const float v = ok[u][hr] ? st.scale * (z * qsum + s * acc[nt][2 * hr + e]) : -INFINITY;
-            logits[(int64_t(list) * G + g) * max_slots + slot] = v;
-          }
-      }
-    }
-  }
-}
-
 // One CTA per (list, query head). Lists up to kTpRegSlots slots keep their weights in
 // registers (kTpRegThreads threads x kTpEpt each); longer ones in shared or global memory.
 constexpr int kTpRegThreads = 512, kTpEpt = 16, kTpRegSlots = kTpRegThreads * kTpEpt;
+// Grids that leave most SMs idle (B = 1: B * Hq CTAs) take 1024 threads x 8 weights per
+// CTA instead: half the serial work per thread between the barriers.
+constexpr int kTpWideThreads = 1024, kTpWideEpt = kTpRegSlots / kTpWideThreads;
 constexpr int kTpMemThreads = 256;
 constexpr int kTpWarps = 32;  // partial slots (the most warps of a CTA)
 constexpr size_t kTpSmemMax = 192u << 10;       // fp32 weights: lists up to 49152 slots
@@ -263,7 +103,7 @@ struct RedSmem {
   double s[2][3][kTpWarps];
   unsigned mn[2][4][kTpWarps], mx[2][4][kTpWarps];
   float f[2][kTpWarps];
-  double d[2][kTpWarps];
+  double2 d[2][kTpWarps];
 };
 
 // Block reduction; every thread gets the same result (lane i of every warp takes warp i's
@@ -292,7 +132,7 @@ __device__ __forceinline__ Red red_block(Red x, RedSmem& sm, int& parity) {
   return y;
 }
 
-// Block max of a float / sum of a double (softmax passes), same scheme.
+// Block max of a float (the softmax's max), same scheme.
 __device__ __forceinline__ float max_block(float v, RedSmem& sm, int& parity) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -305,16 +145,23 @@ __device__ __forceinline__ float max_block(float v, RedSmem& sm, int& parity) {
   for (int o = 16; o > 0; o >>= 1) y = fmaxf(y, __shfl_xor_sync(0xffffffffu, y, o));
   return y;
 }
-__device__ __forceinline__ double sum_block(double v, RedSmem& sm, int& parity) {
+// Block sums of two doubles (the softmax's sum and its count of largest weights).
+__device__ __forceinline__ double2 sum2_block(double a, double b, RedSmem& sm, int& parity) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
   const int pb = parity;
   parity ^= 1;
-  if ((threadIdx.x & 31) == 0) sm.d[pb][threadIdx.x >> 5] = v;
+  if ((threadIdx.x & 31) == 0) sm.d[pb][threadIdx.x >> 5] = make_double2(a, b);
   __syncthreads();
-  double y = (threadIdx.x & 31) < (blockDim.x >> 5) ? sm.d[pb][threadIdx.x & 31] : 0.0;
+  double2 y = (threadIdx.x & 31) < (blockDim.x >> 5) ? sm.d[pb][threadIdx.x & 31] : make_double2(0.0, 0.0);
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
+  for (int o = 16; o > 0; o >>= 1) {
+    y.x += __shfl_xor_sync(0xffffffffu, y.x, o);
+    y.y += __shfl_xor_sync(0xffffffffu, y.y, o);
+  }
   return y;
 }
 
@@ -324,7 +171,7 @@ struct TpArgs {
   SelGran gran;
   const float* logits;
   float* wglob;      // weights when they do not fit in shared memory: [list][G][max_slots]
-  uint8_t* mask;     // [list][max_slots][G]
+  uint32_t* mask;    // kept bits [list][G][ceil(max_slots / 32)]
   int* counters;     // [list], zero between launches
   float* thr;
   int32_t* kept;
@@ -332,15 +179,17 @@ struct TpArgs {
   int G, max_slots;
   double p, eps;
   int use_smem;
+  int bisection_only;  // the step-per-pass loop alone (the reference: tests, benchmark)
 };
 
 
 // EPT > 0: NT threads hold the weights of slots tid + k * NT, k < EPT, in registers;
 // EPT == 0: the weights live in shared memory (a.use_smem) or global memory.
 template <int NT, int EPT>
-__global__ void __launch_bounds__(NT, 2) twl_topp_kernel(const TpArgs a) {
+__global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const TpArgs a) {
   extern __shared__ float sWf[];
   __shared__ RedSmem sred;
+  __shared__ TreeSmem stree;
   __shared__ int s_warp[64];
   __shared__ int s_last;
   const int G = a.G, list = blockIdx.x / G, g = blockIdx.x % G, tid = threadIdx.x;
@@ -371,48 +220,81 @@ __global__ void __launch_bounds__(NT, 2) twl_topp_kernel(const TpArgs a) {
     }
   };
   int parity = 0;
+  if (!a.bisection_only) tree_bins_clear(stree.bins[0], tid, NT);  // ordered by the first barrier
   // Softmax as the CPU computes it: float max, float exp, double sum, float reciprocal,
   // float product; invalid slots (-inf logits) hold -1. The largest weight is inv itself
-  // (the max logit's exp is 1, every other is <= 1).
+  // (the max logit's exp is 1, every other is <= 1), and a weight equals it exactly when its
+  // exp is 1 (e <= 1 - 2^-24 rounds e * inv below inv), so the mass at the largest weight is
+  // that count times inv (exact in double, as the CPU's sum of equal floats).
   float vmax = -INFINITY;
   each([&](int i, float& v) {
     v = __ldg(lg + i);
     vmax = fmaxf(vmax, v);
   });
   const float lmax = max_block(vmax, sred, parity);
-  double sum = 0.0;
+  double sum = 0.0, n_max = 0.0;
   each([&](int, float& v) {
     if (v != -INFINITY) {
       v = expf(v - lmax);
       sum += double(v);
+      n_max += v == 1.f ? 1.0 : 0.0;
     } else {
       v = -1.f;
     }
   });
-  const float inv = float(1.0 / sum_block(sum, sred, parity));
+  const double2 red = sum2_block(sum, n_max, sred, parity);
+  const float inv = float(1.0 / red.x);
   const float wmax = inv;
-  double at_max = 0.0;  // mass of the weights equal to the largest
+  const double at_max = red.y * double(wmax);
   each([&](int, float& v) {
-    if (v >= 0.f) {
-      v *= inv;
-      if (v == wmax) at_max += double(v);
-    }
+    if (v >= 0.f) v *= inv;
   });
   float thr;
-  if (sum_block(at_max, sred, parity) >= a.p) {
+  if (at_max >= a.p) {
     thr = wmax;
   } else {
-    // Algorithm 1 (sparse::topp_binary_search), two bisection steps per pass: the pass
-    // measures the masses at the midpoint m1 and at both possible next midpoints, and the
-    // undecided spans of the four quarters, so both steps (and their termination tests)
-    // are decided as the sequential loop decides them. Float weights against double
-    // thresholds compare as against the thresholds rounded up to float (exact); masses are
-    // summed in fp32 over a thread's <= 16 weights, then in double across threads.
-    double l = 0, r = wmax;
+    // Algorithm 1 (sparse::topp_binary_search) from l = 0, r = wmax: eight steps per pass
+    // over the weights (topp_tree_search.cuh) while the midpoints stay exact doubles, then
+    // (a deep search, or bisection_only) the step-per-pass loop below.
+    double l = 0, r = wmax, mass_r = at_max;
     int it = 0;
+    bool done = false;
+    if (!a.bisection_only) {
+      const int warp = tid >> 5;
+      for (int tp = 0; it <= kTreeMaxStartDepth; tp ^= 1) {
+        if (!(r - l >= a.eps && it < 64)) {
+          done = true;
+          break;
+        }
+        TreeBins& bins = stree.bins[tp];
+        const double h = (r - l) * (1.0 / kTreeLeaves), inv_h = double(kTreeLeaves) / (r - l);
+        unsigned mn0 = kTreeEmptyMin, mx0 = 0u;
+        each([&](int, float& v) { tree_bin_weight(bins, v, l, r, h, inv_h, mn0, mx0); });
+        tree_bin_flush0(bins, mn0, mx0);
+        tree_bins_clear(stree.bins[tp ^ 1], tid, NT);  // last read in the previous pass's walk
+        __syncthreads();
+        if (warp == 0) {
+          tree_build_warp(bins, stree.nodes);
+          if (tid == 0) stree.walk = tree_walk(bins, stree.nodes, l, r, mass_r, it, a.p, a.eps);
+        }
+        __syncthreads();
+        const TreeWalk w = stree.walk;
+        l = w.l, r = w.r, mass_r = w.mass_r, it = w.it;
+        if (w.done) {
+          done = true;
+          break;
+        }
+      }
+    }
+    // The step-per-pass loop, two steps per pass: the pass measures the masses at m1 and at
+    // both possible next midpoints and the undecided spans of the four quarters, so both
+    // steps (and their termination tests) are decided as the sequential loop decides them.
+    // Float weights against double thresholds compare as against the thresholds rounded up
+    // to float (exact); masses are summed in fp32 over a thread's <= 16 weights, then in
+    // double across threads.
     const float feps = float(a.eps);
     auto f = [](unsigned u) { return __uint_as_float(u); };
-    while (r - l >= a.eps && it < 64) {
+    while (!done && r - l >= a.eps && it < 64) {
       const double m1 = 0.5 * (l + r), mL = 0.5 * (l + m1), mR = 0.5 * (m1 + r);
       const float lf = __double2float_ru(l), rf = __double2float_ru(r);
       const float m1f = __double2float_ru(m1), mLf = __double2float_ru(mL), mRf = __double2float_ru(mR);
@@ -457,8 +339,23 @@ __global__ void __launch_bounds__(NT, 2) twl_topp_kernel(const TpArgs a) {
     if (double(thr) > l) thr = nextafterf(thr, -INFINITY);
   }
   if (tid == 0) a.thr[list * G + g] = thr;
-  uint8_t* mk = a.mask + int64_t(list) * a.max_slots * G + g;
-  each([&](int i, float& v) { mk[int64_t(i) * G] = v >= thr ? 1 : 0; });
+  // Kept mask: bit (i % 32) of word [list][g][i / 32]; a warp's 32 consecutive slots are one
+  // ballot and one store.
+  const int nw = (a.max_slots + 31) >> 5, lane = tid & 31;
+  uint32_t* mw = a.mask + (int64_t(list) * G + g) * nw;
+  if constexpr (EPT > 0) {
+#pragma unroll
+    for (int k = 0; k < EPT; ++k) {
+      const int i = tid + k * NT;
+      const unsigned bits = __ballot_sync(0xffffffffu, i < n && wr[k] >= thr);
+      if (lane == 0 && i < n) mw[i >> 5] = bits;
+    }
+  } else {
+    for (int i0 = tid - lane; i0 < n; i0 += NT) {
+      const unsigned bits = __ballot_sync(0xffffffffu, i0 + lane < n && wm[i0 + lane] >= thr);
+      if (lane == 0) mw[i0 >> 5] = bits;
+    }
+  }
   // The last of the G CTAs of the list emits the union, in selection order.
   __threadfence();
   __syncthreads();
@@ -467,40 +364,31 @@ __global__ void __launch_bounds__(NT, 2) twl_topp_kernel(const TpArgs a) {
   if (!s_last) return;
   if (tid == 0) a.counters[list] = 0;
   __threadfence();
-  const uint8_t* ml = a.mask + int64_t(list) * a.max_slots * G;
-  auto keep = [&](int i) {
-    if (G == 4) return __ldcg(reinterpret_cast<const unsigned int*>(ml) + i) != 0u;
-    for (int k = 0; k < G; ++k)
-      if (__ldcg(ml + int64_t(i) * G + k)) return true;
-    return false;
+  const uint32_t* ml = a.mask + int64_t(list) * G * nw;
+  auto union_word = [&](int w) {
+    unsigned m = 0u;
+    for (int k = 0; k < G; ++k) m |= __ldcg(ml + k * nw + w);
+    return m;
   };
-  // Thread t takes the contiguous slots [t * seg, t * seg + seg): bit j of `bits` = keep.
-  const int seg = (n + NT - 1) / NT;
-  const int i0 = min(n, tid * seg), i1 = min(n, i0 + seg);
-  int cnt = 0;
-  uint32_t bits = 0;
-  if (seg <= 32) {
-#pragma unroll 8
-    for (int j = 0; j < i1 - i0; ++j)
-      if (keep(i0 + j)) bits |= 1u << j, ++cnt;
-  } else {
-    for (int i = i0; i < i1; ++i) cnt += keep(i);
-  }
+  // Thread t takes the contiguous words [t * wpt, t * wpt + wpt) (32 slots each).
+  const int nwords = (n + 31) >> 5, wpt = (nwords + NT - 1) / NT;
+  const int w0 = min(nwords, tid * wpt), w1 = min(nwords, w0 + wpt);
+  unsigned first = w0 < w1 ? union_word(w0) : 0u;
+  int cnt = __popc(first);
+  for (int w = w0 + 1; w < w1; ++w) cnt += __popc(union_word(w));
   int tot;
   int o = block_exclusive_scan(cnt, s_warp, &tot);
   int32_t* out = a.kept + int64_t(list) * a.max_slots;
   auto pos_of = [&](int i) {
     return chunk ? __ldg(a.base_idx + e0 + i / 16) * 16 + i % 16 : __ldg(a.base_idx + e0 + i);
   };
-  if (seg <= 32) {
-    while (bits) {
-      const int j = __ffs(bits) - 1;
-      bits &= bits - 1;
-      out[o++] = pos_of(i0 + j);
+  for (int w = w0; w < w1; ++w) {
+    unsigned m = w == w0 ? first : union_word(w);
+    while (m) {
+      const int j = __ffs(m) - 1;
+      m &= m - 1;
+      out[o++] = pos_of(w * 32 + j);
     }
-  } else {
-    for (int i = i0; i < i1; ++i)
-      if (keep(i)) out[o++] = pos_of(i);
   }
   if (tid == 0) a.kept_cnt[list] = tot;
 }
@@ -549,15 +437,24 @@ TwilightPruner::TwilightPruner(DeviceArena& arena, int max_batch, int Hq, int Hk
   SPADE_CHECK(max_slots > 0 && max_batch > 0, "twilight: bad sizes");
   SPADE_CHECK(p > 0 && p <= 1 && eps > 0, "twilight: p in (0, 1], eps > 0");
   max_slots_ = (max_slots + 15) / 16 * 16;
+  int dev = 0;
+  SPADE_CUDA(cudaGetDevice(&dev));
+  SPADE_CUDA(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, dev));
   const size_t lists = size_t(max_batch) * Hkv, G = size_t(Hq / Hkv), ms = size_t(max_slots_);
   logits_ = arena.alloc_n<float>(lists * G * ms, "twilight logits");
   if (ms > size_t(kTpRegSlots) && ms * 4 > kTpSmemMax)
     wglob_ = arena.alloc_n<float>(lists * G * ms, "twilight weights");
-  mask_ = arena.alloc_n<uint8_t>(lists * ms * G, "twilight kept masks");
+  mask_ = arena.alloc_n<uint32_t>(lists * G * ((ms + 31) / 32), "twilight kept masks");
   counters_ = arena.alloc_n<int>(lists, "twilight list counters");
   SPADE_CUDA(cudaMemset(counters_, 0, lists * sizeof(int)));
   thr_ = arena.alloc_n<float>(lists * G, "twilight thresholds");
   kept_strided_ = arena.alloc_n<int32_t>(lists * ms, "twilight kept (strided)");
+  kept_strided_off_ = arena.alloc_n<int32_t>(lists + 1, "twilight kept (strided) offsets");
+  {
+    std::vector<int32_t> off(lists + 1);
+    for (size_t i = 0; i <= lists; ++i) off[i] = int32_t(i * ms);
+    SPADE_CUDA(cudaMemcpy(kept_strided_off_, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+  }
   kept_cnt_ = arena.alloc_n<int32_t>(lists, "twilight kept counts");
   kept_off_ = arena.alloc_n<int32_t>(lists + 1, "twilight kept offsets");
   kept_idx_ = arena.alloc_n<int32_t>(lists * ms, "twilight kept indices");
@@ -566,41 +463,21 @@ TwilightPruner::TwilightPruner(DeviceArena& arena, int max_batch, int Hq, int Hk
 size_t TwilightPruner::arena_bytes(int max_batch, int Hq, int Hkv, int max_slots) {
   const size_t lists = size_t(max_batch) * Hkv, G = size_t(Hq / Hkv);
   const size_t ms = size_t((max_slots + 15) / 16 * 16);
-  size_t b = lists * G * ms * 4 + lists * ms * G + lists * ms * 4 * 2 + lists * (G * 4 + 16) + 4096;
+  size_t b = lists * G * ms * 4 + lists * G * ((ms + 31) / 32) * 4 + lists * ms * 4 * 2 + lists * (G * 4 + 20) + 4096;
   if (ms > size_t(kTpRegSlots) && ms * 4 > kTpSmemMax) b += lists * G * ms * 4;
   return b;
-}
-
-void TwilightPruner::estimate(const TwilightStep& st, cudaStream_t s) {
-  SPADE_CHECK(st.B >= 1 && st.B <= max_batch_, "twilight: batch ", st.B);
-  SPADE_CHECK(st.gran == SelGran::Token || (st.gran == SelGran::Chunk16 && P_ % 16 == 0),
-              "twilight: base lists must be Token or Chunk16 (P % 16 == 0)");
-  const int G = Hq_ / Hkv_, NTILE = (G + 7) / 8;
-  const int tiles = (max_slots_ + 15) / 16;
-  dim3 grid(unsigned(std::max(1, (tiles + kEstWarps * kEstTilesPerWarp - 1) /
-                                     (kEstWarps * kEstTilesPerWarp))),
-            unsigned(st.B * Hkv_));
-  auto go = [&](auto kernel) {
-    kernel<<<grid, kEstWarps * 32, 0, s>>>(st, logits_, Hq_, Hkv_, P_, max_slots_);
-  };
-  if (D_ == 128) {
-    if (NTILE == 1) go(twl_estimate_kernel<128, 1>);
-    else if (NTILE == 2) go(twl_estimate_kernel<128, 2>);
-    else go(twl_estimate_kernel<128, 4>);
-  } else {
-    if (NTILE == 1) go(twl_estimate_kernel<64, 1>);
-    else if (NTILE == 2) go(twl_estimate_kernel<64, 2>);
-    else go(twl_estimate_kernel<64, 4>);
-  }
-  SPADE_CUDA_LAUNCH();
 }
 
 void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
   const int G = Hq_ / Hkv_;
   TpArgs a{st.base_off, st.base_idx, st.gran, logits_, wglob_, mask_, counters_, thr_,
-           kept_strided_, kept_cnt_, G, max_slots_, p_, eps_, 0};
+           kept_strided_, kept_cnt_, G, max_slots_, p_, eps_, 0, topp_bisection_only_ ? 1 : 0};
   if (max_slots_ <= kTpRegSlots) {
-    twl_topp_kernel<kTpRegThreads, kTpEpt><<<st.B * Hkv_ * G, kTpRegThreads, 0, s>>>(a);
+    const int ctas = st.B * Hkv_ * G;
+    if (ctas <= n_sms_)
+      twl_topp_kernel<kTpWideThreads, kTpWideEpt><<<ctas, kTpWideThreads, 0, s>>>(a);
+    else
+      twl_topp_kernel<kTpRegThreads, kTpEpt><<<ctas, kTpRegThreads, 0, s>>>(a);
   } else {
     const size_t smem = size_t(max_slots_) * 4;
     a.use_smem = smem <= kTpSmemMax ? 1 : 0;
@@ -626,7 +503,6 @@ void TwilightPruner::compact(const TwilightStep& st, cudaStream_t s) {
 void TwilightPruner::run(const TwilightStep& st, cudaStream_t s) {
   estimate(st, s);
   topp(st, s);
-  compact(st, s);
 }
 
 }  // namespace spade::cuda

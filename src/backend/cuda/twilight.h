@@ -15,10 +15,12 @@
 //      tensor cores (bf16 q x exact bf16 codes, fp32 accumulation); slot = entry (Token) or
 //      16 * entry + row (Chunk16); slots past kv_len are -inf.
 //   2. top-p: one CTA per (list, query head): softmax, then Algorithm 1 as
-//      sparse::topp_binary_search (same double bisection, same termination test; masses
-//      summed in fp32 within a thread, double across), two steps per pass over the weights; each writes its kept mask, and the last CTA of the list
-//      compacts the union of { w_g >= t_g } in selection order into kept_strided[list][slot].
-//   3. compact: kept_strided + kept_count -> CSR kept_off[B * Hkv + 1] / kept_idx (Token).
+//      sparse::topp_binary_search (same double bisection, same termination test), eight
+//      steps per pass over the weights (an interval tree, topp_tree_search.cuh); each writes
+//      its kept mask, and the last CTA of the list compacts the union of { w_g >= t_g } in
+//      selection order into kept_strided[list][slot].
+// run() = 1 + 2: the attention reads the strided lists with their counts (sel_cnt).
+//   3. compact (optional): kept_strided + kept_count -> CSR kept_off[B * Hkv + 1] / kept_idx.
 // Only head_combine=union is implemented (the CPU method's default).
 #pragma once
 #include <cstdint>
@@ -54,15 +56,25 @@ class TwilightPruner {
   // Arena bytes the constructor takes (with alignment slack).
   static size_t arena_bytes(int max_batch, int Hq, int Hkv, int max_slots);
   void set_p(double p) { p_ = p; }
+  // Top-p by the step-per-pass bisection alone (the reference the tree search is tested and
+  // timed against; the thresholds are the same).
+  void set_topp_bisection_only(bool on) { topp_bisection_only_ = on; }
+  // estimate + top-p: the kept lists at a fixed stride (kept_strided_*, kept_count), which
+  // SparseAttention::run reads with sel_cnt = kept_count() (no compaction launch).
   void run(const TwilightStep& st, cudaStream_t s);
   // The stages separately (timing, tests).
   void estimate(const TwilightStep& st, cudaStream_t s);
   void topp(const TwilightStep& st, cudaStream_t s);
+  // After run(): the kept lists as CSR (kept_off / kept_idx), for consumers without counts.
   void compact(const TwilightStep& st, cudaStream_t s);
 
-  const int32_t* kept_off() const { return kept_off_; }  // [B * Hkv + 1]
-  const int32_t* kept_idx() const { return kept_idx_; }  // token positions
+  // List i: kept_count()[i] positions at kept_strided_idx() + kept_strided_off()[i]
+  // (offsets i * max_slots(), constant).
+  const int32_t* kept_strided_off() const { return kept_strided_off_; }  // [B * Hkv + 1]
+  const int32_t* kept_strided_idx() const { return kept_strided_; }
   const int32_t* kept_count() const { return kept_cnt_; }  // [B * Hkv]
+  const int32_t* kept_off() const { return kept_off_; }  // [B * Hkv + 1], after compact()
+  const int32_t* kept_idx() const { return kept_idx_; }  // token positions, after compact()
   const float* logits() const { return logits_; }      // [list][G][max_slots()] (tests)
   const float* thresholds() const { return thr_; }      // [list][G] (tests)
   int max_slots() const { return max_slots_; }
@@ -74,13 +86,16 @@ class TwilightPruner {
 
  private:
   int max_batch_, Hq_, Hkv_, D_, P_, max_slots_;
+  int n_sms_ = 0;
   double p_, eps_;
+  bool topp_bisection_only_ = false;
   float* logits_ = nullptr;
   float* wglob_ = nullptr;  // top-p weights of lists over the shared-memory cap
-  uint8_t* mask_ = nullptr;
+  uint32_t* mask_ = nullptr;  // kept bits [list][G][ceil(max_slots / 32)]
   int* counters_ = nullptr;
   float* thr_ = nullptr;
   int32_t* kept_strided_ = nullptr;
+  int32_t* kept_strided_off_ = nullptr;
   int32_t* kept_cnt_ = nullptr;
   int32_t* kept_off_ = nullptr;
   int32_t* kept_idx_ = nullptr;
