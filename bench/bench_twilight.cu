@@ -253,6 +253,7 @@ int main(int argc, char** argv) {
       cudaGraphDestroy(graph);
       cudaStreamDestroy(gs);
     }
+    pr.run(tstep(0), 0);  // layer 0's kept lists (its q over its selection) for the stage below
     const double t_attn_kept = time_us([&](int i) { const Layer& y = lay(i); sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0, nullptr, 0, {}, pr.kept_count()); }, calls, reps);
     const double t_dense = time_us([&](int i) { const Layer& y = lay(i); sa_d.run(y.q, y.k, y.v, boff, bidx, att, scale, 0); }, calls, reps);
     // Whole steps, in stream order.
