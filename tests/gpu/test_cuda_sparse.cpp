@@ -502,5 +502,54 @@ TEST(CudaSparse, TopkRowsTiesAndNaN) {
   }
 }
 
+// The radix top-k stops early when the bin holding the k-th key is taken whole (every key of
+// it is selected, so the lower digits decide nothing): rows built so that this happens after
+// pass 1 (top byte: k positive keys among negatives), pass 2 (second byte: 250.x among
+// 150.x) and pass 3 (third byte: 250.5 + j ulp among 250 + j ulp), beside a row that needs
+// all four passes; positions shuffled. Both the shared-memory-cached rows (ld <= 40960) and
+// the uncached ones.
+TEST(CudaSparse, TopkRowsBoundaryBinTakenWhole) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t ld : {int64_t(6000), int64_t(70000)}) {
+    SCOPED_TRACE(testing::Message() << "ld=" << ld);
+    std::mt19937 rng{uint32_t(ld)};
+    const int rows = 4, k = 200, n = int(ld);
+    std::vector<float> sc(size_t(rows) * size_t(ld));
+    for (int r = 0; r < rows; ++r) {
+      float* x = sc.data() + size_t(r) * size_t(ld);
+      for (int i = 0; i < n; ++i) {
+        const bool top = i < k;
+        const int j = top ? i : i - k;
+        switch (r) {
+          case 0: x[i] = top ? 1.f + 1e-3f * float(j) : -1.f - 1e-5f * float(j); break;
+          case 1: x[i] = top ? 250.f + 1e-3f * float(j) : 150.f + 1e-5f * float(j % 1000); break;
+          case 2: {
+            float v = top ? 250.5f : 250.f;
+            for (int u = 0; u < j % 200; ++u) v = std::nextafter(v, 1e9f);
+            x[i] = v;
+            break;
+          }
+          default: x[i] = std::normal_distribution<float>(0.f, 1.f)(rng);
+        }
+      }
+      std::shuffle(x, x + n, rng);
+    }
+    DevBuf<float> dsc(sc);
+    DevBuf<int32_t> dn(std::vector<int32_t>(size_t(rows), n)), dout(size_t(rows) * k);
+    dout.poison();
+    cuda::topk_rows(dsc.p, ld, dn.p, rows, k, dout.p, 0);
+    auto got = dout.download();
+    std::vector<int32_t> tmp;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t kk = sparse::top_k_range(sc.data() + size_t(r) * size_t(ld), 0, n, k, tmp);
+      ASSERT_EQ(kk, k);
+      std::vector<int32_t> want(tmp.begin(), tmp.begin() + kk);
+      std::sort(want.begin(), want.end());
+      std::vector<int32_t> g(got.begin() + int64_t(r) * k, got.begin() + int64_t(r + 1) * k);
+      EXPECT_EQ(g, want) << "row " << r;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace spade::test
