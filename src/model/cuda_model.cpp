@@ -191,7 +191,6 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       sel_cap = mb * Hkv * std::max<int64_t>(1, std::min(kp, seq_pages_cap_));
       sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D) * 2;  // metadata
       sp_bytes += size_t(mb * Hkv * seq_pages_cap_) * 4;                   // scores
-      sp_bytes += size_t(mb * Hkv * std::max<int64_t>(1, kp)) * 4;         // strided top-k
       if (sp.method == CudaSparse::Method::Twilight) {
         sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * P) * size_t(D / 2 + 4);  // INT4 K
         sp_bytes += cuda::TwilightPruner::arena_bytes(int(mb), int(Hq), int(Hkv), int(kp * 16));
@@ -385,8 +384,6 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       quest_meta_ = A.alloc_n<bf16>(me, "quest page metadata");
       SPADE_CUDA(cudaMemset(quest_meta_, 0, me * 2));
       quest_scores_ = A.alloc_n<float>(size_t(opt_.max_batch * Hkv * seq_pages_cap_), "quest scores");
-      quest_strided_ = A.alloc_n<int32_t>(
-          size_t(opt_.max_batch * Hkv * std::max<int64_t>(1, sp.budget / 16)), "quest top-k");
     }
     if (sp.method == CudaSparse::Method::Twilight) {
       const size_t rows = size_t(NL) * size_t(n_pages_) * size_t(Hkv * P);
@@ -667,13 +664,13 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
       // a Tidal / LessIsMore selection layer or an oracle-topk layer (cuda_model_sparse.cpp)
     } else if (sparse_step_ && int(l) >= spc.dense_layers) {
       if (quest) {
+        // The top-k writes the CSR lists itself (QuestArgs::csr_off): no compaction launch.
         cuda::QuestArgs qa{q, meta, sparse_->dev_page_table(), sparse_->dev_page_off(),
-                           sparse_->dev_kv_len(), quest_scores_, quest_strided_, step_B_, Hq, Hkv,
+                           sparse_->dev_kv_len(), quest_scores_, sel_idx_, step_B_, Hq, Hkv,
                            D, step_max_pages_, k_pages};
         qa.fast = spc.quest_fast;
+        qa.csr_off = sel_off_;
         cuda::quest_select(qa, st);
-        cuda::quest_compact_lists(quest_strided_, sparse_->dev_kv_len(), step_B_, Hkv, k_pages,
-                                  sel_off_, sel_idx_, st);
         if (quest_trace) trace_quest(int(l));
       }
       if (twilight) {

@@ -272,10 +272,10 @@ class CudaModel {
   uint8_t* k_int4_ = nullptr;
   uint32_t* k_int4_sz_ = nullptr;
   // Sparse decode state (arena): Quest metadata [L][pages][Hkv][2][D] bf16, page scores,
-  // strided top-k output, CSR lists; metadata update list (page ids | slots filled).
+  // CSR lists (Quest's top-k writes them directly); metadata update list (page ids | slots
+  // filled).
   void* quest_meta_ = nullptr;
   float* quest_scores_ = nullptr;
-  int32_t* quest_strided_ = nullptr;
   int32_t* sel_off_ = nullptr;
   int32_t* sel_idx_ = nullptr;
   // Selection layers' scores [rows][seq_pages_cap_ * P]: Tidal's group means (rows

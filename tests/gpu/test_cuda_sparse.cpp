@@ -336,6 +336,22 @@ void run_quest_case(int Hq, int Hkv, int D, const std::vector<int>& lens, int bu
   cuda::QuestArgs qa{dq.p, dmeta.p, dpt.p, dpo.p, dkl.p, dscores.p, dsel.p, B, Hq, Hkv, D, max_pages, k_pages};
   qa.fast = fast;
   cuda::quest_select(qa, 0);
+  {
+    // CSR written by the top-k itself (QuestArgs::csr_off, CudaModel's path) equals the strided
+    // output compacted by quest_compact_lists, offsets and entries.
+    const size_t rows = size_t(B) * Hkv;
+    DevBuf<int32_t> roff(rows + 1), ridx(rows * k_pages), coff(rows + 1), cidx(rows * k_pages);
+    coff.poison();
+    cidx.poison();
+    cuda::quest_compact_lists(dsel.p, dkl.p, B, Hkv, k_pages, roff.p, ridx.p, 0);
+    cuda::QuestArgs qc = qa;
+    qc.sel_idx = cidx.p, qc.csr_off = coff.p;
+    cuda::quest_select(qc, 0);
+    const auto ro = roff.download(), co = coff.download();
+    EXPECT_EQ(co, ro) << "CSR offsets";
+    const auto ri = ridx.download(), ci = cidx.download();
+    EXPECT_TRUE(std::equal(ri.begin(), ri.begin() + ro.back(), ci.begin())) << "CSR entries";
+  }
   // CPU-order page bounds (group max), as QuestMethod computes them: [b][h][page].
   auto cpu_scores = [&](int b, int h) {
     const int np = (lens[b] + 15) / 16, G = Hq / Hkv;

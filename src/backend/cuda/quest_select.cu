@@ -293,6 +293,17 @@ __global__ void __launch_bounds__(kTopkThreads) quest_topk_kernel(const QuestArg
   const int L = a.kv_len[b];
   const int np = (L + 15) / 16;
   int32_t* out = a.sel_idx + int64_t(row) * a.k_pages;
+  if (a.csr_off) {  // CSR: the row starts after the rows before it, min(k, pages) entries each
+    int start = 0;
+    for (int bb = 0; bb < b; ++bb) start += a.Hkv * min(a.k_pages, (a.kv_len[bb] + 15) / 16);
+    const int n = min(a.k_pages, np);
+    start += (row % a.Hkv) * n;
+    out = a.sel_idx + start;
+    if (threadIdx.x == 0) {
+      a.csr_off[row] = start;
+      if (row == a.B * a.Hkv - 1) a.csr_off[row + 1] = start + n;
+    }
+  }
   if (a.k_pages >= np) {
     for (int i = threadIdx.x; i < np; i += kTopkThreads) out[i] = i;
     return;

@@ -137,6 +137,10 @@ struct QuestArgs {
   // 1: tensor cores (quest_score_mma.cu): scores to fp32 rounding, selections equal except
   //    where two pages tie to ~1e-6 relative.
   int fast = 0;
+  // Optional: the top-k writes CSR directly (csr_off[B * Hkv + 1], entries into sel_idx at
+  // the row's start), the lists quest_compact_lists would make from the strided form, so no
+  // compaction launch is needed.
+  int32_t* csr_off = nullptr;
 };
 void quest_select(const QuestArgs& a, cudaStream_t s);
 // The two stages separately (timing): scoring, then top-k.
