@@ -71,16 +71,34 @@ __device__ __forceinline__ double tree_bin_mass(const TreeBins& b, int j) {
   return (double(b.mass_hi[j]) * 4294967296.0 + double(b.mass_lo[j])) * 0x1p-52;
 }
 
-// Bins one weight v (invalid slots hold -1) of the pass over [l, r) with interval h = (r - l)
-// / 256 and inv_h = 1 / h; interval 0's min / max go to (mn0, mx0) of the calling thread.
-__device__ __forceinline__ void tree_bin_weight(TreeBins& b, float v, double l, double r, double h,
-                                                double inv_h, unsigned& mn0, unsigned& mx0) {
+// One pass over [l, r): interval h = (r - l) / 256 and the float images of l, r and b_1
+// rounded up (a float weight v satisfies v >= x for a double x iff v >= ru(x)), so the
+// weights outside [l, r) and those of interval 0 (the many small ones) are sorted out by
+// float compares; the others estimate their interval in float and settle it against the
+// exact double bounds (registers are tight: 16 weights per thread under a 64-register cap).
+struct TreePass {
+  double l, r, h, inv_h;
+  float lf, rf, b1f, inv_hf;
+};
+__device__ __forceinline__ TreePass tree_pass(double l, double r) {
+  TreePass p;
+  p.l = l, p.r = r, p.h = (r - l) * (1.0 / kTreeLeaves), p.inv_h = double(kTreeLeaves) / (r - l);
+  p.lf = __double2float_ru(l), p.rf = __double2float_ru(r), p.b1f = __double2float_ru(l + p.h);
+  p.inv_hf = float(p.inv_h);
+  return p;
+}
+
+// The same binning in double arithmetic throughout (fewer live registers: the 512-thread
+// shape holds 16 weights per thread under a 64-register cap, where the float fast path
+// below made ptxas spill).
+__device__ __forceinline__ void tree_bin_weight_exact(TreeBins& b, float v, const TreePass& p,
+                                                      unsigned& mn0, unsigned& mx0) {
   const double dv = double(v);
-  if (!(dv >= l) || dv >= r) return;
-  int j = min(int((dv - l) * inv_h), kTreeLeaves - 1);
+  if (!(dv >= p.l) || dv >= p.r) return;
+  int j = min(int((dv - p.l) * p.inv_h), kTreeLeaves - 1);
   // (dv - l) * inv_h can be one interval off at a boundary; the b_j themselves are exact.
-  if (j < kTreeLeaves - 1 && dv >= l + double(j + 1) * h) ++j;
-  else if (j > 0 && dv < l + double(j) * h) --j;
+  if (j < kTreeLeaves - 1 && dv >= p.l + double(j + 1) * p.h) ++j;
+  else if (j > 0 && dv < p.l + double(j) * p.h) --j;
   const unsigned u = __float_as_uint(v);
   if (j == 0) {
     mn0 = min(mn0, u), mx0 = max(mx0, u);
@@ -89,6 +107,27 @@ __device__ __forceinline__ void tree_bin_weight(TreeBins& b, float v, double l, 
     atomicMin(&b.mn[j], u);
     atomicMax(&b.mx[j], u);
   }
+}
+
+// Bins one weight v (invalid slots hold -1) of the pass; interval 0's min / max go to
+// (mn0, mx0) of the calling thread.
+__device__ __forceinline__ void tree_bin_weight(TreeBins& b, float v, const TreePass& p,
+                                                unsigned& mn0, unsigned& mx0) {
+  if (!(v >= p.lf) || v >= p.rf) return;
+  const unsigned u = __float_as_uint(v);
+  if (v < p.b1f) {
+    mn0 = min(mn0, u), mx0 = max(mx0, u);
+    return;
+  }
+  // v >= b_1: the float estimate is within a few intervals (ulp(l) against h, deep passes
+  // only); the exact bounds b_j = l + j h (exact doubles) settle it.
+  const double dv = double(v);
+  int j = min(max(int((v - p.lf) * p.inv_hf), 1), kTreeLeaves - 1);
+  while (j < kTreeLeaves - 1 && dv >= p.l + double(j + 1) * p.h) ++j;
+  while (j > 1 && dv < p.l + double(j) * p.h) --j;
+  tree_bin_add_mass(b, j, v);
+  atomicMin(&b.mn[j], u);
+  atomicMax(&b.mx[j], u);
 }
 
 // After the weights are binned: every warp folds its interval-0 (min, max) into bin 0.

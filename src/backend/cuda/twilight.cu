@@ -267,9 +267,12 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
           break;
         }
         TreeBins& bins = stree.bins[tp];
-        const double h = (r - l) * (1.0 / kTreeLeaves), inv_h = double(kTreeLeaves) / (r - l);
+        const TreePass pass = tree_pass(l, r);
         unsigned mn0 = kTreeEmptyMin, mx0 = 0u;
-        each([&](int, float& v) { tree_bin_weight(bins, v, l, r, h, inv_h, mn0, mx0); });
+        if constexpr (EPT >= 16)
+          each([&](int, float& v) { tree_bin_weight_exact(bins, v, pass, mn0, mx0); });
+        else
+          each([&](int, float& v) { tree_bin_weight(bins, v, pass, mn0, mx0); });
         tree_bin_flush0(bins, mn0, mx0);
         tree_bins_clear(stree.bins[tp ^ 1], tid, NT);  // last read in the previous pass's walk
         __syncthreads();
@@ -356,14 +359,22 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
       if (lane == 0) mw[i0 >> 5] = bits;
     }
   }
-  // The last of the G CTAs of the list emits the union, in selection order.
-  __threadfence();
+  // The last of the G CTAs of the list emits the union, in selection order. The grid-sync
+  // pattern of cooperative groups: the barrier orders every thread's mask stores before
+  // thread 0's fence and counter add (fences are cumulative), so one thread fences instead of
+  // all; the last CTA's thread 0 fences again (acquire) before the barrier that releases the
+  // readers.
   __syncthreads();
-  if (tid == 0) s_last = atomicAdd(a.counters + list, 1) == G - 1;
+  if (tid == 0) {
+    __threadfence();
+    s_last = atomicAdd(a.counters + list, 1) == G - 1;
+    if (s_last) {
+      a.counters[list] = 0;
+      __threadfence();
+    }
+  }
   __syncthreads();
   if (!s_last) return;
-  if (tid == 0) a.counters[list] = 0;
-  __threadfence();
   const uint32_t* ml = a.mask + int64_t(list) * G * nw;
   auto union_word = [&](int w) {
     unsigned m = 0u;
