@@ -12,9 +12,9 @@
 // the chosen half. Deeper searches (k > 21, e.g. a tiny eps) go on with the step-per-pass
 // loop from where the tree passes stopped.
 //
-// Shared memory: TreeBins (256 x {u64 fixed-point mass as two u32, u32 min, u32 max}, double-buffered: one is
-// zeroed while the other fills) + TreeNodes (levels 0..7 of the tree, heap order from 1:
-// double mass, u32 min, u32 max) + the walk's result. Weights are >= 0, so min / max run on
+// Shared memory: TreeBins (256 x {u64 fixed-point mass as two u32, u32 min, u32 max},
+// double-buffered: one is zeroed while the other fills) + TreeNodes (levels 0..7 of the
+// tree, heap order from 1: double mass, u32 min, u32 max) + the walk's result. Weights are >= 0, so min / max run on
 // fp32 bit patterns as unsigned integers; empty = (min +inf, max 0), whose span 0 - inf is
 // negative and ends the search as the CPU's empty (+inf, -inf) does. Interval 0's mass is
 // never asked for (every midpoint is some b_j, j >= 1), so it is not accumulated; its

@@ -10,8 +10,8 @@
 //          passes then read the fp32 weights from registers (lists up to 8192 slots),
 //          shared memory (up to 49152 slots) or global memory
 //   writes the head's kept mask (1 bit per slot, one ballot per 32 slots), its threshold;
-//          the last CTA of the list reads the G masks (4 B per 32 slots each) and writes the kept positions int32 [list][max_slots] in
-//          selection order and the kept count
+//          the last CTA of the list reads the G masks (4 B per 32 slots each) and writes
+//          the kept positions int32 [list][max_slots] in selection order and the kept count
 //   CTA = one (list, query head): 512 threads (2 CTAs per SM) with 16 weights each in
 //   registers (lists up to 8192 slots; 1024 threads x 8 when the grid has at most one CTA
 //   per SM), else 256 threads over shared / global memory.

@@ -16,8 +16,9 @@
 //   Chunk16 lists (Quest pages): the grid gives each warp at most 16 tiles (enough warps for
 //   ~16 per SM); lane j resolves tile j's entry -> page -> first row up front (one dependent
 //   chain per warp, beside q's load), then stages of two tiles stream through a 4-stage
-//   cp.async ring per warp (10 KB at D = 128; three stages in flight during one's math). Token lists: two tiles per
-//   iteration, every index, page and code load of both issued before the math.
+//   cp.async ring per warp (10 KB at D = 128; three stages in flight during one's math).
+//   Token lists: two tiles per iteration, every index, page and code load of both issued
+//   before the math.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
