@@ -1,5 +1,6 @@
 // BLASST prefill benchmark: the wgmma prefill kernel with tile skipping (SKIP instantiation,
-// AttentionWorkspace::run(..., BlasstSkip)) vs the same kernel dense, causal, D = 128, page 16.
+// AttentionWorkspace::run(..., BlasstSkip)) vs the same kernel dense, causal, D = 128, page 16;
+// and (3.) the generic mma.sync prefill kernel at SmolLM2's shape (Hq 9, Hkv 3, D = 64).
 //
 // 1. Sweep (the paper's Table 4 / Figure 5 shape): Hq = Hkv = 1, batch 148, L = 32K and 64K.
 //    Data: "tile levels": q = (8, N(0,1) x 127), k = (c_j / (8 * scale), N(0,1) x 127) where
@@ -14,6 +15,8 @@
 //    the sweep (both reported; the speed-up uses their mean).
 // 2. Overhead at zero sparsity: Hq = 32, Hkv = 8, B = 1, L = 8K and 32K, random N(0,1) q/k/v,
 //    ln(lambda) = -80 (nothing skips): dense and skip interleaved, median of 21 each.
+// 3. "smollm2": sweep 1's data and lambdas at Hq 9 / Hkv 3 / D 64 (the generic kernel's skip
+//    instance vs its dense one), L = 8K (batch 32) and 32K (batch 8).
 // Output: JSON lines (argv[1]) with device, date, commit (argv[2]) and command (argv[3]).
 //
 // Build (bench/run_gpu_blasst_prefill.sh / prebuild): nvcc -std=c++17 -O2
@@ -36,7 +39,7 @@ using namespace spade::cuda;
 
 namespace {
 
-const int D = 128, P = 16;
+const int P = 16;
 
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
@@ -48,12 +51,12 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x) {
 }
 
 // q[t][h][0] = a for every row; k[pos][h][0] = c_{pos/128} / (a * scale) (one level per tile).
-__global__ void plant_q(bf16* q, int64_t rows, float a) {
+__global__ void plant_q(bf16* q, int64_t rows, float a, int D) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x)
     q[i * D] = __float2bfloat16(a);
 }
 __global__ void plant_k(bf16* k, const int32_t* pt, int pages_per_seq, int B, int L, int Hkv,
-                        float a, float scale, float C, uint32_t seed) {
+                        float a, float scale, float C, uint32_t seed, int D) {
   const int64_t n = int64_t(B) * L * Hkv;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int h = int(i % Hkv);
@@ -77,7 +80,7 @@ struct Ctx {
 };
 
 struct Setup {
-  int Hq, Hkv, B, L;
+  int Hq, Hkv, B, L, D;
   int64_t pages_per_seq, n_pages;
   DeviceArena arena;
   bf16 *k, *v, *q, *o;
@@ -86,9 +89,9 @@ struct Setup {
   std::unique_ptr<AttentionWorkspace> ws;
   std::vector<AttnSeq> batch;
   cudaEvent_t e0, e1;
-  Setup(int hq, int hkv, int b, int l)
-      : Hq(hq), Hkv(hkv), B(b), L(l), pages_per_seq((l + P - 1) / P), n_pages(int64_t(b) * pages_per_seq),
-        arena(size_t(n_pages) * Hkv * P * D * 2 * 2 + size_t(b) * l * hq * D * 2 * 2 + (256ull << 20)) {
+  Setup(int hq, int hkv, int b, int l, int d = 128)
+      : Hq(hq), Hkv(hkv), B(b), L(l), D(d), pages_per_seq((l + P - 1) / P), n_pages(int64_t(b) * pages_per_seq),
+        arena(size_t(n_pages) * Hkv * P * d * 2 * 2 + size_t(b) * l * hq * d * 2 * 2 + (256ull << 20)) {
     const size_t kv_n = size_t(n_pages) * Hkv * P * D, q_n = size_t(B) * L * Hq * D;
     k = arena.alloc_n<bf16>(kv_n, "K");
     v = arena.alloc_n<bf16>(kv_n, "V");
@@ -120,8 +123,8 @@ struct Setup {
     int32_t* pt = arena.alloc_n<int32_t>(perm.size(), "page table copy");
     SPADE_CUDA(cudaMemcpy(pt, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
     const float a = 8.f, scale = 1.f / std::sqrt(float(D));
-    plant_q<<<4096, 256>>>(q, int64_t(B) * L * Hq, a);
-    plant_k<<<4096, 256>>>(k, pt, int(pages_per_seq), B, L, Hkv, a, scale, C, 12345u);
+    plant_q<<<4096, 256>>>(q, int64_t(B) * L * Hq, a, D);
+    plant_k<<<4096, 256>>>(k, pt, int(pages_per_seq), B, L, Hkv, a, scale, C, 12345u, D);
     SPADE_CUDA(cudaDeviceSynchronize());
   }
   double flops() const { return 4.0 * D * Hq * B * (double(L) * (L + 1) / 2); }
@@ -160,14 +163,15 @@ void header(const Ctx& c, char* buf, size_t n) {
 }
 
 // Dense runs the default 2-stage ring (the 3-stage one is within 1-2% of it); the skip kernel
-// always runs on 3 stages (attention_prefill.cu).
-void sweep(const Ctx& c, int L, int B, int reps) {
-  const int stages = 2;
-  Setup s(1, 1, B, L);
+// always runs on 3 stages (attention_prefill.cu). kern 0: the generic mma.sync kernel (D = 64,
+// SmolLM2's shape), which skips per warp (32 rows x 64 keys) and loads every K/V tile.
+void sweep(const Ctx& c, int L, int B, int reps, int Hq = 1, int Hkv = 1, int D = 128, int kern = 1) {
+  const int stages = kern == 1 ? 2 : 0;
+  Setup s(Hq, Hkv, B, L, D);
   s.plant(16.f);
-  s.ws->set_prefill_kernel(1);
+  s.ws->set_prefill_kernel(kern);
   s.ws->plan(s.batch, 0);
-  if (!s.ws->prefill_wgmma_active()) {
+  if (kern == 1 && !s.ws->prefill_wgmma_active()) {
     std::fprintf(stderr, "wgmma prefill not active: skipped\n");
     return;
   }
@@ -179,7 +183,8 @@ void sweep(const Ctx& c, int L, int B, int reps) {
     auto [t, sk] = s.count(lam);
     const float ms = s.time_median({lam, nullptr}, reps);
     pts.push_back({lam, ms, t, sk});
-    std::fprintf(stderr, "L=%d B=%d ln_lambda=%g sparsity=%.3f skip %.2f ms (dense %.2f)\n", L, B, lam, t ? double(sk) / double(t) : 0.0, ms, dense0);
+    std::fprintf(stderr, "L=%d B=%d Hq=%d Hkv=%d D=%d ln_lambda=%g sparsity=%.3f skip %.2f ms (dense %.2f)\n", L, B,
+                 Hq, Hkv, D, lam, t ? double(sk) / double(t) : 0.0, ms, dense0);
   }
   const float dense1 = s.time_median({}, reps);
   const double dense = 0.5 * (dense0 + dense1);
@@ -187,14 +192,14 @@ void sweep(const Ctx& c, int L, int B, int reps) {
   header(c, h, sizeof(h));
   for (auto& p : pts) {
     std::fprintf(c.out,
-                 "{%s,\"kind\":\"blasst_prefill\",\"data\":\"tile_levels_U0_16\",\"L\":%d,\"B\":%d,\"Hq\":1,"
-                 "\"Hkv\":1,\"D\":%d,\"page\":%d,\"dense_stages\":%d,\"skip_stages\":3,\"reps\":%d,\"ln_lambda\":%g,\"tiles\":%llu,"
+                 "{%s,\"kind\":\"blasst_prefill\",\"kernel\":\"%s\",\"data\":\"tile_levels_U0_16\",\"L\":%d,\"B\":%d,\"Hq\":%d,"
+                 "\"Hkv\":%d,\"D\":%d,\"page\":%d,\"dense_stages\":%d,\"skip_stages\":%d,\"reps\":%d,\"ln_lambda\":%g,\"tiles\":%llu,"
                  "\"skipped\":%llu,\"sparsity\":%.4f,\"dense_ms\":%.3f,\"dense_ms_before\":%.3f,"
                  "\"dense_ms_after\":%.3f,\"skip_ms\":%.3f,\"dense_TFLOPs\":%.1f,\"skip_TFLOPs_equiv\":%.1f,"
                  "\"speedup\":%.3f}\n",
-                 h, L, B, D, P, stages, reps, p.lam, p.tiles, p.skipped,
-                 p.tiles ? double(p.skipped) / double(p.tiles) : 0.0, dense, dense0, dense1, p.ms,
-                 s.flops() / dense * 1e-9, s.flops() / p.ms * 1e-9, dense / p.ms);
+                 h, kern == 0 ? "generic_mma_sync" : "wgmma", L, B, Hq, Hkv, D, P, stages, kern == 0 ? 0 : 3, reps,
+                 p.lam, p.tiles, p.skipped, p.tiles ? double(p.skipped) / double(p.tiles) : 0.0, dense, dense0,
+                 dense1, p.ms, s.flops() / dense * 1e-9, s.flops() / p.ms * 1e-9, dense / p.ms);
     std::fflush(c.out);
   }
 }
@@ -217,7 +222,7 @@ void overhead(const Ctx& c, int L, int stages) {
                "\"Hkv\":8,\"D\":%d,\"page\":%d,\"dense_stages\":%d,\"skip_stages\":3,\"reps\":21,\"ln_lambda\":-80,\"tiles\":%llu,"
                "\"skipped\":%llu,\"dense_ms\":%.4f,\"skip_ms\":%.4f,\"dense_TFLOPs\":%.1f,\"skip_TFLOPs\":%.1f,"
                "\"overhead\":%.4f}\n",
-               h, L, D, P, stages, t, sk, d, k, s.flops() / d * 1e-9, s.flops() / k * 1e-9, k / d - 1.0);
+               h, L, s.D, P, stages, t, sk, d, k, s.flops() / d * 1e-9, s.flops() / k * 1e-9, k / d - 1.0);
   std::fflush(c.out);
   std::fprintf(stderr, "GQA L=%d dense stages=%d: dense %.3f ms, skip(-80) %.3f ms, overhead %.2f%%\n", L, stages, d, k,
                100.0 * (k / d - 1.0));
@@ -244,10 +249,27 @@ int main(int argc, char** argv) {
     if (what == "all" || what == "overhead")
       for (int L : {8192, 32768})
         for (int st : {2, 3}) overhead(c, L, st);
+    // profile:<L>:<ln_lambda>: one dense and one skip launch of the sweep's shape (for ncu).
+    if (what.rfind("profile:", 0) == 0) {
+      const int L = std::atoi(what.c_str() + 8);
+      const float lam = float(std::atof(what.c_str() + what.rfind(':') + 1));
+      Setup s(1, 1, 148, L);
+      s.plant(16.f);
+      s.ws->set_prefill_kernel(1);
+      s.ws->plan(s.batch, 0);
+      const float d = s.time_once({});
+      auto [t, sk] = s.count(lam);
+      std::fprintf(stderr, "profile L=%d ln_lambda=%g: sparsity %.3f, dense %.2f ms\n", L, lam,
+                   t ? double(sk) / double(t) : 0.0, d);
+      return 0;
+    }
     if (what == "all" || what == "sweep") {
       sweep(c, 32768, 148, 5);
       sweep(c, 65536, 148, 3);
     }
+    // SmolLM2-135M's attention shape (Hq 9, Hkv 3, head_dim 64) through the generic kernel.
+    if (what == "all" || what == "smollm2")
+      for (int L : {8192, 32768}) sweep(c, L, L == 8192 ? 32 : 8, 5, 9, 3, 64, 0);
     if (c.out != stdout) std::fclose(c.out);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_blasst_prefill: %s\n", e.what());

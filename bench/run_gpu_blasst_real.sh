@@ -3,7 +3,8 @@
 # 3.5K and 7.5K tokens), 64 greedy tokens with full attention and with BLASST at several
 # thresholds (decode: lambda = a / L per sequence, or fixed): the decode skip ratio the kernel
 # counted, and the generated text vs full attention's (characters until the first difference,
-# identical or not). SmolLM2 has head_dim 64, so its prefill stays dense (no wgmma kernel).
+# identical or not). Prefill stays dense here (prefill skipping on the real model:
+# bench/run_gpu_blasst_prefill_real.sh).
 # Usage on the GPU machine: bash bench/run_gpu_blasst_real.sh SPADE MODEL PROMPT_DIR
 set -uo pipefail
 OUT=${OUT:-/tmp/out}

@@ -29,8 +29,7 @@ CudaBlasstProbe::CudaBlasstProbe(const ModelWeights& w, int64_t max_tokens, bool
   o.sparse.head_dim = w.config.head_dim;
   model_ = std::make_unique<CudaModel>(w, o);
   SPADE_CHECK(decode_ || model_->blasst_prefill_active(), "calibrate --device cuda --phase prefill: "
-              "the GPU prefill skips tiles only with head_dim 128 (this model has ",
-              w.config.head_dim, "); use --phase decode or --device cpu");
+              "prefill skipping is not active");
 }
 
 CudaBlasstProbe::~CudaBlasstProbe() {

@@ -1,7 +1,7 @@
 // BLASST sparsity on the GPU for `spade calibrate blasst --device cuda`: one CudaModel built
 // with BLASST, whose lambda is changed between runs (CudaModel::set_blasst), and the tile
 // counters of its kernels (decode: 16-token warp chunks, seeded running max; prefill: 64 rows
-// x 128 keys, head_dim 128 only). Decode measurements prefill each (sample, length) prefix
+// x 128 keys in the wgmma kernel, 32 rows x 64 keys at head_dim 64). Decode measurements prefill each (sample, length) prefix
 // once, densely, and rewind to it for every lambda (the decode steps only write later slots).
 #pragma once
 #if defined(SPADE_HAVE_CUDA)

@@ -44,7 +44,7 @@ cuda::SelSkip CudaModel::sel_skip(int layer) const {
 }
 
 bool CudaModel::blasst_prefill_active() const {
-  return opt_.sparse.blasst_any() && opt_.sparse.blasst_prefill && attn_->prefill_wgmma_active();
+  return opt_.sparse.blasst_any() && opt_.sparse.blasst_prefill;
 }
 
 std::vector<uint64_t> CudaModel::blasst_counts(bool prefill) const {

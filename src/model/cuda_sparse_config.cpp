@@ -18,6 +18,11 @@ std::string blasst_lambda_text(const CudaSparse& s, bool prefill) {
   if (s.blasst_lambda >= 0) return cat("lambda=", s.blasst_lambda);
   return cat("lambda=", prefill ? s.blasst_prefill_a : s.blasst_a, "/L");
 }
+// The skip decision blocks of the prefill kernel that runs at this head dim.
+std::string prefill_tiles_text(int head_dim) {
+  return head_dim == 128 ? " (tiles: 64 rows x 128 keys; 32 x 32 where the wgmma kernel is unavailable)"
+                         : " (tiles: 32 rows x 64 keys)";
+}
 }  // namespace
 
 std::string CudaSparse::describe() const {
@@ -31,8 +36,7 @@ std::string CudaSparse::describe() const {
                                    "chunks not read; launches that emit scores do not skip)")
                              : std::string("off"),
                ", prefill ", !blasst_prefill ? std::string("dense (prefill=1 turns skipping on)")
-                             : head_dim == 128 ? blasst_lambda_text(*this, true) + " (tiles: 64 rows x 128 keys)"
-                                               : cat("dense (head_dim ", head_dim, ")"));
+                             : blasst_lambda_text(*this, true) + prefill_tiles_text(head_dim));
   }
   switch (method) {
     case Method::None: return "full";
@@ -84,10 +88,8 @@ std::string CudaSparse::describe() const {
       const std::string plam = blasst_lambda >= 0 ? lam : cat("lambda=", blasst_prefill_a, "/L");
       return cat("blasst over full: decode ", blasst_decode ? lam + " (tiles: 16-token warp chunks)" : "off",
                  ", prefill ",
-                 !blasst_prefill ? "dense (prefill=1 turns skipping on)"
-                 : head_dim == 128 ? plam + " (tiles: 64 rows x 128 keys)"
-                                   : cat("dense (head_dim ", head_dim, ": the prefill kernel of this "
-                                         "head dim has no skipping)"));
+                 !blasst_prefill ? std::string("dense (prefill=1 turns skipping on)")
+                                 : plam + prefill_tiles_text(head_dim));
     }
   }
   return "?";

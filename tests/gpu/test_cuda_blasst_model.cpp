@@ -2,6 +2,7 @@
 // the GPU kernels' skipping; lambda = 0 is the dense path; a lambda too small to skip runs the
 // skipping kernels and must give dense attention's logits; the tile counters count every
 // 16-token chunk of every decode step exactly once per (layer, KV head); a / L skips tiles;
+// with prefill=1 the prefill kernels (wgmma at head_dim 128, the generic one at 64) count tiles;
 // and BLASST inside Quest's selections (InsideQuestSelections).
 // Random bf16-rounded weights (as test_cuda_sparse_model.cpp), two requests batched.
 #include <algorithm>
@@ -103,6 +104,8 @@ void check(int D) {
     uint64_t ptiles = 0, pskipped = 0;
     for (size_t i = 0; i + 1 < pc.size(); i += 2) ptiles += pc[i], pskipped += pc[i + 1];
     if (!m.blasst_prefill_active() || exact) EXPECT_EQ(ptiles, 0u);
+    else EXPECT_GT(ptiles, 0u) << "prefill=1: the prefill kernel counts its tiles";
+    if (!skips) EXPECT_EQ(pskipped, 0u);
     std::printf("[ blasst model ] D=%d %s: worst logits rel err vs dense %.3g, decode tiles "
                 "skipped %llu/%llu, prefill %llu/%llu (prefill skipping %s)\n",
                 D, spec, worst, (unsigned long long)skipped, (unsigned long long)tiles,
@@ -191,8 +194,16 @@ TEST(CudaBlasstModel, CalibrationProbe) {
   const double s4 = probe.measure(1, toks, L, 4, 0.5, -1);
   EXPECT_GT(s4, 0.0);
   std::printf("[ blasst probe ] lambda 0.5: decode sparsity %.3f (1 step), %.3f (4 steps)\n", s1, s4);
-  // Prefill skipping needs head_dim 128 on the GPU.
-  EXPECT_THROW(CudaBlasstProbe(w, 2048, false), Error);
+  // The prefill phase at head_dim 64 (the generic prefill kernel's 32-row x 64-key tiles):
+  // lambda 0 and a lambda too small to skip give 0, a larger one skips, the same answer twice.
+  CudaBlasstProbe pf(w, 2048, false);
+  EXPECT_EQ(pf.measure(0, toks, L, 1, 0.0, -1), 0.0);
+  EXPECT_EQ(pf.measure(0, toks, L, 1, 1e-30, -1), 0.0);
+  const double p1 = pf.measure(0, toks, L, 1, 0.5, -1);
+  EXPECT_GT(p1, 0.0);
+  EXPECT_LT(p1, 1.0);
+  EXPECT_EQ(pf.measure(0, toks, L, 1, 0.5, -1), p1);
+  std::printf("[ blasst probe ] lambda 0.5: prefill sparsity %.3f (head_dim 64)\n", p1);
 }
 
 TEST(CudaBlasstModel, OptionsMapOrFailClearly) {
@@ -226,7 +237,8 @@ TEST(CudaBlasstModel, OptionsMapOrFailClearly) {
   const CudaSparse fp =
       cuda_sparse_config(sparse::SparseConfig::parse_spec("blasst:lambda=0.01,prefill=1"), c, 16);
   EXPECT_TRUE(fp.blasst_prefill);
-  EXPECT_NE(fp.describe().find("prefill dense (head_dim 64"), std::string::npos) << fp.describe();
+  EXPECT_NE(fp.describe().find("prefill lambda=0.01 (tiles: 32 rows x 64 keys)"), std::string::npos)
+      << fp.describe();
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
-// BLASST tile skipping in the wgmma prefill kernel (attention_prefill.cu, SKIP instantiation)
-// vs a CPU emulation: cpu::blasst_rows run on exactly the kernel's decision blocks, i.e. per
-// sequence, KV head and work item of 128 packed rows (row p -> token p / G, head kvh*G + p % G),
-// each consumer warpgroup's 64 rows (those < q_len * G), 128-key tiles visited 0, 1, 2, ...,
+// BLASST tile skipping in the prefill kernels (the wgmma kernel, attention_prefill.cu, and the
+// generic mma.sync kernel, attention.cu, which runs head_dim 64: SKIP instantiations) vs a CPU
+// emulation: cpu::blasst_rows run on exactly the kernel's decision blocks, i.e. per sequence, KV
+// head and work item of 128 packed rows (row p -> token p / G, head kvh*G + p % G), each
+// consumer warpgroup's 64 rows (generic kernel: each warp's 32 rows; those < q_len * G), key
+// tiles of 128 (generic: 64 at D = 64, 32 at D = 128) visited 0, 1, 2, ...,
 // per-row causal limits kv_len - q_len + token + 1, scores scale * q.k in fp32 from the same
 // bf16-rounded q/k the GPU reads. The GPU's per-KV-head counters (tiles seen, skipped) must equal
 // the emulation's sums exactly, and outputs agree within kTolAttn (bf16 P in P.V, bf16 output).
@@ -11,7 +13,8 @@
 // either >= -3.5 (kept) or <= -18 (skipped), so fp32 summation order cannot flip a decision.
 // Also: ln(lambda) = -inf (dense kernel, counters untouched) and -80 (SKIP kernel, nothing
 // skipped, output bit-identical to dense), GQA G = 4 / 8 with cached prefixes, page sizes
-// 16 / 32 / 5, both ring depths, and the benchmark's "tile levels" data near the threshold.
+// 16 / 32 / 5, both ring depths, head_dim 64 and 128 on the generic kernel, and the benchmark's
+// "tile levels" data near the threshold.
 #include <algorithm>
 #include <numeric>
 
@@ -38,8 +41,8 @@ struct Batch {
   std::vector<PageTable> pts;
   std::vector<float> kh, vh, q;
   int64_t total_q = 0;
-  Batch(int hq, int hkv, int p, std::vector<Seq> s, int64_t pages)
-      : Hq(hq), Hkv(hkv), D(128), P(p), seqs(std::move(s)), lay{1, hkv, 128, p}, kv(lay, pages) {}
+  Batch(int hq, int hkv, int d, int p, std::vector<Seq> s, int64_t pages)
+      : Hq(hq), Hkv(hkv), D(d), P(p), seqs(std::move(s)), lay{1, hkv, d, p}, kv(lay, pages) {}
 };
 
 // mode 2 ("tile levels", the benchmark's data): q = (8, N(0,1) ...), k = (c / (8 * scale),
@@ -51,12 +54,11 @@ struct Batch {
 // an up-and-down pattern so later tiles hold both new maxima (kept) and stale lower ones
 // (skipped). v ~ N(0, 1) everywhere.
 std::unique_ptr<Batch> make_batch(int Hq, int Hkv, int P, const std::vector<Seq>& seqs,
-                                  uint32_t seed, int mode, float q_std = 1.f) {
+                                  uint32_t seed, int mode, float q_std = 1.f, int D = 128) {
   std::mt19937 rng(seed);
   int64_t pages = 0;
   for (auto& s : seqs) pages += (s.kv_len + P - 1) / P;
-  auto b = std::make_unique<Batch>(Hq, Hkv, P, seqs, pages + 3);
-  const int D = 128;
+  auto b = std::make_unique<Batch>(Hq, Hkv, D, P, seqs, pages + 3);
   b->pts.resize(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) b->kv.reserve(b->pts[i], seqs[i].kv_len);
   std::vector<int32_t> all;
@@ -118,8 +120,21 @@ struct Emulated {
   std::vector<cpu::TileCounts> per_head;   // [Hkv]
 };
 
+// A prefill kernel and its decision blocks: kern = AttentionWorkspace::set_prefill_kernel's
+// value (0: generic, 1 / 2: wgmma with 2 / 3 stages), rows per block, keys per tile.
+struct Shape {
+  int kern, rows, tile;
+};
+// The kernels that run this head dim here (the wgmma ones need sm_90a).
+std::vector<Shape> shapes_for(int D, bool wgmma) {
+  std::vector<Shape> v;
+  if (D == 128 && wgmma) v.push_back({1, 64, 128}), v.push_back({2, 64, 128});
+  v.push_back({0, 32, D == 128 ? 32 : 64});
+  return v;
+}
+
 // The kernel's decision blocks through cpu::blasst_rows (see the file comment).
-Emulated emulate(const Batch& b, float log_lambda) {
+Emulated emulate(const Batch& b, float log_lambda, int block_rows = 64, int tile = 128) {
   const int D = b.D, G = b.Hq / b.Hkv;
   const float scale = 1.f / std::sqrt(float(D));
   Emulated e;
@@ -136,8 +151,8 @@ Emulated emulate(const Batch& b, float log_lambda) {
     V.resize(size_t(L) * D);
     for (int h = 0; h < b.Hkv; ++h) {
       cpu::gather_kv_prefix(b.kv, 0, pt, h, L, K.data(), V.data());
-      for (int64_t r0 = 0; r0 < n_rows; r0 += 64) {  // 64-row blocks = warpgroups of 128-row items
-        const int64_t M = std::min<int64_t>(64, n_rows - r0);
+      for (int64_t r0 = 0; r0 < n_rows; r0 += block_rows) {  // blocks tile the 128-row items
+        const int64_t M = std::min<int64_t>(block_rows, n_rows - r0);
         lim.resize(size_t(M));
         for (int64_t r = 0; r < M; ++r) lim[r] = L - Tq + (r0 + r) / G + 1;
         const int64_t n = lim[M - 1];
@@ -155,7 +170,7 @@ Emulated emulate(const Batch& b, float log_lambda) {
                                     ((acc[4] + acc[5]) + (acc[6] + acc[7])));
           }
         }
-        cpu::BlasstParams prm{log_lambda, 128, cpu::TileOrder::Sequential};
+        cpu::BlasstParams prm{log_lambda, tile, cpu::TileOrder::Sequential};
         cpu::VRowsFn v_rows = [&](int64_t st, int64_t) -> const float* { return V.data() + st * D; };
         e.per_head[h] += cpu::blasst_rows(S.data(), n, M, n, lim.data(), D, prm, v_rows, O.data(), D, sc);
         for (int64_t r = 0; r < M; ++r) {
@@ -203,7 +218,8 @@ struct Gpu {
     for (size_t i = 0; i < b.seqs.size(); ++i)
       batch.push_back({b.pts[i].pages.data(), int(b.pts[i].pages.size()), b.seqs[i].kv_len, b.seqs[i].q_len});
   }
-  // Runs prefill kernel `kern` (1: wgmma 2-stage, 2: 3-stage); returns the output, fills cnt.
+  // Runs prefill kernel `kern` (0: generic, 1: wgmma 2-stage, 2: 3-stage); returns the output,
+  // fills cnt.
   std::vector<float> run(int kern, const cuda::BlasstSkip& skip, std::vector<unsigned long long>* cnt) {
     ws->set_prefill_kernel(kern);
     ws->plan(batch, 0);
@@ -230,25 +246,28 @@ void expect_close_per_seq(const Batch& b, const std::vector<float>& got, const s
   }
 }
 
-// Skip run vs the emulation: exact counters per KV head, outputs within kTolAttn.
+// Skip run vs the emulation of each kernel's blocks: exact counters per KV head, outputs
+// within kTolAttn.
 void check_skip(const Batch& b, float log_lambda, double min_sparsity, double max_sparsity) {
-  SCOPED_TRACE(testing::Message() << "Hq=" << b.Hq << " Hkv=" << b.Hkv << " P=" << b.P
+  SCOPED_TRACE(testing::Message() << "Hq=" << b.Hq << " Hkv=" << b.Hkv << " D=" << b.D << " P=" << b.P
                                   << " ln_lambda=" << log_lambda);
-  const Emulated e = emulate(b, log_lambda);
-  int64_t tiles = 0, skipped = 0;
-  for (auto& c : e.per_head) tiles += c.tiles, skipped += c.skipped;
-  const double sp = tiles ? double(skipped) / double(tiles) : 0.0;
-  std::printf("  emulated: %lld tiles, %lld skipped (%.1f%%)\n", (long long)tiles, (long long)skipped, 100 * sp);
-  // The inputs must exercise both paths as intended.
-  EXPECT_GE(sp, min_sparsity);
-  EXPECT_LE(sp, max_sparsity);
   Gpu g(b);
-  if (!g.ws->prefill_wgmma_active()) GTEST_SKIP() << "wgmma prefill not available on this device";
-  for (int kern : {1, 2}) {
-    SCOPED_TRACE(testing::Message() << "wgmma " << (kern == 2 ? 3 : 2) << "-stage");
+  g.ws->set_prefill_kernel(1);
+  for (const Shape& sh : shapes_for(b.D, g.ws->prefill_wgmma_active())) {
+    SCOPED_TRACE(testing::Message() << "prefill kernel " << sh.kern << " (" << sh.rows << " rows x "
+                                    << sh.tile << " keys)");
+    const Emulated e = emulate(b, log_lambda, sh.rows, sh.tile);
+    int64_t tiles = 0, skipped = 0;
+    for (auto& c : e.per_head) tiles += c.tiles, skipped += c.skipped;
+    const double sp = tiles ? double(skipped) / double(tiles) : 0.0;
+    std::printf("  kernel %d, emulated: %lld tiles, %lld skipped (%.1f%%)\n", sh.kern, (long long)tiles,
+                (long long)skipped, 100 * sp);
+    // The inputs must exercise both paths as intended.
+    EXPECT_GE(sp, min_sparsity);
+    EXPECT_LE(sp, max_sparsity);
     for (int rep = 0; rep < 2; ++rep) {
       std::vector<unsigned long long> cnt;
-      auto got = g.run(kern, {log_lambda, nullptr}, &cnt);
+      auto got = g.run(sh.kern, {log_lambda, nullptr}, &cnt);
       for (int h = 0; h < b.Hkv; ++h) {
         EXPECT_EQ(cnt[2 * h], uint64_t(e.per_head[h].tiles)) << "tiles, KV head " << h;
         EXPECT_EQ(cnt[2 * h + 1], uint64_t(e.per_head[h].skipped)) << "skipped, KV head " << h;
@@ -262,18 +281,18 @@ void check_skip(const Batch& b, float log_lambda, double min_sparsity, double ma
 // ln(lambda) = -80 runs the SKIP instantiation, skips nothing, counts every visible tile and
 // gives the dense kernel's output bit for bit (same arithmetic on every kept tile).
 void check_off_and_tiny(const Batch& b) {
-  SCOPED_TRACE(testing::Message() << "Hq=" << b.Hq << " Hkv=" << b.Hkv << " P=" << b.P);
+  SCOPED_TRACE(testing::Message() << "Hq=" << b.Hq << " Hkv=" << b.Hkv << " D=" << b.D << " P=" << b.P);
   const auto ref = dense_ref(b);
-  const Emulated e = emulate(b, -80.f);
   Gpu g(b);
-  if (!g.ws->prefill_wgmma_active()) GTEST_SKIP() << "wgmma prefill not available on this device";
-  for (int kern : {1, 2}) {
-    SCOPED_TRACE(testing::Message() << "wgmma " << (kern == 2 ? 3 : 2) << "-stage");
+  g.ws->set_prefill_kernel(1);
+  for (const Shape& sh : shapes_for(b.D, g.ws->prefill_wgmma_active())) {
+    SCOPED_TRACE(testing::Message() << "prefill kernel " << sh.kern);
+    const Emulated e = emulate(b, -80.f, sh.rows, sh.tile);
     std::vector<unsigned long long> c0, c1;
-    auto dense = g.run(kern, {}, &c0);
+    auto dense = g.run(sh.kern, {}, &c0);
     for (auto c : c0) EXPECT_EQ(c, 0ull) << "dense kernel touched the counters";
     expect_close_per_seq(b, dense, ref, kTolAttn, "dense vs CPU");
-    auto tiny = g.run(kern, {-80.f, nullptr}, &c1);
+    auto tiny = g.run(sh.kern, {-80.f, nullptr}, &c1);
     for (int h = 0; h < b.Hkv; ++h) {
       EXPECT_EQ(e.per_head[h].skipped, 0);
       EXPECT_EQ(c1[2 * h], uint64_t(e.per_head[h].tiles)) << "tiles, KV head " << h;
@@ -291,6 +310,8 @@ TEST(CudaBlasstPrefill, OffAndTinyLambdaEqualDense) {
   check_off_and_tiny(*b);
   auto g = make_batch(32, 8, 16, {{600, 200}, {77, 77}}, 102, 0);  // G = 4
   check_off_and_tiny(*g);
+  auto s = make_batch(9, 3, 16, {{700, 700}, {300, 41}, {5, 5}}, 103, 0, 1.f, 64);  // SmolLM2's G = 3, D = 64
+  check_off_and_tiny(*s);
 }
 
 // (b) G = 1 (Hq = Hkv): fresh prompts of odd lengths, page 16 (fast loads) and 5 (per-row).
@@ -308,6 +329,16 @@ TEST(CudaBlasstPrefill, PlantedKeysMatchEmulationGqaChunked) {
   auto b = make_batch(8, 2, 16, {{1200, 400}, {900, 900}, {333, 1}, {260, 17}}, 301, 1);
   check_skip(*b, -10.f, 0.2, 0.95);
   auto c = make_batch(16, 2, 32, {{1000, 300}, {600, 600}}, 302, 1);  // G = 8, page 32
+  check_skip(*c, -10.f, 0.2, 0.95);
+}
+
+// (d) head_dim 64 (the generic kernel; SmolLM2's shape G = 3), MHA and GQA with a cached
+// prefix and a decode row; page 16 and 5.
+TEST(CudaBlasstPrefill, PlantedKeysMatchEmulationHeadDim64) {
+  SKIP_WITHOUT_GPU();
+  auto b = make_batch(9, 3, 16, {{1500, 1500}, {900, 300}, {333, 1}, {64, 64}}, 501, 1, 1.f, 64);
+  check_skip(*b, -10.f, 0.2, 0.95);
+  auto c = make_batch(2, 2, 5, {{900, 900}, {333, 333}}, 502, 1, 1.f, 64);
   check_skip(*c, -10.f, 0.2, 0.95);
 }
 

@@ -17,7 +17,9 @@
 //            the end), 3-stage cp.async pipeline (96 KB smem at D=128, 2 CTAs / SM);
 //            split-KV count chosen so (batch x Hkv x splits) fills one wave of CTAs.
 //   prefill: 4 warps x 32 rows (two m16 tiles per warp reuse each K/V fragment), 64-token
-//            tiles, 2 stages; causal mask only on the diagonal tiles.
+//            tiles, 2 stages; causal mask only on the diagonal tiles. BLASST (SKIP instance):
+//            each warp votes per tile after S and the mask; a skipped tile costs S only (its
+//            K/V rows are loaded for the CTA anyway: 4 B x BN x D per tile, shared by 4 warps).
 // Napkin math (Llama-3-8B shapes Hq=32, Hkv=8, D=128): decode at 32K reads
 // 32768*8*128*2*2 = 134 MB of K/V per sequence and layer -> 45 us at 3.0 TB/s; FLOPs are
 // 4*32*32768*128 = 0.54 GFLOP, nothing for the tensor cores (16-row tiles pad G=4 to 16).
@@ -47,11 +49,12 @@ struct Cfg {
   static_assert(SN % 16 == 0, "warp token slice must be a multiple of 16");
 };
 
-template <int D, int WM, int WN, int MT, int BN, int STAGES>
+template <int D, int WM, int WN, int MT, int BN, int STAGES, bool SKIP = false>
 __global__ void __launch_bounds__(WM* WN * 32)
     attn_kernel(const AttnArgs a) {
   using C = Cfg<D, WM, WN, MT, BN, STAGES>;
   constexpr int BM = C::BM, SN = C::SN, NT = C::kThreads, CH = D / 8;
+  static_assert(!SKIP || WN == 1, "BLASST skipping: one warp per row group (the prefill shape)");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
   bf16* sK = sQ + BM * D;
@@ -79,6 +82,9 @@ __global__ void __launch_bounds__(WM* WN * 32)
   const int tile_begin = split * per;
   const int tile_end = min(n_tiles_all, tile_begin + per);
   const int n_tiles = max(0, tile_end - tile_begin);
+  // BLASST threshold (log2 units): fixed, or lambda = a / L with L = this chunk's end (p0 + T).
+  const float thr = a.skip_per_length ? fminf(0.f, a.skip_log2 - log2f(float(L))) : a.skip_log2;
+  uint32_t n_skip = 0;  // SKIP: tiles this warp skipped
 
   const int64_t head_stride = int64_t(a.P) * D;         // one head of one page
   const int64_t page_stride = int64_t(a.Hkv) * head_stride;
@@ -207,8 +213,9 @@ __global__ void __launch_bounds__(WM* WN * 32)
         }
       }
     }
-    // Mask (only tiles that reach past the keys every row may see) and online softmax.
+    // Mask (only tiles that reach past the keys every row may see) and the rows' tile maxima.
     const bool need_mask = kv0 + tb + SN > min_limit;
+    float tmx[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -227,57 +234,94 @@ __global__ void __launch_bounds__(WM* WN * 32)
             mx = fmaxf(mx, x);
           }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[mt][i], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = exp2f(m[mt][i] - m_use);
-        float rs = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < SN / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = exp2f(s[mt][nb][2 * i + e] - m_use);
-            s[mt][nb][2 * i + e] = p;
-            rs += p;
-          }
-        l[mt][i] = l[mt][i] * alpha + rs;
-        m[mt][i] = m_new;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-          o[mt][nd][2 * i] *= alpha;
-          o[mt][nd][2 * i + 1] *= alpha;
-        }
+        tmx[mt][i] = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       }
     }
-    // O += P V over this warp's token slice.
+    // BLASST (prefill): the warp skips the tile when every one of its rows has tile max -
+    // max(running max, tile max) < log2(lambda); rows past the item and rows that see no key
+    // of the tile do not object. A skipped tile leaves m, l and O alone: no exp, row sum,
+    // rescale or P V (its K and V rows were loaded for the whole CTA all the same).
+    bool skip = false;
+    if constexpr (SKIP) {
+      bool v = true;
 #pragma unroll
-    for (int k2 = 0; k2 < SN / 16; ++k2) {
-      uint32_t pa[MT][4];
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int r = (wm * MT + mt) * 16 + g8 + 8 * i;
+          const float mx = tmx[mt][i];
+          v = v && (row0 + r >= n_rows || mx == -INFINITY || mx - fmaxf(m[mt][i], mx) < thr);
+        }
+      skip = __all_sync(0xffffffffu, v);
+      n_skip += skip;
+    }
+    if (!skip) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        pa[mt][0] = pack_bf16(s[mt][2 * k2][0], s[mt][2 * k2][1]);
-        pa[mt][1] = pack_bf16(s[mt][2 * k2][2], s[mt][2 * k2][3]);
-        pa[mt][2] = pack_bf16(s[mt][2 * k2 + 1][0], s[mt][2 * k2 + 1][1]);
-        pa[mt][3] = pack_bf16(s[mt][2 * k2 + 1][2], s[mt][2 * k2 + 1][3]);
-      }
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        const int mi = lane >> 3;
-        const int r = tb + k2 * 16 + (lane & 7) + ((mi & 1) ? 8 : 0);
-        const int col = dp * 16 + ((mi & 2) ? 8 : 0);
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(b0, b1, b2, b3, tV + swz<D>(r, col));
+        for (int i = 0; i < 2; ++i) {
+          const float m_new = fmaxf(m[mt][i], tmx[mt][i]);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          const float alpha = exp2f(m[mt][i] - m_use);
+          float rs = 0.f;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816(o[mt][2 * dp], pa[mt], b0, b1);
-          mma16816(o[mt][2 * dp + 1], pa[mt], b2, b3);
+          for (int nb = 0; nb < SN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float p = exp2f(s[mt][nb][2 * i + e] - m_use);
+              s[mt][nb][2 * i + e] = p;
+              rs += p;
+            }
+          l[mt][i] = l[mt][i] * alpha + rs;
+          m[mt][i] = m_new;
+#pragma unroll
+          for (int nd = 0; nd < D / 8; ++nd) {
+            o[mt][nd][2 * i] *= alpha;
+            o[mt][nd][2 * i + 1] *= alpha;
+          }
         }
       }
-    }
+      // O += P V over this warp's token slice.
+#pragma unroll
+      for (int k2 = 0; k2 < SN / 16; ++k2) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          pa[mt][0] = pack_bf16(s[mt][2 * k2][0], s[mt][2 * k2][1]);
+          pa[mt][1] = pack_bf16(s[mt][2 * k2][2], s[mt][2 * k2][3]);
+          pa[mt][2] = pack_bf16(s[mt][2 * k2 + 1][0], s[mt][2 * k2 + 1][1]);
+          pa[mt][3] = pack_bf16(s[mt][2 * k2 + 1][2], s[mt][2 * k2 + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          const int mi = lane >> 3;
+          const int r = tb + k2 * 16 + (lane & 7) + ((mi & 1) ? 8 : 0);
+          const int col = dp * 16 + ((mi & 2) ? 8 : 0);
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(b0, b1, b2, b3, tV + swz<D>(r, col));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma16816(o[mt][2 * dp], pa[mt], b0, b1);
+            mma16816(o[mt][2 * dp + 1], pa[mt], b2, b3);
+          }
+        }
+      }
+    }  // !skip
     if (tid < pf_np) sPg[(nxt & 1) * (BN + 1) + tid] = pf_id;
     __syncthreads();
   }
   cp_async_wait<0>();
+  if constexpr (SKIP) {
+    if (a.skip_counts && lane == 0) {
+      // Tiles the warp's rows see: t * BN < the causal limit of its last valid row. Those past
+      // it (the diagonal end of the item) had every vote "skip": not counted.
+      const int first = row0 + wm * MT * 16, last = min(first + MT * 16 - 1, n_rows - 1);
+      const int keys = first < n_rows ? L - Tq + last / G + 1 : 0;
+      const int seen = (keys + BN - 1) / BN;
+      atomicAdd(a.skip_counts + 2 * kvh, (unsigned long long)seen);
+      atomicAdd(a.skip_counts + 2 * kvh + 1, (unsigned long long)(n_skip - (n_tiles - seen)));
+    }
+  }
 
   // Row sums across the quad.
 #pragma unroll
@@ -402,6 +446,9 @@ template <int D>
 constexpr auto decode_v2_kernel = attn_kernel<D, 1, 4, 1, 64, 3>;
 template <int D>
 constexpr auto prefill_v2_kernel = attn_kernel<D, 4, 1, 2, (D == 128 ? 32 : 64), (D == 128 ? 3 : 2)>;
+// BLASST tile skipping (per warp: 32 rows x BN keys).
+template <int D>
+constexpr auto prefill_v2_skip_kernel = attn_kernel<D, 4, 1, 2, (D == 128 ? 32 : 64), (D == 128 ? 3 : 2), true>;
 
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
@@ -515,8 +562,13 @@ AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim
   set_decode_kernel(env_decode_kernel());
   if (const char* e = std::getenv("SPADE_ATTN_PREFILL"); e && *e)
     set_prefill_kernel(std::max(0, std::min(2, std::atoi(e))));
-  if (D == 64) set_smem(prefill_v2_kernel<64>, PrefillCfg<64>::kSmemTotal);
-  else set_smem(prefill_v2_kernel<128>, PrefillCfg<128>::kSmemTotal);
+  if (D == 64) {
+    set_smem(prefill_v2_kernel<64>, PrefillCfg<64>::kSmemTotal);
+    set_smem(prefill_v2_skip_kernel<64>, PrefillCfg<64>::kSmemTotal);
+  } else {
+    set_smem(prefill_v2_kernel<128>, PrefillCfg<128>::kSmemTotal);
+    set_smem(prefill_v2_skip_kernel<128>, PrefillCfg<128>::kSmemTotal);
+  }
 }
 
 AttentionWorkspace::~AttentionWorkspace() {
@@ -663,10 +715,9 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
   if (skip.active()) {
     SPADE_CHECK(skip.per_length || !(skip.log_lambda > 0.f),
                 "BLASST: lambda must be <= 1 (ln lambda = ", skip.log_lambda, ")");
-    SPADE_CHECK(decode_ ? variant_ > 0 : (prefill_kernel_ >= 1 && prefill_wgmma_ok(D_)),
-                "BLASST skipping runs in the v3 decode and the wgmma prefill kernels; this ",
-                decode_ ? "decode step uses the v2 kernel" : "prefill uses the generic kernel",
-                " (head_dim ", D_, ")");
+    SPADE_CHECK(!decode_ || variant_ > 0,
+                "BLASST skipping runs in the v3 decode kernel and the prefill kernels; this "
+                "decode step uses the v2 kernel (head_dim ", D_, ")");
     a.skip_log2 = skip.log_lambda * 1.4426950408889634f;
     a.skip_per_length = skip.per_length;
     a.skip_counts = skip.counts;
@@ -703,10 +754,13 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
     a.trace = trace_;
     launch_prefill_wgmma(a, grid, s, prefill_kernel_ == 2 ? 3 : 2);
   } else {
+    const bool sk = skip.active();
     if (D_ == 64)
-      prefill_v2_kernel<64><<<grid, PrefillCfg<64>::kThreads, PrefillCfg<64>::kSmemTotal, s>>>(a);
+      (sk ? prefill_v2_skip_kernel<64> : prefill_v2_kernel<64>)<<<grid, PrefillCfg<64>::kThreads,
+                                                                   PrefillCfg<64>::kSmemTotal, s>>>(a);
     else
-      prefill_v2_kernel<128><<<grid, PrefillCfg<128>::kThreads, PrefillCfg<128>::kSmemTotal, s>>>(a);
+      (sk ? prefill_v2_skip_kernel<128> : prefill_v2_kernel<128>)<<<grid, PrefillCfg<128>::kThreads,
+                                                                     PrefillCfg<128>::kSmemTotal, s>>>(a);
     SPADE_CUDA_LAUNCH();
   }
 }

@@ -40,11 +40,13 @@ struct AttnLimits {
   int max_split = 64;
 };
 
-// BLASST tile skipping (Yuan et al., Algorithm 1) inside the v3 decode and the wgmma prefill
-// kernels: a key tile is skipped when, for every query row the tile's warp (decode: a warp's
-// 16-token chunk, rows = the G heads of the KV head) or consumer warpgroup (prefill: 64 packed
-// rows x 128 keys) owns, (row max of the tile - running row max) < ln(lambda). A skipped tile
-// costs only Q.K^T: no exp, no row sum, no P.V and, in decode, no V load. The running max is
+// BLASST tile skipping (Yuan et al., Algorithm 1) inside the v3 decode and the prefill kernels:
+// a key tile is skipped when, for every query row the tile's warp (decode: a warp's 16-token
+// chunk, rows = the G heads of the KV head; generic mma.sync prefill, D = 64 or no sm_90a: 32
+// packed rows x 64 keys at D = 64, x 32 keys at D = 128) or consumer warpgroup (wgmma prefill:
+// 64 packed rows x 128 keys) owns, (row max of the tile - running row max) < ln(lambda). A
+// skipped tile costs only Q.K^T: no exp, no row sum, no P.V and, in decode and the wgmma
+// prefill, no V load (the generic prefill loads each K/V tile once for its four warps). The running max is
 // the warp's / warpgroup's own (split-K: each split starts afresh), as in a FlashAttention CTA.
 struct BlasstSkip {
   float log_lambda = -INFINITY;          // natural log of lambda (<= 0); -inf: no skipping
@@ -80,7 +82,8 @@ class AttentionWorkspace {
   void plan(const std::vector<AttnSeq>& batch, cudaStream_t s, int force_split = 0);
   // out[T, Hq, D] = attention(q[T, Hq, D]) over this layer's cache (k, v: [page][Hkv][P][D]).
   // With skip.active(): BLASST skipping (decode: v3 kernel, its cp.async twin when a TMA
-  // variant is selected; prefill: wgmma kernel); other kernels throw spade::Error.
+  // variant is selected; prefill: the wgmma or the generic kernel); the v2 decode kernel
+  // throws spade::Error.
   // With scores (decode only, not with skip): also the group-mean scores (DecodeScores).
   void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out, float scale,
            cudaStream_t s, const BlasstSkip& skip = {}, const DecodeScores* scores = nullptr) const;
