@@ -60,8 +60,8 @@ blasst (BLASST Algorithm 2):
   --out F               write the config JSON (default configs/blasst_calibrated.json)
   --device cpu|cuda     where the BLASST runs happen (default cpu). cuda: the GPU kernels'
                         own tiles (decode: 16-token warp chunks with a seeded running max;
-                        prefill: 64 rows x 128 keys, head_dim 128 only), exact measurement
-                        only; the --tile options are the CPU's
+                        prefill: 64 rows x 128 keys at head_dim 128, 32 rows x 64 keys at
+                        head_dim 64), exact measurement only; the --tile options are the CPU's
 twilight (decode comparison against full attention, teacher forced):
   --length L            context length before decoding (default 2048)
   --decode N            decode steps (default 32)

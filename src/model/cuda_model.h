@@ -51,8 +51,8 @@ struct CudaLcSlots;  // cuda_model_lycheecluster.cpp
 // recent window, one list shared by the KV heads (StreamingMethod). BLASST (over full
 // attention): tile skipping inside the dense kernels (backend/cuda/attention.h BlasstSkip)
 // with the CPU method's lambda (fixed, or a / L per sequence); decode tiles are each warp's
-// 16-token chunks, prefill tiles 64 packed rows x 128 keys (wgmma prefill, head_dim 128 only:
-// other head dims prefill densely, which describe() says).
+// 16-token chunks, prefill tiles 64 packed rows x 128 keys (wgmma prefill, head_dim 128) or
+// 32 packed rows x 64 keys (the generic prefill kernel, head_dim 64; describe() says which).
 // BLASST decode default a on the GPU (lambda = a / L): SmolLM2-135M-Instruct calibrated for
 // 50% sparsity with the GPU kernels (configs/blasst_smollm2_gpu_decode_s50.json).
 constexpr double kBlasstDefaultGpuDecodeA = 4.128;
