@@ -263,8 +263,10 @@ std::string ppl_report(const json& doc) {
   const json& rs = doc.at("results");
   std::string s = header(doc, "spade eval ppl");
   s += backend_section(rs);
-  s += "## Perplexity of the scored tokens (decode mode, dense prefix prefill) per method and "
-       "prefix length\n\nexp(mean NLL) over the samples' scored tokens.\n\n";
+  s += "## Perplexity of the scored tokens (decode mode) per method and prefix length\n\n"
+       "exp(mean NLL) over the samples' scored tokens. The prefix is prefilled densely on the CPU "
+       "(one prefill shared by the methods) and by each method itself on the GPU (BLASST with "
+       "prefill=1 skips tiles there).\n\n";
   // The mean NLL over samples, then exp.
   s += table(rs, "method", "length", [](const json& r) { return num(r, "nll_mean"); }, nullptr, 3,
              "method \\ prefix", [](double v) { return std::exp(v); });
