@@ -90,6 +90,14 @@ TEST(Jinja, ErrorsAreClear) {
   EXPECT_NE(err("{{ undefined_thing.attr }}").find("undefined"), std::string::npos);
   EXPECT_NE(err("{{ [1].append(2) }}").find("not allowed"), std::string::npos);
   EXPECT_NE(err("line1\n{{ 1 + }}").find("line 2"), std::string::npos);
+  // A namespace must not hold itself, directly or through lists, dicts or another namespace
+  // (a shared-pointer cycle would leak; found by fuzz_tokenizer_template).
+  const char* self = "contains the namespace itself";
+  EXPECT_NE(err("{% set ns = namespace(v=1) %}{% set ns.v = ns %}").find(self), std::string::npos);
+  EXPECT_NE(err("{% set ns = namespace(v=1) %}{% set ns.v = [1, {'k': ns}] %}").find(self), std::string::npos);
+  EXPECT_NE(err("{% set a = namespace(v=1) %}{% set b = namespace(w=a) %}{% set a.v = b %}").find(self),
+            std::string::npos);
+  EXPECT_EQ(R("{% set a = namespace(v=1) %}{% set b = namespace(w=a) %}{% set b.w = [a, a] %}{{ b.w[1].v }}"), "1");
 }
 
 }  // namespace

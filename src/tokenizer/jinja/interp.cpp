@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "core/error.h"
 #include "tokenizer/jinja/parser.h"
@@ -81,6 +82,23 @@ List iterate(const Value& v, int line) {
     case Value::Undefined: return {};
     default: rt_error(line, "'" + type_name(v) + "' object is not iterable");
   }
+}
+
+// Whether v holds (through lists, dicts and namespaces) the dict `target`. Values form no
+// cycles (lists and dicts are immutable; assign() below keeps namespaces out of themselves),
+// so the walk ends; `seen` keeps shared sub-values from being walked twice.
+bool holds(const Value& v, const Dict* target, std::unordered_set<const void*>& seen) {
+  if (v.is_dict()) {
+    if (v.dict.get() == target) return true;
+    if (!seen.insert(v.dict.get()).second) return false;
+    for (const auto& [k, x] : v.dict->items)
+      if (holds(x, target, seen)) return true;
+  } else if (v.is_list()) {
+    if (!seen.insert(v.list.get()).second) return false;
+    for (const Value& x : *v.list)
+      if (holds(x, target, seen)) return true;
+  }
+  return false;
 }
 
 int64_t py_floordiv(int64_t a, int64_t b) {
@@ -337,6 +355,11 @@ void Interp::assign(const std::string& target, const Value& v, int line) {
   Value ns = lookup(target.substr(0, dot));
   if (!ns.is_dict() || !ns.ns)
     rt_error(line, "cannot assign attribute on a non-namespace object '" + target.substr(0, dot) + "'");
+  // A namespace holding itself would be a reference cycle that is never freed (Python's
+  // garbage collector collects it; shared pointers do not): refuse it.
+  std::unordered_set<const void*> seen;
+  if (holds(v, ns.dict.get(), seen))
+    rt_error(line, "cannot assign to '" + target + "' a value that contains the namespace itself");
   ns.dict->set(target.substr(dot + 1), v);
 }
 
