@@ -31,6 +31,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -52,6 +53,7 @@ struct Cfg {
 template <int D, int WM, int WN, int MT, int BN, int STAGES, bool SKIP = false>
 __global__ void __launch_bounds__(WM* WN * 32)
     attn_kernel(const AttnArgs a) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   using C = Cfg<D, WM, WN, MT, BN, STAGES>;
   constexpr int BM = C::BM, SN = C::SN, NT = C::kThreads, CH = D / 8;
   static_assert(!SKIP || WN == 1, "BLASST skipping: one warp per row group (the prefill shape)");
@@ -423,6 +425,7 @@ __global__ void __launch_bounds__(WM* WN * 32)
 template <int D>
 __global__ void combine_kernel(const float* part_o, const float* part_lse, bf16* out,
                                int nsplit, int64_t total_rows) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int64_t gr = blockIdx.x;
   float mx = -INFINITY;
   for (int s = 0; s < nsplit; ++s) mx = fmaxf(mx, part_lse[s * total_rows + gr]);
@@ -739,15 +742,15 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
     launch_decode_v3(D_, variant_, a, grid, s, tmk, tmv);
   } else if (decode_) {
     if (D_ == 64)
-      decode_v2_kernel<64><<<grid, DecodeCfg<64>::kThreads, DecodeCfg<64>::kSmemTotal, s>>>(a);
+      launch_pdl(decode_v2_kernel<64>, grid, DecodeCfg<64>::kThreads, DecodeCfg<64>::kSmemTotal, s, a);
     else
-      decode_v2_kernel<128><<<grid, DecodeCfg<128>::kThreads, DecodeCfg<128>::kSmemTotal, s>>>(a);
+      launch_pdl(decode_v2_kernel<128>, grid, DecodeCfg<128>::kThreads, DecodeCfg<128>::kSmemTotal, s, a);
     SPADE_CUDA_LAUNCH();
     if (n_split_ > 1) {
       if (D_ == 64)
-        combine_kernel<64><<<unsigned(a.total_rows), 64, 0, s>>>(part_o_, part_lse_, out, n_split_, a.total_rows);
+        launch_pdl(combine_kernel<64>, unsigned(a.total_rows), 64, 0, s, part_o_, part_lse_, out, n_split_, a.total_rows);
       else
-        combine_kernel<128><<<unsigned(a.total_rows), 128, 0, s>>>(part_o_, part_lse_, out, n_split_, a.total_rows);
+        launch_pdl(combine_kernel<128>, unsigned(a.total_rows), 128, 0, s, part_o_, part_lse_, out, n_split_, a.total_rows);
       SPADE_CUDA_LAUNCH();
     }
   } else if (prefill_kernel_ >= 1 && prefill_wgmma_ok(D_)) {

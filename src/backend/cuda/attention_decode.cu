@@ -38,6 +38,7 @@
 #include <cmath>
 
 #include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda::attn_detail {
 namespace {
@@ -98,6 +99,7 @@ template <int D, int W, int S, int TK, bool TMA, bool SKIP, bool EMIT>
 __global__ void __launch_bounds__(W * 32)
     decode_v3_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap tmk,
                      const __grid_constant__ CUtensorMap tmv) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   using C = DecCfg<D, W, S, TK>;
   static_assert(!(SKIP && TMA) && !(EMIT && (TMA || SKIP)),
                 "BLASST skipping and score emission run in the cp.async kernel, not together");
@@ -511,7 +513,7 @@ struct Inst {
                      const CUtensorMap* tmv) {
     prepare();
     CUtensorMap zero{};
-    decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT><<<grid, C::kThreads, C::kSmem, s>>>(
+    launch_pdl(decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT>, grid, C::kThreads, C::kSmem, s, 
         a, tmk ? *tmk : zero, tmv ? *tmv : zero);
     SPADE_CUDA_LAUNCH();
   }

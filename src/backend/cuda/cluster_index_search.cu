@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cluster_index_common.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 using namespace lc_detail;
@@ -183,6 +184,7 @@ constexpr int kSearchThreads = kSearchThreadsHost;
 #define LC_TRACE_VALUE(i, v) \
   if (a.trace && t == 0) a.trace[(int64_t(b) * k.Hkv + h) * kLcTraceSlots + (i)] = (unsigned long long)(v)
 __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   extern __shared__ unsigned long long smem_u64[];
   const LcSearchArgs& a = k.a;
   const int h = blockIdx.x, b = blockIdx.y, t = threadIdx.x, lane = t & 31, w = t >> 5;
@@ -599,6 +601,7 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
 //   written per entry); the last CTA writes off[n].
 __global__ void lc_compact_kernel(const int32_t* lists, const int32_t* counts, int n, int cap,
                                   int32_t* off, int32_t* idx) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   __shared__ int sh[33];
   const int i = blockIdx.x;
   int part = 0;
@@ -628,13 +631,13 @@ void LcIndexGpu::search(const LcSearchArgs& a, cudaStream_t s) const {
     SPADE_CUDA(cudaFuncSetAttribute(lc_search_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     set_bytes = smem;
   }
-  lc_search_kernel<<<dim3(cfg_.Hkv, a.B), kSearchThreads, smem, s>>>(k);
+  launch_pdl(lc_search_kernel, dim3(cfg_.Hkv, a.B), kSearchThreads, smem, s, k);
   SPADE_CUDA_LAUNCH();
 }
 
 void LcIndexGpu::compact(const int32_t* lists, const int32_t* counts, int n_lists, int cap,
                          int32_t* sel_off, int32_t* sel_idx, cudaStream_t s) {
-  lc_compact_kernel<<<n_lists, 256, 0, s>>>(lists, counts, n_lists, cap, sel_off, sel_idx);
+  launch_pdl(lc_compact_kernel, n_lists, 256, 0, s, lists, counts, n_lists, cap, sel_off, sel_idx);
   SPADE_CUDA_LAUNCH();
 }
 

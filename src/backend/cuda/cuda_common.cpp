@@ -1,5 +1,7 @@
 #include "backend/cuda/cuda_common.h"
 
+#include <cstdlib>
+
 namespace spade::cuda {
 
 void throw_cuda(cudaError_t e, const char* what, const char* file, int line) {
@@ -63,6 +65,22 @@ void* DeviceArena::alloc(size_t bytes, const char* what) {
   void* p = base_ + used_;
   used_ += n;
   return p;
+}
+
+}  // namespace spade::cuda
+
+namespace spade::cuda {
+
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("SPADE_PDL");
+    if (e && std::string(e) == "0") return false;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+    return major >= 9;
+  }();
+  return on;
 }
 
 }  // namespace spade::cuda

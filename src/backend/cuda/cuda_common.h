@@ -42,6 +42,9 @@ bool device_available();
 // "NVIDIA H100 80GB HBM3, 132 SMs, 79.2 GiB"
 std::string device_summary();
 int sm_count();
+// Whether launch_pdl (pdl.cuh) launches with programmatic stream serialization: SPADE_PDL
+// unset or not "0", and a device of compute capability 9.0 or newer.
+bool pdl_enabled();
 
 class DeviceArena {
  public:

@@ -16,6 +16,7 @@
 // gate/up 224 MB, down 112 MB) + 1 GB lm_head; at 3.0 TB/s that is 5.3 ms of the TPOT.
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/load_stream.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -46,7 +47,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const bf16* __restric
                                                            float beta) {
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * kRows;
-  if (row0 >= N) return;
+  if (row0 >= N) {
+    pdl_begin();
+    return;
+  }
   const int nc = K / 8;  // 16-byte chunks per row
   const uint4* wr[kRows];
 #pragma unroll
@@ -58,13 +62,20 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const bf16* __restric
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-  for (int c0 = lane; c0 < nc; c0 += 32 * kUnroll) {
-    uint4 w[kRows][kUnroll];
+  uint4 w[kRows][kUnroll];
+  auto load_w = [&](int c0) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
         w[r][u] = c0 + 32 * u < nc ? ld_stream(wr[r] + c0 + 32 * u) : make_uint4(0, 0, 0, 0);
+  };
+  // The weights are constant: the first chunks are requested before the wait for the kernel
+  // that writes x (pdl.cuh), so they arrive while it finishes.
+  load_w(lane);
+  pdl_begin();
+  for (int c0 = lane; c0 < nc; c0 += 32 * kUnroll) {
+    if (c0 != lane) load_w(c0);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = c0 + 32 * u;
@@ -100,7 +111,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const bf16* __restric
 template <int M>
 void launch(const bf16* x, const bf16* W, float* y, int N, int K, float beta, cudaStream_t s) {
   const int warps = (N + kRows - 1) / kRows;
-  gemv_kernel<M><<<(warps + kWarps - 1) / kWarps, kWarps * 32, 0, s>>>(x, W, y, N, K, beta);
+  launch_pdl(gemv_kernel<M>, (warps + kWarps - 1) / kWarps, kWarps * 32, 0, s, x, W, y, N, K, beta);
 }
 
 }  // namespace

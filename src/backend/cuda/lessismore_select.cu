@@ -20,6 +20,7 @@
 #include <climits>
 
 #include "backend/cuda/sparse_attention.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 
@@ -32,6 +33,7 @@ __device__ __forceinline__ int hi_of(const LessIsMoreArgs& a, int L) { return L 
 // row_n[b * Hq + hq] = candidates of each head row; row_n[B * Hq + b] = merged candidates
 // (0 when L <= budget: that request reads everything); keys[b][0, L) = INT_MAX.
 __global__ void lim_init_kernel(const LessIsMoreArgs a) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int b = blockIdx.y, L = a.kv_len[b];
   const int n = L > a.budget ? hi_of(a, L) - a.sinks : 0;
   if (blockIdx.x == 0)
@@ -47,6 +49,7 @@ __device__ __forceinline__ bool before(float sa, int pa, float sb, int pb) {
 }
 
 __global__ void __launch_bounds__(kRankThreads) lim_rank_kernel(const LessIsMoreArgs a, int np2) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   extern __shared__ unsigned char smem[];
   float* s_sc = reinterpret_cast<float*>(smem);
   int* s_pos = reinterpret_cast<int*>(s_sc + np2);
@@ -90,6 +93,7 @@ __global__ void __launch_bounds__(kRankThreads) lim_rank_kernel(const LessIsMore
 
 // keys -> -key as fp32 over the candidates (untouched positions: -inf), in place.
 __global__ void lim_key_float_kernel(const LessIsMoreArgs a) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int b = blockIdx.y, L = a.kv_len[b];
   if (L <= a.budget) return;
   const int hi = hi_of(a, L);
@@ -103,6 +107,7 @@ __global__ void lim_key_float_kernel(const LessIsMoreArgs a) {
 }
 
 __global__ void lim_lists_kernel(const LessIsMoreArgs a) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int b = blockIdx.x;
   int start = 0;
   for (int bb = 0; bb < b; ++bb) start += min(a.kv_len[bb], a.budget);
@@ -141,7 +146,7 @@ void lessismore_select(const LessIsMoreArgs& a, cudaStream_t s) {
   SPADE_CHECK(a.n_uni == a.budget - a.n_recent - a.sinks && a.ld > 0 && a.B > 0,
               "lessismore_select: inconsistent arguments");
   const int blocks_x = int(std::min<int64_t>(64, (a.ld + 255) / 256));
-  lim_init_kernel<<<dim3(blocks_x, a.B), 256, 0, s>>>(a);
+  launch_pdl(lim_init_kernel, dim3(blocks_x, a.B), 256, 0, s, a);
   SPADE_CUDA_LAUNCH();
   auto topk = [&](const float* sc, const int32_t* n, int rows, int32_t* out) {
     if (a.topk_scratch && topk_long_applies(a.ld, a.n_uni))
@@ -158,12 +163,12 @@ void lessismore_select(const LessIsMoreArgs& a, cudaStream_t s) {
                                     kLessIsMoreMaxUnified * 8));
     attr_done = true;
   }
-  lim_rank_kernel<<<a.B * a.Hq, kRankThreads, smem, s>>>(a, np2);
+  launch_pdl(lim_rank_kernel, a.B * a.Hq, kRankThreads, smem, s, a, np2);
   SPADE_CUDA_LAUNCH();
-  lim_key_float_kernel<<<dim3(blocks_x, a.B), 256, 0, s>>>(a);
+  launch_pdl(lim_key_float_kernel, dim3(blocks_x, a.B), 256, 0, s, a);
   SPADE_CUDA_LAUNCH();
   topk(a.keys + a.sinks, a.row_n + a.B * a.Hq, a.B, a.merged_top);
-  lim_lists_kernel<<<a.B, 256, 0, s>>>(a);
+  launch_pdl(lim_lists_kernel, a.B, 256, 0, s, a);
   SPADE_CUDA_LAUNCH();
 }
 

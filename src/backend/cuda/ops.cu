@@ -11,6 +11,7 @@
 #include "backend/cuda/ops.h"
 
 #include "backend/cuda/int4_keys.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -23,6 +24,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 __global__ void embedding_kernel(const bf16* table, const int32_t* ids, float* x, int H,
                                  int vocab) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int t = blockIdx.x;
   const int id = ids[t];
   float* xr = x + int64_t(t) * H;
@@ -36,6 +38,7 @@ __global__ void embedding_kernel(const bf16* table, const int32_t* ids, float* x
 
 __global__ void rmsnorm_kernel(const float* x, const int32_t* rows, const float* w, float eps,
                                bf16* y, int H) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int r = blockIdx.x;
   const int src = rows ? rows[r] : r;
   const float* xr = x + int64_t(src) * H;
@@ -58,6 +61,7 @@ __global__ void rmsnorm_kernel(const float* x, const int32_t* rows, const float*
 
 // One warp per (token, head); heads ordered q (Hq), k (Hkv), v (Hkv).
 __global__ void qkv_post_kernel(QkvPostArgs a) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nh = a.Hq + 2 * a.Hkv;
   const int head = blockIdx.x * (blockDim.x >> 5) + warp;
@@ -124,6 +128,7 @@ __global__ void qkv_post_kernel(QkvPostArgs a) {
 }
 
 __global__ void swiglu_kernel(const float* gu, bf16* out, int F, int64_t n) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = idx / F, i = idx % F;
@@ -133,11 +138,13 @@ __global__ void swiglu_kernel(const float* gu, bf16* out, int F, int64_t n) {
 }
 
 __global__ void f32_to_bf16_kernel(const float* x, bf16* y, int64_t n) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     y[i] = __float2bfloat16(x[i]);
 }
 __global__ void bf16_to_f32_kernel(const bf16* x, float* y, int64_t n) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     y[i] = __bfloat162float(x[i]);
@@ -176,7 +183,7 @@ int grid_for(int64_t n, int threads) {
 void embedding(const bf16* table, const int32_t* ids, float* x, int T, int H, int vocab,
                cudaStream_t s) {
   if (T == 0) return;
-  embedding_kernel<<<T, 256, 0, s>>>(table, ids, x, H, vocab);
+  launch_pdl(embedding_kernel, T, 256, 0, s, table, ids, x, H, vocab);
   SPADE_CUDA_LAUNCH();
 }
 
@@ -184,7 +191,7 @@ void rmsnorm(const float* x, const int32_t* rows, const float* w, float eps, bf1
              int H, cudaStream_t s) {
   if (R == 0) return;
   int threads = H >= 1024 ? 1024 : ((H + 31) / 32) * 32;
-  rmsnorm_kernel<<<R, threads, 0, s>>>(x, rows, w, eps, y, H);
+  launch_pdl(rmsnorm_kernel, R, threads, 0, s, x, rows, w, eps, y, H);
   SPADE_CUDA_LAUNCH();
 }
 
@@ -195,25 +202,25 @@ void qkv_post(const QkvPostArgs& a, cudaStream_t s) {
   if (a.T == 0) return;
   const int nh = a.Hq + 2 * a.Hkv, warps = 4;
   dim3 grid((nh + warps - 1) / warps, a.T);
-  qkv_post_kernel<<<grid, 32 * warps, 0, s>>>(a);
+  launch_pdl(qkv_post_kernel, grid, 32 * warps, 0, s, a);
   SPADE_CUDA_LAUNCH();
 }
 
 void swiglu(const float* gu, bf16* out, int T, int F, cudaStream_t s) {
   const int64_t n = int64_t(T) * F;
   if (n == 0) return;
-  swiglu_kernel<<<grid_for(n, 256), 256, 0, s>>>(gu, out, F, n);
+  launch_pdl(swiglu_kernel, grid_for(n, 256), 256, 0, s, gu, out, F, n);
   SPADE_CUDA_LAUNCH();
 }
 
 void f32_to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  f32_to_bf16_kernel<<<grid_for(n, 256), 256, 0, s>>>(x, y, n);
+  launch_pdl(f32_to_bf16_kernel, grid_for(n, 256), 256, 0, s, x, y, n);
   SPADE_CUDA_LAUNCH();
 }
 void bf16_to_f32(const bf16* x, float* y, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  bf16_to_f32_kernel<<<grid_for(n, 256), 256, 0, s>>>(x, y, n);
+  launch_pdl(bf16_to_f32_kernel, grid_for(n, 256), 256, 0, s, x, y, n);
   SPADE_CUDA_LAUNCH();
 }
 void fill_random_bf16(bf16* y, int64_t n, uint64_t seed, float scale, float mean,

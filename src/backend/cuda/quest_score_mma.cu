@@ -21,6 +21,7 @@
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/sparse_attention.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -39,6 +40,7 @@ struct MCfg {
 
 template <int D>
 __global__ void __launch_bounds__(kMW * 32) quest_score_mma_kernel(const QuestArgs a, int cpc) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   using C = MCfg<D>;
   constexpr int K2 = C::K2, CH = C::CH;
   extern __shared__ __align__(1024) unsigned char smem_dyn[];
@@ -173,7 +175,7 @@ void launch_mma(const QuestArgs& a, cudaStream_t s) {
   const int cpc = int(std::min<int64_t>(64, std::max<int64_t>(4, (total + slots - 1) / slots)));
   dim3 grid((n_ch + cpc - 1) / cpc, a.Hkv, a.B);
   if (grid.x == 0) return;
-  quest_score_mma_kernel<D><<<grid, kMW * 32, C::kSmem, s>>>(a, cpc);
+  launch_pdl(quest_score_mma_kernel<D>, grid, kMW * 32, C::kSmem, s, a, cpc);
   SPADE_CUDA_LAUNCH();
 }
 

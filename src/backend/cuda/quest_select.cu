@@ -34,6 +34,7 @@
 
 #include "backend/cuda/block_scan.cuh"
 #include "backend/cuda/sparse_attention.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -50,6 +51,7 @@ __global__ void quest_update_meta_kernel(const bf16* __restrict__ k, bf16* __res
                                          const int32_t* __restrict__ page_ids,
                                          const int32_t* __restrict__ n_valid, int n, int Hkv,
                                          int P, int D) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (warp >= n * Hkv) return;
   const int i = warp / Hkv, h = warp % Hkv;
@@ -88,6 +90,7 @@ __global__ void quest_update_meta_kernel(const bf16* __restrict__ k, bf16* __res
 // GH: heads per thread (ceil(G / 2)); the two threads of a page take heads g = half + 2j.
 template <int D, int GH>
 __global__ void __launch_bounds__(kQThreads, 2) quest_score_kernel(const QuestArgs a) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   constexpr int RW = D + 1;  // 32-bit words per staged row (2*D bf16 + 1 pad word)
   constexpr int V = D / 4;   // 16-byte pieces per meta row (2*D bf16 = 4*D bytes)
   constexpr int IT = kQPB * V / kQThreads;
@@ -288,6 +291,7 @@ constexpr int kTopkCache = 40960;
 constexpr size_t topk_smem_bytes(int cache) { return size_t(cache + (cache >> 5) + 1) * 4; }
 
 __global__ void __launch_bounds__(kTopkThreads) quest_topk_kernel(const QuestArgs a, int cache) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   extern __shared__ uint32_t skeys[];
   const int row = blockIdx.x, b = row / a.Hkv;
   const int L = a.kv_len[b];
@@ -319,6 +323,7 @@ __global__ void __launch_bounds__(kTopkThreads) quest_topk_kernel(const QuestArg
 __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const float* sc, int64_t ld,
                                                                  const int32_t* n, int k, int32_t* out,
                                                                  int cache) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   extern __shared__ uint32_t skeys[];
   const int row = blockIdx.x;
   const int nr = n[row];
@@ -343,6 +348,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_chunks_kernel(const float* 
                                                                    int chunk, int n_chunks,
                                                                    float* cs, int32_t* cp,
                                                                    int32_t* n2) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   extern __shared__ uint32_t skeys[];
   const int c = blockIdx.x, row = blockIdx.y;
   const int nr = n[row];
@@ -371,6 +377,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_chunks_kernel(const float* 
 // Stage 2's candidate indices -> positions (rows with n <= k: all of [0, n)).
 __global__ void topk_long_map_kernel(const int32_t* n, int k, int n_chunks, const int32_t* cp,
                                      const int32_t* idx2, int32_t* out) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int row = blockIdx.x, nr = n[row];
   int32_t* o = out + int64_t(row) * k;
   if (nr <= k) {
@@ -389,7 +396,7 @@ void quest_update_meta(const bf16* k_cache, bf16* meta, const int32_t* page_ids,
   if (n <= 0) return;
   SPADE_CHECK(D % 4 == 0, "quest_update_meta: head dim ", D, " is not a multiple of 4");
   const int warps = n * Hkv;
-  quest_update_meta_kernel<<<(warps + 7) / 8, 256, 0, s>>>(k_cache, meta, page_ids, n_valid, n, Hkv, P, D);
+  launch_pdl(quest_update_meta_kernel, (warps + 7) / 8, 256, 0, s, k_cache, meta, page_ids, n_valid, n, Hkv, P, D);
   SPADE_CUDA_LAUNCH();
 }
 
@@ -407,7 +414,7 @@ void quest_score(const QuestArgs& a, cudaStream_t s) {
       SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 << 10));
       done = true;
     }
-    kernel<<<grid, kQThreads, smem, s>>>(a);
+    launch_pdl(kernel, grid, kQThreads, smem, s, a);
   };
   switch (GH * (a.D == 128 ? 1 : -1)) {
     case 1: go(quest_score_kernel<128, 1>); break;
@@ -443,7 +450,7 @@ int topk_cache_attr(K kernel, int64_t max_n) {
 
 void quest_topk(const QuestArgs& a, cudaStream_t s) {
   const int cache = topk_cache_attr(quest_topk_kernel, a.max_pages);
-  quest_topk_kernel<<<a.B * a.Hkv, kTopkThreads, topk_smem_bytes(cache), s>>>(a, cache);
+  launch_pdl(quest_topk_kernel, a.B * a.Hkv, kTopkThreads, topk_smem_bytes(cache), s, a, cache);
   SPADE_CUDA_LAUNCH();
 }
 
@@ -456,7 +463,7 @@ void topk_rows(const float* scores, int64_t ld, const int32_t* n, int n_rows, in
                cudaStream_t s) {
   if (n_rows <= 0) return;
   const int cache = topk_cache_attr(topk_rows_kernel, ld);
-  topk_rows_kernel<<<n_rows, kTopkThreads, topk_smem_bytes(cache), s>>>(scores, ld, n, k, out, cache);
+  launch_pdl(topk_rows_kernel, n_rows, kTopkThreads, topk_smem_bytes(cache), s, scores, ld, n, k, out, cache);
   SPADE_CUDA_LAUNCH();
 }
 
@@ -489,11 +496,11 @@ void topk_rows_long(const float* scores, int64_t ld, const int32_t* n, int n_row
   int32_t* n2 = reinterpret_cast<int32_t*>(p + align(cand * 4) + align(cand * 4));
   int32_t* idx2 = n2 + (align(size_t(n_rows) * 4) / 4);
   const int c1 = topk_cache_attr(topk_chunks_kernel, kTopkChunk);
-  topk_chunks_kernel<<<dim3(unsigned(nc), unsigned(n_rows)), kTopkThreads, topk_smem_bytes(c1), s>>>(
+  launch_pdl(topk_chunks_kernel, dim3(unsigned(nc), unsigned(n_rows)), kTopkThreads, topk_smem_bytes(c1), s, 
       scores, ld, n, k, kTopkChunk, nc, cs, cp, n2);
   SPADE_CUDA_LAUNCH();
   topk_rows(cs, int64_t(nc) * k, n2, n_rows, k, idx2, s);
-  topk_long_map_kernel<<<n_rows, 256, 0, s>>>(n, k, nc, cp, idx2, out);
+  launch_pdl(topk_long_map_kernel, n_rows, 256, 0, s, n, k, nc, cp, idx2, out);
   SPADE_CUDA_LAUNCH();
 }
 

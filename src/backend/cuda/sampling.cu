@@ -3,6 +3,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "backend/cuda/sampling.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -36,6 +37,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
                                                           GpuSampling p, uint64_t step,
                                                           const uint64_t* step_dev,
                                                           int32_t* out) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   if (step_dev) step = *step_dev;
   using RedA = cub::BlockReduce<ArgMax, kThreads>;
   using RedF = cub::BlockReduce<float, kThreads>;
@@ -149,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
 void sample(const float* logits, int R, int V, const GpuSampling& p, uint64_t step,
             int32_t* out, cudaStream_t s, const uint64_t* step_dev) {
   if (R == 0) return;
-  sample_kernel<<<R, kThreads, 0, s>>>(logits, V, p, step, step_dev, out);
+  launch_pdl(sample_kernel, R, kThreads, 0, s, logits, V, p, step, step_dev, out);
   SPADE_CUDA_LAUNCH();
 }
 

@@ -32,6 +32,7 @@
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/sparse_attention.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -87,6 +88,7 @@ struct SpCfg {
 // rows not loaded); no dense-head score emission then.
 template <int D, int W, int S, bool TOKEN, bool SKIP>
 __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   using C = SpCfg<D, W, S>;
   constexpr int CH = C::CH, RPI = C::RPI, NT = C::kThreads;
   extern __shared__ __align__(1024) unsigned char smem_dyn[];
@@ -440,7 +442,7 @@ template <int D, bool TOKEN, bool SKIP>
 void launch_one(const SpArgs& a, int n_items, cudaStream_t s) {
   using C = SpCfg<D, kW, kS>;
   prepare_one<D, TOKEN, SKIP>();
-  sparse_decode_kernel<D, kW, kS, TOKEN, SKIP><<<n_items, C::kThreads, C::kSmem, s>>>(a);
+  launch_pdl(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP>, n_items, C::kThreads, C::kSmem, s, a);
   SPADE_CUDA_LAUNCH();
 }
 

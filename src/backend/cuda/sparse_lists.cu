@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "backend/cuda/sparse_attention.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 
@@ -19,6 +20,7 @@ __device__ __forceinline__ int list_len(const int32_t* kv_len, int b, int k, int
 // it (B is small: a serial sum per CTA).
 __global__ void topk_compact_kernel(const int32_t* strided, const int32_t* kv_len, int Hkv,
                                     int k, int unit, int n_rows, int32_t* off, int32_t* idx) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int row = blockIdx.x, b = row / Hkv, h = row % Hkv;
   int start = 0;
   for (int bb = 0; bb < b; ++bb) start += Hkv * list_len(kv_len, bb, k, unit);
@@ -34,12 +36,14 @@ __global__ void topk_compact_kernel(const int32_t* strided, const int32_t* kv_le
 
 __global__ void row_lengths_kernel(const int32_t* kv_len, int n_rows, int Hkv, uint32_t heads,
                                    int32_t* out) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r < n_rows) out[r] = (heads >> (r % Hkv)) & 1u ? kv_len[r / Hkv] : 0;
 }
 
 __global__ void streaming_lists_kernel(const int32_t* kv_len, int B, int budget, int sinks,
                                        int32_t* off, int32_t* idx) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   const int b = blockIdx.x;
   int start = 0;
   for (int bb = 0; bb < b; ++bb) start += min(kv_len[bb], budget);
@@ -60,6 +64,7 @@ constexpr int kOwThreads = 1024;
 __global__ void __launch_bounds__(kOwThreads) oracle_weights_kernel(const float* sc, int64_t ld,
                                                                      const int32_t* kv_len, int Hq,
                                                                      int Hkv, float* out) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   __shared__ float s_red[32];
   __shared__ float s_max[16], s_inv[16];
   const int row = blockIdx.x, b = row / Hkv, h = row % Hkv, G = Hq / Hkv;
@@ -110,20 +115,20 @@ __global__ void __launch_bounds__(kOwThreads) oracle_weights_kernel(const float*
 void oracle_group_weights(const float* scores, int64_t ld, const int32_t* kv_len, int B, int Hq,
                           int Hkv, float* out, cudaStream_t s) {
   SPADE_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "oracle_group_weights: G must be <= 16");
-  oracle_weights_kernel<<<B * Hkv, kOwThreads, 0, s>>>(scores, ld, kv_len, Hq, Hkv, out);
+  launch_pdl(oracle_weights_kernel, B * Hkv, kOwThreads, 0, s, scores, ld, kv_len, Hq, Hkv, out);
   SPADE_CUDA(cudaGetLastError());
 }
 
 void quest_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, int Hkv,
                          int k_pages, int32_t* sel_off, int32_t* sel_idx, cudaStream_t s) {
-  topk_compact_kernel<<<B * Hkv, 128, 0, s>>>(strided, kv_len, Hkv, k_pages, 16, B * Hkv, sel_off,
+  launch_pdl(topk_compact_kernel, B * Hkv, 128, 0, s, strided, kv_len, Hkv, k_pages, 16, B * Hkv, sel_off,
                                               sel_idx);
   SPADE_CUDA(cudaGetLastError());
 }
 
 void token_compact_lists(const int32_t* strided, const int32_t* kv_len, int B, int Hkv, int k,
                          int32_t* sel_off, int32_t* sel_idx, cudaStream_t s) {
-  topk_compact_kernel<<<B * Hkv, 128, 0, s>>>(strided, kv_len, Hkv, k, 1, B * Hkv, sel_off,
+  launch_pdl(topk_compact_kernel, B * Hkv, 128, 0, s, strided, kv_len, Hkv, k, 1, B * Hkv, sel_off,
                                               sel_idx);
   SPADE_CUDA(cudaGetLastError());
 }
@@ -132,13 +137,13 @@ void row_lengths(const int32_t* kv_len, int B, int Hkv, int32_t* out, cudaStream
                  uint32_t heads) {
   SPADE_CHECK(Hkv <= 32 || heads == ~0u, "row_lengths: a head mask needs Hkv <= 32");
   const int n = B * Hkv;
-  row_lengths_kernel<<<(n + 255) / 256, 256, 0, s>>>(kv_len, n, Hkv, Hkv <= 32 ? heads : ~0u, out);
+  launch_pdl(row_lengths_kernel, (n + 255) / 256, 256, 0, s, kv_len, n, Hkv, Hkv <= 32 ? heads : ~0u, out);
   SPADE_CUDA(cudaGetLastError());
 }
 
 void streaming_lists(const int32_t* kv_len, int B, int budget, int sinks, int32_t* sel_off,
                      int32_t* sel_idx, cudaStream_t s) {
-  streaming_lists_kernel<<<B, 256, 0, s>>>(kv_len, B, budget, sinks, sel_off, sel_idx);
+  launch_pdl(streaming_lists_kernel, B, 256, 0, s, kv_len, B, budget, sinks, sel_off, sel_idx);
   SPADE_CUDA(cudaGetLastError());
 }
 

@@ -34,6 +34,7 @@
 #include "backend/cuda/int4_keys.cuh"
 #include "backend/cuda/topp_tree_search.cuh"
 #include "backend/cuda/twilight.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -187,6 +188,7 @@ struct TpArgs {
 // EPT == 0: the weights live in shared memory (a.use_smem) or global memory.
 template <int NT, int EPT>
 __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const TpArgs a) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   extern __shared__ float sWf[];
   __shared__ RedSmem sred;
   __shared__ TreeSmem stree;
@@ -406,6 +408,7 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
 
 __global__ void twl_compact_kernel(const int32_t* kept, const int32_t* cnt, int max_slots,
                                    int n_lists, int32_t* off, int32_t* idx) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   __shared__ int s_start;
   const int list = blockIdx.x;
   if (threadIdx.x < 32) {
@@ -486,9 +489,9 @@ void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
   if (max_slots_ <= kTpRegSlots) {
     const int ctas = st.B * Hkv_ * G;
     if (ctas <= n_sms_)
-      twl_topp_kernel<kTpWideThreads, kTpWideEpt><<<ctas, kTpWideThreads, 0, s>>>(a);
+      launch_pdl(twl_topp_kernel<kTpWideThreads, kTpWideEpt>, ctas, kTpWideThreads, 0, s, a);
     else
-      twl_topp_kernel<kTpRegThreads, kTpEpt><<<ctas, kTpRegThreads, 0, s>>>(a);
+      launch_pdl(twl_topp_kernel<kTpRegThreads, kTpEpt>, ctas, kTpRegThreads, 0, s, a);
   } else {
     const size_t smem = size_t(max_slots_) * 4;
     a.use_smem = smem <= kTpSmemMax ? 1 : 0;
@@ -499,14 +502,14 @@ void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(kTpSmemMax)));
       attr_done = true;
     }
-    twl_topp_kernel<kTpMemThreads, 0><<<st.B * Hkv_ * G, kTpMemThreads, a.use_smem ? smem : 0, s>>>(a);
+    launch_pdl(twl_topp_kernel<kTpMemThreads, 0>, st.B * Hkv_ * G, kTpMemThreads, a.use_smem ? smem : 0, s, a);
   }
   SPADE_CUDA_LAUNCH();
 }
 
 void TwilightPruner::compact(const TwilightStep& st, cudaStream_t s) {
   const int n_lists = st.B * Hkv_;
-  twl_compact_kernel<<<n_lists, 1024, 0, s>>>(kept_strided_, kept_cnt_, max_slots_, n_lists,
+  launch_pdl(twl_compact_kernel, n_lists, 1024, 0, s, kept_strided_, kept_cnt_, max_slots_, n_lists,
                                              kept_off_, kept_idx_);
   SPADE_CUDA_LAUNCH();
 }

@@ -26,6 +26,7 @@
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/twilight.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -156,6 +157,7 @@ __global__ void __launch_bounds__(kEstWarps * 32) twl_estimate_kernel(const Twil
                                                                        float* __restrict__ logits,
                                                                        int Hq, int Hkv, int P,
                                                                        int max_slots) {
+  pdl_begin();  // pdl.cuh: first, before any global access
   constexpr int W = D / 32;  // 32-bit code words per lane per row (D/8 bytes)
   constexpr int QW = D / 8;  // bf16x2 q words per lane and head tile (D/4 dims)
   constexpr int U = kEstTilesPerWarp;
@@ -329,7 +331,7 @@ void TwilightPruner::estimate(const TwilightStep& st, cudaStream_t s) {
   dim3 grid(unsigned(std::max(1, (tiles + kEstWarps * tpw - 1) / (kEstWarps * tpw))),
             unsigned(st.B * Hkv_));
   auto go = [&](auto kernel) {
-    kernel<<<grid, kEstWarps * 32, 0, s>>>(st, logits_, Hq_, Hkv_, P_, max_slots_);
+    launch_pdl(kernel, grid, kEstWarps * 32, 0, s, st, logits_, Hq_, Hkv_, P_, max_slots_);
   };
   if (D_ == 128) {
     if (NTILE == 1) go(twl_estimate_kernel<128, 1>);
