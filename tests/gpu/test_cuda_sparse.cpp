@@ -567,5 +567,66 @@ TEST(CudaSparse, TopkRowsBoundaryBinTakenWhole) {
   }
 }
 
+// The top-k's passes adapt to the keys' range: rows whose range is all one value, a narrow
+// cluster between two extreme outliers (the first pass puts the cluster in one bin), the
+// whole float line (infinities, NaN, signed zeros, subnormals), ties straddling the k-th
+// key, k = 1 and k = n - 1; cached (6000) and uncached (70000) rows. Identical sets to the
+// CPU's top_k_range.
+TEST(CudaSparse, TopkRowsAdaptiveRanges) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t ld : {int64_t(6000), int64_t(70000)}) {
+    SCOPED_TRACE(testing::Message() << "ld=" << ld);
+    std::mt19937 rng{uint32_t(ld) + 7};
+    const int n = int(ld);
+    struct Row { std::vector<float> x; int k; };
+    std::vector<Row> rows;
+    auto add = [&](int k, auto&& gen) {
+      Row r{std::vector<float>(size_t(n)), k};
+      for (int i = 0; i < n; ++i) r.x[size_t(i)] = gen(i);
+      std::shuffle(r.x.begin(), r.x.end(), rng);
+      rows.push_back(std::move(r));
+    };
+    std::normal_distribution<float> nd(0.f, 1.f);
+    add(300, [](int) { return 2.5f; });  // one value
+    add(300, [&](int i) {                // cluster between outliers
+      if (i == 0) return 3e38f;
+      if (i == 1) return -3e38f;
+      return 10.f + 1e-4f * nd(rng);
+    });
+    add(500, [&](int i) {  // the whole float line
+      switch (i % 9) {
+        case 0: return INFINITY;
+        case 1: return -INFINITY;
+        case 2: return std::nanf("");
+        case 3: return -0.f;
+        case 4: return 0.f;
+        case 5: return 1e-40f * float(i % 7);
+        default: return std::ldexp(nd(rng), int(i % 200) - 100);
+      }
+    });
+    add(1000, [&](int i) { return float(i % 50) * 0.25f; });  // ties straddle the k-th key
+    add(1, [&](int) { return nd(rng); });
+    add(n - 1, [&](int i) { return float(i % 3); });
+    const int R = int(rows.size());
+    std::vector<float> sc(size_t(R) * size_t(ld));
+    for (int r = 0; r < R; ++r) std::copy(rows[r].x.begin(), rows[r].x.end(), sc.begin() + size_t(r) * size_t(ld));
+    DevBuf<float> dsc(sc);
+    for (int r = 0; r < R; ++r) {
+      const int k = rows[r].k;
+      DevBuf<int32_t> dn(std::vector<int32_t>(1, n));
+      DevBuf<int32_t> dout{size_t(k)};
+      dout.poison();
+      cuda::topk_rows(dsc.p + size_t(r) * size_t(ld), ld, dn.p, 1, k, dout.p, 0);
+      auto got = dout.download();
+      std::vector<int32_t> tmp;
+      const int64_t kk = sparse::top_k_range(rows[r].x.data(), 0, n, k, tmp);
+      ASSERT_EQ(kk, k);
+      std::vector<int32_t> want(tmp.begin(), tmp.begin() + kk);
+      std::sort(want.begin(), want.end());
+      EXPECT_EQ(got, want) << "row " << r << " k " << k;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace spade::test

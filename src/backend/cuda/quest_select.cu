@@ -20,14 +20,14 @@
 // topk_kernel (Quest and topk_rows)
 //   reads  n fp32 scores of one row once into shared memory as keys (rows up to 40960 entries,
 //          one padding word per 32 keys against bank conflicts in the compaction passes;
-//          longer rows re-read L2 in each pass: up to 4 digit histograms, 3 compaction scans)
+//          longer rows re-read L2 in each pass: up to 3 histograms, 3 compaction scans)
 //   writes k int32 indices, ascending
 //   CTA = one row, 1024 threads. Scores map to order-preserving uint32 keys (NaN lowest, -0 =
-//   +0); up to 4 passes of 8-bit digit histograms in shared memory (plain atomics; 2 block
-//   barriers each; they stop once the boundary digit's keys are all taken) find the k-th
-//   largest key T (masked to the digits decided); a block scan over position order then keeps
-//   every key > T and the lowest-index keys == T, i.e. exactly the CPU's ranks_before order
-//   (higher score, then lower position).
+//   +0); the keys' min / max (one block reduction), then 1-3 passes of 2048-bin histograms
+//   over the remaining key range (shared-memory atomics; they stop once the boundary bin is
+//   one key wide or taken whole) find the class of the k-th largest key; a block scan over
+//   position order then keeps every key above the class and the lowest-index keys in it,
+//   i.e. exactly the CPU's ranks_before order (higher score, then lower position).
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -187,16 +187,29 @@ __device__ __forceinline__ int topk_slot(int i) { return i + (i >> 5); }
 // Writes the k best of scores[0..n) (k < n) ascending into out[0..k). CACHED: the keys are
 // first copied into shared memory skeys[topk_slot(0..n)] (8 loads in flight per thread), and
 // every pass reads them there; else each pass re-reads the scores (from L2).
+//
+// Selection by range-adaptive radix passes over the order keys: the candidate range [lo, hi]
+// starts as [min key, max key] of the row (one block reduction); a pass splits it into
+// <= kTopkBins bins of 2^shift keys each (bin = (u - lo) >> shift, shift the smallest that
+// fits the range), counts the candidates per bin (shared-memory atomics), and keeps the bin
+// that holds the rem-th largest candidate. It stops when that bin is one key value wide or is
+// taken whole; then the keys above the bin are all taken and, of the keys in it, the
+// lowest-index rem (all of it when taken whole): the CPU's ranks_before order. Fixed 8-bit
+// digits from the top (the kernel before) spent their first passes on the sign and exponent
+// bits that scores of one magnitude share; an adaptive range needs 1-3 passes.
+constexpr int kTopkBins = 2048;
 template <bool CACHED>
 __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __restrict__ out,
                          uint32_t* skeys) {
   // Two histograms and two result slots, alternating between passes: the next pass's
-  // histogram is cleared while this one fills, so a pass needs two block barriers.
-  __shared__ uint32_t hist[2][256];
+  // histogram is cleared while this one fills.
+  __shared__ uint32_t hist[2][kTopkBins];
   __shared__ int s_warp[64];
-  __shared__ uint32_t s_digit[2], s_above[2], s_exact[2];
-  const int tid = threadIdx.x;
-  for (int i = tid; i < 256; i += kTopkThreads) hist[0][i] = 0;
+  __shared__ uint32_t s_red[2][32];
+  __shared__ uint32_t s_bin[2], s_above[2], s_cnt[2];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int i = tid; i < kTopkBins; i += kTopkThreads) hist[0][i] = 0;
+  uint32_t kmin = 0xffffffffu, kmax = 0u;
   if (CACHED) {
     int i = tid;
     for (; i + 7 * kTopkThreads < n; i += 8 * kTopkThreads) {
@@ -204,83 +217,100 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
 #pragma unroll
       for (int u = 0; u < 8; ++u) v[u] = sc[i + u * kTopkThreads];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) skeys[topk_slot(i + u * kTopkThreads)] = order_key(v[u]);
+      for (int u = 0; u < 8; ++u) {
+        const uint32_t x = order_key(v[u]);
+        skeys[topk_slot(i + u * kTopkThreads)] = x;
+        kmin = min(kmin, x), kmax = max(kmax, x);
+      }
     }
-    for (; i < n; i += kTopkThreads) skeys[topk_slot(i)] = order_key(sc[i]);
+    for (; i < n; i += kTopkThreads) {
+      const uint32_t x = order_key(sc[i]);
+      skeys[topk_slot(i)] = x;
+      kmin = min(kmin, x), kmax = max(kmax, x);
+    }
+  } else {
+    for (int i = tid; i < n; i += kTopkThreads) {
+      const uint32_t x = order_key(sc[i]);
+      kmin = min(kmin, x), kmax = max(kmax, x);
+    }
+  }
+  auto key = [&](int i) { return CACHED ? skeys[topk_slot(i)] : order_key(sc[i]); };
+  kmin = __reduce_min_sync(0xffffffffu, kmin);
+  kmax = __reduce_max_sync(0xffffffffu, kmax);
+  if (lane == 0) s_red[0][warp] = kmin, s_red[1][warp] = kmax;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = kTopkThreads / 32;
+    kmin = __reduce_min_sync(0xffffffffu, lane < nw ? s_red[0][lane] : 0xffffffffu);
+    kmax = __reduce_max_sync(0xffffffffu, lane < nw ? s_red[1][lane] : 0u);
+    if (lane == 0) s_red[0][0] = kmin, s_red[1][0] = kmax;
   }
   __syncthreads();
-  auto key = [&](int i) { return CACHED ? skeys[topk_slot(i)] : order_key(sc[i]); };
-  uint32_t prefix = 0, mask = 0;
-  int rem = k;  // how many of the keys matching prefix are still to take
-  for (int shift = 24, pb = 0; shift >= 0; shift -= 8, pb ^= 1) {
+  uint32_t lo = s_red[0][0], span = s_red[1][0] - lo;  // candidates: lo <= u <= lo + span
+  int rem = k;  // how many of the candidates are still to take
+  for (int pb = 0; span > 0; pb ^= 1) {
+    const int shift = max(0, 32 - __clz(span) - 11);  // (span >> shift) < kTopkBins
     uint32_t* h = hist[pb];
-    for (int i = tid; i < 256; i += kTopkThreads) hist[pb ^ 1][i] = 0;
-    // Plain shared-memory atomics. A warp-aggregated form (__match_any_sync, one add per group
-    // of equal digits) was measured 1.5x slower for the whole top-k (H100, 128K batch 8: 18.3
-    // -> 12.0 us; bench/results/topk_hist_variants_h100_20261122.json): the match costs more
-    // than the same-address conflicts it avoids.
+    for (int i = tid; i < kTopkBins; i += kTopkThreads) hist[pb ^ 1][i] = 0;
     for (int i = tid; i < n; i += kTopkThreads) {
-      const uint32_t u = key(i);
-      if ((u & mask) == prefix) atomicAdd(&h[(u >> shift) & 255], 1u);
+      const uint32_t d = key(i) - lo;  // wraps above 2^31 for keys below lo: not counted
+      if (d <= span) atomicAdd(&h[d >> shift], 1u);
     }
     __syncthreads();
-    if (tid < 32) {
-      // Lane l owns bins 255 - 8l - 7 .. 255 - 8l (descending); suffix counts from the top.
-      uint32_t c[8], sum = 0;
+    // Thread t owns bins kTopkBins-1-2t and kTopkBins-2-2t (descending): the keys above a
+    // bin are the exclusive prefix over the threads before it.
+    constexpr int kPer = kTopkBins / kTopkThreads;
+    uint32_t c[kPer], sum = 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) c[j] = h[255 - 8 * tid - j], sum += c[j];
-      uint32_t incl = sum;
+    for (int j = 0; j < kPer; ++j) c[j] = h[kTopkBins - 1 - kPer * tid - j], sum += c[j];
+    int tot;
+    uint32_t run = uint32_t(block_exclusive_scan(int(sum), s_warp, &tot));
+    if (run < uint32_t(rem) && run + sum >= uint32_t(rem)) {  // exactly one thread
 #pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (tid >= o) incl += y;
-      }
-      const uint32_t excl = incl - sum;
-      if (excl < uint32_t(rem) && incl >= uint32_t(rem)) {  // exactly one lane
-        uint32_t run = excl;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (run + c[j] >= uint32_t(rem)) {
-            s_digit[pb] = 255 - 8 * tid - j;
-            s_above[pb] = run;
-            s_exact[pb] = run + c[j] == uint32_t(rem);  // the whole bin is taken
-            break;
-          }
-          run += c[j];
+      for (int j = 0; j < kPer; ++j) {
+        if (run + c[j] >= uint32_t(rem)) {
+          s_bin[pb] = kTopkBins - 1 - kPer * tid - j;
+          s_above[pb] = run;
+          s_cnt[pb] = c[j];
+          break;
         }
+        run += c[j];
       }
     }
     __syncthreads();
-    prefix |= s_digit[pb] << shift;
-    mask |= 255u << shift;
+    const uint32_t b = s_bin[pb];
     rem -= int(s_above[pb]);
-    // Every key of the boundary bin is taken: the lower digits decide nothing more.
-    if (s_exact[pb]) break;
+    lo += b << shift;
+    span = min(span - (b << shift), (shift >= 32 ? 0u : (1u << shift)) - 1u);
+    // Every key of the boundary bin is taken: nothing below it is, the bin is the class.
+    if (s_cnt[pb] == uint32_t(rem)) break;
   }
-  // T: the masked k-th largest key; take the keys above it and `rem` of those equal to it
-  // (all of them when the passes stopped early).
-  const uint32_t T = prefix;
+  // The class [lo, lo + span]: keys above it are taken, and the first `rem` of it by index.
+  const uint32_t Tlo = lo, Thi = lo + span;
   const int seg = (n + kTopkThreads - 1) / kTopkThreads;
   const int i0 = min(n, tid * seg), i1 = min(n, i0 + seg);
   int n_eq = 0;
-  for (int i = i0; i < i1; ++i) n_eq += (key(i) & mask) == T;
+  for (int i = i0; i < i1; ++i) {
+    const uint32_t u = key(i);
+    n_eq += u >= Tlo && u <= Thi;
+  }
   int tot;
   const int eq_before = block_exclusive_scan(n_eq, s_warp, &tot);
   int n_sel = 0;
   {
     int e = eq_before;
     for (int i = i0; i < i1; ++i) {
-      const uint32_t u = key(i) & mask;
-      if (u > T) ++n_sel;
-      else if (u == T && e++ < rem) ++n_sel;
+      const uint32_t u = key(i);
+      if (u > Thi) ++n_sel;
+      else if (u >= Tlo && e++ < rem) ++n_sel;
     }
   }
   int pos = block_exclusive_scan(n_sel, s_warp, &tot);
   {
     int e = eq_before;
     for (int i = i0; i < i1; ++i) {
-      const uint32_t u = key(i) & mask;
-      if (u > T || (u == T && e++ < rem)) out[pos++] = i;
+      const uint32_t u = key(i);
+      if (u > Thi || (u >= Tlo && e++ < rem)) out[pos++] = i;
     }
   }
 }
