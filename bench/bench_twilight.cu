@@ -16,7 +16,8 @@
 // Timing: CUDA events, median over reps of `calls` back-to-back launches (stream order, no
 // graph): each stage alone (top-p also by the step-per-pass bisection, us_topp_bisection),
 // and the whole step of each variant; plus the pruner's two launches of every rotated
-// layer replayed from one CUDA graph (us_pruner_graph, per layer).
+// layer replayed from one CUDA graph (us_pruner_graph, per layer), and both whole steps the
+// same way (us_quest_step_graph, us_twilight_step_graph: the form the model runs them in).
 // Byte floors: the pruner moves base tokens x (D/2 + 4) B of INT4 rows + kept x 4 B; floor
 // time = bytes / the copy bandwidth measured here (cudaMemcpy D2D, 2 x bytes / time).
 // The SparseAttention plan for the kept lists takes the previous step's kept counts as its
@@ -238,21 +239,22 @@ int main(int argc, char** argv) {
     const double t_pruner = time_us([&](int i) { pr.run(tstep(i), 0); }, calls, reps);
     // The pruner's two launches per layer, every layer once, replayed from a CUDA graph
     // (launch gaps removed); per layer.
-    double t_pruner_graph = 0;
-    {
+    auto graph_us = [&](auto&& enqueue) {  // enqueue(layer, stream) of every layer, one graph
       cudaStream_t gs;
       SPADE_CUDA(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
       cudaGraph_t graph;
       cudaGraphExec_t exec;
       SPADE_CUDA(cudaStreamBeginCapture(gs, cudaStreamCaptureModeGlobal));
-      for (int l = 0; l < n_layers; ++l) pr.run(tstep(l), gs);
+      for (int l = 0; l < n_layers; ++l) enqueue(l, gs);
       SPADE_CUDA(cudaStreamEndCapture(gs, &graph));
       SPADE_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-      t_pruner_graph = time_us([&](int) { SPADE_CUDA(cudaGraphLaunch(exec, 0)); }, calls, reps) / n_layers;
+      const double t = time_us([&](int) { SPADE_CUDA(cudaGraphLaunch(exec, 0)); }, calls, reps) / n_layers;
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
       cudaStreamDestroy(gs);
-    }
+      return t;
+    };
+    const double t_pruner_graph = graph_us([&](int l, cudaStream_t gs) { pr.run(tstep(l), gs); });
     pr.run(tstep(0), 0);  // layer 0's kept lists (its q over its selection) for the stage below
     const double t_attn_kept = time_us([&](int i) { const Layer& y = lay(i); sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0, nullptr, 0, {}, pr.kept_count()); }, calls, reps);
     const double t_attn_kept_hint = time_us([&](int i) { const Layer& y = lay(i); sa_h.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0, nullptr, 0, {}, pr.kept_count()); }, calls, reps);
@@ -270,6 +272,20 @@ int main(int argc, char** argv) {
       sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0,
                nullptr, 0, {}, pr.kept_count());
     }, calls, reps);
+    // Whole steps as the model runs them: every rotated layer's step captured in one CUDA graph
+    // (launches back to back on the device, programmatic edges with PDL); per layer.
+    const double t_quest_step_graph = graph_us([&](int l, cudaStream_t gs) {
+      const Layer& y = lay(l);
+      quest_select(qargs(l), gs);
+      sa_q.run(y.q, y.k, y.v, boff, bidx, att, scale, gs);
+    });
+    const double t_tw_step_graph = graph_us([&](int l, cudaStream_t gs) {
+      const Layer& y = lay(l);
+      quest_select(qargs(l), gs);
+      pr.run(tstep(l), gs);
+      sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, gs, 0,
+               nullptr, 0, {}, pr.kept_count());
+    });
     const double base_tokens = double(B) * Hkv * base_budget;
     const double est_bytes = base_tokens * (D / 2 + 4);
     const double pr_bytes = double(pr.floor_bytes(int64_t(base_tokens), int64_t(kept_mean * B * Hkv)));
@@ -283,12 +299,14 @@ int main(int argc, char** argv) {
                   "\"us_attn_base\":%.2f,\"us_estimate\":%.2f,\"us_topp\":%.2f,\"us_topp_bisection\":%.2f,\"us_compact\":%.2f,"
                   "\"us_pruner\":%.2f,\"us_pruner_graph\":%.2f,\"us_attn_kept\":%.2f,\"us_attn_kept_counts_plan\":%.2f,\"us_dense\":%.2f,"
                   "\"us_quest_step\":%.2f,\"us_twilight_step\":%.2f,"
+                  "\"us_quest_step_graph\":%.2f,\"us_twilight_step_graph\":%.2f,\"speedup_vs_quest_graph\":%.3f,"
                   "\"pruner_bytes\":%.0f,\"estimate_bytes\":%.0f,\"copy_bw_gbs\":%.1f,"
                   "\"pruner_floor_us\":%.2f,\"pruner_vs_floor\":%.3f,\"estimate_vs_floor\":%.3f,"
                   "\"speedup_vs_quest\":%.3f,\"speedup_vs_dense\":%.3f}",
                   pt.tag, ctx, B, Hq, Hkv, D, P, base_budget, pt.planted, n_layers, kept_mean, kept_max,
                   t_score, t_topk, t_select, t_attn_base, t_est, t_topp, t_topp_bisect, t_cmp, t_pruner, t_pruner_graph, t_attn_kept, t_attn_kept_hint,
-                  t_dense, t_quest_step, t_tw_step, pr_bytes, est_bytes, bw / 1e9, floor_us,
+                  t_dense, t_quest_step, t_tw_step, t_quest_step_graph, t_tw_step_graph,
+                  t_quest_step_graph / t_tw_step_graph, pr_bytes, est_bytes, bw / 1e9, floor_us,
                   t_pruner / floor_us, t_est / (est_bytes / bw * 1e6), t_quest_step / t_tw_step,
                   t_dense / t_tw_step);
     std::printf("%s\n", line);
