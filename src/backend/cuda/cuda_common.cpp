@@ -67,10 +67,6 @@ void* DeviceArena::alloc(size_t bytes, const char* what) {
   return p;
 }
 
-}  // namespace spade::cuda
-
-namespace spade::cuda {
-
 bool pdl_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("SPADE_PDL");

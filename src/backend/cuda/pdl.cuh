@@ -5,10 +5,12 @@
 //
 // Contract for every kernel launched with launch_pdl (and any kernel may call these; without
 // a programmatic dependency both are no-ops):
-//   - pdl_begin() is its first statement, in every CTA, before any global memory access and
-//     before any early return: griddepcontrol.wait blocks until the previous grid has
-//     COMPLETED and its writes are visible, so reads of its outputs and writes to buffers it
-//     reads are both ordered after it;
+//   - pdl_begin() comes, in every CTA, before any access to memory that another kernel of the
+//     step writes or reads, and before any return (tests/lint/check_pdl_contract.py checks the
+//     latter): griddepcontrol.wait blocks until the previous grid has COMPLETED and its writes
+//     are visible, so reads of its outputs and writes to buffers it reads are both ordered
+//     after it. In practice it is the first statement; the decode GEMV first requests its
+//     constant weights;
 //   - pdl_begin() then releases the next kernel (griddepcontrol.launch_dependents) only
 //     after that wait, so at most one launch runs ahead: a kernel two launches back has
 //     always completed when a kernel passes its wait (its predecessor waited for it).
