@@ -91,6 +91,27 @@ void CudaModel::fill_kv_random(PageTable& pt, int64_t length, uint64_t seed) {
     cuda::fill_random_bf16(static_cast<bf16*>(v_cache_) + l * layer_elems, int64_t(layer_elems),
                            seed + 2 * uint64_t(l) + 1, 1.f, 0.f, S_(stream_));
   }
+  // Quest: the pages' key min / max, as a prefill would leave them (decode steps then update
+  // the last page in qkv_post, which needs its earlier rows' metadata).
+  if (quest_meta_ && upd_host_) {
+    const int P = opt_.page_size, D = cfg_.head_dim, Hkv = cfg_.n_kv_heads;
+    const size_t layer_meta = size_t(n_pages_) * size_t(Hkv) * 2 * D;
+    const int64_t n_pages = (length + P - 1) / P;
+    for (int64_t p0 = 0; p0 < n_pages; p0 += upd_cap_) {
+      const int n = int(std::min<int64_t>(upd_cap_, n_pages - p0));
+      for (int i = 0; i < n; ++i) {
+        upd_host_[i] = pt.pages[size_t(p0 + i)];
+        upd_host_[upd_cap_ + i] = int32_t(std::min<int64_t>(P, length - (p0 + i) * P));
+      }
+      SPADE_CUDA(cudaMemcpyAsync(upd_, upd_host_, sizeof(int32_t) * size_t(2 * upd_cap_),
+                                 cudaMemcpyHostToDevice, S_(stream_)));
+      for (int l = 0; l < cfg_.n_layers; ++l)
+        cuda::quest_update_meta(static_cast<const bf16*>(k_cache_) + l * layer_elems,
+                                static_cast<bf16*>(quest_meta_) + l * layer_meta, upd_,
+                                upd_ + upd_cap_, n, Hkv, P, D, S_(stream_));
+      SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));  // upd_host_ is reused
+    }
+  }
   SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
   pt.length = length;
 }
@@ -526,6 +547,8 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   // the attention over selections when every sequence decodes one token.
   const CudaSparse& sp = opt_.sparse;
   upd_n_ = 0;
+  meta_in_append_ = sp.quest_base();
+  for (const SeqInput& s : batch) meta_in_append_ = meta_in_append_ && s.n_tokens == 1;
   sparse_step_ = false;
   lc_sync_.clear();
   if (sp.quest_base()) {
@@ -650,10 +673,11 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     uint32_t* szs = twilight ? k_int4_sz_ + l * layer_rows : nullptr;
     a.k_int4 = codes;  // Twilight: the INT4 copy of the appended keys
     a.k_int4_sz = szs;
-    cuda::qkv_post(a, st);
     bf16* meta = quest ? static_cast<bf16*>(quest_meta_) + l * layer_meta : nullptr;
+    a.quest_meta = meta_in_append_ ? meta : nullptr;  // decode: min / max with the new key
+    cuda::qkv_post(a, st);
     join_selection();  // the previous layer's selection, before anything reads it
-    if (quest && upd_n_ > 0)
+    if (quest && upd_n_ > 0 && !meta_in_append_)  // several tokens per sequence: recompute
       cuda::quest_update_meta(kc, meta, upd_, upd_ + upd_cap_, upd_n_, Hkv, opt_.page_size, D, st);
     if (sparse_step_ && lychee) {
       ld_layer(int(l), q, kc, vc, att, scale);

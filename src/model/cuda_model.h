@@ -307,6 +307,9 @@ class CudaModel {
   int32_t* upd_host_ = nullptr;  // pinned mirror
   int64_t upd_cap_ = 0;
   int upd_n_ = 0;
+  // Quest metadata of the step's pages updated inside qkv_post (one token per sequence: no two
+  // tokens share a page-head) instead of a quest_update_meta launch per layer.
+  bool meta_in_append_ = false;
   int64_t seq_pages_cap_ = 0;  // most pages of one sequence
   bool sparse_step_ = false;   // this step attends over selections
   int step_B_ = 0;

@@ -110,6 +110,7 @@ void CudaModel::graph_key(bool sample) {
   k.push_back(attn_->n_items());
   k.push_back(attn_->decode_variant());  // auto's kernel depends on the context length too
   k.push_back(upd_n_);
+  k.push_back(meta_in_append_ ? 1 : 0);
   k.push_back(sparse_step_ ? 1 : 0);
   if (!sparse_step_) return;
   k.push_back(step_B_);

@@ -2,12 +2,14 @@
 // on both sides where the GPU op takes bf16, so the tolerances measure the op, not the
 // input rounding.
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "backend/cpu/ops.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/sampling.h"
+#include "backend/cuda/sparse_attention.h"
 #include "gpu_util.h"
 
 namespace spade::test {
@@ -170,6 +172,81 @@ TEST(CudaOps, QkvPostRopeAppend) {
     size_t untouched = 0;
     for (float x : kc) untouched += std::isnan(x);
     EXPECT_EQ(untouched, kc.size() - written);
+  }
+}
+
+// Quest metadata kept by the KV append (QkvPostArgs::quest_meta, the model's decode steps):
+// sequences prefilled by qkv_post + quest_update_meta (recompute), then 40 decode steps of one
+// token per sequence with the metadata updated in qkv_post (pages fill up and new ones start,
+// one sequence starts empty, one on a page boundary). Every page's min / max must equal
+// quest_update_meta's recompute over its rows, bit for bit.
+TEST(CudaOps, QkvPostKeepsQuestMetadata) {
+  SKIP_WITHOUT_GPU();
+  for (int D : {64, 128}) {
+    SCOPED_TRACE(testing::Message() << "D=" << D);
+    std::mt19937 rng(uint32_t(D) + 11);
+    const int Hq = 8, Hkv = 2, P = 16, nh = Hq + 2 * Hkv, steps = 40;
+    const std::vector<int> len0 = {0, 5, 16, 37};
+    const int B = int(len0.size()), pages_per = (37 + steps) / P + 2, n_pages = B * pages_per;
+    std::vector<int32_t> perm(static_cast<size_t>(n_pages));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    auto page_of = [&](int b, int p) { return perm[size_t(b * pages_per + p / P)]; };
+    ModelConfig cfg;
+    cfg.head_dim = D;
+    std::vector<float> inv(size_t(D / 2));
+    cpu::rope_inv_freq(cfg, inv.data());
+    const size_t cache_n = size_t(n_pages) * Hkv * P * D, meta_n = size_t(n_pages) * Hkv * 2 * D;
+    DevBuf<float> dinv(inv);
+    DevBuf<bf16> dq(size_t(64) * Hq * D), dk(cache_n), dv(cache_n), dmeta(meta_n), dref(meta_n);
+    auto run = [&](const std::vector<int32_t>& pos, const std::vector<int32_t>& page, bf16* meta) {
+      const int T = int(pos.size());
+      DevBuf<float> dqkv(randn(size_t(T) * nh * D, rng));
+      DevBuf<int32_t> dpos(pos), dpage(page);
+      cuda::QkvPostArgs a;
+      a.qkv = dqkv.p, a.inv_freq = dinv.p, a.pos = dpos.p, a.page = dpage.p;
+      a.q_out = dq.p, a.k_cache = dk.p, a.v_cache = dv.p, a.quest_meta = meta;
+      a.T = T, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.P = P;
+      cuda::qkv_post(a, 0);
+    };
+    // The touched pages of every sequence with their valid rows, for the recompute.
+    auto recompute = [&](const std::vector<int>& len, bf16* meta) {
+      std::vector<int32_t> pids, nv;
+      for (int b = 0; b < B; ++b)
+        for (int p = 0; p < len[size_t(b)]; p += P) {
+          pids.push_back(page_of(b, p));
+          nv.push_back(std::min(P, len[size_t(b)] - p));
+        }
+      DevBuf<int32_t> dp(pids), dn(nv);
+      cuda::quest_update_meta(dk.p, meta, dp.p, dn.p, int(pids.size()), Hkv, P, D, 0);
+      SPADE_CUDA(cudaDeviceSynchronize());
+    };
+    {  // prefill: every sequence's first len0 tokens in one launch, metadata recomputed
+      std::vector<int32_t> pos, page;
+      for (int b = 0; b < B; ++b)
+        for (int t = 0; t < len0[size_t(b)]; ++t) pos.push_back(t), page.push_back(page_of(b, t));
+      run(pos, page, nullptr);
+      recompute(len0, dmeta.p);
+    }
+    std::vector<int> len(len0);
+    for (int s = 0; s < steps; ++s) {  // decode: one token per sequence, metadata in qkv_post
+      std::vector<int32_t> pos, page;
+      for (int b = 0; b < B; ++b) pos.push_back(len[size_t(b)]), page.push_back(page_of(b, len[size_t(b)]));
+      run(pos, page, dmeta.p);
+      for (int& l : len) ++l;
+    }
+    recompute(len, dref.p);
+    const auto got = dmeta.download(), want = dref.download();
+    int64_t bad = 0, checked = 0;
+    for (int b = 0; b < B; ++b)
+      for (int p = 0; p < len[size_t(b)]; p += P)
+        for (int h = 0; h < Hkv; ++h) {
+          const size_t o = (size_t(page_of(b, p)) * Hkv + h) * 2 * D;
+          for (int d = 0; d < 2 * D; ++d, ++checked)
+            bad += std::memcmp(&got[o + size_t(d)], &want[o + size_t(d)], sizeof(bf16)) != 0;
+        }
+    EXPECT_EQ(bad, 0) << "of " << checked << " metadata elements differ from the recompute";
+    EXPECT_GT(checked, 0);
   }
 }
 

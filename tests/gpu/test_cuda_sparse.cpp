@@ -518,12 +518,12 @@ TEST(CudaSparse, TopkRowsTiesAndNaN) {
   }
 }
 
-// The radix top-k stops early when the bin holding the k-th key is taken whole (every key of
-// it is selected, so the lower digits decide nothing): rows built so that this happens after
-// pass 1 (top byte: k positive keys among negatives), pass 2 (second byte: 250.x among
-// 150.x) and pass 3 (third byte: 250.5 + j ulp among 250 + j ulp), beside a row that needs
-// all four passes; positions shuffled. Both the shared-memory-cached rows (ld <= 40960) and
-// the uncached ones.
+// Written for the fixed 8-bit digit passes the top-k had before (commit a9210d4 made them
+// range-adaptive): rows whose k-th key's bin was taken whole after pass 1 (top byte: k
+// positive keys among negatives), pass 2 (second byte: 250.x among 150.x) and pass 3 (third
+// byte: 250.5 + j ulp among 250 + j ulp), beside a row that needed all four passes; positions
+// shuffled. Both the shared-memory-cached rows (ld <= 40960) and the uncached ones. The sets
+// must still be the CPU's.
 TEST(CudaSparse, TopkRowsBoundaryBinTakenWhole) {
   SKIP_WITHOUT_GPU();
   for (int64_t ld : {int64_t(6000), int64_t(70000)}) {

@@ -4,7 +4,8 @@
 //   qkv_post    reads T*(Hq+2Hkv)*D fp32, writes the same count of bf16 (q out, k/v into
 //               the paged cache [page][Hkv][P][D]); one warp per (token, head); with
 //               k_int4 set, the K warps also write the row's INT4 copy (D/2 + 4 bytes,
-//               Twilight; int4_keys.cuh)
+//               Twilight; int4_keys.cuh); with quest_meta set, they read and write the
+//               page-head's min / max rows (4*D bytes each way, Quest decode steps)
 //   swiglu      reads T*2F fp32, writes T*F bf16
 // For one decode token of Llama-3-8B these move < 0.5 MB per layer, against 436 MB of
 // weights per step: launch count, not bytes, is what matters (CUDA graphs fix that).
@@ -124,6 +125,23 @@ __global__ void qkv_post_kernel(QkvPostArgs a) {
   if (is_k && a.k_int4) {  // warp-uniform
     const int64_t row = (int64_t(a.page[t]) * a.Hkv + (head - a.Hq)) * a.P + pos % a.P;
     int4_quantize_row_warp(lo, hi, half, a.k_int4 + row * half, a.k_int4_sz + row);
+  }
+  if (is_k && a.quest_meta) {  // warp-uniform: the page's min / max rows with this key
+    bf16* mn = a.quest_meta + (int64_t(a.page[t]) * a.Hkv + (head - a.Hq)) * 2 * D;
+    bf16* mx = mn + D;
+    const bool first = pos % a.P == 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = lane + 32 * j;
+      if (i >= half) continue;
+      // fminf(running, new) from +-inf, as quest_update_meta's row loop (exact: bf16 values).
+      const float n0 = fminf(first ? INFINITY : __bfloat162float(mn[i]), lo[j]);
+      const float n1 = fminf(first ? INFINITY : __bfloat162float(mn[i + half]), hi[j]);
+      const float x0 = fmaxf(first ? -INFINITY : __bfloat162float(mx[i]), lo[j]);
+      const float x1 = fmaxf(first ? -INFINITY : __bfloat162float(mx[i + half]), hi[j]);
+      mn[i] = __float2bfloat16(n0), mn[i + half] = __float2bfloat16(n1);
+      mx[i] = __float2bfloat16(x0), mx[i + half] = __float2bfloat16(x1);
+    }
   }
 }
 

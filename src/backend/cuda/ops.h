@@ -38,6 +38,13 @@ struct QkvPostArgs {
   // [page][Hkv][P][D/2], sz [page][Hkv][P]. Both null: no INT4 keys. Needs D % 4 == 0.
   uint8_t* k_int4 = nullptr;
   uint32_t* k_int4_sz = nullptr;
+  // Optional (Quest decode steps): this layer's page metadata [page][Hkv][2][D] bf16 (min row,
+  // max row), updated with each appended key: element-wise min / max with the page's stored
+  // rows (a page's first row sets them), the same values, in the same order of operations, as
+  // quest_update_meta's recompute over the page. Only when no two tokens of the launch write
+  // the same page-head (one token per sequence) and the stored metadata covers the page's
+  // earlier rows.
+  bf16* quest_meta = nullptr;
   int T = 0, Hq = 0, Hkv = 0, D = 0, P = 16;
   float eps = 1e-5f;
 };
