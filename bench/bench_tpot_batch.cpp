@@ -1,6 +1,7 @@
 // Batched decode step time of the CUDA model runner with synthetic weights (8B-class shapes)
 // for full attention and the GPU sparse methods, at long contexts: B requests whose K/V hold
-// random values (fill_kv_random, no prefill), each decoding one token per step. Per
+// random values (fill_kv_random, no prefill; the Quest page metadata and Twilight's INT4 key copy
+// are computed from them as a prefill would), each decoding one token per step. Per
 // configuration: `warm` steps (graph captures; LycheeCluster builds its indexes at the first
 // one), then `steps` measured steps (CUDA events around each). Reports the median step (the
 // steady state), the mean (lazy index updates and re-captures included) and the byte floor of

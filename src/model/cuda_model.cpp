@@ -91,11 +91,13 @@ void CudaModel::fill_kv_random(PageTable& pt, int64_t length, uint64_t seed) {
     cuda::fill_random_bf16(static_cast<bf16*>(v_cache_) + l * layer_elems, int64_t(layer_elems),
                            seed + 2 * uint64_t(l) + 1, 1.f, 0.f, S_(stream_));
   }
-  // Quest: the pages' key min / max, as a prefill would leave them (decode steps then update
-  // the last page in qkv_post, which needs its earlier rows' metadata).
-  if (quest_meta_ && upd_host_) {
+  // Quest: the pages' key min / max, and Twilight: their INT4 key copy, as a prefill would
+  // leave them (decode steps then update the last page in qkv_post, which needs its earlier
+  // rows' metadata; Twilight's estimate reads the INT4 copy of every selected page).
+  if ((quest_meta_ || k_int4_) && upd_host_) {
     const int P = opt_.page_size, D = cfg_.head_dim, Hkv = cfg_.n_kv_heads;
     const size_t layer_meta = size_t(n_pages_) * size_t(Hkv) * 2 * D;
+    const size_t layer_rows = size_t(n_pages_) * size_t(Hkv) * size_t(P);
     const int64_t n_pages = (length + P - 1) / P;
     for (int64_t p0 = 0; p0 < n_pages; p0 += upd_cap_) {
       const int n = int(std::min<int64_t>(upd_cap_, n_pages - p0));
@@ -105,10 +107,16 @@ void CudaModel::fill_kv_random(PageTable& pt, int64_t length, uint64_t seed) {
       }
       SPADE_CUDA(cudaMemcpyAsync(upd_, upd_host_, sizeof(int32_t) * size_t(2 * upd_cap_),
                                  cudaMemcpyHostToDevice, S_(stream_)));
-      for (int l = 0; l < cfg_.n_layers; ++l)
-        cuda::quest_update_meta(static_cast<const bf16*>(k_cache_) + l * layer_elems,
-                                static_cast<bf16*>(quest_meta_) + l * layer_meta, upd_,
-                                upd_ + upd_cap_, n, Hkv, P, D, S_(stream_));
+      for (int l = 0; l < cfg_.n_layers; ++l) {
+        const bf16* kc = static_cast<const bf16*>(k_cache_) + l * layer_elems;
+        if (quest_meta_)
+          cuda::quest_update_meta(kc, static_cast<bf16*>(quest_meta_) + l * layer_meta, upd_,
+                                  upd_ + upd_cap_, n, Hkv, P, D, S_(stream_));
+        if (k_int4_)
+          cuda::int4_quantize_pages(kc, k_int4_ + l * layer_rows * size_t(D / 2),
+                                    k_int4_sz_ + l * layer_rows, upd_, upd_ + upd_cap_, n, Hkv, P,
+                                    D, S_(stream_));
+      }
       SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));  // upd_host_ is reused
     }
   }
