@@ -308,7 +308,9 @@ class CudaModel {
   int64_t upd_cap_ = 0;
   int upd_n_ = 0;
   // Quest metadata of the step's pages updated inside qkv_post (one token per sequence: no two
-  // tokens share a page-head) instead of a quest_update_meta launch per layer.
+  // tokens share a page-head) instead of a quest_update_meta launch per layer. Needs each
+  // page's metadata current for its earlier rows: pages get rows only through this model's
+  // steps or fill_kv_random (which computes it); the GPU pool has no page copy (no fork).
   bool meta_in_append_ = false;
   int64_t seq_pages_cap_ = 0;  // most pages of one sequence
   bool sparse_step_ = false;   // this step attends over selections
