@@ -24,7 +24,6 @@
 #include "backend/cuda/sparse_attention.h"
 #include "backend/cuda/twilight.h"
 #include "core/half.h"
-#include "io/hf_config.h"
 
 namespace spade {
 
@@ -56,73 +55,6 @@ void upload_f32(float* dst, const float* src, size_t n) {
 }
 
 }  // namespace
-
-ModelConfig synthetic_config(const std::string& name) {
-  // config.json values of the published models (weights are random in synthetic mode).
-  if (name == "llama3-8b" || name == "llama3.1-8b")
-    return parse_hf_config(R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-      "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-      "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-      "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
-      "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-      "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": 128001})",
-                           "synthetic llama3-8b");
-  if (name == "qwen3-8b")
-    return parse_hf_config(R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-      "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-      "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-      "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
-      "rope_theta": 1000000.0, "tie_word_embeddings": false, "attention_bias": false,
-      "bos_token_id": 151643, "eos_token_id": 151645})",
-                           "synthetic qwen3-8b");
-  return load_hf_config(name);
-}
-
-void CudaModel::fill_kv_random(PageTable& pt, int64_t length, uint64_t seed) {
-  SPADE_CHECK(pt.length == 0, "fill_kv_random: the page table must be empty");
-  reserve(pt, length);
-  const size_t page_elems = size_t(cfg_.n_kv_heads) * opt_.page_size * cfg_.head_dim;
-  const size_t layer_elems = size_t(n_pages_) * page_elems;
-  // Random values in the whole pool (cheap next to anything it is used to measure).
-  for (int l = 0; l < cfg_.n_layers; ++l) {
-    cuda::fill_random_bf16(static_cast<bf16*>(k_cache_) + l * layer_elems, int64_t(layer_elems),
-                           seed + 2 * uint64_t(l), 1.f, 0.f, S_(stream_));
-    cuda::fill_random_bf16(static_cast<bf16*>(v_cache_) + l * layer_elems, int64_t(layer_elems),
-                           seed + 2 * uint64_t(l) + 1, 1.f, 0.f, S_(stream_));
-  }
-  // Quest: the pages' key min / max, and Twilight: their INT4 key copy, as a prefill would
-  // leave them (decode steps then update the last page in qkv_post, which needs its earlier
-  // rows' metadata; Twilight's estimate reads the INT4 copy of every selected page).
-  if ((quest_meta_ || k_int4_) && upd_host_) {
-    const int P = opt_.page_size, D = cfg_.head_dim, Hkv = cfg_.n_kv_heads;
-    const size_t layer_meta = size_t(n_pages_) * size_t(Hkv) * 2 * D;
-    const size_t layer_rows = size_t(n_pages_) * size_t(Hkv) * size_t(P);
-    const int64_t n_pages = (length + P - 1) / P;
-    for (int64_t p0 = 0; p0 < n_pages; p0 += upd_cap_) {
-      const int n = int(std::min<int64_t>(upd_cap_, n_pages - p0));
-      for (int i = 0; i < n; ++i) {
-        upd_host_[i] = pt.pages[size_t(p0 + i)];
-        upd_host_[upd_cap_ + i] = int32_t(std::min<int64_t>(P, length - (p0 + i) * P));
-      }
-      SPADE_CUDA(cudaMemcpyAsync(upd_, upd_host_, sizeof(int32_t) * size_t(2 * upd_cap_),
-                                 cudaMemcpyHostToDevice, S_(stream_)));
-      for (int l = 0; l < cfg_.n_layers; ++l) {
-        const bf16* kc = static_cast<const bf16*>(k_cache_) + l * layer_elems;
-        if (quest_meta_)
-          cuda::quest_update_meta(kc, static_cast<bf16*>(quest_meta_) + l * layer_meta, upd_,
-                                  upd_ + upd_cap_, n, Hkv, P, D, S_(stream_));
-        if (k_int4_)
-          cuda::int4_quantize_pages(kc, k_int4_ + l * layer_rows * size_t(D / 2),
-                                    k_int4_sz_ + l * layer_rows, upd_, upd_ + upd_cap_, n, Hkv, P,
-                                    D, S_(stream_));
-      }
-      SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));  // upd_host_ is reused
-    }
-  }
-  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
-  pt.length = length;
-}
 
 CudaModel::CudaModel(const ModelWeights& w, const CudaModelOptions& opt)
     : cfg_(w.config), opt_(opt) {
@@ -559,7 +491,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   for (const SeqInput& s : batch) meta_in_append_ = meta_in_append_ && s.n_tokens == 1;
   sparse_step_ = false;
   lc_sync_.clear();
-  if (sp.quest_base()) {
+  if (sp.quest_base() && !meta_in_append_) {  // the pages quest_update_meta recomputes
     for (const SeqInput& s : batch) {
       const int64_t p0 = s.pages->length, p1 = p0 + s.n_tokens;
       for (int64_t pg = p0 / P; pg * P < p1; ++pg) {
