@@ -4,6 +4,8 @@
 //   x += att Wo^T  (GEMM epilogue)       | xn = rmsnorm(x)
 //   gu = xn Wgu^T (gate|up, fp32)        | h = silu(gate) * up (bf16)
 //   x += h Wdown^T (GEMM epilogue)
+// Decode steps on the GEMV (T <= Gemm::small_m()): gate|up and SwiGLU are one launch
+// (gemv_swiglu, CudaModelOptions::fuse_swiglu), with the same values.
 // Decode bytes per step (batch 1): all weights once (2 bytes/param) + K/V of the context;
 // that sum over the measured HBM bandwidth is the floor the TPOT benchmark compares with.
 #if defined(SPADE_HAVE_CUDA)
@@ -12,7 +14,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "backend/cpu/ops.h"
 #include "backend/cuda/attention.h"
@@ -28,6 +32,13 @@
 namespace spade {
 
 using cuda::bf16;
+
+namespace {
+bool fuse_swiglu_enabled(const CudaModelOptions& opt) {
+  const char* e = std::getenv("SPADE_FUSED_GEMV");
+  return opt.fuse_swiglu && !(e && std::string(e) == "0");
+}
+}  // namespace
 
 struct CudaModel::Layer {
   float* attn_norm = nullptr;
@@ -57,12 +68,12 @@ void upload_f32(float* dst, const float* src, size_t n) {
 }  // namespace
 
 CudaModel::CudaModel(const ModelWeights& w, const CudaModelOptions& opt)
-    : cfg_(w.config), opt_(opt) {
+    : cfg_(w.config), opt_(opt), fuse_swiglu_(fuse_swiglu_enabled(opt)) {
   init(&w, 0);
 }
 
 CudaModel::CudaModel(const ModelConfig& c, const CudaModelOptions& opt, uint64_t seed)
-    : cfg_(c), opt_(opt) {
+    : cfg_(c), opt_(opt), fuse_swiglu_(fuse_swiglu_enabled(opt)) {
   init(nullptr, seed);
 }
 
@@ -655,8 +666,12 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     }
     gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, 1.f, st);
     cuda::rmsnorm(x_, nullptr, L.ffn_norm, c.rms_eps, xn, T, H, st);
-    gemm_->run_f32(xn, L.wgu, gu_, T, 2 * F, H, 0.f, st);
-    cuda::swiglu(gu_, h, T, F, st);
+    if (fuse_swiglu_ && gemm_->uses_gemv(T) && cuda::gemv_supported(xn, L.wgu, T, H)) {
+      cuda::gemv_swiglu(xn, L.wgu, h, T, F, H, st);  // decode: one launch, same values
+    } else {
+      gemm_->run_f32(xn, L.wgu, gu_, T, 2 * F, H, 0.f, st);
+      cuda::swiglu(gu_, h, T, F, st);
+    }
     gemm_->run_f32(h, L.wdown, x_, T, H, F, 1.f, st);
   }
   join_selection();

@@ -4,6 +4,7 @@
 // precision, not the weight rounding.
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -84,6 +85,49 @@ TEST(CudaModel, RandomQwenMatchesCpu) {
   SKIP_WITHOUT_GPU();
   compare_random_model(small_config(Arch::Qwen2, 64), true);
   compare_random_model(small_config(Arch::Qwen3, 128), true);
+}
+
+// Decode steps on the GEMV run gate|up + SwiGLU as one launch (CudaModelOptions::fuse_swiglu):
+// the logits must be bit-identical to the separate launches', eager and replayed from graphs,
+// at batch 1 and 2 (the GEMV's default rows).
+TEST(CudaModel, FusedSwigluIsBitIdentical) {
+  SKIP_WITHOUT_GPU();
+  for (int D : {64, 128}) {
+    const ModelConfig c = small_config(D == 64 ? Arch::Llama : Arch::Qwen3, D);
+    SCOPED_TRACE(testing::Message() << arch_name(c.arch) << " D=" << D);
+    ModelWeights w = random_model(c, 78);
+    round_weights_bf16(w);
+    CudaModelOptions opt;
+    opt.max_tokens = 512;
+    opt.max_batch = 2;
+    opt.max_step_tokens = 64;
+    CudaModelOptions opt_sep = opt;
+    opt_sep.fuse_swiglu = false;
+    CudaModel fused(w, opt), sep(w, opt_sep);
+    std::mt19937 rng(5);
+    std::vector<int32_t> a(37), b(9);
+    for (auto& t : a) t = int32_t(rng() % uint32_t(c.vocab));
+    for (auto& t : b) t = int32_t(rng() % uint32_t(c.vocab));
+    PageTable pf[2], ps[2];
+    std::vector<int64_t> rf, rs;
+    auto step = [&](std::vector<SeqInput> in_f, std::vector<SeqInput> in_s, const char* what) {
+      const std::vector<float> lf = fused.forward(in_f, rf);
+      const std::vector<float>& ls = sep.forward(in_s, rs);
+      ASSERT_EQ(lf.size(), ls.size());
+      EXPECT_EQ(std::memcmp(lf.data(), ls.data(), lf.size() * sizeof(float)), 0)
+          << what << ": rel err " << rel_err(lf, ls);
+    };
+    step({{&pf[0], a.data(), 37, false}, {&pf[1], b.data(), 9, false}},
+         {{&ps[0], a.data(), 37, false}, {&ps[1], b.data(), 9, false}}, "prefill");
+    for (int s = 0; s < 6; ++s) {  // batch 2, then batch 1 (eager first use, then graphs)
+      int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
+      if (s < 3)
+        step({{&pf[0], &ta, 1, false}, {&pf[1], &tb, 1, false}},
+             {{&ps[0], &ta, 1, false}, {&ps[1], &tb, 1, false}}, "decode, batch 2");
+      else
+        step({{&pf[0], &ta, 1, false}}, {{&ps[0], &ta, 1, false}}, "decode, batch 1");
+    }
+  }
 }
 
 TEST(CudaModel, PoolTooSmallIsAClearError) {

@@ -88,13 +88,16 @@ def main():
                 continue
             checked.add(name)
             for body in bodies[name]:
-                if body.find("pdl_begin()") < 0:
+                # pdl_wait() is pdl_begin()'s wait without the early release (pdl.cuh).
+                first = [i for i in (body.find("pdl_begin()"), body.find("pdl_wait()")) if i >= 0]
+                if not first:
                     bad.append(f"{f.relative_to(ROOT)}:{line}: {name} never calls pdl_begin()")
                 else:
-                    # Every return must have a pdl_begin() before it in the text (the gemv's
-                    # early-out block calls it first).
+                    # Every return must have a pdl_begin() / pdl_wait() before it in the text
+                    # (the gemv's early-out block calls it first).
                     for r in re.finditer(r"\breturn\b", body):
-                        if body.rfind("pdl_begin()", 0, r.start()) < 0:
+                        if max(body.rfind("pdl_begin()", 0, r.start()),
+                               body.rfind("pdl_wait()", 0, r.start())) < 0:
                             bad.append(f"{f.relative_to(ROOT)}:{line}: {name} can return before pdl_begin()")
                             break
     for msg in missing + bad:

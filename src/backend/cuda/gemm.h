@@ -19,6 +19,10 @@ constexpr int kGemvMaxM = 8;
 bool gemv_supported(const bf16* x, const bf16* W, int M, int K);
 void gemv_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
               cudaStream_t s);
+// The decode GEMV of the gate|up projection with SwiGLU fused after it (gemv.cu): W_gu =
+// [W_gate; W_up] [2F][K], h[M][F] = bf16(silu(g) * u) with g, u = x W_gate^T, x W_up^T: the
+// values of gemv_f32 over W_gu + swiglu() (ops.h), one launch. Same operand rules as gemv_f32.
+void gemv_swiglu(const bf16* x, const bf16* W_gu, bf16* h, int M, int F, int K, cudaStream_t s);
 
 class Gemm {
  public:
@@ -36,6 +40,8 @@ class Gemm {
   // cuBLASLt. Default kDefaultSmallM; env SPADE_GEMV=<max M> overrides (0 for A/B timings).
   void set_small_m(int m) { small_m_ = m < 0 ? 0 : (m > kGemvMaxM ? kGemvMaxM : m); }
   int small_m() const { return small_m_; }
+  // Whether run_f32 with M rows takes the decode GEMV (M <= small_m(), operands permitting).
+  bool uses_gemv(int M) const { return M >= 1 && M <= small_m_; }
   // H100 (bench/bench_gemv.cu): the GEMV is 1.05-1.18x faster than cuBLASLt at M = 1 and
   // 1.00-1.09x at M = 2 on Llama-3.1-8B shapes, slower from M = 4 (x re-read per token).
   static constexpr int kDefaultSmallM = 2;

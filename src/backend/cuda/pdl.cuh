@@ -31,6 +31,22 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
+// The same two steps apart, for a kernel whose dependents should not launch while it runs
+// (pdl_begin's early release lets the next kernel's CTAs take SM slots and start their
+// pre-wait work during this one): pdl_wait() where pdl_begin() would be, pdl_release() after
+// the CTA's last store (a CTA that exits without it releases at its exit). The release still
+// follows the wait, so "at most one launch runs ahead" holds.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename... KArgs, typename... Args>
 void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
                 Args&&... args) {
