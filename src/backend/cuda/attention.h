@@ -85,11 +85,6 @@ class AttentionWorkspace {
   // variant is selected; prefill: the wgmma or the generic kernel); the v2 decode kernel
   // throws spade::Error.
   // With scores (decode only, not with skip): also the group-mean scores (DecodeScores).
-  // Precondition of a plain decode (v3 cp.async, no skip, no scores): it requests K/V rows
-  // older than each sequence's last row BEFORE its programmatic-dependent-launch wait
-  // (attention_decode.cu), so the kernel launched right before it on `s` may write no other
-  // row of these caches than each sequence's last (a decode step's qkv_post appends exactly
-  // that one); the work items, lengths and page table come from plan()'s upload.
   void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out, float scale,
            cudaStream_t s, const BlasstSkip& skip = {}, const DecodeScores* scores = nullptr) const;
 
