@@ -99,9 +99,7 @@ template <int D, int W, int S, int TK, bool TMA, bool SKIP, bool EMIT>
 __global__ void __launch_bounds__(W * 32)
     decode_v3_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap tmk,
                      const __grid_constant__ CUtensorMap tmv) {
-  // The plain instance starts its ring before the PDL wait (kPre, below); the others wait first.
-  constexpr bool kPre = !TMA && !SKIP && !EMIT;
-  if constexpr (!kPre) pdl_begin();  // pdl.cuh: first, before any global access
+  pdl_begin();  // pdl.cuh: first, before any global access
   using C = DecCfg<D, W, S, TK>;
   static_assert(!(SKIP && TMA) && !(EMIT && (TMA || SKIP)),
                 "BLASST skipping and score emission run in the cp.async kernel, not together");
@@ -204,23 +202,7 @@ __global__ void __launch_bounds__(W * 32)
     }
     __syncwarp();
   }
-  // kPre: the ring's first S - 1 chunks are requested BEFORE the PDL wait, so their page-id
-  // and data round trips overlap the previous kernel's tail (qkv_post in a decode step). That
-  // reads only what no kernel of the step writes (pdl.cuh): the work item, lengths and page
-  // table (copied from the host before the step) and K/V rows older than the step's new token
-  // (row L - 1, appended by qkv_post): a chunk holding row L - 1 waits. Commit groups: one per
-  // prologue chunk (possibly empty), then Q with the chunks that waited; all of them have
-  // landed before the main loop, which needs chunk k by group k (k <= S - 2) or k + 1.
-  if constexpr (kPre) {
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-      if (s < n_my && fast && chunk_j0(s) + TK <= L - 1) issue(s, s, pt[pdiv(chunk_j0(s))]);
-      cp_async_commit();
-    }
-    pdl_begin();
-  }
-  // Q rows (the G heads of this KV head; rows >= G zero) go in the first commit group (kPre:
-  // the last prologue group).
+  // Q rows (the G heads of this KV head; rows >= G zero) go in the first commit group.
   for (int idx = tid; idx < 16 * CH; idx += NT) {
     const int r = idx / CH, c = idx % CH;
     const bool valid = r < G;
@@ -232,23 +214,15 @@ __global__ void __launch_bounds__(W * 32)
     issue_keys(0, seed);
     if (n_ch > 1) issue_keys((n_ch - 1) * TK, seed + C::kTile);
   }
-  if constexpr (kPre) {
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s)
-      if (s < n_my && !(fast && chunk_j0(s) + TK <= L - 1))
-        issue(s, s, fast ? pt[pdiv(chunk_j0(s))] : 0);
+  for (int s = 0; s < S - 1; ++s) {
+    if constexpr (SKIP) cp_async_commit();  // the (empty) V group of chunk s - S + 1
+    if (s < n_my) issue(s, s, fast ? pt[pdiv(chunk_j0(s))] : 0, SKIP ? 1 : 3);
     cp_async_commit();
-  } else {
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-      if constexpr (SKIP) cp_async_commit();  // the (empty) V group of chunk s - S + 1
-      if (s < n_my) issue(s, s, fast ? pt[pdiv(chunk_j0(s))] : 0, SKIP ? 1 : 3);
-      cp_async_commit();
-    }
   }
   int pid_next = 0;  // page id of the next chunk to issue (S - 1), loaded one iteration early
   if (fast && S - 1 < n_my) pid_next = pt[pdiv(chunk_j0(S - 1))];
-  if constexpr (TMA || kPre) cp_async_wait<0>();
+  if constexpr (TMA) cp_async_wait<0>();
   else if constexpr (SKIP) cp_async_wait<2 * S - 3>();  // Q (group 0) has landed
   else cp_async_wait<S - 2>();  // this thread's Q part (group 0) has landed
   __syncthreads();
