@@ -4,8 +4,8 @@
 //   x += att Wo^T  (GEMM epilogue)       | xn = rmsnorm(x)
 //   gu = xn Wgu^T (gate|up, fp32)        | h = silu(gate) * up (bf16)
 //   x += h Wdown^T (GEMM epilogue)
-// Decode steps on the GEMV (T <= Gemm::small_m()): gate|up and SwiGLU are one launch
-// (gemv_swiglu, CudaModelOptions::fuse_swiglu), with the same values.
+// Decode steps on the GEMV (T <= Gemm::small_m()): qkv + qkv_post and gate|up + SwiGLU are one
+// launch each (gemv_qkv_post, gemv_swiglu; CudaModelOptions::fused_gemv), with the same values.
 // Decode bytes per step (batch 1): all weights once (2 bytes/param) + K/V of the context;
 // that sum over the measured HBM bandwidth is the floor the TPOT benchmark compares with.
 #if defined(SPADE_HAVE_CUDA)
@@ -34,9 +34,9 @@ namespace spade {
 using cuda::bf16;
 
 namespace {
-bool fuse_swiglu_enabled(const CudaModelOptions& opt) {
+int fused_gemv_mask(const CudaModelOptions& opt) {
   const char* e = std::getenv("SPADE_FUSED_GEMV");
-  return opt.fuse_swiglu && !(e && std::string(e) == "0");
+  return e && *e ? std::atoi(e) : opt.fused_gemv;
 }
 }  // namespace
 
@@ -68,12 +68,12 @@ void upload_f32(float* dst, const float* src, size_t n) {
 }  // namespace
 
 CudaModel::CudaModel(const ModelWeights& w, const CudaModelOptions& opt)
-    : cfg_(w.config), opt_(opt), fuse_swiglu_(fuse_swiglu_enabled(opt)) {
+    : cfg_(w.config), opt_(opt), fused_gemv_(fused_gemv_mask(opt)) {
   init(&w, 0);
 }
 
 CudaModel::CudaModel(const ModelConfig& c, const CudaModelOptions& opt, uint64_t seed)
-    : cfg_(c), opt_(opt), fuse_swiglu_(fuse_swiglu_enabled(opt)) {
+    : cfg_(c), opt_(opt), fused_gemv_(fused_gemv_mask(opt)) {
   init(nullptr, seed);
 }
 
@@ -607,7 +607,6 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     bf16* kc = static_cast<bf16*>(k_cache_) + l * layer_kv;
     bf16* vc = static_cast<bf16*>(v_cache_) + l * layer_kv;
     cuda::rmsnorm(x_, nullptr, L.attn_norm, c.rms_eps, xn, T, H, st);
-    gemm_->run_f32(xn, L.wqkv, qkv_, T, NQKV, H, 0.f, st);
     cuda::QkvPostArgs a;
     a.qkv = qkv_;
     a.bias = L.bqkv;
@@ -626,7 +625,13 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     a.k_int4_sz = szs;
     bf16* meta = quest ? static_cast<bf16*>(quest_meta_) + l * layer_meta : nullptr;
     a.quest_meta = meta_in_append_ ? meta : nullptr;  // decode: min / max with the new key
-    cuda::qkv_post(a, st);
+    if ((fused_gemv_ & CudaModelOptions::kFuseQkvPost) && gemm_->uses_gemv(T) &&
+        cuda::gemv_qkv_post_supported(xn, L.wqkv, a, T, H)) {
+      cuda::gemv_qkv_post(xn, L.wqkv, a, T, H, st);  // decode: one launch, same values
+    } else {
+      gemm_->run_f32(xn, L.wqkv, qkv_, T, NQKV, H, 0.f, st);
+      cuda::qkv_post(a, st);
+    }
     join_selection();  // the previous layer's selection, before anything reads it
     if (quest && upd_n_ > 0 && !meta_in_append_)  // several tokens per sequence: recompute
       cuda::quest_update_meta(kc, meta, upd_, upd_ + upd_cap_, upd_n_, Hkv, opt_.page_size, D, st);
@@ -666,7 +671,8 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     }
     gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, 1.f, st);
     cuda::rmsnorm(x_, nullptr, L.ffn_norm, c.rms_eps, xn, T, H, st);
-    if (fuse_swiglu_ && gemm_->uses_gemv(T) && cuda::gemv_supported(xn, L.wgu, T, H)) {
+    if ((fused_gemv_ & CudaModelOptions::kFuseSwiglu) && gemm_->uses_gemv(T) &&
+        cuda::gemv_supported(xn, L.wgu, T, H)) {
       cuda::gemv_swiglu(xn, L.wgu, h, T, F, H, st);  // decode: one launch, same values
     } else {
       gemm_->run_f32(xn, L.wgu, gu_, T, 2 * F, H, 0.f, st);

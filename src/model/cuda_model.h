@@ -121,10 +121,12 @@ struct CudaModelOptions {
   int64_t max_step_tokens = 2048;  // new tokens per forward() (prefill chunk cap)
   int64_t max_logit_rows = 0;    // 0: max(max_batch, 64)
   bool cuda_graphs = true;       // decode steps (all q_len == 1) replay a captured graph
-  // Steps that take the decode GEMV (<= Gemm::small_m() tokens): SwiGLU fused into the gate|up
-  // GEMV (gemv_swiglu, gemm.h; the same values as the separate launch).
-  // SPADE_FUSED_GEMV=0 in the environment turns it off (A/B timings).
-  bool fuse_swiglu = true;
+  // Steps that take the decode GEMV (<= Gemm::small_m() tokens) fuse the next op into it
+  // (gemm.h; the same values as the separate launches), a bit mask: kFuseSwiglu (gate|up +
+  // SwiGLU, gemv_swiglu), kFuseQkvPost (qkv + qkv_post, gemv_qkv_post; not with q/k norms or
+  // Twilight's INT4 keys). SPADE_FUSED_GEMV=<mask> in the environment overrides it (0: off).
+  static constexpr int kFuseSwiglu = 1, kFuseQkvPost = 2;
+  int fused_gemv = kFuseSwiglu | kFuseQkvPost;
   CudaSparse sparse;             // sparse decode (default: none; dense attention)
 };
 
@@ -265,7 +267,7 @@ class CudaModel {
   std::vector<cuda::LcInsert> lc_ins_;
   ModelConfig cfg_;
   CudaModelOptions opt_;
-  bool fuse_swiglu_ = true;  // opt_.fuse_swiglu unless SPADE_FUSED_GEMV=0
+  int fused_gemv_ = 0;  // opt_.fused_gemv, or SPADE_FUSED_GEMV
   std::unique_ptr<cuda::DeviceArena> arena_;
   std::unique_ptr<cuda::Gemm> gemm_;
   std::unique_ptr<cuda::AttentionWorkspace> attn_;

@@ -87,13 +87,16 @@ TEST(CudaModel, RandomQwenMatchesCpu) {
   compare_random_model(small_config(Arch::Qwen3, 128), true);
 }
 
-// Decode steps on the GEMV run gate|up + SwiGLU as one launch (CudaModelOptions::fuse_swiglu):
-// the logits must be bit-identical to the separate launches', eager and replayed from graphs,
-// at batch 1 and 2 (the GEMV's default rows).
-TEST(CudaModel, FusedSwigluIsBitIdentical) {
+// Decode steps on the GEMV run gate|up + SwiGLU and qkv + qkv_post as one launch each
+// (CudaModelOptions::fused_gemv): the logits must be bit-identical to the separate launches',
+// eager and replayed from graphs, at batch 1 and 2 (the GEMV's default rows); Llama (RoPE),
+// Qwen2 (qkv bias) and Qwen3 (q/k norms: qkv_post stays separate).
+TEST(CudaModel, FusedGemvEpiloguesAreBitIdentical) {
   SKIP_WITHOUT_GPU();
-  for (int D : {64, 128}) {
-    const ModelConfig c = small_config(D == 64 ? Arch::Llama : Arch::Qwen3, D);
+  const std::pair<Arch, int> archs[] = {{Arch::Llama, 64}, {Arch::Llama, 128}, {Arch::Qwen2, 64},
+                                        {Arch::Qwen3, 128}};
+  for (auto [arch, D] : archs) {
+    const ModelConfig c = small_config(arch, D);
     SCOPED_TRACE(testing::Message() << arch_name(c.arch) << " D=" << D);
     ModelWeights w = random_model(c, 78);
     round_weights_bf16(w);
@@ -102,7 +105,7 @@ TEST(CudaModel, FusedSwigluIsBitIdentical) {
     opt.max_batch = 2;
     opt.max_step_tokens = 64;
     CudaModelOptions opt_sep = opt;
-    opt_sep.fuse_swiglu = false;
+    opt_sep.fused_gemv = 0;
     CudaModel fused(w, opt), sep(w, opt_sep);
     std::mt19937 rng(5);
     std::vector<int32_t> a(37), b(9);

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "backend/cuda/cuda_common.h"
+#include "backend/cuda/ops.h"
 
 namespace spade::cuda {
 
@@ -23,6 +24,13 @@ void gemv_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float
 // [W_gate; W_up] [2F][K], h[M][F] = bf16(silu(g) * u) with g, u = x W_gate^T, x W_up^T: the
 // values of gemv_f32 over W_gu + swiglu() (ops.h), one launch. Same operand rules as gemv_f32.
 void gemv_swiglu(const bf16* x, const bf16* W_gu, bf16* h, int M, int F, int K, cudaStream_t s);
+// The decode GEMV of the qkv projection with qkv_post (ops.h) fused after it: the outputs of
+// gemv_f32 into a fp32 buffer followed by qkv_post(post) (q, the K / V appends, Quest metadata),
+// bit for bit, in one launch; post.qkv is not read. Needs post.T == M, no q/k norm, no INT4 keys,
+// D % 8 == 0 (gemv_qkv_post_supported).
+bool gemv_qkv_post_supported(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K);
+void gemv_qkv_post(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K,
+                   cudaStream_t s);
 
 class Gemm {
  public:

@@ -16,11 +16,17 @@
 // [2F][K]; a CTA's warps 0-3 take gate rows i..i+3 and warps 4-7 the up rows F + i..F + i + 3,
 // and it writes h[M][F] = bf16(silu(g) * u) (swiglu()'s arithmetic on the same fp32 g, u)
 // instead of the fp32 gate|up rows: no swiglu launch, no 8 F bytes per token written and read.
+// QKV instance (the qkv projection of a decode step, gemv_qkv_post): a CTA takes dims i..i+3
+// (warps 0-3) and i + D/2..i + D/2 + 3 (warps 4-7) of one head, meets in shared memory and
+// runs qkv_post on the pairs (qkv_post_pair.cuh: bias, RoPE, the bf16 q / K / V stores, Quest
+// page min / max), so no fp32 qkv buffer and no qkv_post launch; heads with a q/k norm or INT4
+// keys need the whole row and keep qkv_post.
 // Napkin math (Llama-3.1-8B, M = 1): 436 MB of weights per layer stack (qkv 48 MB, o 32 MB,
 // gate/up 224 MB, down 112 MB) + 1 GB lm_head; at 3.0 TB/s that is 5.3 ms of the TPOT.
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/load_stream.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/qkv_post_pair.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -46,26 +52,43 @@ __device__ __forceinline__ float dot8(const uint4& w, const uint4& v, float acc)
 
 struct GemvArgs {
   const bf16* x;  // [M][K]
-  const bf16* W;  // [N][K]; SWIGLU: [2N][K] (gate rows, then up rows)
-  float* y;       // [M][N] fp32 (not SWIGLU)
+  const bf16* W;  // [N][K]; SWIGLU: [2N][K] (gate rows, then up rows); QKV: [(Hq + 2Hkv) D][K]
+  float* y;       // [M][N] fp32 (plain)
   bf16* h;        // [M][N] bf16 (SWIGLU)
-  int N, K;       // N = output columns (F for SWIGLU)
+  int N, K;       // N = output columns (F for SWIGLU, (Hq + 2Hkv) D for QKV)
   float beta;
+  QkvPostArgs post;  // QKV: where the pairs go (post.qkv unused)
 };
 
-template <int M, bool SWIGLU>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
+enum Epi { kPlain, kSwiglu, kQkv };
+
+// Batch-1 instances are held to 6 CTAs per SM (<= 40 registers), where the plain kernel is on
+// its own: Llama-3.1-8B's qkv projection is then one wave (768 CTAs, 792 slots); the M = 2
+// plain instance keeps its 5. (The shared code with the fused forms nudged both over.)
+template <int M, int EPI>
+__global__ void __launch_bounds__(kThreads, M == 1 ? 6 : EPI == kPlain && M == 2 ? 5 : 0)
+    gemv_kernel(const GemvArgs a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // Output column col; its weight row is col, or (SWIGLU, warps 4-7) N + col. SWIGLU warps
-  // past N stream a valid row and discard it (every warp reaches the exchange barrier).
-  constexpr int per_cta = SWIGLU ? kWarps / 2 : kWarps;
-  const int col = blockIdx.x * per_cta + warp % per_cta;
-  if (!SWIGLU && col >= a.N) {
-    pdl_begin();
-    return;
+  // Paired forms (SWIGLU, QKV): warps 0-3 and 4-7 compute two rows of each output.
+  constexpr int kHalfWarps = kWarps / 2;
+  int col = 0, row = 0;   // plain / SWIGLU: output column; QKV: the pair's dim i
+  int head = 0;           // QKV
+  if constexpr (EPI == kPlain) {
+    col = row = blockIdx.x * kWarps + warp;
+    if (col >= a.N) {
+      pdl_begin();
+      return;
+    }
+  } else if constexpr (EPI == kSwiglu) {
+    // Warps past N stream a valid row and discard it (every warp reaches the barrier).
+    col = blockIdx.x * kHalfWarps + warp % kHalfWarps;
+    row = min(warp >= kHalfWarps ? a.N + col : col, 2 * a.N - 1);
+  } else {
+    const int half = a.post.D / 2, per_head = half / kHalfWarps;
+    head = blockIdx.x / per_head;
+    col = (blockIdx.x % per_head) * kHalfWarps + warp % kHalfWarps;
+    row = head * a.post.D + (warp >= kHalfWarps ? half : 0) + col;
   }
-  const int rows = SWIGLU ? 2 * a.N : a.N;
-  const int row = min(SWIGLU && warp >= per_cta ? a.N + col : col, rows - 1);
   const int nc = a.K / 8;  // 16-byte chunks per row
   const uint4* wr = reinterpret_cast<const uint4*>(a.W + int64_t(row) * a.K);
   const uint4* xr = reinterpret_cast<const uint4*>(a.x);
@@ -85,7 +108,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
   // its CTAs took SM slots during this one's last wave and the decode step got slower (H200,
   // Llama-3.1-8B, 32K, batch 1: +0.16 ms; bench/results/gemv_fusion_ab_h200_20261126.json),
   // so it releases them at its end (pdl.cuh, pdl_wait / pdl_release).
-  if constexpr (SWIGLU) pdl_wait();
+  if constexpr (EPI == kSwiglu) pdl_wait();
   else pdl_begin();
   for (int c0 = lane; c0 < nc; c0 += 32 * kUnroll) {
     if (c0 != lane) load_w(c0);
@@ -102,45 +125,67 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
-  if constexpr (SWIGLU) {
-    __shared__ float s_up[per_cta][M];
-    if (warp >= per_cta && lane == 0)
-#pragma unroll
-      for (int m = 0; m < M; ++m) s_up[warp - per_cta][m] = acc[m];
-    __syncthreads();
-    if (warp < per_cta && lane == 0 && col < a.N)
+  if constexpr (EPI == kPlain) {
+    if (lane == 0) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const float g = acc[m], u = s_up[warp][m];
-        a.h[int64_t(m) * a.N + col] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+        float* d = a.y + int64_t(m) * a.N + col;
+        *d = a.beta != 0.f ? *d + acc[m] : acc[m];
       }
-    pdl_release();
-  } else if (lane == 0) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float* d = a.y + int64_t(m) * a.N + col;
-      *d = a.beta != 0.f ? *d + acc[m] : acc[m];
     }
+  } else {
+    __shared__ float s_second[kHalfWarps][M];  // the second row of each pair
+    if (warp >= kHalfWarps && lane == 0)
+#pragma unroll
+      for (int m = 0; m < M; ++m) s_second[warp - kHalfWarps][m] = acc[m];
+    __syncthreads();
+    if (warp < kHalfWarps && lane == 0) {
+      if constexpr (EPI == kSwiglu) {
+        if (col < a.N)
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            const float g = acc[m], u = s_second[warp][m];
+            a.h[int64_t(m) * a.N + col] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+          }
+      } else {
+        // qkv_post_kernel's inputs: lo = qkv[i] + bias[i], hi = qkv[i + D/2] + bias[i + D/2].
+        const QkvPostArgs& p = a.post;
+        const int half = p.D / 2;
+        const float* bias = p.bias ? p.bias + int64_t(head) * p.D : nullptr;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          float lo = acc[m] + (bias ? bias[col] : 0.f);
+          float hi = s_second[warp][m] + (bias ? bias[col + half] : 0.f);
+          qkv_post_pair(p, m, head, col, qkv_post_dst(p, m, head), lo, hi);
+          if (p.quest_meta && head >= p.Hq && head < p.Hq + p.Hkv)
+            qkv_post_meta_pair(p, m, head, col, lo, hi);
+        }
+      }
+    }
+    if constexpr (EPI == kSwiglu) pdl_release();
   }
 }
 
-template <int M, bool SWIGLU>
+template <int M, int EPI>
 void launch(const GemvArgs& a, cudaStream_t s) {
-  constexpr int per_cta = SWIGLU ? kWarps / 2 : kWarps;
-  launch_pdl(gemv_kernel<M, SWIGLU>, (a.N + per_cta - 1) / per_cta, kThreads, 0, s, a);
+  // QKV: one CTA per 4 dim pairs of a head.
+  const int ctas = EPI == kPlain ? (a.N + kWarps - 1) / kWarps
+                 : EPI == kSwiglu ? (a.N + kWarps / 2 - 1) / (kWarps / 2)
+                                  : a.N / kWarps;
+  launch_pdl(gemv_kernel<M, EPI>, ctas, kThreads, 0, s, a);
 }
 
-template <bool SWIGLU>
+template <int EPI>
 void launch_m(const GemvArgs& a, int M, cudaStream_t s) {
   switch (M) {
-    case 1: launch<1, SWIGLU>(a, s); break;
-    case 2: launch<2, SWIGLU>(a, s); break;
-    case 3: launch<3, SWIGLU>(a, s); break;
-    case 4: launch<4, SWIGLU>(a, s); break;
-    case 5: launch<5, SWIGLU>(a, s); break;
-    case 6: launch<6, SWIGLU>(a, s); break;
-    case 7: launch<7, SWIGLU>(a, s); break;
-    default: launch<8, SWIGLU>(a, s); break;
+    case 1: launch<1, EPI>(a, s); break;
+    case 2: launch<2, EPI>(a, s); break;
+    case 3: launch<3, EPI>(a, s); break;
+    case 4: launch<4, EPI>(a, s); break;
+    case 5: launch<5, EPI>(a, s); break;
+    case 6: launch<6, EPI>(a, s); break;
+    case 7: launch<7, EPI>(a, s); break;
+    default: launch<8, EPI>(a, s); break;
   }
   SPADE_CUDA_LAUNCH();
 }
@@ -156,13 +201,26 @@ void gemv_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float
               cudaStream_t s) {
   SPADE_CHECK(gemv_supported(x, W, M, K), "gemv_f32: unsupported M=", M, " K=", K,
               " or unaligned operands");
-  launch_m<false>(GemvArgs{x, W, y, nullptr, N, K, beta}, M, s);
+  launch_m<kPlain>(GemvArgs{x, W, y, nullptr, N, K, beta, {}}, M, s);
 }
 
 void gemv_swiglu(const bf16* x, const bf16* W_gu, bf16* h, int M, int F, int K, cudaStream_t s) {
   SPADE_CHECK(gemv_supported(x, W_gu, M, K), "gemv_swiglu: unsupported M=", M, " K=", K,
               " or unaligned operands");
-  launch_m<true>(GemvArgs{x, W_gu, nullptr, h, F, K, 0.f}, M, s);
+  launch_m<kSwiglu>(GemvArgs{x, W_gu, nullptr, h, F, K, 0.f, {}}, M, s);
+}
+
+bool gemv_qkv_post_supported(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K) {
+  return gemv_supported(x, W, M, K) && post.T == M && !post.q_norm && !post.k_norm &&
+         !post.k_int4 && !post.k_int4_sz && post.D % 8 == 0 && post.D <= 256;
+}
+
+void gemv_qkv_post(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K,
+                   cudaStream_t s) {
+  SPADE_CHECK(gemv_qkv_post_supported(x, W, post, M, K), "gemv_qkv_post: unsupported M=", M,
+              " K=", K, " D=", post.D, ", unaligned operands, q/k norms or INT4 keys");
+  const int N = (post.Hq + 2 * post.Hkv) * post.D;
+  launch_m<kQkv>(GemvArgs{x, W, nullptr, nullptr, N, K, 0.f, post}, M, s);
 }
 
 }  // namespace spade::cuda

@@ -13,6 +13,7 @@
 
 #include "backend/cuda/int4_keys.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/qkv_post_pair.cuh"
 
 namespace spade::cuda {
 namespace {
@@ -72,15 +73,7 @@ __global__ void qkv_post_kernel(QkvPostArgs a) {
   const float* src = a.qkv + (int64_t(t) * nh + head) * D;
   const float* bias = a.bias ? a.bias + int64_t(head) * D : nullptr;
   const bool is_q = head < a.Hq, is_k = !is_q && head < a.Hq + a.Hkv;
-  const int pos = a.pos[t];
-  bf16* dst;
-  if (is_q) {
-    dst = a.q_out + (int64_t(t) * a.Hq + head) * D;
-  } else {
-    const int kh = is_k ? head - a.Hq : head - a.Hq - a.Hkv;
-    bf16* base = is_k ? a.k_cache : a.v_cache;
-    dst = base + ((int64_t(a.page[t]) * a.Hkv + kh) * a.P + pos % a.P) * D;
-  }
+  bf16* dst = qkv_post_dst(a, t, head);
   // Each lane holds pairs (i, i + D/2) for i = lane, lane + 32, ... (D <= 256).
   float lo[4], hi[4];
   float ss = 0.f;
@@ -109,38 +102,17 @@ __global__ void qkv_post_kernel(QkvPostArgs a) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int i = lane + 32 * j;
-    if (i >= half) continue;
-    float x0 = lo[j], x1 = hi[j];
-    if (is_q || is_k) {
-      float sn, cs;
-      sincosf(float(pos) * a.inv_freq[i], &sn, &cs);
-      x0 = lo[j] * cs - hi[j] * sn;
-      x1 = hi[j] * cs + lo[j] * sn;
-    }
-    dst[i] = __float2bfloat16(x0);
-    dst[i + half] = __float2bfloat16(x1);
-    lo[j] = __bfloat162float(__float2bfloat16(x0));  // the cached (bf16) values
-    hi[j] = __bfloat162float(__float2bfloat16(x1));
+    if (i < half) qkv_post_pair(a, t, head, i, dst, lo[j], hi[j]);
   }
   if (is_k && a.k_int4) {  // warp-uniform
-    const int64_t row = (int64_t(a.page[t]) * a.Hkv + (head - a.Hq)) * a.P + pos % a.P;
+    const int64_t row = (int64_t(a.page[t]) * a.Hkv + (head - a.Hq)) * a.P + a.pos[t] % a.P;
     int4_quantize_row_warp(lo, hi, half, a.k_int4 + row * half, a.k_int4_sz + row);
   }
   if (is_k && a.quest_meta) {  // warp-uniform: the page's min / max rows with this key
-    bf16* mn = a.quest_meta + (int64_t(a.page[t]) * a.Hkv + (head - a.Hq)) * 2 * D;
-    bf16* mx = mn + D;
-    const bool first = pos % a.P == 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int i = lane + 32 * j;
-      if (i >= half) continue;
-      // fminf(running, new) from +-inf, as quest_update_meta's row loop (exact: bf16 values).
-      const float n0 = fminf(first ? INFINITY : __bfloat162float(mn[i]), lo[j]);
-      const float n1 = fminf(first ? INFINITY : __bfloat162float(mn[i + half]), hi[j]);
-      const float x0 = fmaxf(first ? -INFINITY : __bfloat162float(mx[i]), lo[j]);
-      const float x1 = fmaxf(first ? -INFINITY : __bfloat162float(mx[i + half]), hi[j]);
-      mn[i] = __float2bfloat16(n0), mn[i + half] = __float2bfloat16(n1);
-      mx[i] = __float2bfloat16(x0), mx[i + half] = __float2bfloat16(x1);
+      if (i < half) qkv_post_meta_pair(a, t, head, i, lo[j], hi[j]);
     }
   }
 }
