@@ -20,7 +20,7 @@ using cuda::bf16;
 TEST(CudaOps, Embedding) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(1);
-  for (int H : {64, 576, 4096}) {
+  for (int H : {64, 100, 576, 4096}) {  // 100: not whole 16-byte chunks (the scalar path)
     const int vocab = 1000, T = 37;
     auto table = round_bf16(randn(size_t(vocab) * H, rng));
     std::vector<int32_t> ids(T);
@@ -39,7 +39,7 @@ TEST(CudaOps, Embedding) {
 TEST(CudaOps, RmsNormWithRowGather) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(2);
-  for (int H : {48, 576, 4096, 5120}) {
+  for (int H : {48, 576, 4096, 5120, 9000}) {  // 9000: past the 8 cached elements per thread
     const int R = 13;
     auto x = randn(size_t(R) * H, rng, 3.f);
     auto w = randn(size_t(H), rng, 0.1f, 1.f);
@@ -344,26 +344,32 @@ TEST(CudaOps, GemvMatchesCpuAndCublas) {
 TEST(CudaOps, SamplingGreedyAndFilters) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(6);
-  const int R = 4, V = 50000;
-  auto logits = randn(size_t(R) * V, rng, 3.f);
-  logits[size_t(2) * V + 777] = logits[size_t(2) * V + 123] = 40.f;  // tie: lowest id wins
-  DevBuf<float> dl(logits);
-  DevBuf<int32_t> dout(R);
-  cuda::GpuSampling g;
-  cuda::sample(dl.p, R, V, g, 0, dout.p, 0);
-  auto got = dout.download();
-  for (int r = 0; r < R; ++r) {
-    auto b = logits.begin() + size_t(r) * V;
-    EXPECT_EQ(got[r], int(std::max_element(b, b + V) - b)) << "row " << r;
-  }
-  // top-k = 1 at any temperature is greedy.
-  g.temperature = 1.5f;
-  g.top_k = 1;
-  cuda::sample(dl.p, R, V, g, 1, dout.p, 0);
-  got = dout.download();
-  for (int r = 0; r < R; ++r) {
-    auto b = logits.begin() + size_t(r) * V;
-    EXPECT_EQ(got[r], int(std::max_element(b, b + V) - b));
+  const int R = 4;
+  for (int V : {50000, 50003}) {  // 50003: rows not whole float4s (the scalar path)
+    SCOPED_TRACE(V);
+    auto logits = randn(size_t(R) * V, rng, 3.f);
+    logits[size_t(2) * V + 777] = logits[size_t(2) * V + 123] = 40.f;  // tie: lowest id wins
+    // A tie inside one float4, and one between two loads of one thread (ids 4104 and 20488).
+    logits[size_t(3) * V + 41] = logits[size_t(3) * V + 40] = 41.f;
+    logits[size_t(1) * V + 4 * 1024 + 8] = logits[size_t(1) * V + 4 * 5 * 1024 + 8] = 42.f;
+    DevBuf<float> dl(logits);
+    DevBuf<int32_t> dout(R);
+    cuda::GpuSampling g;
+    cuda::sample(dl.p, R, V, g, 0, dout.p, 0);
+    auto got = dout.download();
+    for (int r = 0; r < R; ++r) {
+      auto b = logits.begin() + size_t(r) * V;
+      EXPECT_EQ(got[r], int(std::max_element(b, b + V) - b)) << "row " << r;
+    }
+    // top-k = 1 at any temperature is greedy.
+    g.temperature = 1.5f;
+    g.top_k = 1;
+    cuda::sample(dl.p, R, V, g, 1, dout.p, 0);
+    got = dout.download();
+    for (int r = 0; r < R; ++r) {
+      auto b = logits.begin() + size_t(r) * V;
+      EXPECT_EQ(got[r], int(std::max_element(b, b + V) - b));
+    }
   }
 }
 

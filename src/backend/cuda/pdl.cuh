@@ -9,8 +9,8 @@
 //     step writes or reads, and before any return (tests/lint/check_pdl_contract.py checks the
 //     latter): griddepcontrol.wait blocks until the previous grid has COMPLETED and its writes
 //     are visible, so reads of its outputs and writes to buffers it reads are both ordered
-//     after it. In practice it is the first statement; the decode GEMV first requests its
-//     constant weights;
+//     after it. In practice it is the first statement; the decode GEMV and RMSNorm first
+//     request their constant weights;
 //   - pdl_begin() then releases the next kernel (griddepcontrol.launch_dependents) only
 //     after that wait, so at most one launch runs ahead: a kernel two launches back has
 //     always completed when a kernel passes its wait (its predecessor waited for it).
