@@ -9,8 +9,6 @@
 //   swiglu      reads T*2F fp32, writes T*F bf16
 // For one decode token of Llama-3-8B these move < 0.5 MB per layer, against 436 MB of
 // weights per step: launch count, not bytes, is what matters (CUDA graphs fix that).
-#include <algorithm>
-
 #include "backend/cuda/ops.h"
 
 #include "backend/cuda/int4_keys.cuh"
@@ -69,85 +67,52 @@ __global__ void embedding_kernel(const bf16* table, const int32_t* ids, float* x
   }
 }
 
-// RMSNorm of one row per CTA. The sum of squares is reduced in the order of a block of
-// VB = norm_vblock(H) threads (virtual thread v adds x[v], x[v + VB], ... in one FMA chain, then a
-// butterfly per warp of 32 virtual threads, then one over the VB / 32 warp sums): the order of
-// the 1024-thread kernel this replaced, so its values did not change. The CTA has at most 512
-// real threads (kNormThreads), each playing virtual threads t and t + 512 (slot j): a 1024-thread
-// CTA was 0.8% slower per decode step (H200), it finds room on an SM busy with the GEMV before
-// it later. Each virtual thread keeps up to kNormPer elements in registers: the norm weights
-// (constant during a step) are requested before the PDL wait, so a decode step's norm, launched
-// while the GEMV before it runs, starts with them in flight; x is read once. Rows of more than
-// kNormPer * VB elements (H > 8192) take the loop, in the same order.
-constexpr int kNormThreads = 512, kNormSlots = 2, kNormPer = 8;
-__host__ __device__ constexpr int norm_vblock(int H) { return H >= 1024 ? 1024 : ((H + 31) / 32) * 32; }
-
-__global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const float* x, const int32_t* rows,
-                                                               const float* w, float eps, bf16* y,
-                                                               int H) {
-  const int tid = threadIdx.x, nt = blockDim.x, VB = norm_vblock(H);
-  const bool cached = H <= kNormPer * VB;
-  float wv[kNormSlots][kNormPer];
+// Each thread holds up to kNormPer elements (i = tid + j * blockDim) in registers: the norm
+// weights (constant during a step) are requested before the PDL wait, so a decode step's norm,
+// launched while the GEMV before it runs, starts with them in flight; x is read once. Rows past
+// kNormPer * blockDim (H > 8192) take the loop. Both paths sum x^2 in the same order (i
+// ascending per thread) and compute the same expressions.
+constexpr int kNormPer = 8;
+__global__ void rmsnorm_kernel(const float* x, const int32_t* rows, const float* w, float eps,
+                               bf16* y, int H) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const bool cached = H <= kNormPer * nt;
+  float wv[kNormPer];
   if (cached) {
 #pragma unroll
-    for (int j = 0; j < kNormSlots; ++j)
-#pragma unroll
-      for (int k = 0; k < kNormPer; ++k) {
-        const int v = tid + j * nt, i = v + k * VB;
-        wv[j][k] = v < VB && i < H ? w[i] : 0.f;
-      }
+    for (int j = 0; j < kNormPer; ++j) wv[j] = tid + j * nt < H ? w[tid + j * nt] : 0.f;
   }
   pdl_begin();  // pdl.cuh: before any access to what other kernels write (w is constant)
   const int r = blockIdx.x;
   const int src = rows ? rows[r] : r;
   const float* xr = x + int64_t(src) * H;
-  float xv[kNormSlots][kNormPer];
-  float ss[kNormSlots] = {};
+  float xv[kNormPer];
+  float ss = 0.f;
   if (cached) {
 #pragma unroll
-    for (int j = 0; j < kNormSlots; ++j)
+    for (int j = 0; j < kNormPer; ++j) xv[j] = tid + j * nt < H ? xr[tid + j * nt] : 0.f;
 #pragma unroll
-      for (int k = 0; k < kNormPer; ++k) {
-        const int v = tid + j * nt, i = v + k * VB;
-        xv[j][k] = v < VB && i < H ? xr[i] : 0.f;
-      }
-#pragma unroll
-    for (int j = 0; j < kNormSlots; ++j)
-#pragma unroll
-      for (int k = 0; k < kNormPer; ++k)
-        if (tid + j * nt < VB && tid + j * nt + k * VB < H) ss[j] = fmaf(xv[j][k], xv[j][k], ss[j]);
+    for (int j = 0; j < kNormPer; ++j)
+      if (tid + j * nt < H) ss = fmaf(xv[j], xv[j], ss);
   } else {
-#pragma unroll
-    for (int j = 0; j < kNormSlots; ++j)
-      if (tid + j * nt < VB)
-        for (int i = tid + j * nt; i < H; i += VB) ss[j] = fmaf(xr[i], xr[i], ss[j]);
+    for (int i = tid; i < H; i += nt) ss = fmaf(xr[i], xr[i], ss);
   }
   __shared__ float part[32];
-#pragma unroll
-  for (int j = 0; j < kNormSlots; ++j) {
-    const int v = tid + j * nt;  // VB and nt are multiples of 32: whole warps in or out
-    if (v < VB) {
-      const float sum = warp_sum(ss[j]);
-      if ((v & 31) == 0) part[v >> 5] = sum;
-    }
-  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
   __syncthreads();
-  if (tid < 32) {
-    float v = tid < (VB >> 5) ? part[tid] : 0.f;
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
     v = warp_sum(v);
-    if (tid == 0) part[0] = v;
+    if (threadIdx.x == 0) part[0] = v;
   }
   __syncthreads();
   const float scale = rsqrtf(part[0] / float(H) + eps);
   bf16* yr = y + int64_t(r) * H;
   if (cached) {
 #pragma unroll
-    for (int j = 0; j < kNormSlots; ++j)
-#pragma unroll
-      for (int k = 0; k < kNormPer; ++k) {
-        const int v = tid + j * nt, i = v + k * VB;
-        if (v < VB && i < H) yr[i] = __float2bfloat16(xv[j][k] * scale * wv[j][k]);
-      }
+    for (int j = 0; j < kNormPer; ++j)
+      if (tid + j * nt < H) yr[tid + j * nt] = __float2bfloat16(xv[j] * scale * wv[j]);
   } else {
     for (int i = tid; i < H; i += nt) yr[i] = __float2bfloat16(xr[i] * scale * w[i]);
   }
@@ -272,7 +237,7 @@ void embedding(const bf16* table, const int32_t* ids, float* x, int T, int H, in
 void rmsnorm(const float* x, const int32_t* rows, const float* w, float eps, bf16* y, int R,
              int H, cudaStream_t s) {
   if (R == 0) return;
-  const int threads = std::min(kNormThreads, norm_vblock(H));  // virtual block <= 2 x real
+  int threads = H >= 1024 ? 1024 : ((H + 31) / 32) * 32;
   launch_pdl(rmsnorm_kernel, R, threads, 0, s, x, rows, w, eps, y, H);
   SPADE_CUDA_LAUNCH();
 }
