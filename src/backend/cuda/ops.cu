@@ -67,16 +67,14 @@ __global__ void embedding_kernel(const bf16* table, const int32_t* ids, float* x
   }
 }
 
-// One CTA of at most 512 threads per row (kNormThreads; 1024 was 0.8% slower per decode step on
-// an H200: such a CTA finds room on an SM busy with the GEMV before it later). Each thread holds
-// up to kNormPer elements (i = tid + j * blockDim) in registers: the norm weights (constant
-// during a step) are requested before the PDL wait, so a decode step's norm, launched while the
-// GEMV before it runs, starts with them in flight; x is read once. Rows past kNormPer * blockDim
-// (H > 8192) take the loop. Both paths sum x^2 in the same order (i ascending per thread) and
-// compute the same expressions.
-constexpr int kNormThreads = 512, kNormPer = 16;
-__global__ void __launch_bounds__(kNormThreads)
-    rmsnorm_kernel(const float* x, const int32_t* rows, const float* w, float eps, bf16* y, int H) {
+// Each thread holds up to kNormPer elements (i = tid + j * blockDim) in registers: the norm
+// weights (constant during a step) are requested before the PDL wait, so a decode step's norm,
+// launched while the GEMV before it runs, starts with them in flight; x is read once. Rows past
+// kNormPer * blockDim (H > 8192) take the loop. Both paths sum x^2 in the same order (i
+// ascending per thread) and compute the same expressions.
+constexpr int kNormPer = 8;
+__global__ void rmsnorm_kernel(const float* x, const int32_t* rows, const float* w, float eps,
+                               bf16* y, int H) {
   const int tid = threadIdx.x, nt = blockDim.x;
   const bool cached = H <= kNormPer * nt;
   float wv[kNormPer];
@@ -239,7 +237,7 @@ void embedding(const bf16* table, const int32_t* ids, float* x, int T, int H, in
 void rmsnorm(const float* x, const int32_t* rows, const float* w, float eps, bf16* y, int R,
              int H, cudaStream_t s) {
   if (R == 0) return;
-  const int threads = H >= kNormThreads ? kNormThreads : ((H + 31) / 32) * 32;
+  int threads = H >= 1024 ? 1024 : ((H + 31) / 32) * 32;
   launch_pdl(rmsnorm_kernel, R, threads, 0, s, x, rows, w, eps, y, H);
   SPADE_CUDA_LAUNCH();
 }
