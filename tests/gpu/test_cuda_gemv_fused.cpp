@@ -2,8 +2,7 @@
 // launches they replace (gemv_f32 -> swiglu / qkv_post, each checked against the CPU by
 // test_cuda_ops.cpp): bit-identical, so a decode step computes the same values with or without
 // the fusion; and the SwiGLU chain against the CPU directly, so a fault shared by both paths
-// cannot hide. Each form also runs with its weights streamed through the shared-memory ring
-// (gemv_ring_mask) and through per-lane register loads: the same bits.
+// cannot hide.
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -35,44 +34,6 @@ std::string first_diff(const std::vector<bf16>& a, const std::vector<bf16>& b) {
          " vs " + std::to_string(__bfloat162float(b[first])) + "), " + std::to_string(n) + " differ";
 }
 
-// Sets the decode GEMV's ring mask for a scope (gemm.h), restores it after.
-struct RingMask {
-  int saved = cuda::gemv_ring_mask();
-  explicit RingMask(int mask) { cuda::set_gemv_ring_mask(mask); }
-  ~RingMask() { cuda::set_gemv_ring_mask(saved); }
-};
-
-// The plain GEMV (gemv_f32, beta 0 / 1) with the ring and with register loads: K with a partial
-// last ring stage (1032 = 129 chunks, 5000, 576), whole stages (14336, 1024), rows shorter than a
-// stage (8, 64), N not a multiple of the 8 rows of a CTA, M = 1..8.
-TEST(CudaGemvRing, PlainIsBitIdenticalToRegisterLoads) {
-  SKIP_WITHOUT_GPU();
-  std::mt19937 rng(31);
-  struct S { int N, K; } shapes[] = {{1, 8}, {577, 576}, {3, 5000}, {1536, 14336},
-                                     {49152, 64}, {100, 1032}, {4096, 1024}};
-  for (auto [N, K] : shapes)
-    for (int M = 1; M <= cuda::kGemvMaxM; ++M) {
-      SCOPED_TRACE(testing::Message() << M << "x" << N << "x" << K);
-      const auto x = round_bf16(randn(size_t(M) * K, rng));
-      const auto w = round_bf16(randn(size_t(N) * K, rng, 0.05f));
-      const auto y0 = randn(size_t(M) * N, rng);
-      DevBuf<bf16> dx(to_bf16(x)), dw(to_bf16(w));
-      DevBuf<float> dy(size_t(M) * N);
-      std::vector<float> out[2][2];  // [ring][beta]
-      for (int ring = 0; ring < 2; ++ring) {
-        RingMask mask(ring ? cuda::kGemvRingAll : 0);
-        dy.poison();
-        cuda::gemv_f32(dx.p, dw.p, dy.p, M, N, K, 0.f, 0);
-        out[ring][0] = dy.download();
-        dy.upload(y0);
-        cuda::gemv_f32(dx.p, dw.p, dy.p, M, N, K, 1.f, 0);
-        out[ring][1] = dy.download();
-      }
-      EXPECT_TRUE(same_bits(out[0][0], out[1][0])) << "beta 0";
-      EXPECT_TRUE(same_bits(out[0][1], out[1][1])) << "beta 1";
-    }
-}
-
 // F not a multiple of the 4 columns a CTA writes, K not a multiple of the 256 elements a warp
 // reads per pass, M = 1..8, Llama-3.1-8B's gate|up shape.
 TEST(CudaGemvFused, SwigluMatchesSeparateLaunches) {
@@ -86,20 +47,12 @@ TEST(CudaGemvFused, SwigluMatchesSeparateLaunches) {
     const auto w = round_bf16(randn(size_t(2 * F) * K, rng, 0.05f));
     DevBuf<bf16> dx(to_bf16(x)), dw(to_bf16(w)), dh_ref(size_t(M) * F), dh(size_t(M) * F);
     DevBuf<float> dgu(size_t(M) * 2 * F);
-    {
-      RingMask mask(0);
-      cuda::gemv_f32(dx.p, dw.p, dgu.p, M, 2 * F, K, 0.f, 0);
-      cuda::swiglu(dgu.p, dh_ref.p, M, F, 0);
-    }
-    const auto ref = dh_ref.download();
-    for (int ring : {0, cuda::kGemvRingAll}) {
-      RingMask mask(ring);
-      dh.poison();
-      cuda::gemv_swiglu(dx.p, dw.p, dh.p, M, F, K, 0);
-      const auto got = dh.download();
-      EXPECT_TRUE(same_bits(ref, got))
-          << "ring " << ring << ", rel err " << rel_err(from_bf16(got), from_bf16(ref));
-    }
+    cuda::gemv_f32(dx.p, dw.p, dgu.p, M, 2 * F, K, 0.f, 0);
+    cuda::swiglu(dgu.p, dh_ref.p, M, F, 0);
+    dh.poison();
+    cuda::gemv_swiglu(dx.p, dw.p, dh.p, M, F, K, 0);
+    const auto ref = dh_ref.download(), got = dh.download();
+    EXPECT_TRUE(same_bits(ref, got)) << "rel err " << rel_err(from_bf16(got), from_bf16(ref));
   }
 }
 
@@ -171,25 +124,17 @@ TEST(CudaGemvFused, QkvPostMatchesSeparateLaunches) {
       a.T = c.M, a.Hq = c.Hq, a.Hkv = c.Hkv, a.D = c.D, a.P = P;
       return a;
     };
-    {
-      RingMask mask(0);
-      cuda::gemv_f32(dx.p, dw.p, dqkv.p, c.M, N, c.K, 0.f, 0);
-      cuda::qkv_post(args(ref), 0);
-    }
-    for (int ring : {0, cuda::kGemvRingAll}) {
-      SCOPED_TRACE(testing::Message() << "ring " << ring);
-      RingMask mask(ring);
-      make(got);
-      const cuda::QkvPostArgs a = args(got);
-      ASSERT_TRUE(cuda::gemv_qkv_post_supported(dx.p, dw.p, a, c.M, c.K));
-      cuda::gemv_qkv_post(dx.p, dw.p, a, c.M, c.K, 0);
-      const char* what[] = {"q", "K cache", "V cache", "Quest metadata"};
-      Out* outs[] = {&ref, &got};
-      for (int k = 0; k < 4; ++k) {
-        auto pick = [&](Out& o) -> DevBuf<bf16>& { return k == 0 ? o.q : k == 1 ? o.k : k == 2 ? o.v : o.meta; };
-        const auto r = pick(*outs[0]).download(), g = pick(*outs[1]).download();
-        EXPECT_TRUE(same_bits(r, g)) << what[k] << ": " << first_diff(r, g);
-      }
+    cuda::gemv_f32(dx.p, dw.p, dqkv.p, c.M, N, c.K, 0.f, 0);
+    cuda::qkv_post(args(ref), 0);
+    const cuda::QkvPostArgs a = args(got);
+    ASSERT_TRUE(cuda::gemv_qkv_post_supported(dx.p, dw.p, a, c.M, c.K));
+    cuda::gemv_qkv_post(dx.p, dw.p, a, c.M, c.K, 0);
+    const char* what[] = {"q", "K cache", "V cache", "Quest metadata"};
+    Out* outs[] = {&ref, &got};
+    for (int k = 0; k < 4; ++k) {
+      auto pick = [&](Out& o) -> DevBuf<bf16>& { return k == 0 ? o.q : k == 1 ? o.k : k == 2 ? o.v : o.meta; };
+      const auto r = pick(*outs[0]).download(), g = pick(*outs[1]).download();
+      EXPECT_TRUE(same_bits(r, g)) << what[k] << ": " << first_diff(r, g);
     }
   }
 }

@@ -38,7 +38,6 @@
 #include <cmath>
 
 #include "backend/cuda/attention_common.cuh"
-#include "backend/cuda/mbarrier.cuh"
 #include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda::attn_detail {
@@ -59,6 +58,24 @@ struct DecCfg {
   static_assert(16 * D * 2 <= 4096, "Q tile");
 };
 
+__device__ __forceinline__ void mbar_init1(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait_parity(uint32_t bar, int parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
                                             uint32_t bar) {
   asm volatile(
@@ -181,7 +198,7 @@ __global__ void __launch_bounds__(W * 32)
   if constexpr (TMA) {
     if (lane == 0) {
       for (int st = 0; st < S; ++st) mbar_init1(bar_of(st));
-      mbar_init_fence();
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncwarp();
   }

@@ -28,14 +28,6 @@ void gemv_swiglu(const bf16* x, const bf16* W_gu, bf16* h, int M, int F, int K, 
 // gemv_f32 into a fp32 buffer followed by qkv_post(post) (q, the K / V appends, Quest metadata),
 // bit for bit, in one launch; post.qkv is not read. Needs post.T == M, no q/k norm, no INT4 keys,
 // D % 8 == 0 (gemv_qkv_post_supported).
-// Which decode-GEMV forms stream their weights through the shared-memory ring of bulk copies
-// (gemv.cu) instead of per-lane register loads; the outputs are the same bits either way. Bits
-// kGemvRingPlain (gemv_f32), kGemvRingSwiglu, kGemvRingQkv; default all, env SPADE_GEMV_RING=<mask>
-// at start-up (A/B timings). Takes effect at the next launch (a captured graph keeps its form).
-constexpr int kGemvRingPlain = 1, kGemvRingSwiglu = 2, kGemvRingQkv = 4;
-constexpr int kGemvRingAll = kGemvRingPlain | kGemvRingSwiglu | kGemvRingQkv;
-int gemv_ring_mask();
-void set_gemv_ring_mask(int mask);
 bool gemv_qkv_post_supported(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K);
 void gemv_qkv_post(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K,
                    cudaStream_t s);

@@ -21,21 +21,10 @@
 // runs qkv_post on the pairs (qkv_post_pair.cuh: bias, RoPE, the bf16 q / K / V stores, Quest
 // page min / max), so no fp32 qkv buffer and no qkv_post launch; heads with a q/k norm or INT4
 // keys need the whole row and keep qkv_post.
-// Ring form (gemv_ring_mask(), default on): lane 0 of each warp streams the warp's row through
-// an S-stage shared-memory ring with 1-D bulk copies (mbarrier.cuh): stage j = chunks 128 j ..
-// 128 j + 127 of the row (2 KB, one pass of the register form), so a warp has S x 2 KB in flight
-// instead of 2 KB, all S stages requested before the PDL wait, and no registers held by loads in
-// flight. Lane l reads chunks 128 j + l + 32 u (u < 4) from the stage: the same chunks in the same
-// order as the register form, so the outputs are bit-identical to it (tested). Shared memory:
-// 8 warps x S x 2 KB (+ S mbarriers per warp): S = 3 (48 KB, 4 CTAs per SM) for the plain GEMV,
-// S = 2 (32 KB, 6 CTAs per SM) for the paired forms, whose grids are sized for 6 CTAs per SM.
 // Napkin math (Llama-3.1-8B, M = 1): 436 MB of weights per layer stack (qkv 48 MB, o 32 MB,
 // gate/up 224 MB, down 112 MB) + 1 GB lm_head; at 3.0 TB/s that is 5.3 ms of the TPOT.
-#include <cstdlib>
-
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/load_stream.cuh"
-#include "backend/cuda/mbarrier.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/qkv_post_pair.cuh"
 
@@ -46,8 +35,6 @@ namespace {
 // projection 1.05x vs 1.03x over cuBLASLt, the rest equal) and 1 x 8 / 2 x 8 (slower on the
 // small matrices).
 constexpr int kUnroll = 4, kWarps = 8, kThreads = 32 * kWarps;
-constexpr int kStageChunks = 32 * kUnroll;                 // 16-byte chunks per ring stage
-constexpr int kStageBytes = kStageChunks * 16;             // 2 KB
 
 __device__ __forceinline__ float lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
@@ -78,31 +65,8 @@ enum Epi { kPlain, kSwiglu, kQkv };
 // Batch-1 instances are held to 6 CTAs per SM (<= 40 registers), where the plain kernel is on
 // its own: Llama-3.1-8B's qkv projection is then one wave (768 CTAs, 792 slots); the M = 2
 // plain instance keeps its 5. (The shared code with the fused forms nudged both over.)
-// The gate|up GEMV (SWIGLU) is followed by the down GEMV: released at this kernel's start, its
-// CTAs took SM slots during this one's last wave and the decode step got slower (H200,
-// Llama-3.1-8B, 32K, batch 1: +0.16 ms; bench/results/gemv_fusion_ab_h200_20261126.json), so it
-// releases them at its end (pdl.cuh, pdl_wait / pdl_release).
-template <int EPI>
-__device__ __forceinline__ void gemv_pdl_wait() {
-  if constexpr (EPI == kSwiglu) pdl_wait();
-  else pdl_begin();
-}
-
-// Ring stages per warp of each form (0: the register form).
-template <int EPI>
-constexpr int ring_stages() { return EPI == kPlain ? 3 : 2; }
-template <int S>
-constexpr size_t ring_smem_bytes() { return size_t(kWarps) * S * (kStageBytes + 8); }
-// CTAs per SM the launch bounds ask for: the register form as before; the ring form as many as
-// its shared memory allows (plain: 4 of 48 KB, paired: 6 of 32 KB).
-template <int M, int EPI, int S>
-constexpr int min_ctas() {
-  if constexpr (S > 0) return M <= 2 ? (EPI == kPlain ? 4 : 6) : 0;
-  return M == 1 ? 6 : EPI == kPlain && M == 2 ? 5 : 0;
-}
-
-template <int M, int EPI, int S>
-__global__ void __launch_bounds__(kThreads, (min_ctas<M, EPI, S>()))
+template <int M, int EPI>
+__global__ void __launch_bounds__(kThreads, M == 1 ? 6 : EPI == kPlain && M == 2 ? 5 : 0)
     gemv_kernel(const GemvArgs a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // Paired forms (SWIGLU, QKV): warps 0-3 and 4-7 compute two rows of each output.
@@ -131,67 +95,30 @@ __global__ void __launch_bounds__(kThreads, (min_ctas<M, EPI, S>()))
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
-  if constexpr (S == 0) {
-    uint4 w[kUnroll];
-    auto load_w = [&](int c0) {
+  uint4 w[kUnroll];
+  auto load_w = [&](int c0) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        w[u] = c0 + 32 * u < nc ? ld_stream(wr + c0 + 32 * u) : make_uint4(0, 0, 0, 0);
-    };
-    // The weights are constant: the first chunks are requested before the wait for the kernel
-    // that writes x (pdl.cuh), so they arrive while it finishes.
-    load_w(lane);
-    gemv_pdl_wait<EPI>();
-    for (int c0 = lane; c0 < nc; c0 += 32 * kUnroll) {
-      if (c0 != lane) load_w(c0);
+    for (int u = 0; u < kUnroll; ++u)
+      w[u] = c0 + 32 * u < nc ? ld_stream(wr + c0 + 32 * u) : make_uint4(0, 0, 0, 0);
+  };
+  // The weights are constant: the first chunks are requested before the wait for the kernel
+  // that writes x (pdl.cuh), so they arrive while it finishes.
+  load_w(lane);
+  // The gate|up GEMV (SWIGLU) is followed by the down GEMV: released at this kernel's start,
+  // its CTAs took SM slots during this one's last wave and the decode step got slower (H200,
+  // Llama-3.1-8B, 32K, batch 1: +0.16 ms; bench/results/gemv_fusion_ab_h200_20261126.json),
+  // so it releases them at its end (pdl.cuh, pdl_wait / pdl_release).
+  if constexpr (EPI == kSwiglu) pdl_wait();
+  else pdl_begin();
+  for (int c0 = lane; c0 < nc; c0 += 32 * kUnroll) {
+    if (c0 != lane) load_w(c0);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = c0 + 32 * u;
-        if (c < nc) {
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < nc) {
 #pragma unroll
-          for (int m = 0; m < M; ++m)
-            acc[m] = dot8(w[u], __ldg(xr + int64_t(m) * nc + c), acc[m]);
-        }
+        for (int m = 0; m < M; ++m) acc[m] = dot8(w[u], __ldg(xr + int64_t(m) * nc + c), acc[m]);
       }
-    }
-  } else {
-    // Ring: [warp][S][kStageChunks] uint4, then [warp][S] mbarriers.
-    extern __shared__ __align__(16) unsigned char gemv_smem[];
-    const uint4* ring = reinterpret_cast<const uint4*>(gemv_smem) + warp * S * kStageChunks;
-    const uint32_t ring_addr = smem_addr(ring);
-    const uint32_t bar0 = smem_addr(gemv_smem + size_t(kWarps) * S * kStageBytes) + warp * S * 8;
-    const int n_st = (nc + kStageChunks - 1) / kStageChunks;
-    auto issue = [&](int st) {  // lane 0
-      const int slot = st % S;
-      const uint32_t bytes = uint32_t(min(kStageChunks, nc - st * kStageChunks)) * 16;
-      mbar_expect_tx(bar0 + slot * 8, bytes);
-      bulk_load_1d(ring_addr + slot * kStageBytes, wr + int64_t(st) * kStageChunks, bytes,
-                   bar0 + slot * 8);
-    };
-    // The weights are constant: all S stages are requested before the wait (pdl.cuh).
-    if (lane == 0) {
-      for (int st = 0; st < S; ++st) mbar_init1(bar0 + st * 8);
-      mbar_init_fence();
-      for (int st = 0; st < S && st < n_st; ++st) issue(st);
-    }
-    __syncwarp();  // the barriers' initialization before any lane waits on them
-    gemv_pdl_wait<EPI>();
-    for (int st = 0; st < n_st; ++st) {
-      const int slot = st % S;
-      mbar_wait_parity(bar0 + slot * 8, (st / S) & 1);
-      const uint4* stage = ring + slot * kStageChunks;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = st * kStageChunks + 32 * u + lane;
-        if (c < nc) {
-          const uint4 w = stage[32 * u + lane];
-#pragma unroll
-          for (int m = 0; m < M; ++m)
-            acc[m] = dot8(w, __ldg(xr + int64_t(m) * nc + c), acc[m]);
-        }
-      }
-      __syncwarp();  // every lane is done reading the slot before it is refilled
-      if (lane == 0 && st + S < n_st) issue(st + S);
     }
   }
 #pragma unroll
@@ -239,28 +166,13 @@ __global__ void __launch_bounds__(kThreads, (min_ctas<M, EPI, S>()))
   }
 }
 
-template <int M, int EPI, int S>
-void launch_s(const GemvArgs& a, int ctas, cudaStream_t s) {
-  constexpr size_t smem = S > 0 ? ring_smem_bytes<S>() : 0;
-  if constexpr (smem > 48 * 1024) {
-    static const bool attr_set = [] {
-      SPADE_CUDA(cudaFuncSetAttribute(gemv_kernel<M, EPI, S>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      return true;
-    }();
-    (void)attr_set;
-  }
-  launch_pdl(gemv_kernel<M, EPI, S>, ctas, kThreads, smem, s, a);
-}
-
 template <int M, int EPI>
 void launch(const GemvArgs& a, cudaStream_t s) {
   // QKV: one CTA per 4 dim pairs of a head.
   const int ctas = EPI == kPlain ? (a.N + kWarps - 1) / kWarps
                  : EPI == kSwiglu ? (a.N + kWarps / 2 - 1) / (kWarps / 2)
                                   : a.N / kWarps;
-  if (gemv_ring_mask() & (1 << EPI)) launch_s<M, EPI, ring_stages<EPI>()>(a, ctas, s);
-  else launch_s<M, EPI, 0>(a, ctas, s);
+  launch_pdl(gemv_kernel<M, EPI>, ctas, kThreads, 0, s, a);
 }
 
 template <int EPI>
@@ -278,18 +190,7 @@ void launch_m(const GemvArgs& a, int M, cudaStream_t s) {
   SPADE_CUDA_LAUNCH();
 }
 
-int& ring_mask_state() {
-  static int mask = [] {
-    const char* e = std::getenv("SPADE_GEMV_RING");
-    return e ? std::atoi(e) & kGemvRingAll : kGemvRingAll;
-  }();
-  return mask;
-}
-
 }  // namespace
-
-int gemv_ring_mask() { return ring_mask_state(); }
-void set_gemv_ring_mask(int mask) { ring_mask_state() = mask & kGemvRingAll; }
 
 bool gemv_supported(const bf16* x, const bf16* W, int M, int K) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
