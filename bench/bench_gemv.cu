@@ -1,6 +1,5 @@
 // Decode projections: our GEMV (gemv.cu) vs cuBLASLt (Gemm with set_small_m(0)) on the
-// Llama-3.1-8B shapes, M = 1, 2, 4, 8 tokens, bf16 weights, fp32 out. "split_parts": the parts
-// per row of our split form (gemv.cu; 1 = one warp per row; SPADE_GEMV_SPLIT forces a count).
+// Llama-3.1-8B shapes, M = 1, 2, 4, 8 tokens, bf16 weights, fp32 out.
 // Each shape cycles through enough weight copies (>= 256 MB) that no launch finds its weights
 // in the 50 MB L2; time = CUDA events around `reps` launches / reps. Bytes = 2 N K (weights)
 // + 2 M K (x) + 4 M N (y); GB/s against the device-to-device copy bandwidth of the same run.
@@ -79,10 +78,10 @@ int main(int argc, char** argv) {
                        "{\"device\":\"%s\",\"date\":\"%s\",\"commit\":\"%s\",\"command\":\"%s\","
                        "\"kind\":\"decode_gemv\",\"impl\":\"%s\",\"shape\":\"%s\",\"M\":%d,\"N\":%d,"
                        "\"K\":%d,\"us\":%.2f,\"bytes\":%.0f,\"GBps\":%.1f,\"copy_GBps\":%.1f,"
-                       "\"of_copy\":%.3f,\"speedup_vs_cublaslt\":%.3f,\"split_parts\":%d}\n",
+                       "\"of_copy\":%.3f,\"speedup_vs_cublaslt\":%.3f}\n",
                        prop.name, date, commit.c_str(), command.c_str(), path ? "spade_gemv" : "cublaslt",
                        sh.name, M, sh.N, sh.K, us[path], bytes, gbs, bw * 1e-9, gbs / (bw * 1e-9),
-                       us[0] / us[path], path ? gemv_split_parts(M, sh.N, sh.K) : 0);
+                       us[0] / us[path]);
         }
         std::fprintf(stderr, "%-8s M=%d: cuBLASLt %8.2f us (%4.0f GB/s)  ours %8.2f us (%4.0f GB/s)  %.2fx\n",
                      sh.name, M, us[0], bytes / us[0] * 1e-3, us[1], bytes / us[1] * 1e-3, us[0] / us[1]);

@@ -127,7 +127,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   const size_t kv_bytes = size_t(NL) * size_t(n_pages_) * size_t(Hkv * P * D) * 2 * 2;
   const size_t ws_bytes =
       size_t(S) * (H * 4 + std::max(H, F) * 2 + NQKV * 4 + 2 * Hq * D * 2 + 2 * F * 4 + F * 2) +
-      size_t(max_rows_) * V * 4 + size_t(4 * S + 4 * max_rows_ + 64) * 4 + (32u << 20) + cuda::GemvSplit::bytes() +
+      size_t(max_rows_) * V * 4 + size_t(4 * S + 4 * max_rows_ + 64) * 4 + (32u << 20) +
       size_t(64) * opt_.max_batch * Hq * (D + 1) * 4 + size_t(n_pages_ + 8 * S + 64 * opt_.max_batch) * 4 * 6 +
       (1u << 20) * 8;
   // Sparse decode buffers (see cuda_model.h).

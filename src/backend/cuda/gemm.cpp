@@ -7,9 +7,6 @@ namespace spade::cuda {
 Gemm::Gemm(DeviceArena& arena, size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   SPADE_CUBLAS(cublasLtCreate(&handle_));
   workspace_ = arena.alloc(workspace_bytes, "cuBLASLt workspace");
-  split_.partial = arena.alloc_n<float>(size_t(kGemvSplitMaxUnits) * kGemvMaxM, "GEMV split partials");
-  split_.arrivals = arena.alloc_n<uint32_t>(kGemvSplitMaxUnits, "GEMV split arrivals");
-  SPADE_CUDA(cudaMemset(split_.arrivals, 0, sizeof(uint32_t) * kGemvSplitMaxUnits));
   if (const char* e = std::getenv("SPADE_GEMV"); e && *e) set_small_m(std::atoi(e));
 }
 
@@ -65,7 +62,7 @@ void Gemm::run(const bf16* x, const bf16* W, void* y, int M, int N, int K, bool 
 
 void Gemm::run_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
                    cudaStream_t s) {
-  if (M >= 1 && M <= small_m_ && gemv_supported(x, W, M, K)) return gemv_f32(x, W, y, M, N, K, beta, s, &split_);
+  if (M >= 1 && M <= small_m_ && gemv_supported(x, W, M, K)) return gemv_f32(x, W, y, M, N, K, beta, s);
   run(x, W, y, M, N, K, false, beta, s);
 }
 

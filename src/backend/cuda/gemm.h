@@ -18,26 +18,8 @@ namespace spade::cuda {
 // aligned x and W (gemv_supported); gemv_f32 throws otherwise.
 constexpr int kGemvMaxM = 8;
 bool gemv_supported(const bf16* x, const bf16* W, int M, int K);
-// Workspace of the split form (gemv.cu): a GEMV whose grid is at most one wave (the o and down
-// projections at batch 1-2) splits each row into parts spread over several waves; the parts are
-// summed in a fixed order by the last of a row's units (deterministic). partial: fp32
-// [kGemvSplitMaxUnits][kGemvMaxM]; arrivals: uint32 [kGemvSplitMaxUnits], zero at start and
-// left zero by every launch. One workspace serves one stream's launches.
-constexpr int kGemvSplitMaxUnits = 65536;
-struct GemvSplit {
-  float* partial = nullptr;
-  uint32_t* arrivals = nullptr;
-  int parts = 0;  // parts per row; 0: gemv_split_parts() decides
-  static constexpr size_t bytes() {
-    return size_t(kGemvSplitMaxUnits) * (kGemvMaxM * sizeof(float) + sizeof(uint32_t)) + 512;
-  }
-};
-// Parts per row the split form uses for this shape (1: not split). Env SPADE_GEMV_SPLIT=<parts>
-// forces a count (0 or 1: never split), for A/B timings.
-int gemv_split_parts(int M, int N, int K);
-// With split == nullptr the one-warp-per-row form always runs.
 void gemv_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
-              cudaStream_t s, const GemvSplit* split = nullptr);
+              cudaStream_t s);
 // The decode GEMV of the gate|up projection with SwiGLU fused after it (gemv.cu): W_gu =
 // [W_gate; W_up] [2F][K], h[M][F] = bf16(silu(g) * u) with g, u = x W_gate^T, x W_up^T: the
 // values of gemv_f32 over W_gu + swiglu() (ops.h), one launch. Same operand rules as gemv_f32.
@@ -52,7 +34,6 @@ void gemv_qkv_post(const bf16* x, const bf16* W, const QkvPostArgs& post, int M,
 
 class Gemm {
  public:
-  // Takes workspace_bytes (cuBLASLt) + GemvSplit::bytes() (decode GEMV) from the arena.
   Gemm(DeviceArena& arena, size_t workspace_bytes = 32u << 20);
   ~Gemm();
   Gemm(const Gemm&) = delete;
@@ -87,7 +68,6 @@ class Gemm {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   int small_m_ = kDefaultSmallM;
-  GemvSplit split_;
   std::map<std::tuple<int, int, int, bool, bool>, Plan> plans_;
 };
 
