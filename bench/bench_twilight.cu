@@ -2,7 +2,8 @@
 // tokens alone (select + attention over its 512 pages) vs Quest 8192 + the Twilight pruner
 // (INT4 estimate + top-p) + attention over the kept tokens (strided lists with counts; the
 // optional CSR compaction is timed alone as us_compact). Shape: Hq=32,
-// Hkv=8, D=128, P=16, bf16 K/V; contexts 32K / 128K, batch 1 / 8. One JSON line per point.
+// Hkv=8, D=128, P=16, bf16 K/V; contexts 32K / 128K, batch 1 / 8 (mode "large": 16 / 32 / 64).
+// One JSON line per point.
 //
 // Inputs: random N(0, 1) q and K/V; per (request, KV head) `planted` (default 256) random
 // positions get keys aligned with one query head of the group, k = 2 q_g + 0.3 k (logit
@@ -124,6 +125,11 @@ int main(int argc, char** argv) {
     for (int B : {1, 8}) pts.push_back({ctx, B, 256, "peaked"});
   pts.push_back({32768, 1, 0, "flat"});
   if (mode == "quick") pts = {{32768, 1, 256, "peaked"}, {32768, 8, 256, "peaked"}};
+  if (mode == "large") {  // serving batches (the paper measures batch 16-256)
+    pts.clear();
+    for (int ctx : {32768, 131072})
+      for (int B : {16, 32, 64}) pts.push_back({ctx, B, 256, "peaked"});
+  }
   if (mode.rfind("point:", 0) == 0) {  // point:<ctx>:<B>:<peaked|flat> (profiling one point)
     Pt one{32768, 1, 256, "peaked"};
     char tag[16] = {0};
