@@ -504,13 +504,18 @@ int AttentionWorkspace::variant_occupancy(int variant) const {
 }
 
 // Auto: the 8-warp CTAs (one per SM, half the splits) only for very few (sequence, KV head)
-// pairs at contexts up to 32K, else the 4-warp CTAs (two per SM). H100
+// pairs at contexts up to 64K, else the 4-warp CTAs (two per SM). H100
 // (bench/results/attention_h100_20261122.json, attention_decode_*_h100_20261122.json): batch 1
 // (8 pairs) at 8K / 32K 8-warp 19.5 / 53.8 us vs 4-warp 21.0 / 55.2; at 128K 4-warp 190.5-192.9
 // vs 193.6-196.1; batch 8 (64 pairs) 4-warp faster by 1-3% at 8K-128K (the H200 rule, 8-warp
-// whenever pairs < SMs, lost there). The TMA (v4) twins are not faster and are not picked.
+// whenever pairs < SMs, lost there). H200, decode steps of Llama-3.1-8B
+// (bench/results/attention_decode_w8_tpot_h200_20261126.json): batch 1 8-warp faster per token
+// by 0.9% at 32K, 0.8% at 48K, 0.5% at 64K (0.4% at 128K, where the H100 prefers 4 warps);
+// batch 2 (16 pairs) at 32K 4-warp faster by 0.3%. (The bound was max_kv <= 32768, which a 32K
+// decode, at 32768 + generated tokens, missed.) The TMA (v4) twins are not faster and are not
+// picked.
 int AttentionWorkspace::auto_variant(int B, int max_kv) const {
-  const bool few = int64_t(B) * Hkv_ <= 16 && max_kv <= 32768;
+  const bool few = int64_t(B) * Hkv_ <= 8 && max_kv <= 65536;
   return few ? 2 : 1;
 }
 
