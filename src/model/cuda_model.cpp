@@ -5,9 +5,7 @@
 //   gu = xn Wgu^T (gate|up, fp32)        | h = silu(gate) * up (bf16)
 //   x += h Wdown^T (GEMM epilogue)
 // Decode steps on the GEMV (T <= Gemm::small_m()): qkv + qkv_post and gate|up + SwiGLU are one
-// launch each (gemv_qkv_post, gemv_swiglu; CudaModelOptions::fused_gemv), and the RMSNorm
-// before each is taken into it (the o / down GEMV leaves the sums of squares), with the same
-// values.
+// launch each (gemv_qkv_post, gemv_swiglu; CudaModelOptions::fused_gemv), with the same values.
 // Decode bytes per step (batch 1): all weights once (2 bytes/param) + K/V of the context;
 // that sum over the measured HBM bandwidth is the floor the TPOT benchmark compares with.
 #if defined(SPADE_HAVE_CUDA)
@@ -130,7 +128,6 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   const size_t ws_bytes =
       size_t(S) * (H * 4 + std::max(H, F) * 2 + NQKV * 4 + 2 * Hq * D * 2 + 2 * F * 4 + F * 2) +
       size_t(max_rows_) * V * 4 + size_t(4 * S + 4 * max_rows_ + 64) * 4 + (32u << 20) +
-      size_t(cuda::kGemvMaxM) * ((H + 7) / 8) * 4 + 256 +
       size_t(64) * opt_.max_batch * Hq * (D + 1) * 4 + size_t(n_pages_ + 8 * S + 64 * opt_.max_batch) * 4 * 6 +
       (1u << 20) * 8;
   // Sparse decode buffers (see cuda_model.h).
@@ -329,7 +326,6 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   q_ = A.alloc_n<bf16>(size_t(S * Hq * D), "q");
   att_ = A.alloc_n<bf16>(size_t(S * Hq * D), "attention out");
   gu_ = A.alloc_n<float>(size_t(S * 2 * F), "gate|up");
-  norm_ss_ = A.alloc_n<float>(size_t(cuda::kGemvMaxM) * size_t((H + 7) / 8), "norm group sums");
   h_ = A.alloc_n<bf16>(size_t(S * F), "mlp hidden");
   logits_ = A.alloc_n<float>(size_t(max_rows_ * V), "logits");
   step_off_ = (3 * S + max_rows_ + 1) / 2 * 2;
@@ -606,39 +602,11 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   if (sparse_step_ && (spc.method == CudaSparse::Method::Tidal ||
                        spc.method == CudaSparse::Method::OracleTopK))
     cuda::row_lengths(sparse_->dev_kv_len(), step_B_, Hkv, tidal_rown_, st);
-  // Fused norms (decode GEMV steps): whether layer l's qkv / gate|up GEMV takes its RMSNorm in.
-  // The o / down GEMV before it then leaves the group sums in norm_ss_ (same stream: the next
-  // producer writes them only after the consumer, the launch before it, has completed).
-  const bool gemv_step = gemm_->uses_gemv(T);
-  const bool fuse_qkv = (fused_gemv_ & CudaModelOptions::kFuseQkvPost) && gemv_step;
-  const bool fuse_gu = (fused_gemv_ & CudaModelOptions::kFuseSwiglu) && gemv_step;
-  auto norm_in = [&](const float* w) {
-    cuda::GemvNormIn n;
-    n.x = x_, n.w = w, n.group_ss = norm_ss_, n.eps = c.rms_eps;
-    return n;
-  };
-  // Whether layer l's qkv GEMV is the fused form with the norm in (its QkvPostArgs conditions
-  // without building them: no q/k norm, no INT4 keys) and layer l - 1's down GEMV is a GEMV.
-  auto norm_in_qkv = [&](size_t l) {
-    if (!(fused_gemv_ & CudaModelOptions::kFuseNormQkv) || !fuse_qkv || l == 0) return false;
-    const Layer& L = layers_[l];
-    const cuda::GemvNormIn n = norm_in(L.attn_norm);
-    return !L.q_norm && !L.k_norm && !twilight && D % 8 == 0 && D <= 256 &&
-           cuda::gemv_norm_in_supported(n, int(H)) && size_t(T) * H * 2 <= 48 * 1024 &&
-           cuda::gemv_supported(static_cast<const bf16*>(h_), layers_[l - 1].wdown, T, F) &&
-           cuda::gemv_supported(reinterpret_cast<const bf16*>(x_), L.wqkv, T, H);
-  };
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
     bf16* kc = static_cast<bf16*>(k_cache_) + l * layer_kv;
     bf16* vc = static_cast<bf16*>(v_cache_) + l * layer_kv;
-    const bool qkv_norm_in = norm_in_qkv(l);
-    const bool gu_norm_in = (fused_gemv_ & CudaModelOptions::kFuseNormGu) && fuse_gu &&
-                            size_t(T) * H * 2 <= 48 * 1024 &&
-                            cuda::gemv_norm_in_supported(norm_in(L.ffn_norm), int(H)) &&
-                            cuda::gemv_supported(static_cast<const bf16*>(att_), L.wo, T, Hq * D) &&
-                            cuda::gemv_supported(reinterpret_cast<const bf16*>(x_), L.wgu, T, H);
-    if (!qkv_norm_in) cuda::rmsnorm(x_, nullptr, L.attn_norm, c.rms_eps, xn, T, H, st);
+    cuda::rmsnorm(x_, nullptr, L.attn_norm, c.rms_eps, xn, T, H, st);
     cuda::QkvPostArgs a;
     a.qkv = qkv_;
     a.bias = L.bqkv;
@@ -657,12 +625,8 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     a.k_int4_sz = szs;
     bf16* meta = quest ? static_cast<bf16*>(quest_meta_) + l * layer_meta : nullptr;
     a.quest_meta = meta_in_append_ ? meta : nullptr;  // decode: min / max with the new key
-    const cuda::GemvNormIn attn_in = norm_in(L.attn_norm);
-    if (qkv_norm_in) {
-      SPADE_CHECK(cuda::gemv_qkv_post_supported(nullptr, L.wqkv, a, T, H, &attn_in),
-                  "fused attn norm: the qkv GEMV does not take it");
-      cuda::gemv_qkv_post(nullptr, L.wqkv, a, T, H, st, &attn_in);  // norm + qkv + qkv_post
-    } else if (fuse_qkv && cuda::gemv_qkv_post_supported(xn, L.wqkv, a, T, H)) {
+    if ((fused_gemv_ & CudaModelOptions::kFuseQkvPost) && gemm_->uses_gemv(T) &&
+        cuda::gemv_qkv_post_supported(xn, L.wqkv, a, T, H)) {
       cuda::gemv_qkv_post(xn, L.wqkv, a, T, H, st);  // decode: one launch, same values
     } else {
       gemm_->run_f32(xn, L.wqkv, qkv_, T, NQKV, H, 0.f, st);
@@ -705,21 +669,16 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     } else {
       attn_->run(q, kc, vc, att, scale, st, blasst_skip(int(l)));
     }
-    gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, 1.f, st, gu_norm_in ? norm_ss_ : nullptr);
-    if (gu_norm_in) {
-      const cuda::GemvNormIn ffn_in = norm_in(L.ffn_norm);
-      cuda::gemv_swiglu(nullptr, L.wgu, h, T, F, H, st, &ffn_in);  // norm + gate|up + SwiGLU
+    gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, 1.f, st);
+    cuda::rmsnorm(x_, nullptr, L.ffn_norm, c.rms_eps, xn, T, H, st);
+    if ((fused_gemv_ & CudaModelOptions::kFuseSwiglu) && gemm_->uses_gemv(T) &&
+        cuda::gemv_supported(xn, L.wgu, T, H)) {
+      cuda::gemv_swiglu(xn, L.wgu, h, T, F, H, st);  // decode: one launch, same values
     } else {
-      cuda::rmsnorm(x_, nullptr, L.ffn_norm, c.rms_eps, xn, T, H, st);
-      if (fuse_gu && cuda::gemv_supported(xn, L.wgu, T, H)) {
-        cuda::gemv_swiglu(xn, L.wgu, h, T, F, H, st);  // decode: one launch, same values
-      } else {
-        gemm_->run_f32(xn, L.wgu, gu_, T, 2 * F, H, 0.f, st);
-        cuda::swiglu(gu_, h, T, F, st);
-      }
+      gemm_->run_f32(xn, L.wgu, gu_, T, 2 * F, H, 0.f, st);
+      cuda::swiglu(gu_, h, T, F, st);
     }
-    const bool next_norm_in = l + 1 < layers_.size() && norm_in_qkv(l + 1);
-    gemm_->run_f32(h, L.wdown, x_, T, H, F, 1.f, st, next_norm_in ? norm_ss_ : nullptr);
+    gemm_->run_f32(h, L.wdown, x_, T, H, F, 1.f, st);
   }
   join_selection();
   cuda::rmsnorm(x_, tok_in_ + 3 * S, final_norm_, c.rms_eps, xn, R, H, st);

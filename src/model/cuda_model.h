@@ -124,12 +124,9 @@ struct CudaModelOptions {
   // Steps that take the decode GEMV (<= Gemm::small_m() tokens) fuse the next op into it
   // (gemm.h; the same values as the separate launches), a bit mask: kFuseSwiglu (gate|up +
   // SwiGLU, gemv_swiglu), kFuseQkvPost (qkv + qkv_post, gemv_qkv_post; not with q/k norms or
-  // Twilight's INT4 keys), kFuseNormQkv / kFuseNormGu (the attn / ffn RMSNorm taken into the
-  // fused qkv / gate|up GEMV, its sums of squares left by the down / o GEMV: no norm launch;
-  // gemm.h GemvNormIn; not for layer 0's attn norm, whose input is the embedding).
-  // SPADE_FUSED_GEMV=<mask> in the environment overrides it (0: off).
-  static constexpr int kFuseSwiglu = 1, kFuseQkvPost = 2, kFuseNormQkv = 4, kFuseNormGu = 8;
-  int fused_gemv = kFuseSwiglu | kFuseQkvPost | kFuseNormQkv | kFuseNormGu;
+  // Twilight's INT4 keys). SPADE_FUSED_GEMV=<mask> in the environment overrides it (0: off).
+  static constexpr int kFuseSwiglu = 1, kFuseQkvPost = 2;
+  int fused_gemv = kFuseSwiglu | kFuseQkvPost;
   CudaSparse sparse;             // sparse decode (default: none; dense attention)
 };
 
@@ -344,7 +341,6 @@ class CudaModel {
   void* q_ = nullptr;        // bf16 [T, Hq D]
   void* att_ = nullptr;      // bf16 [T, Hq D]
   float* gu_ = nullptr;      // [T, 2F]
-  float* norm_ss_ = nullptr; // [kGemvMaxM, ceil(H / 8)] RMSNorm group sums (fused norms)
   void* h_ = nullptr;        // bf16 [T, F]
   float* logits_ = nullptr;  // [R, V]
   int32_t* tok_in_ = nullptr;  // device: ids | pos | page | rows  (4 arrays of max_step_tokens)

@@ -87,11 +87,10 @@ TEST(CudaModel, RandomQwenMatchesCpu) {
   compare_random_model(small_config(Arch::Qwen3, 128), true);
 }
 
-// Decode steps on the GEMV run gate|up + SwiGLU and qkv + qkv_post as one launch each, with the
-// RMSNorm before each taken in (CudaModelOptions::fused_gemv): the logits must be bit-identical
-// to the separate launches', eager and replayed from graphs, at batch 1 and 2 (the GEMV's default
-// rows); Llama (RoPE), Qwen2 (qkv bias) and Qwen3 (q/k norms: qkv_post and the attn norm stay
-// separate).
+// Decode steps on the GEMV run gate|up + SwiGLU and qkv + qkv_post as one launch each
+// (CudaModelOptions::fused_gemv): the logits must be bit-identical to the separate launches',
+// eager and replayed from graphs, at batch 1 and 2 (the GEMV's default rows); Llama (RoPE),
+// Qwen2 (qkv bias) and Qwen3 (q/k norms: qkv_post stays separate).
 TEST(CudaModel, FusedGemvEpiloguesAreBitIdentical) {
   SKIP_WITHOUT_GPU();
   const std::pair<Arch, int> archs[] = {{Arch::Llama, 64}, {Arch::Llama, 128}, {Arch::Qwen2, 64},

@@ -61,11 +61,8 @@ void Gemm::run(const bf16* x, const bf16* W, void* y, int M, int N, int K, bool 
 }
 
 void Gemm::run_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
-                   cudaStream_t s, float* group_ss) {
-  const bool gemv = M >= 1 && M <= small_m_ && gemv_supported(x, W, M, K);
-  SPADE_CHECK(gemv || !group_ss, "Gemm::run_f32: the norm group sums need the decode GEMV (M=", M,
-              ", small_m ", small_m_, ")");
-  if (gemv) return gemv_f32(x, W, y, M, N, K, beta, s, group_ss);
+                   cudaStream_t s) {
+  if (M >= 1 && M <= small_m_ && gemv_supported(x, W, M, K)) return gemv_f32(x, W, y, M, N, K, beta, s);
   run(x, W, y, M, N, K, false, beta, s);
 }
 

@@ -18,33 +18,19 @@ namespace spade::cuda {
 // aligned x and W (gemv_supported); gemv_f32 throws otherwise.
 constexpr int kGemvMaxM = 8;
 bool gemv_supported(const bf16* x, const bf16* W, int M, int K);
-// group_ss (optional, fp32 [M][ceil(N/8)]): the sums of squares of y's new rows in groups of 8
-// (norm_sum.cuh), for a GemvNormIn of the next GEMV (the RMSNorm of y fused into it).
 void gemv_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
-              cudaStream_t s, float* group_ss = nullptr);
-// An RMSNorm fused into a paired decode GEMV: its x is rmsnorm(x, w, eps) (ops.h; the same bits),
-// computed from the fp32 residual x [M][K] and the group sums gemv_f32 left (group_ss [M][K/8]).
-struct GemvNormIn {
-  const float* x = nullptr;
-  const float* w = nullptr;
-  const float* group_ss = nullptr;
-  float eps = 0.f;
-};
-bool gemv_norm_in_supported(const GemvNormIn& norm, int K);
+              cudaStream_t s);
 // The decode GEMV of the gate|up projection with SwiGLU fused after it (gemv.cu): W_gu =
 // [W_gate; W_up] [2F][K], h[M][F] = bf16(silu(g) * u) with g, u = x W_gate^T, x W_up^T: the
 // values of gemv_f32 over W_gu + swiglu() (ops.h), one launch. Same operand rules as gemv_f32.
-void gemv_swiglu(const bf16* x, const bf16* W_gu, bf16* h, int M, int F, int K, cudaStream_t s,
-                 const GemvNormIn* norm = nullptr);
+void gemv_swiglu(const bf16* x, const bf16* W_gu, bf16* h, int M, int F, int K, cudaStream_t s);
 // The decode GEMV of the qkv projection with qkv_post (ops.h) fused after it: the outputs of
 // gemv_f32 into a fp32 buffer followed by qkv_post(post) (q, the K / V appends, Quest metadata),
 // bit for bit, in one launch; post.qkv is not read. Needs post.T == M, no q/k norm, no INT4 keys,
 // D % 8 == 0 (gemv_qkv_post_supported).
-// With norm, x is not read (the paired forms take a GemvNormIn alike).
-bool gemv_qkv_post_supported(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K,
-                             const GemvNormIn* norm = nullptr);
+bool gemv_qkv_post_supported(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K);
 void gemv_qkv_post(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K,
-                   cudaStream_t s, const GemvNormIn* norm = nullptr);
+                   cudaStream_t s);
 
 class Gemm {
  public:
@@ -53,10 +39,9 @@ class Gemm {
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
-  // y_f32 = beta * y_f32 + x W^T   (beta in {0, 1}). group_ss: see gemv_f32; needs the GEMV
-  // path (uses_gemv(M), gemv_supported), checked.
+  // y_f32 = beta * y_f32 + x W^T   (beta in {0, 1})
   void run_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
-               cudaStream_t s, float* group_ss = nullptr);
+               cudaStream_t s);
   // y_bf16 = x W^T
   void run_bf16(const bf16* x, const bf16* W, bf16* y, int M, int N, int K, cudaStream_t s);
   // run_f32 with M <= this (and gemv_supported) runs gemv_f32, else cuBLASLt. 0 = always

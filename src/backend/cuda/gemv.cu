@@ -21,18 +21,10 @@
 // runs qkv_post on the pairs (qkv_post_pair.cuh: bias, RoPE, the bf16 q / K / V stores, Quest
 // page min / max), so no fp32 qkv buffer and no qkv_post launch; heads with a q/k norm or INT4
 // keys need the whole row and keep qkv_post.
-// The RMSNorm between them (gemv_f32's group_ss, the paired forms' GemvNormIn): the plain GEMV
-// that adds into the residual (o, down) also writes the sums of squares of its CTA's 8 new
-// residual values (norm_sum.cuh's groups: a CTA's rows are one group), and the paired GEMV after
-// it (gate|up, qkv) reads the fp32 residual instead of a normalized bf16 copy: each CTA finishes
-// the group sums (norm_finish, after the PDL wait, while its first weight chunks arrive) and
-// writes x normalized, bf16((x * scale) * w) as rmsnorm() computes it, to shared memory (M K 2
-// bytes <= 48 KB). Same bits as rmsnorm() + the GEMV, one launch fewer.
 // Napkin math (Llama-3.1-8B, M = 1): 436 MB of weights per layer stack (qkv 48 MB, o 32 MB,
 // gate/up 224 MB, down 112 MB) + 1 GB lm_head; at 3.0 TB/s that is 5.3 ms of the TPOT.
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/load_stream.cuh"
-#include "backend/cuda/norm_sum.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/qkv_post_pair.cuh"
 
@@ -66,8 +58,6 @@ struct GemvArgs {
   int N, K;       // N = output columns (F for SWIGLU, (Hq + 2Hkv) D for QKV)
   float beta;
   QkvPostArgs post;  // QKV: where the pairs go (post.qkv unused)
-  float* group_ss = nullptr;  // plain: per-CTA sums of squares of y's new rows, [M][gridDim.x]
-  GemvNormIn norm{};          // paired forms with NORM: x = rmsnorm(norm.x) (x unused)
 };
 
 enum Epi { kPlain, kSwiglu, kQkv };
@@ -75,7 +65,7 @@ enum Epi { kPlain, kSwiglu, kQkv };
 // Batch-1 instances are held to 6 CTAs per SM (<= 40 registers), where the plain kernel is on
 // its own: Llama-3.1-8B's qkv projection is then one wave (768 CTAs, 792 slots); the M = 2
 // plain instance keeps its 5. (The shared code with the fused forms nudged both over.)
-template <int M, int EPI, bool NORM = false>
+template <int M, int EPI>
 __global__ void __launch_bounds__(kThreads, M == 1 ? 6 : EPI == kPlain && M == 2 ? 5 : 0)
     gemv_kernel(const GemvArgs a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -83,15 +73,12 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 6 : EPI == kPlain && M == 2
   constexpr int kHalfWarps = kWarps / 2;
   int col = 0, row = 0;   // plain / SWIGLU: output column; QKV: the pair's dim i
   int head = 0;           // QKV
-  bool live = true;       // plain: a row of W (warps past N stay for the group sums' barrier)
   if constexpr (EPI == kPlain) {
     col = row = blockIdx.x * kWarps + warp;
-    live = col < a.N;
-    if (!live && !a.group_ss) {
+    if (col >= a.N) {
       pdl_begin();
       return;
     }
-    if (!live) row = 0;
   } else if constexpr (EPI == kSwiglu) {
     // Warps past N stream a valid row and discard it (every warp reaches the barrier).
     col = blockIdx.x * kHalfWarps + warp % kHalfWarps;
@@ -102,7 +89,7 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 6 : EPI == kPlain && M == 2
     col = (blockIdx.x % per_head) * kHalfWarps + warp % kHalfWarps;
     row = head * a.post.D + (warp >= kHalfWarps ? half : 0) + col;
   }
-  const int nc = live ? a.K / 8 : 0;  // 16-byte chunks per row
+  const int nc = a.K / 8;  // 16-byte chunks per row
   const uint4* wr = reinterpret_cast<const uint4*>(a.W + int64_t(row) * a.K);
   const uint4* xr = reinterpret_cast<const uint4*>(a.x);
   float acc[M];
@@ -123,34 +110,6 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 6 : EPI == kPlain && M == 2
   // so it releases them at its end (pdl.cuh, pdl_wait / pdl_release).
   if constexpr (EPI == kSwiglu) pdl_wait();
   else pdl_begin();
-  // NORM: the CTA normalizes x into shared memory first ([M][K] bf16, chunk c of token m =
-  // bf16((norm.x * scale[m]) * norm.w), elements 8c .. 8c + 7), while its first weight chunks
-  // arrive; the loop then reads x from there instead of global memory.
-  extern __shared__ uint4 gemv_xs[];
-  if constexpr (NORM) {
-    __shared__ float red[9];
-    const int G = a.K / kNormGroup;
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float* gs = a.norm.group_ss + int64_t(m) * G;
-      const float ss = norm_finish([&](int g) { return gs[g]; }, G, red);
-      const float sc = rsqrtf(ss / float(a.K) + a.norm.eps);
-      const float4* xp = reinterpret_cast<const float4*>(a.norm.x + int64_t(m) * a.K);
-      const float4* wp = reinterpret_cast<const float4*>(a.norm.w);
-      uint2* xs = reinterpret_cast<uint2*>(gemv_xs) + int64_t(m) * 2 * G;
-      for (int q = threadIdx.x; q < 2 * G; q += kThreads) {  // 4 elements per step (registers)
-        const float4 xv = xp[q], wv = __ldg(wp + q);
-        const __nv_bfloat162 b0 = __floats2bfloat162_rn(xv.x * sc * wv.x, xv.y * sc * wv.y);
-        const __nv_bfloat162 b1 = __floats2bfloat162_rn(xv.z * sc * wv.z, xv.w * sc * wv.w);
-        xs[q] = make_uint2(*reinterpret_cast<const uint32_t*>(&b0), *reinterpret_cast<const uint32_t*>(&b1));
-      }
-    }
-    __syncthreads();
-  }
-  auto x_chunk = [&](int m, int c) -> uint4 {
-    if constexpr (NORM) return gemv_xs[int64_t(m) * (a.K / 8) + c];
-    else return __ldg(xr + int64_t(m) * (a.K / 8) + c);
-  };
   for (int c0 = lane; c0 < nc; c0 += 32 * kUnroll) {
     if (c0 != lane) load_w(c0);
 #pragma unroll
@@ -158,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 6 : EPI == kPlain && M == 2
       const int c = c0 + 32 * u;
       if (c < nc) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) acc[m] = dot8(w[u], x_chunk(m, c), acc[m]);
+        for (int m = 0; m < M; ++m) acc[m] = dot8(w[u], __ldg(xr + int64_t(m) * nc + c), acc[m]);
       }
     }
   }
@@ -167,24 +126,11 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 6 : EPI == kPlain && M == 2
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
   if constexpr (EPI == kPlain) {
-    __shared__ float s_new[kWarps][M];  // group_ss: the CTA's new y values
-    if (lane == 0 && live) {
+    if (lane == 0) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         float* d = a.y + int64_t(m) * a.N + col;
-        const float v = a.beta != 0.f ? *d + acc[m] : acc[m];
-        *d = v;
-        s_new[warp][m] = v;
-      }
-    }
-    if (a.group_ss) {  // uniform over the launch
-      __syncthreads();
-      if (threadIdx.x < M) {
-        const int m = threadIdx.x, n = min(kWarps, a.N - int(blockIdx.x) * kWarps);
-        float v[kNormGroup];
-#pragma unroll
-        for (int i = 0; i < kNormGroup; ++i) v[i] = i < n ? s_new[i][m] : 0.f;
-        a.group_ss[int64_t(m) * gridDim.x + blockIdx.x] = norm_group_ss(v, n);
+        *d = a.beta != 0.f ? *d + acc[m] : acc[m];
       }
     }
   } else {
@@ -226,10 +172,6 @@ void launch(const GemvArgs& a, cudaStream_t s) {
   const int ctas = EPI == kPlain ? (a.N + kWarps - 1) / kWarps
                  : EPI == kSwiglu ? (a.N + kWarps / 2 - 1) / (kWarps / 2)
                                   : a.N / kWarps;
-  if constexpr (EPI != kPlain) {
-    if (a.norm.x)
-      return launch_pdl(gemv_kernel<M, EPI, true>, ctas, kThreads, size_t(M) * a.K * 2, s, a);
-  }
   launch_pdl(gemv_kernel<M, EPI>, ctas, kThreads, 0, s, a);
 }
 
@@ -256,51 +198,29 @@ bool gemv_supported(const bf16* x, const bf16* W, int M, int K) {
 }
 
 void gemv_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
-              cudaStream_t s, float* group_ss) {
+              cudaStream_t s) {
   SPADE_CHECK(gemv_supported(x, W, M, K), "gemv_f32: unsupported M=", M, " K=", K,
               " or unaligned operands");
-  GemvArgs a{x, W, y, nullptr, N, K, beta, {}};
-  a.group_ss = group_ss;
-  launch_m<kPlain>(a, M, s);
+  launch_m<kPlain>(GemvArgs{x, W, y, nullptr, N, K, beta, {}}, M, s);
 }
 
-bool gemv_norm_in_supported(const GemvNormIn& norm, int K) {
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  return norm.x && norm.w && norm.group_ss && K % 8 == 0 && aligned(norm.x) && aligned(norm.w);
-}
-
-namespace {
-// The x operand of a paired form: bf16 x, or the residual of a fused norm.
-bool paired_operands_ok(const bf16* x, const bf16* W, int M, int K, const GemvNormIn* norm) {
-  if (!norm) return gemv_supported(x, W, M, K);
-  return gemv_norm_in_supported(*norm, K) && size_t(M) * K * 2 <= 48 * 1024 &&
-         gemv_supported(reinterpret_cast<const bf16*>(norm->x), W, M, K);
-}
-}  // namespace
-
-void gemv_swiglu(const bf16* x, const bf16* W_gu, bf16* h, int M, int F, int K, cudaStream_t s,
-                 const GemvNormIn* norm) {
-  SPADE_CHECK(paired_operands_ok(x, W_gu, M, K, norm), "gemv_swiglu: unsupported M=", M, " K=", K,
+void gemv_swiglu(const bf16* x, const bf16* W_gu, bf16* h, int M, int F, int K, cudaStream_t s) {
+  SPADE_CHECK(gemv_supported(x, W_gu, M, K), "gemv_swiglu: unsupported M=", M, " K=", K,
               " or unaligned operands");
-  GemvArgs a{x, W_gu, nullptr, h, F, K, 0.f, {}};
-  if (norm) a.norm = *norm;
-  launch_m<kSwiglu>(a, M, s);
+  launch_m<kSwiglu>(GemvArgs{x, W_gu, nullptr, h, F, K, 0.f, {}}, M, s);
 }
 
-bool gemv_qkv_post_supported(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K,
-                             const GemvNormIn* norm) {
-  return paired_operands_ok(x, W, M, K, norm) && post.T == M && !post.q_norm && !post.k_norm &&
+bool gemv_qkv_post_supported(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K) {
+  return gemv_supported(x, W, M, K) && post.T == M && !post.q_norm && !post.k_norm &&
          !post.k_int4 && !post.k_int4_sz && post.D % 8 == 0 && post.D <= 256;
 }
 
 void gemv_qkv_post(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K,
-                   cudaStream_t s, const GemvNormIn* norm) {
-  SPADE_CHECK(gemv_qkv_post_supported(x, W, post, M, K, norm), "gemv_qkv_post: unsupported M=", M,
+                   cudaStream_t s) {
+  SPADE_CHECK(gemv_qkv_post_supported(x, W, post, M, K), "gemv_qkv_post: unsupported M=", M,
               " K=", K, " D=", post.D, ", unaligned operands, q/k norms or INT4 keys");
   const int N = (post.Hq + 2 * post.Hkv) * post.D;
-  GemvArgs a{x, W, nullptr, nullptr, N, K, 0.f, post};
-  if (norm) a.norm = *norm;
-  launch_m<kQkv>(a, M, s);
+  launch_m<kQkv>(GemvArgs{x, W, nullptr, nullptr, N, K, 0.f, post}, M, s);
 }
 
 }  // namespace spade::cuda

@@ -1,7 +1,6 @@
 // Row / element ops. All are memory-bound and tiny next to the GEMMs and attention:
 //   embedding   reads T*H bf16, writes T*H fp32
-//   rmsnorm     reads R*H fp32 (+H weights), writes R*H bf16; one block per row (the sum of
-//               squares in norm_sum.cuh's order, which the decode GEMVs reproduce)
+//   rmsnorm     reads R*H fp32 (+H weights), writes R*H bf16; one block per row
 //   qkv_post    reads T*(Hq+2Hkv)*D fp32, writes the same count of bf16 (q out, k/v into
 //               the paged cache [page][Hkv][P][D]); one warp per (token, head); with
 //               k_int4 set, the K warps also write the row's INT4 copy (D/2 + 4 bytes,
@@ -12,10 +11,7 @@
 // weights per step: launch count, not bytes, is what matters (CUDA graphs fix that).
 #include "backend/cuda/ops.h"
 
-#include <algorithm>
-
 #include "backend/cuda/int4_keys.cuh"
-#include "backend/cuda/norm_sum.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/qkv_post_pair.cuh"
 
@@ -71,83 +67,54 @@ __global__ void embedding_kernel(const bf16* table, const int32_t* ids, float* x
   }
 }
 
-// One row per block. The sum of squares in norm_sum.cuh's order (the decode GEMVs that take
-// the norm in reproduce it bit for bit): thread i sums group i (8 consecutive elements) into
-// shared memory, then norm_finish. Rows of at most 8 x blockDim elements are held in registers
-// (each thread its group: the norm weights, constant during a step, are requested before the
-// PDL wait, so a decode step's norm, launched while the GEMV before it runs, starts with them in
-// flight; x is read once); longer rows loop over groups and read x twice, same expressions.
-// 16-byte loads and stores where H % 8 == 0 and the rows are 16-byte aligned.
-__device__ __forceinline__ void load_group(const float* p, int g, int H, bool vec,
-                                           float (&v)[kNormGroup]) {
-  if (vec) {
-    const float4 a = reinterpret_cast<const float4*>(p)[2 * g];
-    const float4 b = reinterpret_cast<const float4*>(p)[2 * g + 1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < kNormGroup; ++i) v[i] = kNormGroup * g + i < H ? p[kNormGroup * g + i] : 0.f;
-}
-__device__ __forceinline__ void store_group(bf16* p, int g, int H, bool vec, const float (&x)[kNormGroup],
-                                            float scale, const float (&w)[kNormGroup]) {
-  if (vec) {
-    uint32_t u[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const __nv_bfloat162 b =
-          __floats2bfloat162_rn(x[2 * k] * scale * w[2 * k], x[2 * k + 1] * scale * w[2 * k + 1]);
-      u[k] = *reinterpret_cast<const uint32_t*>(&b);
-    }
-    reinterpret_cast<uint4*>(p)[g] = make_uint4(u[0], u[1], u[2], u[3]);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < kNormGroup; ++i)
-    if (kNormGroup * g + i < H) p[kNormGroup * g + i] = __float2bfloat16(x[i] * scale * w[i]);
-}
-
+// Each thread holds up to kNormPer elements (i = tid + j * blockDim) in registers: the norm
+// weights (constant during a step) are requested before the PDL wait, so a decode step's norm,
+// launched while the GEMV before it runs, starts with them in flight; x is read once. Rows past
+// kNormPer * blockDim (H > 8192) take the loop. Both paths sum x^2 in the same order (i
+// ascending per thread) and compute the same expressions.
+constexpr int kNormPer = 8;
 __global__ void rmsnorm_kernel(const float* x, const int32_t* rows, const float* w, float eps,
                                bf16* y, int H) {
-  extern __shared__ float group_ss[];  // [G]
-  __shared__ float red[9];
   const int tid = threadIdx.x, nt = blockDim.x;
-  const int G = (H + kNormGroup - 1) / kNormGroup;
-  const bool cached = G <= nt;
-  const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool vec = H % kNormGroup == 0 && al16(x) && al16(w) && al16(y);
-  float wv[kNormGroup], xv[kNormGroup];
-  if (cached && tid < G) load_group(w, tid, H, vec, wv);
+  const bool cached = H <= kNormPer * nt;
+  float wv[kNormPer];
+  if (cached) {
+#pragma unroll
+    for (int j = 0; j < kNormPer; ++j) wv[j] = tid + j * nt < H ? w[tid + j * nt] : 0.f;
+  }
   pdl_begin();  // pdl.cuh: before any access to what other kernels write (w is constant)
   const int r = blockIdx.x;
   const int src = rows ? rows[r] : r;
   const float* xr = x + int64_t(src) * H;
-  auto group_n = [&](int g) { return min(kNormGroup, H - kNormGroup * g); };
+  float xv[kNormPer];
+  float ss = 0.f;
   if (cached) {
-    if (tid < G) {
-      load_group(xr, tid, H, vec, xv);
-      group_ss[tid] = norm_group_ss(xv, group_n(tid));
-    }
+#pragma unroll
+    for (int j = 0; j < kNormPer; ++j) xv[j] = tid + j * nt < H ? xr[tid + j * nt] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kNormPer; ++j)
+      if (tid + j * nt < H) ss = fmaf(xv[j], xv[j], ss);
   } else {
-    for (int g = tid; g < G; g += nt) {
-      float v[kNormGroup];
-      load_group(xr, g, H, vec, v);
-      group_ss[g] = norm_group_ss(v, group_n(g));
-    }
+    for (int i = tid; i < H; i += nt) ss = fmaf(xr[i], xr[i], ss);
+  }
+  __shared__ float part[32];
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
+    v = warp_sum(v);
+    if (threadIdx.x == 0) part[0] = v;
   }
   __syncthreads();
-  const float ss = norm_finish([&](int g) { return group_ss[g]; }, G, red);
-  const float scale = rsqrtf(ss / float(H) + eps);
+  const float scale = rsqrtf(part[0] / float(H) + eps);
   bf16* yr = y + int64_t(r) * H;
   if (cached) {
-    if (tid < G) store_group(yr, tid, H, vec, xv, scale, wv);
+#pragma unroll
+    for (int j = 0; j < kNormPer; ++j)
+      if (tid + j * nt < H) yr[tid + j * nt] = __float2bfloat16(xv[j] * scale * wv[j]);
   } else {
-    for (int g = tid; g < G; g += nt) {
-      float v[kNormGroup], u[kNormGroup];
-      load_group(xr, g, H, vec, v);
-      load_group(w, g, H, vec, u);
-      store_group(yr, g, H, vec, v, scale, u);
-    }
+    for (int i = tid; i < H; i += nt) yr[i] = __float2bfloat16(xr[i] * scale * w[i]);
   }
 }
 
@@ -270,11 +237,8 @@ void embedding(const bf16* table, const int32_t* ids, float* x, int T, int H, in
 void rmsnorm(const float* x, const int32_t* rows, const float* w, float eps, bf16* y, int R,
              int H, cudaStream_t s) {
   if (R == 0) return;
-  // One thread per group of 8, at least the 256 threads norm_finish needs, at most 1024.
-  const int G = (H + kNormGroup - 1) / kNormGroup;
-  const int threads = std::max(kNormTreeThreads, std::min(1024, (G + 31) / 32 * 32));
-  SPADE_CHECK(size_t(G) * sizeof(float) <= 48 * 1024, "rmsnorm: hidden size ", H, " too large");
-  launch_pdl(rmsnorm_kernel, R, threads, size_t(G) * sizeof(float), s, x, rows, w, eps, y, H);
+  int threads = H >= 1024 ? 1024 : ((H + 31) / 32) * 32;
+  launch_pdl(rmsnorm_kernel, R, threads, 0, s, x, rows, w, eps, y, H);
   SPADE_CUDA_LAUNCH();
 }
 
