@@ -34,15 +34,16 @@
 //   - the producer splits: warps 8-9 stream K tiles ST ahead as in the dense kernel; warps
 //     10-11 load a tile's V only after both warpgroups published their votes (need flags in
 //     shared memory + a per-stage "decided" mbarrier, 256 arrivals) and only if one keeps it,
-//     then arrive on the stage's "empty" barrier too (so "decided" never runs a phase ahead);
+//     then arrive on the stage's K-slot barrier too (so "decided" never runs a phase ahead);
 //   - a consumer runs P V one kept tile behind: tile t issues S(t), then P V of the last kept
 //     tile (its V was requested a whole S + softmax earlier), votes and exponentiates tile t
-//     while that P V runs, and waits for it only to rescale O and pack P(t). A kept tile's
-//     stage is released after its P V, a skipped tile's at once.
+//     while that P V runs, and waits for it only to rescale O and pack P(t). A stage's K slot
+//     is released once S(t) is done (and the V loaders read the vote), its V slot after P V of
+//     a kept tile, at once for a skipped one: K loads run ST tiles ahead of S, not of P V.
 // One counter register (skipped tiles); at the end the warpgroup's first thread adds the tiles
 // its rows see (t * BN < the causal limit of its last valid row) and the skipped ones among
 // them to skip_counts[kvh][0/1] (tiles no row sees are skipped by the vote and counted in
-// neither). Extra shared memory: 2 x ST mbarriers + 2 x ST flags.
+// neither). Extra shared memory: 3 x ST mbarriers + 2 x ST flags.
 // Napkin math (Llama-3-8B shapes, 8K causal): 4*8192^2/2*128*32 = 550 GFLOP -> 0.9 ms at
 // 600 TFLOP/s; the bf16 tensor roof measured here is ~790 TFLOP/s.
 #include <cmath>
@@ -57,7 +58,7 @@ constexpr int kPfThreads = 384;
 constexpr uint32_t kHalf = 128 * 128;        // bytes of one 64-column half of a tile
 constexpr uint32_t kTileBytes = 2 * kHalf;   // 32 KB
 template <int ST>  // K/V ring stages
-constexpr size_t pf_smem() { return 1024 + (1 + 2 * ST) * size_t(kTileBytes) + 8 * (1 + 4 * ST) + 8 * ST; }
+constexpr size_t pf_smem() { return 1024 + (1 + 2 * ST) * size_t(kTileBytes) + 8 * (1 + 5 * ST) + 8 * ST; }
 
 static_assert(kPfBM == 2 * 64 && kPfBN == 128, "two 64-row consumer warpgroups, 128-key tiles");
 
@@ -189,8 +190,10 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
   auto bar_fv = [&](int s) { return bar0 + 8 * (1 + ST + s); };
   auto bar_em = [&](int s) { return bar0 + 8 * (1 + 2 * ST + s); };
   auto bar_dec = [&](int s) { return bar0 + 8 * (1 + 3 * ST + s); };  // SKIP: tile decided
+  // SKIP: the stage's K slot is free (its S done, its vote read); bar_em is then the V slot's.
+  auto bar_ek = [&](int s) { return bar0 + 8 * (1 + 4 * ST + s); };
   // SKIP: need_v[2 * s + wg] != 0 iff warpgroup wg keeps the stage's tile (needs its V rows).
-  volatile uint32_t* need_v = reinterpret_cast<volatile uint32_t*>(base + (bar_dec(ST) - base_s));
+  volatile uint32_t* need_v = reinterpret_cast<volatile uint32_t*>(base + (bar_ek(ST) - base_s));
 
   const int4 item = a.items[blockIdx.x];
   const int seq = item.x, row0 = item.y;
@@ -210,12 +213,17 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
 
   if (tid == 0) {
     mbar_init(bar_q, 128);
-    // SKIP: K and V have 64 loader threads each, and the V loaders also release the stage.
+    // SKIP: K and V have 64 loader threads each; the K slot is released by both consumer
+    // warpgroups after S and by the V loaders after reading the vote, the V slot (bar_em) by
+    // the consumers after P V (or the skip) and by the V loaders once they handled the tile
+    // (so its phases never run ahead of their parity waits: the consumers get ST tiles ahead of
+    // the V loaders when they skip).
     for (int s = 0; s < ST; ++s) {
       mbar_init(bar_fk(s), SKIP ? 64 : 128);
       mbar_init(bar_fv(s), SKIP ? 64 : 128);
       mbar_init(bar_em(s), SKIP ? 256 + 64 : 256);
       if (SKIP) mbar_init(bar_dec(s), 256);
+      if (SKIP) mbar_init(bar_ek(s), 256 + 64);
     }
   }
   __syncthreads();
@@ -297,10 +305,11 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
         if (++s == ST) s = 0, ph ^= 1;
       }
     } else if (pw < 2) {
-      // SKIP, warps 8-9: K tiles, ST ahead as in the dense kernel.
+      // SKIP, warps 8-9: K tiles, ST ahead; a K slot returns once S of its tile is done (a kept
+      // tile's V slot is held one tile longer, until its P V).
       int ids = fast && n_tiles > 0 ? load_ids(0, 2, pw) : 0;
       for (int t = 0; t < n_tiles; ++t) {
-        if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);
+        if (t >= ST) mbar_wait(bar_ek(s), ph ^ 1);
         const int cur = ids;
         if (fast && t + 1 < n_tiles) ids = load_ids(t + 1, 2, pw);
         load_tile(a.k, sK(s), t * BN, cur, 2, pw);
@@ -310,21 +319,25 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
     } else {
       // SKIP, warps 10-11: V of tile t only once both warpgroups have voted on it, and only if
       // one of them keeps it: a skipped tile's V rows are never read from L2 (at high sparsity
-      // the K + V stream, not the tensor cores, set the pace). Their arrival on the stage's
-      // "empty" barrier keeps the K loaders from reusing a stage whose vote they have not read,
-      // so "decided" never runs two phases ahead of them.
+      // the K + V stream, not the tensor cores, set the pace). Their arrival on the stage's K
+      // slot barrier (after reading the vote) keeps the K loaders from refilling a stage whose
+      // vote they have not read, so "decided" never runs two phases ahead of them; they load
+      // into the V slot once the consumers released its previous tile (bar_em).
       int ids = fast && n_tiles > 0 ? load_ids(0, 2, pw - 2) : 0;
       for (int t = 0; t < n_tiles; ++t) {
         const int cur = ids;
         if (fast && t + 1 < n_tiles) ids = load_ids(t + 1, 2, pw - 2);
         mbar_wait(bar_dec(s), ph);
-        if (need_v[2 * s] | need_v[2 * s + 1]) {
+        const bool need = need_v[2 * s] | need_v[2 * s + 1];
+        mbar_arrive(bar_ek(s));
+        if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);
+        if (need) {
           load_tile(a.v, sV(s), t * BN, cur, 2, pw - 2);
           cp_async_arrive_noinc(bar_fv(s));
         } else {
           // A plain arrive, not a deferred one (which would also wait for this thread's
-          // earlier copies): the phase completes before the "empty" arrive below, so a warpgroup
-          // that did not wait on it never sees it a phase behind.
+          // earlier copies); it follows the wait above, so a warpgroup that did not wait on
+          // the previous phase never sees this one a phase ahead.
           mbar_arrive(bar_fv(s));
         }
         mbar_arrive(bar_em(s));
@@ -487,6 +500,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
       wgmma_commit();
       wgmma_wait1();  // S(t) done; P V may still run
       reg_fence(sc);
+      mbar_arrive(bar_ek(s));  // K(t) read: the K loaders may refill the slot
       float mxA, mxB;
       mask_max(sc, t * BN, mxA, mxB);
       const float nA = fmaxf(mA, mxA * sl2), nB = fmaxf(mB, mxB * sl2);
