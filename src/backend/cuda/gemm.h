@@ -18,6 +18,9 @@ namespace spade::cuda {
 // aligned x and W (gemv_supported); gemv_f32 throws otherwise.
 constexpr int kGemvMaxM = 8;
 bool gemv_supported(const bf16* x, const bf16* W, int M, int K);
+// Whether the decode GEMVs rotate each W row's pass order (gemv.cu; on unless
+// SPADE_GEMV_ROTATE=0, read once: A/B timings).
+bool gemv_rotate();
 void gemv_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
               cudaStream_t s);
 // The decode GEMV of the gate|up projection with SwiGLU fused after it (gemv.cu): W_gu =

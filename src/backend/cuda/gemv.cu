@@ -23,6 +23,9 @@
 // keys need the whole row and keep qkv_post.
 // Napkin math (Llama-3.1-8B, M = 1): 436 MB of weights per layer stack (qkv 48 MB, o 32 MB,
 // gate/up 224 MB, down 112 MB) + 1 GB lm_head; at 3.0 TB/s that is 5.3 ms of the TPOT.
+#include <cstdlib>
+#include <string>
+
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/load_stream.cuh"
 #include "backend/cuda/pdl.cuh"
@@ -58,6 +61,7 @@ struct GemvArgs {
   int N, K;       // N = output columns (F for SWIGLU, (Hq + 2Hkv) D for QKV)
   float beta;
   QkvPostArgs post;  // QKV: where the pairs go (post.qkv unused)
+  int rotate = 0;    // plain: start each row's passes at pass (row mod passes) (gemv_rotate())
 };
 
 enum Epi { kPlain, kSwiglu, kQkv };
@@ -95,6 +99,17 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 6 : EPI == kPlain && M == 2
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
+  // Passes of 128 chunks (2 KB) per row. With `rotate`, W row r takes its passes in the order
+  // r mod n, r mod n + 1, ... (wrapping), so the warps of a one-wave grid (o, down, qkv), which
+  // otherwise all stream the same offsets of their rows at the same time, spread their requests
+  // over the address bits. Each lane's chunks are the same, summed in that rotated order; every
+  // form rotates by the W row, so the fused forms keep the plain form's values.
+  const int n_pass = (nc + 32 * kUnroll - 1) / (32 * kUnroll);
+  const int rot = a.rotate ? row % n_pass : 0;
+  auto pass_c0 = [&](int j) {
+    const int jj = j + rot;
+    return lane + 32 * kUnroll * (jj >= n_pass ? jj - n_pass : jj);
+  };
   uint4 w[kUnroll];
   auto load_w = [&](int c0) {
 #pragma unroll
@@ -103,15 +118,16 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 6 : EPI == kPlain && M == 2
   };
   // The weights are constant: the first chunks are requested before the wait for the kernel
   // that writes x (pdl.cuh), so they arrive while it finishes.
-  load_w(lane);
+  load_w(pass_c0(0));
   // The gate|up GEMV (SWIGLU) is followed by the down GEMV: released at this kernel's start,
   // its CTAs took SM slots during this one's last wave and the decode step got slower (H200,
   // Llama-3.1-8B, 32K, batch 1: +0.16 ms; bench/results/gemv_fusion_ab_h200_20261126.json),
   // so it releases them at its end (pdl.cuh, pdl_wait / pdl_release).
   if constexpr (EPI == kSwiglu) pdl_wait();
   else pdl_begin();
-  for (int c0 = lane; c0 < nc; c0 += 32 * kUnroll) {
-    if (c0 != lane) load_w(c0);
+  for (int j = 0; j < n_pass; ++j) {
+    const int c0 = pass_c0(j);
+    if (j != 0) load_w(c0);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = c0 + 32 * u;
@@ -197,17 +213,29 @@ bool gemv_supported(const bf16* x, const bf16* W, int M, int K) {
   return M >= 1 && M <= kGemvMaxM && K % 8 == 0 && aligned(x) && aligned(W);
 }
 
+bool gemv_rotate() {
+  static const bool on = [] {
+    const char* e = std::getenv("SPADE_GEMV_ROTATE");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
 void gemv_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
               cudaStream_t s) {
   SPADE_CHECK(gemv_supported(x, W, M, K), "gemv_f32: unsupported M=", M, " K=", K,
               " or unaligned operands");
-  launch_m<kPlain>(GemvArgs{x, W, y, nullptr, N, K, beta, {}}, M, s);
+  GemvArgs a{x, W, y, nullptr, N, K, beta, {}};
+  a.rotate = gemv_rotate() ? 1 : 0;
+  launch_m<kPlain>(a, M, s);
 }
 
 void gemv_swiglu(const bf16* x, const bf16* W_gu, bf16* h, int M, int F, int K, cudaStream_t s) {
   SPADE_CHECK(gemv_supported(x, W_gu, M, K), "gemv_swiglu: unsupported M=", M, " K=", K,
               " or unaligned operands");
-  launch_m<kSwiglu>(GemvArgs{x, W_gu, nullptr, h, F, K, 0.f, {}}, M, s);
+  GemvArgs a{x, W_gu, nullptr, h, F, K, 0.f, {}};
+  a.rotate = gemv_rotate() ? 1 : 0;
+  launch_m<kSwiglu>(a, M, s);
 }
 
 bool gemv_qkv_post_supported(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K) {
@@ -220,7 +248,9 @@ void gemv_qkv_post(const bf16* x, const bf16* W, const QkvPostArgs& post, int M,
   SPADE_CHECK(gemv_qkv_post_supported(x, W, post, M, K), "gemv_qkv_post: unsupported M=", M,
               " K=", K, " D=", post.D, ", unaligned operands, q/k norms or INT4 keys");
   const int N = (post.Hq + 2 * post.Hkv) * post.D;
-  launch_m<kQkv>(GemvArgs{x, W, nullptr, nullptr, N, K, 0.f, post}, M, s);
+  GemvArgs a{x, W, nullptr, nullptr, N, K, 0.f, post};
+  a.rotate = gemv_rotate() ? 1 : 0;
+  launch_m<kQkv>(a, M, s);
 }
 
 }  // namespace spade::cuda
