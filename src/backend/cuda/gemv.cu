@@ -6,10 +6,12 @@
 // Layout read: W bf16 [N][K] row-major (the Hugging Face Linear layout), K % 8 == 0 and rows
 // 16-byte aligned; x bf16 [M][K]. Layout written: y fp32 [M][N] (beta = 1: y += x W^T, the
 // fused residual add; beta = 0: y = x W^T).
-// Work: one warp computes one output row over the whole K: lane l reads the 16-byte chunks
-// l, l + 32, ... of the row (each warp load is 512 contiguous bytes), kUnroll (4) chunks in
-// flight before any math (64 B per lane), with L1::no_allocate so the weights stream past L1
-// while x (M K 2 bytes, re-read by every warp) stays there. fp32 FMAs on the bf16 halves (a
+// Work: one warp computes one output row over the whole K, in passes of 128 chunks (2 KB):
+// lane l reads the 16-byte chunks l, l + 32, l + 64, l + 96 of a pass (each warp load is 512
+// contiguous bytes); W row r takes its passes starting at pass r mod n (rotated: see the
+// kernel), so warps of a one-wave grid do not all stream the same row offsets at once; kUnroll
+// (4) chunks in flight before any math (64 B per lane), with L1::no_allocate so the weights
+// stream past L1 while x (M K 2 bytes, re-read by every warp) stays there. fp32 FMAs on the bf16 halves (a
 // bf16 is the top half of its fp32), then a butterfly per token and lane 0 writes. 256
 // threads per CTA, no shared memory.
 // SWIGLU instance (the gate|up projection of a decode step, gemv_swiglu): W = [W_gate; W_up]
