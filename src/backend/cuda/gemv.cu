@@ -11,9 +11,9 @@
 // contiguous bytes); W row r takes its passes starting at pass r mod n (rotated: see the
 // kernel), so warps of a one-wave grid do not all stream the same row offsets at once; kUnroll
 // (4) chunks in flight before any math (64 B per lane), with L1::no_allocate so the weights
-// stream past L1 while x (M K 2 bytes, re-read by every warp) stays there. fp32 FMAs on the bf16 halves (a
-// bf16 is the top half of its fp32), then a butterfly per token and lane 0 writes. 256
-// threads per CTA, no shared memory.
+// stream past L1 while x (M K 2 bytes, re-read by every warp) stays there. fp32 FMAs on the
+// bf16 halves (a bf16 is the top half of its fp32), then a butterfly per token and lane 0
+// writes. 256 threads per CTA, no shared memory.
 // SWIGLU instance (the gate|up projection of a decode step, gemv_swiglu): W = [W_gate; W_up]
 // [2F][K]; a CTA's warps 0-3 take gate rows i..i+3 and warps 4-7 the up rows F + i..F + i + 3,
 // and it writes h[M][F] = bf16(silu(g) * u) (swiglu()'s arithmetic on the same fp32 g, u)
