@@ -35,6 +35,9 @@
 // calls never find their rows in L2. Timing: events around a batch of calls, 30 batches,
 // median per call.
 //
+// Trace mode (`bench_sparse OUT trace [L [B]]`): the token and page16 rows only, each followed
+// by per-CTA phase stamps of one call (SparseAttention::set_trace; "trace" JSON lines).
+//
 // Build: nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_sparse.cu
 //   <build>/libspade_cuda.a -lcublasLt -lcublas -o bench_sparse
 #include <algorithm>
@@ -61,6 +64,8 @@ double g_bw = 0;  // measured copy bandwidth, bytes/s
 float* g_scores_group = nullptr;  // [B * Hkv][L] of the current shape
 float* g_scores_head = nullptr;   // [B * Hq][L]
 FILE* g_out = nullptr;
+bool g_trace = false;  // trace mode: token / page16 rows only, each followed by a phase trace
+unsigned long long* g_trace_buf = nullptr;  // device, 8 x uint64 per work item
 
 float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -119,6 +124,46 @@ void emit(const char* method, int L, int B, int budget, double us, float us_min,
   std::fflush(g_out);
   std::fprintf(stderr, "%-12s L=%6d B=%2d budget=%5d  %9.2f us  %7.1f GB/s  x_floor %.2f\n", method,
                L, B, budget, us, bytes / us * 1e-3, us / floor_us);
+}
+
+// Trace mode: per-CTA phase stamps of the last of 2R back-to-back calls (the calls before it
+// make its PDL start realistic), as microseconds from the earliest CTA entry: when the CTAs
+// started, got past the PDL wait, had their ring prologue issued, finished the chunk loop
+// (warp 0), merged the warps, ended (the combining CTAs after the split combine).
+void trace_calls(const char* method, int L, int B, int budget, int R, SparseAttention& sa,
+                 const std::function<void(int)>& f, double us_call) {
+  const int n = sa.n_items();
+  sa.set_trace(g_trace_buf);
+  for (int i = 0; i < 2 * R; ++i) f(i % R);
+  SPADE_CUDA(cudaDeviceSynchronize());
+  sa.set_trace(nullptr);
+  std::vector<unsigned long long> t(size_t(8) * n);
+  SPADE_CUDA(cudaMemcpy(t.data(), g_trace_buf, 8 * t.size(), cudaMemcpyDeviceToHost));
+  unsigned long long t0 = ~0ull;
+  for (int i = 0; i < n; ++i) t0 = std::min(t0, t[8 * size_t(i)]);
+  auto us = [&](int i, int k) { return double(t[8 * size_t(i) + k] - t0) * 1e-3; };
+  const char* names[6] = {"entry", "wait", "issued", "loop", "merged", "end"};
+  double mean[6] = {}, mx[6] = {}, mn[6];
+  for (int k = 0; k < 6; ++k) mn[k] = 1e30;
+  int combined = 0;
+  for (int i = 0; i < n; ++i) {
+    for (int k = 0; k < 6; ++k) {
+      const double v = us(i, k);
+      mean[k] += v / n, mx[k] = std::max(mx[k], v), mn[k] = std::min(mn[k], v);
+    }
+    combined += int(t[8 * size_t(i) + 6] >> 32);
+  }
+  std::fprintf(g_out, "{\"kind\":\"trace\",\"method\":\"%s\",\"L\":%d,\"B\":%d,\"budget\":%d,"
+                      "\"items\":%d,\"combined\":%d,\"us_per_call\":%.3f", method, L, B, budget, n,
+               combined, us_call);
+  for (int k = 0; k < 6; ++k)
+    std::fprintf(g_out, ",\"%s\":[%.3f,%.3f,%.3f]", names[k], mn[k], mean[k], mx[k]);
+  std::fprintf(g_out, "}\n");
+  std::fflush(g_out);
+  std::fprintf(stderr, "  trace %s B=%d budget=%d (%d items, %.2f us/call), us from first entry [min mean max]:\n",
+               method, B, budget, n, us_call);
+  for (int k = 0; k < 6; ++k)
+    std::fprintf(stderr, "    %-7s %7.2f %7.2f %7.2f\n", names[k], mn[k], mean[k], mx[k]);
 }
 
 void bench_shape(int L, int B) {
@@ -253,9 +298,12 @@ void bench_shape(int L, int B) {
       sa.plan(seqs, SelGran::Token, Hkv, std::vector<int>(nl, budget), nullptr, 0);
       const double us = time_calls(R, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, budget), o, scale, 0); }, &mn);
       emit("token", L, B, budget, us, mn, double(nl) * budget * (kv_row + 4) + qo_bytes, R, sa.n_items(), sa.max_split_used());
+      if (g_trace)
+        trace_calls("token", L, B, budget, R, sa, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, budget), o, scale, 0); }, us);
       // BLASST inside the same lists (SelSkip), a lambda sweep on random data: bytes = K and
       // the index of every entry + V of the kept chunks' rows; speed-up vs the plain row above.
-      for (float ll : {-1000.f, -1.f, -0.5f, -0.25f, 0.f}) {
+      const std::vector<float> sweep = g_trace ? std::vector<float>{} : std::vector<float>{-1000.f, -1.f, -0.5f, -0.25f, 0.f};
+      for (float ll : sweep) {
         SelSkip sk;
         sk.log_lambda = ll;
         sk.counts = d_skip_counts;
@@ -280,7 +328,7 @@ void bench_shape(int L, int B) {
                      double(ll), sparsity, us_s, us, us / us_s);
       }
     }
-    {  // one shared token list per request
+    if (!g_trace) {  // one shared token list per request
       const int nl = B;
       upload_lists(nl, budget, L);
       sa.plan(seqs, SelGran::Token, 1, std::vector<int>(nl, budget), nullptr, 0);
@@ -294,7 +342,10 @@ void bench_shape(int L, int B) {
       sa.plan(seqs, SelGran::Chunk16, Hkv, std::vector<int>(nl, kp), nullptr, 0);
       const double us = time_calls(R, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, kp), o, scale, 0); }, &mn);
       emit("page16", L, B, budget, us, mn, double(nl) * kp * (16 * kv_row + 4) + qo_bytes, R, sa.n_items(), sa.max_split_used());
+      if (g_trace)
+        trace_calls("page16", L, B, budget, R, sa, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, kp), o, scale, 0); }, us);
     }
+    if (g_trace) continue;
     for (int fast = 0; fast < 2; ++fast) {  // Quest: metadata update (last pages) + scores + top-k (+ attention)
       const int nl = B * Hkv;
       std::vector<int32_t> off(size_t(nl) + 1);
@@ -381,7 +432,7 @@ void bench_shape(int L, int B) {
       emit("hybrid_2d", L, B, budget, us, mn, bytes, R, sa.n_items(), sa.max_split_used());
     }
   }
-  if (L >= 131072) {  // all 8 KV heads sparse at 90% sparsity (token lists of L/10)
+  if (L >= 131072 && !g_trace) {  // all 8 KV heads sparse at 90% sparsity (token lists of L/10)
     const int n = L / 10, nl = B * Hkv;
     upload_lists(nl, n, L);
     sa.plan(seqs, SelGran::Token, Hkv, std::vector<int>(nl, n), nullptr, 0);
@@ -402,8 +453,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", device_summary().c_str());
     measure_bw();
     std::vector<int> Ls = {32768, 131072}, Bs = {1, 8, 32};
-    if (argc > 2) Ls = {std::atoi(argv[2])};
-    if (argc > 3) Bs = {std::atoi(argv[3])};
+    int a0 = 2;  // bench_sparse OUT [trace] [L [B]]
+    if (argc > 2 && std::string(argv[2]) == "trace") {
+      g_trace = true;
+      ++a0;
+      SPADE_CUDA(cudaMalloc(&g_trace_buf, sizeof(unsigned long long) * 8 * 65536));
+    }
+    if (argc > a0) Ls = {std::atoi(argv[a0])};
+    if (argc > a0 + 1) Bs = {std::atoi(argv[a0 + 1])};
     for (int L : Ls)
       for (int B : Bs) bench_shape(L, B);
   } catch (const std::exception& e) {

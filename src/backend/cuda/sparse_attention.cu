@@ -66,7 +66,15 @@ struct SpArgs {
   float skip_log2;
   int skip_per_length, skip_len_selected;
   unsigned long long* skip_counts;
+  // Diagnostics (optional): per-CTA globaltimer stamps (SparseAttention::set_trace).
+  unsigned long long* trace;
 };
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 constexpr int kTK = 16;  // rows per chunk
 
@@ -88,7 +96,9 @@ struct SpCfg {
 // rows not loaded); no dense-head score emission then.
 template <int D, int W, int S, bool TOKEN, bool SKIP>
 __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
+  const unsigned long long t_entry = a.trace ? global_ns() : 0;
   pdl_begin();  // pdl.cuh: first, before any global access
+  const unsigned long long t_wait = a.trace ? global_ns() : 0;
   using C = SpCfg<D, W, S>;
   constexpr int CH = C::CH, RPI = C::RPI, NT = C::kThreads;
   extern __shared__ __align__(1024) unsigned char smem_dyn[];
@@ -216,6 +226,7 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
       lim_ahead = e.lim;
     }
   };
+  const unsigned long long t_issued = a.trace ? global_ns() : 0;
   if constexpr (SKIP) cp_async_wait<2 * S - 3>();  // Q (group 0) has landed
   else cp_async_wait<S - 2>();
   __syncthreads();
@@ -404,6 +415,7 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     }
   }
   cp_async_wait<0>();
+  const unsigned long long t_loop = a.trace ? global_ns() : 0;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
@@ -415,10 +427,32 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   const int64_t row_base = int64_t(seq) * a.Hq + kvh * G;
   merge_warps_store<D, W>(o, m, l, smem_raw, G, row_base, split, nsplit, a.total_rows, a.out,
                           a.part_o, a.part_lse);
-  if (nsplit == 1) return;
+  // Diagnostics: warp 0's stamps (entry, past the PDL wait, prologue issued, its chunk loop
+  // done, warps merged, end) + the SM id; the end is rewritten by the CTA that combines.
+  auto stamp = [&](unsigned long long t_end, bool combined) {
+    if (!a.trace || tid != 0) return;
+    unsigned long long* tr = a.trace + 8 * size_t(blockIdx.x);
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    tr[0] = t_entry, tr[1] = t_wait, tr[2] = t_issued, tr[3] = t_loop;
+    tr[5] = t_end, tr[6] = smid | (unsigned long long)(combined) << 32, tr[7] = n_cta;
+  };
+  const unsigned long long t_merged = a.trace ? global_ns() : 0;
+  if (a.trace && tid == 0) a.trace[8 * size_t(blockIdx.x) + 4] = t_merged;
+  if (nsplit == 1) {
+    stamp(t_merged, false);
+    return;
+  }
   int* counter = a.counters + seq * a.Hkv + kvh;
-  if (!last_split_cta(counter, nsplit, s_last)) return;
+  if (!last_split_cta(counter, nsplit, s_last)) {
+    stamp(t_merged, false);
+    return;
+  }
   combine_splits<D, NT>(a.part_o, a.part_lse, a.total_rows, row_base, nsplit, G, a.out, smem_raw, counter);
+  if (a.trace) {  // launch-uniform
+    __syncthreads();
+    stamp(global_ns(), true);
+  }
 }
 
 constexpr int kW = 4, kS = 3;
@@ -644,6 +678,7 @@ void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cach
   a.skip_per_length = skip.per_length ? 1 : 0;
   a.skip_len_selected = skip.length_selected ? 1 : 0;
   a.skip_counts = skip.counts;
+  a.trace = trace_;
   const bool tok = gran_ == SelGran::Token;
   const int n = pattern_count_[size_t(pattern)];
   if (D_ == 128) launch_d<128>(a, tok, skip.active(), n, s);

@@ -89,6 +89,11 @@ class SparseAttention {
   const int32_t* dev_kv_len() const { return meta_dev_ + off_len_; }
   int max_split_used() const { return max_split_used_; }
   int ctas_per_sm() const { return ctas_per_sm_; }
+  // Diagnostics (bench_sparse trace mode): while set, every run() writes 8 uint64 per work item
+  // at trace[8 * item]: globaltimer ns at entry, past the PDL wait, once the ring prologue is
+  // issued, after warp 0's chunk loop, after the warp merge, at the end (after the split
+  // combine for the CTA that ran it), then smid | combined << 32, and the CTA's chunk count.
+  void set_trace(unsigned long long* trace) { trace_ = trace; }
 
  private:
   int query_ctas_per_sm() const;
@@ -104,6 +109,7 @@ class SparseAttention {
   int64_t off_pt_ = 0, off_po_ = 0, off_len_ = 0, off_items_ = 0;
   int B_ = 0, n_items_ = 0, max_split_used_ = 0, lists_per_req_ = 1;
   SelGran gran_ = SelGran::Token;
+  unsigned long long* trace_ = nullptr;
   std::vector<int> pattern_first_, pattern_count_;  // work items of each planned pattern
   std::vector<int> nch_;                            // planning scratch (kept: no per-step allocation)
   std::vector<std::vector<uint8_t>> one_pattern_;
