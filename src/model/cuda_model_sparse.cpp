@@ -116,11 +116,8 @@ void CudaModel::graph_key(bool sample) {
   k.push_back(step_B_);
   k.push_back(step_max_pages_);
   for (int n : sparse_->pattern_items()) k.push_back(n);
-  for (int c : sparse_->pattern_clusters()) k.push_back(c);
-  if (sparse_kept_) {
+  if (sparse_kept_)
     for (int n : sparse_kept_->pattern_items()) k.push_back(n);
-    for (int c : sparse_kept_->pattern_clusters()) k.push_back(c);
-  }
 }
 
 int CudaModel::lists_per_req() const {

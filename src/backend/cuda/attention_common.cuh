@@ -183,12 +183,14 @@ __device__ __forceinline__ void online_softmax_chunk(float (&s)[TK / 8][4], cons
 // sum l, for the rows g < G of one (sequence, KV head, split).
 
 // Merges the W warps through shared memory (W * 16 * (D + 2) floats at smem; the caller's ring
-// must be drained) and hands every element of rows g < G to store(g, d, value, lse): the
-// normalized fp32 value and its row's log2-sum-exp (-inf for an empty row).
-template <int D, int W, class Store>
-__device__ __forceinline__ void merge_warps(const float (&o)[D / 8][4], const float (&m)[2],
-                                            const float (&l)[2], unsigned char* smem, int G,
-                                            Store&& store) {
+// must be drained) and writes row row_base + g, g < G: bf16 out[row][D] when nsplit == 1, else
+// the fp32 partial part_o[split][row][D] and its log2-sum-exp part_lse[split][row].
+template <int D, int W>
+__device__ __forceinline__ void merge_warps_store(const float (&o)[D / 8][4], const float (&m)[2],
+                                                  const float (&l)[2], unsigned char* smem, int G,
+                                                  int64_t row_base, int split, int nsplit,
+                                                  int64_t total_rows, bf16* out, float* part_o,
+                                                  float* part_lse) {
   constexpr int NT = W * 32;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
   float* sO = reinterpret_cast<float*>(smem);  // [W][16][D]
@@ -224,100 +226,14 @@ __device__ __forceinline__ void merge_warps(const float (&o)[D / 8][4], const fl
       den += sc * sL[w * 16 + g];
     }
     const float val = den > 0.f ? num / den : 0.f;
-    store(g, d, val, den > 0.f ? mu + log2f(den) : -INFINITY);
-  }
-}
-
-// merge_warps, then row row_base + g, g < G, to bf16 out[row][D] when nsplit == 1, else the fp32
-// partial part_o[split][row][D] and its log2-sum-exp part_lse[split][row].
-template <int D, int W>
-__device__ __forceinline__ void merge_warps_store(const float (&o)[D / 8][4], const float (&m)[2],
-                                                  const float (&l)[2], unsigned char* smem, int G,
-                                                  int64_t row_base, int split, int nsplit,
-                                                  int64_t total_rows, bf16* out, float* part_o,
-                                                  float* part_lse) {
-  merge_warps<D, W>(o, m, l, smem, G, [&](int g, int d, float val, float lse) {
     const int64_t gr = row_base + g;
     if (nsplit == 1) {
       out[gr * D + d] = __float2bfloat16(val);
     } else {
       part_o[(int64_t(split) * total_rows + gr) * D + d] = val;
-      if (d == 0) part_lse[int64_t(split) * total_rows + gr] = lse;
+      if (d == 0) part_lse[int64_t(split) * total_rows + gr] = den > 0.f ? mu + log2f(den) : -INFINITY;
     }
-  });
-}
-
-// ---- Split combine inside a thread-block cluster (the C split CTAs of one (request, KV head)
-// launched as one cluster, rank = split): each CTA keeps its merged partial in its own shared
-// memory, and after a cluster barrier the CTAs read each other's partials through distributed
-// shared memory. No global partials, no arrival counter, no dependent global round trips.
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// Every thread of every CTA of the cluster: shared-memory writes before it are visible to the
-// cluster's CTAs after it (release / acquire).
-__device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// The float at the same shared-memory offset as `local` in CTA `rank` of the cluster.
-__device__ __forceinline__ float ld_cluster_f32(const float* local, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-
-// Shared memory of the cluster combine, after the warp-merge area: the CTA's partial
-// [16][D] fp32 + lse [16], then the combine weights [16][C].
-template <int D, int W>
-__host__ __device__ constexpr size_t cluster_combine_off() { return size_t(W) * 16 * (D + 2) * sizeof(float); }
-template <int D>
-__host__ __device__ constexpr size_t cluster_combine_bytes(int C) { return (16 * D + 16 + 16 * size_t(C)) * sizeof(float); }
-
-// merge_warps into this CTA's partial, then out rows row_base + g (g < G) = sum over the C
-// splits (rank order) of w_s * partial_s with w_s = 2^(lse_s - mu) / sum 2^(lse - mu) (the
-// weights of combine_splits); CTA r writes the r-th of C contiguous parts of the G x D block.
-// Called by every thread of every CTA of the cluster.
-template <int D, int W>
-__device__ __forceinline__ void merge_warps_cluster(const float (&o)[D / 8][4], const float (&m)[2],
-                                                    const float (&l)[2], unsigned char* smem, int G,
-                                                    int C, int64_t row_base, bf16* out) {
-  constexpr int NT = W * 32;
-  float* sP = reinterpret_cast<float*>(smem + cluster_combine_off<D, W>());  // [16][D]
-  float* sLse = sP + 16 * D;                                                 // [16]
-  float* sW = sLse + 16;                                                     // [16][C]
-  merge_warps<D, W>(o, m, l, smem, G, [&](int g, int d, float val, float lse) {
-    sP[g * D + d] = val;
-    if (d == 0) sLse[g] = lse;
-  });
-  cluster_barrier();
-  const int tid = threadIdx.x;
-  const uint32_t rank = cluster_rank();
-  if (tid < G) {
-    float mx = -INFINITY;
-    for (int c = 0; c < C; ++c) {
-      const float x = ld_cluster_f32(sLse + tid, uint32_t(c));
-      sW[tid * C + c] = x;
-      mx = fmaxf(mx, x);
-    }
-    const float mu = mx == -INFINITY ? 0.f : mx;
-    float den = 0.f;
-    for (int c = 0; c < C; ++c) den += exp2f(sW[tid * C + c] - mu);
-    const float inv = den > 0.f ? 1.f / den : 0.f;
-    for (int c = 0; c < C; ++c) sW[tid * C + c] = exp2f(sW[tid * C + c] - mu) * inv;
   }
-  __syncthreads();
-  const int per = (G * D + C - 1) / C, end = min(G * D, (int(rank) + 1) * per);
-  for (int idx = int(rank) * per + tid; idx < end; idx += NT) {
-    const int g = idx / D;
-    float acc = 0.f;
-    for (int c = 0; c < C; ++c) acc += sW[g * C + c] * ld_cluster_f32(sP + idx, uint32_t(c));
-    out[(row_base + g) * D + idx % D] = __float2bfloat16(acc);
-  }
-  cluster_barrier();  // no CTA leaves while another may still read its shared memory
 }
 
 // After merge_warps_store with nsplit > 1: whether this CTA is the last of the nsplit CTAs of its

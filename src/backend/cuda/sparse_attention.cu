@@ -2,11 +2,9 @@
 //
 // Layout read: q bf16 [B, Hq, D]; K/V bf16 pages [page][Hkv][P][D] (HND, like KVPool and the
 // dense decode kernel); page table int32 per request; selection CSR sel_off / sel_idx int32.
-// Layout written: out bf16 [B, Hq, D]. Splits: when every (request, KV head) has the same 2..8
-// splits, they run as one thread-block cluster and combine their partials (fp32 [G][D] + lse
-// per CTA, in shared memory) through distributed shared memory; otherwise partials fp32
-// [split][B*Hq][D] and log2-sum-exp [split][B*Hq] go to global memory and the LAST CTA of each
-// (request, KV head) to arrive combines them (arrival counter, reset by that CTA): one launch.
+// Layout written: out bf16 [B, Hq, D]; with splits, partials fp32 [split][B*Hq][D] and
+// log2-sum-exp [split][B*Hq], combined by the LAST CTA of each (request, KV head) to arrive
+// (arrival counter per (request, KV head), reset by that CTA): one launch.
 //
 // Work: a CTA = work item {request, KV head (+ dense flag), split, nsplit} with W = 4 warps.
 // A list is cut into chunks of 16 rows (one mma k-step of P.V): Token lists -> 16 positions
@@ -31,8 +29,6 @@
 // bytes per skipped row 2*D (K) instead of 4*D.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string>
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/sparse_attention.h"
@@ -72,9 +68,6 @@ struct SpArgs {
   unsigned long long* skip_counts;
   // Diagnostics (optional): per-CTA globaltimer stamps (SparseAttention::set_trace).
   unsigned long long* trace;
-  // > 1: every (request, KV head) has this many splits and they run as one thread-block
-  // cluster (rank = split) that combines through distributed shared memory.
-  int cluster;
 };
 
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -94,8 +87,7 @@ struct SpCfg {
   static constexpr int kStage = 2 * kTile;
   static constexpr size_t kQ = 4096;
   static constexpr size_t kRing = size_t(W) * S * kStage * sizeof(bf16);
-  // Warp merge, then the cluster combine's partial and weights (up to 8 splits) after it.
-  static constexpr size_t kMerge = cluster_combine_off<D, W>() + cluster_combine_bytes<D>(8);
+  static constexpr size_t kMerge = size_t(W) * 16 * (D + 2) * sizeof(float);
   static constexpr size_t kSmem = 1024 + ((kQ + kRing) > kMerge ? (kQ + kRing) : kMerge);
 };
 
@@ -433,9 +425,8 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   // Merge the W warps (rows < G) through shared memory, then the split combine by the last CTA
   // of this (request, KV head) to finish.
   const int64_t row_base = int64_t(seq) * a.Hq + kvh * G;
-  if (a.cluster > 1) merge_warps_cluster<D, W>(o, m, l, smem_raw, G, a.cluster, row_base, a.out);
-  else merge_warps_store<D, W>(o, m, l, smem_raw, G, row_base, split, nsplit, a.total_rows, a.out,
-                               a.part_o, a.part_lse);
+  merge_warps_store<D, W>(o, m, l, smem_raw, G, row_base, split, nsplit, a.total_rows, a.out,
+                          a.part_o, a.part_lse);
   // Diagnostics: warp 0's stamps (entry, past the PDL wait, prologue issued, its chunk loop
   // done, warps merged, end) + the SM id; the end is rewritten by the CTA that combines.
   auto stamp = [&](unsigned long long t_end, bool combined) {
@@ -448,10 +439,6 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   };
   const unsigned long long t_merged = a.trace ? global_ns() : 0;
   if (a.trace && tid == 0) a.trace[8 * size_t(blockIdx.x) + 4] = t_merged;
-  if (a.cluster > 1) {  // launch-uniform: the partials met in the cluster's shared memory
-    stamp(a.trace ? global_ns() : 0, split == 0);
-    return;
-  }
   if (nsplit == 1) {
     stamp(t_merged, false);
     return;
@@ -469,7 +456,6 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
 }
 
 constexpr int kW = 4, kS = 3;
-constexpr int kMaxClusterSplits = 8;  // portable cluster size; the shared memory holds 8 weights
 
 // Raises the instance's dynamic shared-memory limit (once). Must run before an occupancy
 // query too: without it the query answers for the default 48 KB limit (0 CTAs/SM), and a plan
@@ -490,18 +476,8 @@ template <int D, bool TOKEN, bool SKIP>
 void launch_one(const SpArgs& a, int n_items, cudaStream_t s) {
   using C = SpCfg<D, kW, kS>;
   prepare_one<D, TOKEN, SKIP>();
-  launch_pdl_cluster(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP>, n_items, C::kThreads, C::kSmem,
-                     s, a.cluster, a);
+  launch_pdl(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP>, n_items, C::kThreads, C::kSmem, s, a);
   SPADE_CUDA_LAUNCH();
-}
-
-// SPADE_SPLIT_CLUSTER=0: every split combine through global partials (A/B measurements).
-bool split_cluster_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("SPADE_SPLIT_CLUSTER");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
 }
 
 template <int D>
@@ -535,7 +511,6 @@ SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_
   part_o_ = arena.alloc_n<float>(size_t(max_split) * rows * D, "sparse attention split partials");
   part_lse_ = arena.alloc_n<float>(size_t(max_split) * rows, "sparse attention split lse");
   counters_ = arena.alloc_n<int>(size_t(max_batch) * Hkv, "sparse attention split counters");
-  split_cluster_ = split_cluster_enabled();
   SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * size_t(max_batch) * Hkv));
   ctas_per_sm_ = query_ctas_per_sm();
 }
@@ -599,7 +574,6 @@ void SparseAttention::plan_patterns(const std::vector<SparseSeq>& batch, SelGran
   max_split_used_ = 0;
   pattern_first_.clear();
   pattern_count_.clear();
-  pattern_cluster_.clear();
   for (const auto& pat : patterns) {
     // Chunk counts per (request, head): the work the planner balances.
     nch_.assign(size_t(B) * Hkv_, 0);
@@ -637,13 +611,11 @@ void SparseAttention::plan_patterns(const std::vector<SparseSeq>& batch, SelGran
     }
     const int64_t target = lo;
     pattern_first_.push_back(n_items);
-    int uniform_ns = -1;  // the split count of every (request, head), or 0 if they differ
     for (int b = 0; b < B; ++b)
       for (int h = 0; h < Hkv_; ++h) {
         const int c = nch_[size_t(b) * Hkv_ + h];
         int ns = force_split > 0 ? force_split : int(std::max<int64_t>(1, (c + target - 1) / target));
         ns = std::min(ns, max_split_);
-        uniform_ns = uniform_ns < 0 || uniform_ns == ns ? ns : 0;
         max_split_used_ = std::max(max_split_used_, ns);
         const bool dn = pat[size_t(h)] != 0;
         for (int sp = 0; sp < ns; ++sp) {
@@ -657,10 +629,6 @@ void SparseAttention::plan_patterns(const std::vector<SparseSeq>& batch, SelGran
         }
       }
     pattern_count_.push_back(n_items - pattern_first_.back());
-    // Equal splits of 2..8 per (request, head): each (request, head)'s splits are consecutive
-    // items, so clusters of that size hold exactly one (request, head) each.
-    pattern_cluster_.push_back(uniform_ns >= 2 && uniform_ns <= kMaxClusterSplits && split_cluster_
-                                   ? uniform_ns : 0);
   }
   n_items_ = pattern_count_[0];
   SPADE_CUDA(cudaMemcpyAsync(meta_dev_, meta_host_, sizeof(int32_t) * size_t(tot_pages),
@@ -711,7 +679,6 @@ void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cach
   a.skip_len_selected = skip.length_selected ? 1 : 0;
   a.skip_counts = skip.counts;
   a.trace = trace_;
-  a.cluster = pattern_cluster_[size_t(pattern)];
   const bool tok = gran_ == SelGran::Token;
   const int n = pattern_count_[size_t(pattern)];
   if (D_ == 128) launch_d<128>(a, tok, skip.active(), n, s);

@@ -80,10 +80,8 @@ class SparseAttention {
            const int32_t* sel_cnt = nullptr) const;
 
   int n_items() const { return n_items_; }  // of pattern 0
-  // Work items of each pattern of the last plan, and the split-combine cluster size of each
-  // (0: through global partials) (launch shapes: a CUDA graph's key).
+  // Work items of each pattern of the last plan (launch shapes: a CUDA graph's key).
   const std::vector<int>& pattern_items() const { return pattern_count_; }
-  const std::vector<int>& pattern_clusters() const { return pattern_cluster_; }
   // Device copies of the last plan's page table / per-request page offsets / lengths (valid
   // in stream order after plan()), for selectors that read them (QuestArgs).
   const int32_t* dev_page_table() const { return meta_dev_ + off_pt_; }
@@ -96,9 +94,6 @@ class SparseAttention {
   // issued, after warp 0's chunk loop, after the warp merge, at the end (after the split
   // combine for the CTA that ran it), then smid | combined << 32, and the CTA's chunk count.
   void set_trace(unsigned long long* trace) { trace_ = trace; }
-  // Whether later plans may combine splits inside thread-block clusters (default: on unless
-  // SPADE_SPLIT_CLUSTER=0); off, every split combine goes through global partials.
-  void set_split_cluster(bool on) { split_cluster_ = on; }
 
  private:
   int query_ctas_per_sm() const;
@@ -115,9 +110,7 @@ class SparseAttention {
   int B_ = 0, n_items_ = 0, max_split_used_ = 0, lists_per_req_ = 1;
   SelGran gran_ = SelGran::Token;
   unsigned long long* trace_ = nullptr;
-  bool split_cluster_ = true;
   std::vector<int> pattern_first_, pattern_count_;  // work items of each planned pattern
-  std::vector<int> pattern_cluster_;                // its cluster size (0: global combine)
   std::vector<int> nch_;                            // planning scratch (kept: no per-step allocation)
   std::vector<std::vector<uint8_t>> one_pattern_;
 };
