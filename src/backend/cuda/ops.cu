@@ -12,6 +12,7 @@
 #include "backend/cuda/ops.h"
 
 #include "backend/cuda/int4_keys.cuh"
+#include "backend/cuda/load_stream.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/qkv_post_pair.cuh"
 
@@ -43,28 +44,19 @@ __global__ void embedding_kernel(const bf16* table, const int32_t* ids, float* x
   }
   // 16-byte loads, 4 per thread in flight before any store (a scalar loop waited for each
   // load: ~9 us per step at H = 4096 on an H200, as the step's first launch nothing hides it).
-  const uint4* src = reinterpret_cast<const uint4*>(tr);
   float4* dst = reinterpret_cast<float4*>(xr);
-  const int n8 = H / 8, nt = blockDim.x;
-  for (int c0 = threadIdx.x; c0 < n8; c0 += 4 * nt) {
-    uint4 v[4];
+  for_each_strided<4>(reinterpret_cast<const uint4*>(tr), H / 8, threadIdx.x, blockDim.x,
+                      [&](const uint4& v, int c) {
+                        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+                        float f[8];
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (c0 + u * nt < n8) v[u] = src[c0 + u * nt];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (c0 + u * nt >= n8) continue;
-      const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-      float f[8];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {  // a bf16 is the top half of its fp32
-        f[2 * k] = __uint_as_float(w[k] << 16);
-        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-      }
-      dst[2 * (c0 + u * nt)] = make_float4(f[0], f[1], f[2], f[3]);
-      dst[2 * (c0 + u * nt) + 1] = make_float4(f[4], f[5], f[6], f[7]);
-    }
-  }
+                        for (int k = 0; k < 4; ++k) {  // a bf16 is the top half of its fp32
+                          f[2 * k] = __uint_as_float(w[k] << 16);
+                          f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+                        }
+                        dst[2 * c] = make_float4(f[0], f[1], f[2], f[3]);
+                        dst[2 * c + 1] = make_float4(f[4], f[5], f[6], f[7]);
+                      });
 }
 
 // Each thread holds up to kNormPer elements (i = tid + j * blockDim) in registers: the norm

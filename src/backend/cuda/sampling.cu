@@ -3,6 +3,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "backend/cuda/sampling.h"
+#include "backend/cuda/load_stream.cuh"
 #include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
@@ -62,20 +63,10 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
   // in, so rows of whole float4s take 16-byte loads, 4 per thread in flight (the scalar loop
   // waited for each of its ~125 loads at V = 128256).
   if (V % 4 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
-    const float4* r4 = reinterpret_cast<const float4*>(row);
-    const int n4 = V / 4;
-    for (int c0 = tid; c0 < n4; c0 += 4 * kThreads) {
-      float4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (c0 + u * kThreads < n4) v[u] = r4[c0 + u * kThreads];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int c = c0 + u * kThreads;
-        if (c >= n4) continue;
-        take(v[u].x, 4 * c), take(v[u].y, 4 * c + 1), take(v[u].z, 4 * c + 2), take(v[u].w, 4 * c + 3);
-      }
-    }
+    for_each_strided<4>(reinterpret_cast<const float4*>(row), V / 4, tid, kThreads,
+                        [&](const float4& v, int c) {
+                          take(v.x, 4 * c), take(v.y, 4 * c + 1), take(v.z, 4 * c + 2), take(v.w, 4 * c + 3);
+                        });
   } else {
     for (int i = tid; i < V; i += kThreads) take(row[i], i);
   }
