@@ -263,6 +263,62 @@ int main(int argc, char** argv) {
                    t ? double(sk) / double(t) : 0.0, d);
       return 0;
     }
+    // tiletrace:<L>:<ln_lambda>: per-tile clock64 stamps of one CTA's consumer warpgroups
+    // (needs attention_prefill.cu built with -DSPADE_PREFILL_TILE_TRACE and linked first; see
+    // bench/run_gpu_blasst_prefill.sh tiletrace), dense kernel and skip kernel.
+    if (what.rfind("tiletrace:", 0) == 0) {
+      const int L = std::atoi(what.c_str() + 10);
+      const float lam = float(std::atof(what.c_str() + what.rfind(':') + 1));
+      Setup s(1, 1, 148, L);
+      s.plant(16.f);
+      s.ws->plan(s.batch, 0);
+      constexpr int kMax = 1024;
+      unsigned long long* tr = s.arena.alloc_n<unsigned long long>(2 * kMax * 8, "tile trace");
+      auto [t_all, t_sk] = s.count(lam);
+      const double sparsity = t_all ? double(t_sk) / double(t_all) : 0.0;
+      for (int skip = 0; skip < 2; ++skip) {
+        const BlasstSkip sk = skip ? BlasstSkip{lam, nullptr} : BlasstSkip{};
+        const float ms = s.time_median(sk, 3);
+        SPADE_CUDA(cudaMemset(tr, 0xff, 2 * kMax * 8 * 8));
+        s.ws->set_trace(tr);
+        s.time_once(sk);
+        s.ws->set_trace(nullptr);
+        std::vector<unsigned long long> h(2 * kMax * 8);
+        SPADE_CUDA(cudaMemcpy(h.data(), tr, h.size() * 8, cudaMemcpyDeviceToHost));
+        const char* ph[6] = {"K wait", "turn + S issue", "S done", "max + vote / softmax", "P V / rest", "to next"};
+        for (int wg = 0; wg < 2; ++wg) {
+          // Means per phase over tiles 1..n-2, split by the tile's decision (dense: all kept).
+          double sum[2][6] = {}, cnt[2] = {}, max_done[2] = {};
+          int n = 0;
+          while (n < kMax && h[(size_t(wg) * kMax + n) * 8] != ~0ull) ++n;
+          for (int t = 1; t + 1 < n; ++t) {
+            const unsigned long long* r = &h[(size_t(wg) * kMax + t) * 8];
+            const int k = skip && r[6] == 1 ? 1 : 0;
+            for (int i = 0; i < 5; ++i) sum[k][i] += double(r[i + 1] - r[i]);
+            sum[k][5] += double(r[8] - r[5]);  // next tile's loop top
+            if (skip) max_done[k] += double(r[7] - r[3]);  // S done -> row maxima done
+            cnt[k] += 1;
+          }
+          for (int k = 0; k < 2; ++k) {
+            if (cnt[k] == 0) continue;
+            std::fprintf(stderr, "tiletrace L=%d %s wg %d %s tiles %d of %d (sparsity %.3f, %.2f ms):", L,
+                         skip ? "skip" : "dense", wg, k ? "skipped" : "kept", int(cnt[k]), n, sparsity, ms);
+            double tot = 0;
+            for (int i = 0; i < 6; ++i) tot += sum[k][i] / cnt[k];
+            for (int i = 0; i < 6; ++i) std::fprintf(stderr, " %s %.0f", ph[i], sum[k][i] / cnt[k]);
+            std::fprintf(stderr, " | cycles per tile %.0f (of max + vote: the maxima %.0f)\n", tot,
+                         max_done[k] / cnt[k]);
+            std::fprintf(c.out, "{\"kind\":\"tiletrace\",\"L\":%d,\"kernel\":\"%s\",\"wg\":%d,"
+                                "\"tiles\":\"%s\",\"count\":%d,\"sparsity\":%.4f,\"ms\":%.3f,"
+                                "\"cycles\":[%.1f,%.1f,%.1f,%.1f,%.1f,%.1f],\"maxima_cycles\":%.1f}\n",
+                         L, skip ? "skip" : "dense", wg, k ? "skipped" : "kept", int(cnt[k]), sparsity, ms,
+                         sum[k][0] / cnt[k], sum[k][1] / cnt[k], sum[k][2] / cnt[k], sum[k][3] / cnt[k],
+                         sum[k][4] / cnt[k], sum[k][5] / cnt[k], max_done[k] / cnt[k]);
+          }
+        }
+      }
+      return 0;
+    }
     if (what == "all" || what == "sweep") {
       sweep(c, 32768, 148, 5);
       sweep(c, 65536, 148, 3);

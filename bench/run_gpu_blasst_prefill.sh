@@ -2,7 +2,7 @@
 # BLASST prefill: gpu tests + bench/bench_blasst_prefill.cu, from binaries built without a GPU.
 #   Here (no GPU):  bash bench/run_gpu_blasst_prefill.sh prebuild   -> .prebuilt-pf/
 #                   (spade_gpu_tests linked as bench/gpu_deps/prebuild.sh does, + bench_blasst_prefill)
-#   Device call:    run(command="COMMIT=<sha> bash bench/run_gpu_blasst_prefill.sh [tests] [bench]",
+#   Device call:    run(command="COMMIT=<sha> bash bench/run_gpu_blasst_prefill.sh [tests] [bench] [tiletrace]",
 #                       carry=[".prebuilt-pf", ".deps-cuda"])
 # Results: $OUT/gpu_tests_blasst_prefill.log, $OUT/blasst_prefill.jsonl (copy it to
 # bench/results/blasst_prefill_<device>_<date>.json).
@@ -27,6 +27,12 @@ if [[ "$what" == prebuild ]]; then
     $CUDA_LIB/libcublasLt.so $CUDA_LIB/libculibos.a -L$CUDA_LIB -lcudadevrt -lcudart_static -lrt -lpthread -ldl)
   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_blasst_prefill.cu \
     $BD/libspade_cuda.a -lcublasLt -lcublas -o $PB/bench_blasst_prefill
+  # The per-tile trace build: attention_prefill.cu with its clock64 stamps, linked before the
+  # library (whose own attention_prefill.cu.o is then not pulled in).
+  nvcc -std=c++17 -O3 --expt-relaxed-constexpr -DSPADE_PREFILL_TILE_TRACE \
+    -gencode=arch=compute_90a,code=sm_90a -Isrc -c src/backend/cuda/attention_prefill.cu -o $BD/ap_tile_trace.o
+  nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_blasst_prefill.cu \
+    $BD/ap_tile_trace.o $BD/libspade_cuda.a -lcublasLt -lcublas -o $PB/bench_blasst_prefill_tt
   ls -la $PB
   exit 0
 fi
@@ -44,6 +50,13 @@ if [[ "$what" == *tests* ]]; then
   F=${GTEST_FILTER:-CudaBlasstPrefill.*:CudaAttention.Prefill*}
   timeout ${TEST_TIMEOUT:-150} ./$PB/spade_gpu_tests --gtest_filter="$F" >"$OUT/gpu_tests_blasst_prefill.log" 2>&1
   echo "tests rc=$?"; grep -vE "^\[ +(RUN|OK) " "$OUT/gpu_tests_blasst_prefill.log" | tail -40
+fi
+if [[ "$what" == *tiletrace* ]]; then  # cycles per tile of one CTA, dense and skip kernels
+  for L in 32768 65536; do for lam in -2 0 -80; do
+    timeout 120 ./$PB/bench_blasst_prefill_tt "$OUT/tt.jsonl" "$COMMIT" tiletrace tiletrace:$L:$lam 2>&1 | grep tiletrace
+    cat "$OUT/tt.jsonl" >> "$OUT/blasst_prefill_tiletrace.jsonl"
+  done; done
+  rm -f "$OUT/tt.jsonl"
 fi
 if [[ "$what" == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-300} ./$PB/bench_blasst_prefill "$OUT/blasst_prefill.jsonl" "$COMMIT" \

@@ -135,6 +135,26 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+// Diagnostic build only (-DSPADE_PREFILL_TILE_TRACE, bench_blasst_prefill's tiletrace mode):
+// thread 0 of each consumer warpgroup of the CTA (gridDim.x / 2, 0) writes clock64 stamps of
+// every tile t < kTileTraceMax to a.trace + (wg * kTileTraceMax + t) * 8: loop top, K landed,
+// S issued (after the turn), S done, decided (SKIP: the vote; dense: softmax done), end,
+// then the skip flag and (SKIP) the row maxima done. Production builds compile none of it.
+#ifdef SPADE_PREFILL_TILE_TRACE
+constexpr int kTileTraceMax = 1024;
+#define SPADE_TILE_STAMP(k)                                                                    \
+  do {                                                                                         \
+    if (tt_on) {                                                                               \
+      long long c_;                                                                            \
+      asm volatile("mov.u64 %0, %%clock64;" : "=l"(c_));                                       \
+      if (t < kTileTraceMax) a.trace[(size_t(wg) * kTileTraceMax + t) * 8 + (k)] = (unsigned long long)c_; \
+    }                                                                                          \
+  } while (0)
+#else
+#define SPADE_TILE_STAMP(k) \
+  do {                      \
+  } while (0)
+#endif
 template <int N>
 __device__ __forceinline__ void reg_fence(float (&d)[N]) {
 #pragma unroll
@@ -363,6 +383,9 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
   const uint32_t q_wg = sQ + wg * 64 * 128;
   const int bar_me = 1 + wg, bar_other = 2 - wg;
   uint32_t n_skip = 0;  // BLASST: tiles this warpgroup skipped
+#ifdef SPADE_PREFILL_TILE_TRACE
+  const bool tt_on = a.trace && blockIdx.x == gridDim.x / 2 && blockIdx.y == 0 && (tid & 127) == 0;
+#endif
 
   mbar_wait(bar_q, 0);
   if (wg == 1) named_arrive(1, 256);  // warpgroup 0 issues first
@@ -453,16 +476,21 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
   if constexpr (!SKIP) {
     for (int t = 0; t < n_tiles; ++t) {
       float sc[64];
+      SPADE_TILE_STAMP(0);
       mbar_wait(bar_fk(s), ph);
       fence_proxy_async();
+      SPADE_TILE_STAMP(1);
       issue_s(sc, s);
+      SPADE_TILE_STAMP(2);
       wgmma_wait0();
       reg_fence(sc);
+      SPADE_TILE_STAMP(3);
       float mxA, mxB, alA, alB;
       mask_max(sc, t * BN, mxA, mxB);
       softmax(sc, fmaxf(mA, mxA * sl2), fmaxf(mB, mxB * sl2), alA, alB);
       uint32_t pa[8][4];
       rescale_pack(sc, alA, alB, pa);
+      SPADE_TILE_STAMP(4);
       mbar_wait(bar_fv(s), ph);
       fence_proxy_async();
       reg_fence(o);
@@ -472,6 +500,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
       wgmma_wait0();
       reg_fence(o);
       mbar_arrive(bar_em(s));
+      SPADE_TILE_STAMP(5);
       if (++s == ST) s = 0, ph ^= 1;
     }
   } else {
@@ -484,11 +513,14 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
     int ps = 0, pph = 0;    // its stage and that stage's parity
     for (int t = 0; t < n_tiles; ++t) {
       float sc[64];
+      SPADE_TILE_STAMP(0);
       mbar_wait(bar_fk(s), ph);
       fence_proxy_async();
+      SPADE_TILE_STAMP(1);
       reg_fence(o);  // the pending P V's operands are final before the fence in issue_s
       reg_fence(pa);
       issue_s(sc, s);
+      SPADE_TILE_STAMP(2);
       if (pend) {
         mbar_wait(bar_fv(ps), pph);
         fence_proxy_async();
@@ -500,9 +532,11 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
       wgmma_commit();
       wgmma_wait1();  // S(t) done; P V may still run
       reg_fence(sc);
+      SPADE_TILE_STAMP(3);
       mbar_arrive(bar_ek(s));  // K(t) read: the K loaders may refill the slot
       float mxA, mxB;
       mask_max(sc, t * BN, mxA, mxB);
+      SPADE_TILE_STAMP(7);
       const float nA = fmaxf(mA, mxA * sl2), nB = fmaxf(mB, mxB * sl2);
       // Vote (BLASST Algorithm 1): m~ - max(m, m~) < ln(lambda) for every visible row; rows
       // past the item (padding) and rows that see no key of the tile do not object.
@@ -513,6 +547,10 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
       // uniform datapath (2x the R2UR, ~+5% time).
       const bool skip = __all_sync(0xffffffffu, named_all(3 + wg, 128, __all_sync(0xffffffffu, vA && vB)));
       n_skip += skip;
+      SPADE_TILE_STAMP(4);
+#ifdef SPADE_PREFILL_TILE_TRACE
+      if (tt_on && t < kTileTraceMax) a.trace[(size_t(wg) * kTileTraceMax + t) * 8 + 6] = skip;
+#endif
       // Publish the vote to the V loaders (release: mbarrier arrive). Every thread writes
       // and arrives: a branch on the thread id here (P V in flight) made ptxas serialize the
       // wgmma.
@@ -532,6 +570,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
       } else {
         mbar_arrive(bar_em(s));  // K read; V not needed by this warpgroup
       }
+      SPADE_TILE_STAMP(5);
       if (++s == ST) s = 0, ph ^= 1;
     }
     if (pend) {
@@ -577,6 +616,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
     for (int j = 0; j < 16; ++j)
       *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(o[4 * j + 2] * iB, o[4 * j + 3] * iB);
   }
+#ifndef SPADE_PREFILL_TILE_TRACE
   if (a.trace && tid == 0) {
     unsigned long long t_end;
     uint32_t smid;
@@ -585,6 +625,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
     unsigned long long* tr = a.trace + 4 * (size_t(blockIdx.y) * gridDim.x + blockIdx.x);
     tr[0] = t_start, tr[1] = t_end, tr[2] = smid, tr[3] = n_tiles;
   }
+#endif  // SPADE_PREFILL_TILE_TRACE
 #else
   __trap();  // built without sm_90a code: the host never launches this (prefill_wgmma_ok)
 #endif
