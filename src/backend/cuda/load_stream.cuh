@@ -5,6 +5,8 @@
 
 namespace spade::cuda {
 
+// A 16-byte global load for data read once (weights, KV bytes): non-coherent path, no L1
+// allocation, so a stream does not evict what L1 holds for others.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
