@@ -66,6 +66,13 @@ float* g_scores_head = nullptr;   // [B * Hq][L]
 FILE* g_out = nullptr;
 bool g_trace = false;  // trace mode: token / page16 rows only, each followed by a phase trace
 unsigned long long* g_trace_buf = nullptr;  // device, 8 x uint64 per work item
+// SPADE_BENCH_FORCE_SPLIT=n: the token-list rows plan n splits per (request, KV head) instead of
+// the planner's choice (split-count A/B runs).
+const int g_force_split = [] {
+  const char* e = std::getenv("SPADE_BENCH_FORCE_SPLIT");
+  return e && *e ? std::atoi(e) : 0;
+}();
+
 
 float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -295,7 +302,7 @@ void bench_shape(int L, int B) {
     {  // token lists per (request, KV head)
       const int nl = B * Hkv;
       upload_lists(nl, budget, L);
-      sa.plan(seqs, SelGran::Token, Hkv, std::vector<int>(nl, budget), nullptr, 0);
+      sa.plan(seqs, SelGran::Token, Hkv, std::vector<int>(nl, budget), nullptr, 0, g_force_split);
       const double us = time_calls(R, [&](int r) { sa.run(Qr(r), Kr(r), Vr(r), d_off, Ir(r, nl, budget), o, scale, 0); }, &mn);
       emit("token", L, B, budget, us, mn, double(nl) * budget * (kv_row + 4) + qo_bytes, R, sa.n_items(), sa.max_split_used());
       if (g_trace)
