@@ -760,7 +760,8 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
     }
   } else if (prefill_kernel_ >= 1 && prefill_wgmma_ok(D_)) {
     a.trace = trace_;
-    launch_prefill_wgmma(a, grid, s, prefill_kernel_ == 2 ? 3 : 2);
+    const CUtensorMap* tmk = skip.active() && tma_ok_ ? tmaps_->get(k_cache, D_) : nullptr;
+    launch_prefill_wgmma(a, grid, s, prefill_kernel_ == 2 ? 3 : 2, tmk);
   } else {
     const bool sk = skip.active();
     if (D_ == 64)

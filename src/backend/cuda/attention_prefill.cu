@@ -47,6 +47,7 @@
 // Napkin math (Llama-3-8B shapes, 8K causal): 4*8192^2/2*128*32 = 550 GFLOP -> 0.9 ms at
 // 600 TFLOP/s; the bf16 tensor roof measured here is ~790 TFLOP/s.
 #include <cmath>
+#include <cstdlib>
 
 #include "backend/cuda/attention_common.cuh"
 
@@ -94,6 +95,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (!ok);
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// One {64 columns, 16 rows} box of the K cache (encode_kv_tensor_map: rows of D bf16, 128-byte
+// swizzle) into shared memory at dst (1024-aligned), completing tx bytes on bar.
+__device__ __forceinline__ void tma_box(uint32_t dst, const CUtensorMap* map, int col, int row,
+                                        uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(bar)
+      : "memory");
 }
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
@@ -190,8 +204,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uin
 }
 #endif  // SPADE_WGMMA
 
-template <int ST, bool SKIP>
-__global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const AttnArgs a) {
+template <int ST, bool SKIP, bool KTMA>
+__global__ void __launch_bounds__(kPfThreads, 1)
+    prefill_wgmma_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap tmk) {
 #ifdef SPADE_WGMMA
   constexpr int D = kPfD, BN = kPfBN;
   unsigned long long t_start = 0;
@@ -239,7 +254,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
     // (so its phases never run ahead of their parity waits: the consumers get ST tiles ahead of
     // the V loaders when they skip).
     for (int s = 0; s < ST; ++s) {
-      mbar_init(bar_fk(s), SKIP ? 64 : 128);
+      mbar_init(bar_fk(s), KTMA ? 1 : SKIP ? 64 : 128);
       mbar_init(bar_fv(s), SKIP ? 64 : 128);
       mbar_init(bar_em(s), SKIP ? 256 + 64 : 256);
       if (SKIP) mbar_init(bar_dec(s), 256);
@@ -311,6 +326,29 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
         }
       }
     };
+    // KTMA (SKIP only; P % 16 == 0 and a tensor map of the K cache): K tile t by TMA from
+    // warp 8, whose lanes 0-7 hold its 8 page ids (kids, load_ids(t, 1, 0)); lane 0 issues 16
+    // boxes (8 pages x 2 halves of 64 columns, 32 KB on bar_fk with expect_tx). TMA writes are
+    // in the async proxy, so the consumers need no proxy fence after the K wait (a skipped
+    // tile's whole chain otherwise starts with a MEMBAR). Rows past the keys come from page 0
+    // (ids past the table read as 0): not zero-filled like the cp.async path, but their scores
+    // are masked to -inf before anything reads them (V keeps the zero fill: P = 0 times a stale
+    // NaN would not be 0). The dense kernel keeps cp.async K: with these 2 KB boxes it ran
+    // 15-20% slower (H100, bench/results/blasst_prefill_ktma_h100_20261127.json).
+    auto issue_k_tma = [&](int t, int st, int kids) {
+      int id[8];
+#pragma unroll
+      for (int b = 0; b < 8; ++b) id[b] = __shfl_sync(0xffffffffu, kids, b);
+      if (lane == 0) {
+        mbar_arrive_expect_tx(bar_fk(st), kTileBytes);
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+          const int row = (id[b] * a.Hkv + kvh) * P + pmod(t * BN + 16 * b);
+          tma_box(sK(st) + 16 * b * 128, &tmk, 0, row, bar_fk(st));
+          tma_box(sK(st) + kHalf + 16 * b * 128, &tmk, 64, row, bar_fk(st));
+        }
+      }
+    };
     int s = 0, ph = 0;  // stage of tile t, and the parity of its (t / ST)-th use
     if constexpr (!SKIP) {
       int ids = fast && n_tiles > 0 ? load_ids(0, 4, pw) : 0;
@@ -323,6 +361,18 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
         load_tile(a.v, sV(s), t * BN, cur, 4, pw);
         cp_async_arrive_noinc(bar_fv(s));
         if (++s == ST) s = 0, ph ^= 1;
+      }
+    } else if (KTMA && pw < 2) {
+      // SKIP, K by TMA (issue_k_tma): warp 8 alone, ST tiles ahead; warp 9 has nothing to do.
+      if (pw == 0) {
+        int kids = n_tiles > 0 ? load_ids(0, 1, 0) : 0;
+        for (int t = 0; t < n_tiles; ++t) {
+          if (t >= ST) mbar_wait(bar_ek(s), ph ^ 1);
+          const int kcur = kids;
+          if (t + 1 < n_tiles) kids = load_ids(t + 1, 1, 0);
+          issue_k_tma(t, s, kcur);
+          if (++s == ST) s = 0, ph ^= 1;
+        }
       }
     } else if (pw < 2) {
       // SKIP, warps 8-9: K tiles, ST ahead; a K slot returns once S of its tile is done (a kept
@@ -515,7 +565,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_wgmma_kernel(const Attn
       float sc[64];
       SPADE_TILE_STAMP(0);
       mbar_wait(bar_fk(s), ph);
-      fence_proxy_async();
+      if constexpr (!KTMA) fence_proxy_async();  // cp.async (generic proxy) -> wgmma; TMA: none
       SPADE_TILE_STAMP(1);
       reg_fence(o);  // the pending P V's operands are final before the fence in issue_s
       reg_fence(pa);
@@ -640,11 +690,11 @@ __global__ void wgmma_probe(int* flag) {
 #endif
 }
 
-template <int ST, bool SKIP>
+template <int ST, bool SKIP, bool KTMA>
 void prepare_prefill() {
   static bool done = false;
   if (!done) {
-    SPADE_CUDA(cudaFuncSetAttribute(prefill_wgmma_kernel<ST, SKIP>,
+    SPADE_CUDA(cudaFuncSetAttribute(prefill_wgmma_kernel<ST, SKIP, KTMA>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(pf_smem<ST>())));
     done = true;
   }
@@ -677,20 +727,33 @@ bool prefill_wgmma_ok(int D) {
 }
 
 namespace {
-template <int ST, bool SKIP>
-void launch_pf(const AttnArgs& a, dim3 grid, cudaStream_t s) {
-  prepare_prefill<ST, SKIP>();
-  prefill_wgmma_kernel<ST, SKIP><<<grid, kPfThreads, pf_smem<ST>(), s>>>(a);
+template <int ST, bool SKIP, bool KTMA = false>
+void launch_pf(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* tmk = nullptr) {
+  prepare_prefill<ST, SKIP, KTMA>();
+  CUtensorMap zero{};
+  prefill_wgmma_kernel<ST, SKIP, KTMA><<<grid, kPfThreads, pf_smem<ST>(), s>>>(a, tmk ? *tmk : zero);
+}
+
+// BLASST: K tiles by TMA when a tensor map is given (SPADE_BLASST_PF_KTMA=0: cp.async, A/B).
+bool blasst_prefill_ktma() {
+  static const bool on = [] {
+    const char* e = std::getenv("SPADE_BLASST_PF_KTMA");
+    return !(e && *e && std::atoi(e) == 0);
+  }();
+  return on;
 }
 
 }  // namespace
 
-void launch_prefill_wgmma(const AttnArgs& a, dim3 grid, cudaStream_t s, int stages) {
+void launch_prefill_wgmma(const AttnArgs& a, dim3 grid, cudaStream_t s, int stages,
+                          const CUtensorMap* tmk) {
   // BLASST always runs on 3 stages: its kept tiles hold their stage one tile longer (P V runs
   // one tile behind), which leaves a 2-stage ring no K prefetch (H100: +63% vs +28% at zero
   // sparsity, bench/bench_blasst_prefill.cu).
-  if (a.skip_log2 > -INFINITY) launch_pf<3, true>(a, grid, s);
-  else if (stages == 3) launch_pf<3, false>(a, grid, s);
+  if (a.skip_log2 > -INFINITY) {
+    if (tmk && a.P % 16 == 0 && blasst_prefill_ktma()) launch_pf<3, true, true>(a, grid, s, tmk);
+    else launch_pf<3, true>(a, grid, s);
+  } else if (stages == 3) launch_pf<3, false>(a, grid, s);
   else launch_pf<2, false>(a, grid, s);
   SPADE_CUDA_LAUNCH();
 }
