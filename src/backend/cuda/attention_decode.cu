@@ -61,10 +61,6 @@ struct DecCfg {
 __device__ __forceinline__ void mbar_init1(uint32_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void mbar_wait_parity(uint32_t bar, int parity) {
   uint32_t ok = 0;
   do {
@@ -75,13 +71,6 @@ __device__ __forceinline__ void mbar_wait_parity(uint32_t bar, int parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (!ok);
-}
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                            uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
 }
 
 // Byte offset of (row r, column col % 8 == 0) in a chunk tile. v3: [TK][D] with 16-byte chunk

@@ -96,19 +96,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
         : "memory");
   } while (!ok);
 }
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-// One {64 columns, 16 rows} box of the K cache (encode_kv_tensor_map: rows of D bf16, 128-byte
-// swizzle) into shared memory at dst (1024-aligned), completing tx bytes on bar.
-__device__ __forceinline__ void tma_box(uint32_t dst, const CUtensorMap* map, int col, int row,
-                                        uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(bar)
-      : "memory");
-}
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
@@ -340,12 +327,12 @@ __global__ void __launch_bounds__(kPfThreads, 1)
 #pragma unroll
       for (int b = 0; b < 8; ++b) id[b] = __shfl_sync(0xffffffffu, kids, b);
       if (lane == 0) {
-        mbar_arrive_expect_tx(bar_fk(st), kTileBytes);
+        mbar_expect_tx(bar_fk(st), kTileBytes);
 #pragma unroll
         for (int b = 0; b < 8; ++b) {
           const int row = (id[b] * a.Hkv + kvh) * P + pmod(t * BN + 16 * b);
-          tma_box(sK(st) + 16 * b * 128, &tmk, 0, row, bar_fk(st));
-          tma_box(sK(st) + kHalf + 16 * b * 128, &tmk, 64, row, bar_fk(st));
+          tma_load_2d(sK(st) + 16 * b * 128, &tmk, 0, row, bar_fk(st));
+          tma_load_2d(sK(st) + kHalf + 16 * b * 128, &tmk, 64, row, bar_fk(st));
         }
       }
     };
