@@ -35,6 +35,9 @@
 //     10-11 load a tile's V only after both warpgroups published their votes (need flags in
 //     shared memory + a per-stage "decided" mbarrier, 256 arrivals) and only if one keeps it,
 //     then arrive on the stage's K-slot barrier too (so "decided" never runs a phase ahead);
+//     with tensor maps of the caches (P % 16 == 0, the default) one thread of warp 8 loads K
+//     and one of warp 10 loads V by TMA instead (no proxy fence for the consumers, no cp.async
+//     issue on their SM sub-partitions; H100 76.5%: 1.37x -> 1.55x with K by TMA);
 //   - a consumer runs P V one kept tile behind: tile t issues S(t), then P V of the last kept
 //     tile (its V was requested a whole S + softmax earlier), votes and exponentiates tile t
 //     while that P V runs, and waits for it only to rescale O and pack P(t). A stage's K slot
@@ -193,7 +196,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uin
 
 template <int ST, bool SKIP, bool KTMA>
 __global__ void __launch_bounds__(kPfThreads, 1)
-    prefill_wgmma_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap tmk) {
+    prefill_wgmma_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap tmk,
+                         const __grid_constant__ CUtensorMap tmv) {
 #ifdef SPADE_WGMMA
   constexpr int D = kPfD, BN = kPfBN;
   unsigned long long t_start = 0;
@@ -242,10 +246,11 @@ __global__ void __launch_bounds__(kPfThreads, 1)
     // the V loaders when they skip).
     for (int s = 0; s < ST; ++s) {
       mbar_init(bar_fk(s), KTMA ? 1 : SKIP ? 64 : 128);
-      mbar_init(bar_fv(s), SKIP ? 64 : 128);
-      mbar_init(bar_em(s), SKIP ? 256 + 64 : 256);
+      // KTMA: one V loader thread arrives where SKIP's 64 did.
+      mbar_init(bar_fv(s), KTMA ? 1 : SKIP ? 64 : 128);
+      mbar_init(bar_em(s), KTMA ? 256 + 1 : SKIP ? 256 + 64 : 256);
       if (SKIP) mbar_init(bar_dec(s), 256);
-      if (SKIP) mbar_init(bar_ek(s), 256 + 64);
+      if (SKIP) mbar_init(bar_ek(s), KTMA ? 256 + 1 : 256 + 64);
     }
   }
   __syncthreads();
@@ -313,29 +318,30 @@ __global__ void __launch_bounds__(kPfThreads, 1)
         }
       }
     };
-    // KTMA (SKIP only; P % 16 == 0 and a tensor map of the K cache): K tile t by TMA from
-    // warp 8, whose lanes 0-7 hold its 8 page ids (kids, load_ids(t, 1, 0)); lane 0 issues 16
-    // boxes (8 pages x 2 halves of 64 columns, 32 KB on bar_fk with expect_tx). TMA writes are
-    // in the async proxy, so the consumers need no proxy fence after the K wait (a skipped
+    // KTMA (SKIP only; P % 16 == 0 and tensor maps of the K and V caches): a tile by TMA from
+    // one warp, whose lanes 0-7 hold its 8 page ids (kids, load_ids(t, 1, 0)); lane 0 issues 16
+    // boxes (8 pages x 2 halves of 64 columns, 32 KB on the barrier with expect_tx). TMA writes
+    // are in the async proxy, so the consumers need no proxy fence after the wait (a skipped
     // tile's whole chain otherwise starts with a MEMBAR). Rows past the keys come from page 0
-    // (ids past the table read as 0): not zero-filled like the cp.async path, but their scores
-    // are masked to -inf before anything reads them (V keeps the zero fill: P = 0 times a stale
-    // NaN would not be 0). The dense kernel keeps cp.async K: with these 2 KB boxes it ran
-    // 15-20% slower (H100, bench/results/blasst_prefill_ktma_h100_20261127.json).
-    auto issue_k_tma = [&](int t, int st, int kids) {
+    // (ids past the table read as 0), not zero-filled like the cp.async path: K's are masked
+    // to -inf before anything reads them; V's would meet P = 0, and 0 times a stale NaN is NaN,
+    // so a partial last V tile still goes by cp.async. The dense kernel keeps cp.async: TMA K
+    // made it 15-20% slower (H100, bench/results/blasst_prefill_ktma_h100_20261127.json).
+    auto issue_tma_tile = [&](uint32_t dst, uint32_t bar, int t, int kids, const CUtensorMap* map) {
       int id[8];
 #pragma unroll
       for (int b = 0; b < 8; ++b) id[b] = __shfl_sync(0xffffffffu, kids, b);
       if (lane == 0) {
-        mbar_expect_tx(bar_fk(st), kTileBytes);
+        mbar_expect_tx(bar, kTileBytes);
 #pragma unroll
         for (int b = 0; b < 8; ++b) {
           const int row = (id[b] * a.Hkv + kvh) * P + pmod(t * BN + 16 * b);
-          tma_load_2d(sK(st) + 16 * b * 128, &tmk, 0, row, bar_fk(st));
-          tma_load_2d(sK(st) + kHalf + 16 * b * 128, &tmk, 64, row, bar_fk(st));
+          tma_load_2d(dst + 16 * b * 128, map, 0, row, bar);
+          tma_load_2d(dst + kHalf + 16 * b * 128, map, 64, row, bar);
         }
       }
     };
+    auto issue_k_tma = [&](int t, int st, int kids) { issue_tma_tile(sK(st), bar_fk(st), t, kids, &tmk); };
     int s = 0, ph = 0;  // stage of tile t, and the parity of its (t / ST)-th use
     if constexpr (!SKIP) {
       int ids = fast && n_tiles > 0 ? load_ids(0, 4, pw) : 0;
@@ -372,6 +378,36 @@ __global__ void __launch_bounds__(kPfThreads, 1)
         load_tile(a.k, sK(s), t * BN, cur, 2, pw);
         cp_async_arrive_noinc(bar_fk(s));
         if (++s == ST) s = 0, ph ^= 1;
+      }
+    } else if (KTMA) {
+      // SKIP with TMA: warp 10 alone does what warps 10-11 do below (one arrival per barrier
+      // from lane 0). A kept tile's V comes by TMA like K, except the last tile when it is
+      // partial: its rows past the keys must be zeros (P = 0 times a stale NaN is NaN), so
+      // warp 10 copies it with zero-filling cp.async, waits for the copies and then arrives;
+      // the consumers fence (generic -> async proxy) after waiting for that tile only.
+      if (pw == 2) {
+        int vids = n_tiles > 0 ? load_ids(0, 1, 0) : 0;
+        for (int t = 0; t < n_tiles; ++t) {
+          const int vcur = vids;
+          if (t + 1 < n_tiles) vids = load_ids(t + 1, 1, 0);
+          mbar_wait(bar_dec(s), ph);
+          const bool need = need_v[2 * s] | need_v[2 * s + 1];
+          if (lane == 0) mbar_arrive(bar_ek(s));
+          if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);
+          if (need && (t + 1) * BN <= n_keys) {
+            issue_tma_tile(sV(s), bar_fv(s), t, vcur, &tmv);
+          } else if (need) {
+            load_tile(a.v, sV(s), t * BN, vcur, 1, 0);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_fv(s));
+          } else if (lane == 0) {
+            mbar_arrive(bar_fv(s));
+          }
+          if (lane == 0) mbar_arrive(bar_em(s));
+          if (++s == ST) s = 0, ph ^= 1;
+        }
       }
     } else {
       // SKIP, warps 10-11: V of tile t only once both warpgroups have voted on it, and only if
@@ -548,6 +584,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
     uint32_t pa[8][4];      // P of the pending kept tile (bf16 pairs)
     bool pend = false;      // a kept tile's P V is pending (uniform over the warpgroup)
     int ps = 0, pph = 0;    // its stage and that stage's parity
+    bool pzero = false;     // its V came by cp.async (zero-filled rows past the keys)
     for (int t = 0; t < n_tiles; ++t) {
       float sc[64];
       SPADE_TILE_STAMP(0);
@@ -560,7 +597,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       SPADE_TILE_STAMP(2);
       if (pend) {
         mbar_wait(bar_fv(ps), pph);
-        fence_proxy_async();
+        if (!KTMA || pzero) fence_proxy_async();  // cp.async V (KTMA: the partial last tile only)
         wgmma_fence();
         issue_pv(pa, ps);
       }
@@ -603,7 +640,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       }
       if (!skip) {
         rescale_pack(sc, alA, alB, pa);
-        pend = true, ps = s, pph = ph;
+        pend = true, ps = s, pph = ph, pzero = (t + 1) * BN > n_keys;
       } else {
         mbar_arrive(bar_em(s));  // K read; V not needed by this warpgroup
       }
@@ -612,7 +649,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
     }
     if (pend) {
       mbar_wait(bar_fv(ps), pph);
-      fence_proxy_async();
+      if (!KTMA || pzero) fence_proxy_async();
       reg_fence(o);
       wgmma_fence();
       issue_pv(pa, ps);
@@ -715,10 +752,12 @@ bool prefill_wgmma_ok(int D) {
 
 namespace {
 template <int ST, bool SKIP, bool KTMA = false>
-void launch_pf(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* tmk = nullptr) {
+void launch_pf(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* tmk = nullptr,
+               const CUtensorMap* tmv = nullptr) {
   prepare_prefill<ST, SKIP, KTMA>();
   CUtensorMap zero{};
-  prefill_wgmma_kernel<ST, SKIP, KTMA><<<grid, kPfThreads, pf_smem<ST>(), s>>>(a, tmk ? *tmk : zero);
+  prefill_wgmma_kernel<ST, SKIP, KTMA>
+      <<<grid, kPfThreads, pf_smem<ST>(), s>>>(a, tmk ? *tmk : zero, tmv ? *tmv : zero);
 }
 
 // BLASST: K tiles by TMA when a tensor map is given (SPADE_BLASST_PF_KTMA=0: cp.async, A/B).
@@ -733,12 +772,12 @@ bool blasst_prefill_ktma() {
 }  // namespace
 
 void launch_prefill_wgmma(const AttnArgs& a, dim3 grid, cudaStream_t s, int stages,
-                          const CUtensorMap* tmk) {
+                          const CUtensorMap* tmk, const CUtensorMap* tmv) {
   // BLASST always runs on 3 stages: its kept tiles hold their stage one tile longer (P V runs
   // one tile behind), which leaves a 2-stage ring no K prefetch (H100: +63% vs +28% at zero
   // sparsity, bench/bench_blasst_prefill.cu).
   if (a.skip_log2 > -INFINITY) {
-    if (tmk && a.P % 16 == 0 && blasst_prefill_ktma()) launch_pf<3, true, true>(a, grid, s, tmk);
+    if (tmk && tmv && a.P % 16 == 0 && blasst_prefill_ktma()) launch_pf<3, true, true>(a, grid, s, tmk, tmv);
     else launch_pf<3, true>(a, grid, s);
   } else if (stages == 3) launch_pf<3, false>(a, grid, s);
   else launch_pf<2, false>(a, grid, s);
