@@ -37,7 +37,7 @@
 //     then arrive on the stage's K-slot barrier too (so "decided" never runs a phase ahead);
 //     with tensor maps of the caches (P % 16 == 0, the default) one thread of warp 8 loads K
 //     and one of warp 10 loads V by TMA instead (no proxy fence for the consumers, no cp.async
-//     issue on their SM sub-partitions; H100 76.5%: 1.37x -> 1.55x with K by TMA);
+//     issue on their SM sub-partitions; H100 76.5%: 1.37x -> 1.55x with K by TMA, 1.59x with V);
 //   - a consumer runs P V one kept tile behind: tile t issues S(t), then P V of the last kept
 //     tile (its V was requested a whole S + softmax earlier), votes and exponentiates tile t
 //     while that P V runs, and waits for it only to rescale O and pack P(t). A stage's K slot
