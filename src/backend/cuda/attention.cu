@@ -760,7 +760,7 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
     }
   } else if (prefill_kernel_ >= 1 && prefill_wgmma_ok(D_)) {
     a.trace = trace_;
-    const bool tma = skip.active() && tma_ok_;
+    const bool tma = tma_ok_;
     launch_prefill_wgmma(a, grid, s, prefill_kernel_ == 2 ? 3 : 2, tma ? tmaps_->get(k_cache, D_) : nullptr,
                          tma ? tmaps_->get(v_cache, D_) : nullptr);
   } else {

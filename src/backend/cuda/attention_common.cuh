@@ -63,8 +63,8 @@ bool encode_kv_tensor_map(CUtensorMap* map, const void* base, int D);
 // wgmma prefill (attention_prefill.cu): D = 128 on compute capability 9.0 with the sm_90a
 // image present; 128 packed rows per work item (as the generic prefill kernel).
 bool prefill_wgmma_ok(int D);
-// tmk, tmv (optional): tensor maps of the K and V caches (encode_kv_tensor_map); the BLASST
-// kernel then loads K and V tiles by TMA (P % 16 == 0; SPADE_BLASST_PF_KTMA=0 turns it off).
+// tmk, tmv (optional): tensor maps of the K and V caches (encode_kv_tensor_map); the kernels
+// then load K and V tiles by TMA (P % 16 == 0; SPADE_PREFILL_TMA=0 turns it off).
 void launch_prefill_wgmma(const AttnArgs& a, dim3 grid, cudaStream_t s, int stages,
                           const CUtensorMap* tmk = nullptr, const CUtensorMap* tmv = nullptr);
 

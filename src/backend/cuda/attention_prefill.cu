@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       mbar_init(bar_fk(s), KTMA ? 1 : SKIP ? 64 : 128);
       // KTMA: one V loader thread arrives where SKIP's 64 did.
       mbar_init(bar_fv(s), KTMA ? 1 : SKIP ? 64 : 128);
-      mbar_init(bar_em(s), KTMA ? 256 + 1 : SKIP ? 256 + 64 : 256);
+      mbar_init(bar_em(s), SKIP ? (KTMA ? 256 + 1 : 256 + 64) : 256);
       if (SKIP) mbar_init(bar_dec(s), 256);
       if (SKIP) mbar_init(bar_ek(s), KTMA ? 256 + 1 : 256 + 64);
     }
@@ -318,15 +318,17 @@ __global__ void __launch_bounds__(kPfThreads, 1)
         }
       }
     };
-    // KTMA (SKIP only; P % 16 == 0 and tensor maps of the K and V caches): a tile by TMA from
-    // one warp, whose lanes 0-7 hold its 8 page ids (kids, load_ids(t, 1, 0)); lane 0 issues 16
-    // boxes (8 pages x 2 halves of 64 columns, 32 KB on the barrier with expect_tx). TMA writes
-    // are in the async proxy, so the consumers need no proxy fence after the wait (a skipped
-    // tile's whole chain otherwise starts with a MEMBAR). Rows past the keys come from page 0
-    // (ids past the table read as 0), not zero-filled like the cp.async path: K's are masked
+    // KTMA (P % 16 == 0 and tensor maps of the K and V caches; the default): a tile by TMA
+    // from one warp, whose lanes 0-7 hold its 8 page ids (kids, load_ids(t, 1, 0)); lane 0
+    // issues 16 boxes (8 pages x 2 halves of 64 columns, 32 KB on the barrier with expect_tx).
+    // TMA writes are in the async proxy, so the consumers need no proxy fence after the wait
+    // (a skipped tile's whole chain otherwise starts with a MEMBAR), and the producer's
+    // cp.async no longer take issue slots from the consumers. Rows past the keys come from page
+    // 0 (ids past the table read as 0), not zero-filled like the cp.async path: K's are masked
     // to -inf before anything reads them; V's would meet P = 0, and 0 times a stale NaN is NaN,
-    // so a partial last V tile still goes by cp.async. The dense kernel keeps cp.async: TMA K
-    // made it 15-20% slower (H100, bench/results/blasst_prefill_ktma_h100_20261127.json).
+    // so a partial last V tile still goes by cp.async. K and V come from different warps: K by
+    // TMA from a warp that also copied its share of V by cp.async made the dense kernel 15-20%
+    // slower (H100, bench/results/blasst_prefill_ktma_h100_20261127.json).
     auto issue_tma_tile = [&](uint32_t dst, uint32_t bar, int t, int kids, const CUtensorMap* map) {
       int id[8];
 #pragma unroll
@@ -343,7 +345,30 @@ __global__ void __launch_bounds__(kPfThreads, 1)
     };
     auto issue_k_tma = [&](int t, int st, int kids) { issue_tma_tile(sK(st), bar_fk(st), t, kids, &tmk); };
     int s = 0, ph = 0;  // stage of tile t, and the parity of its (t / ST)-th use
-    if constexpr (!SKIP) {
+    if constexpr (!SKIP && KTMA) {
+      // Dense with TMA: warp 8 loads K tiles, warp 9 V tiles (a partial last V tile by
+      // zero-filling cp.async, then one arrival), ST ahead; warps 10-11 idle.
+      if (pw < 2) {
+        int kids = n_tiles > 0 ? load_ids(0, 1, 0) : 0;
+        for (int t = 0; t < n_tiles; ++t) {
+          if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);
+          const int kcur = kids;
+          if (t + 1 < n_tiles) kids = load_ids(t + 1, 1, 0);
+          if (pw == 0) {
+            issue_tma_tile(sK(s), bar_fk(s), t, kcur, &tmk);
+          } else if ((t + 1) * BN <= n_keys) {
+            issue_tma_tile(sV(s), bar_fv(s), t, kcur, &tmv);
+          } else {
+            load_tile(a.v, sV(s), t * BN, kcur, 1, 0);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_fv(s));
+          }
+          if (++s == ST) s = 0, ph ^= 1;
+        }
+      }
+    } else if constexpr (!SKIP) {
       int ids = fast && n_tiles > 0 ? load_ids(0, 4, pw) : 0;
       for (int t = 0; t < n_tiles; ++t) {
         if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);  // released use (t / ST) - 1
@@ -551,7 +576,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       float sc[64];
       SPADE_TILE_STAMP(0);
       mbar_wait(bar_fk(s), ph);
-      fence_proxy_async();
+      if constexpr (!KTMA) fence_proxy_async();
       SPADE_TILE_STAMP(1);
       issue_s(sc, s);
       SPADE_TILE_STAMP(2);
@@ -565,7 +590,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       rescale_pack(sc, alA, alB, pa);
       SPADE_TILE_STAMP(4);
       mbar_wait(bar_fv(s), ph);
-      fence_proxy_async();
+      if (!KTMA || (t + 1) * BN > n_keys) fence_proxy_async();
       reg_fence(o);
       wgmma_fence();
       issue_pv(pa, s);
@@ -760,10 +785,10 @@ void launch_pf(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* 
       <<<grid, kPfThreads, pf_smem<ST>(), s>>>(a, tmk ? *tmk : zero, tmv ? *tmv : zero);
 }
 
-// BLASST: K tiles by TMA when a tensor map is given (SPADE_BLASST_PF_KTMA=0: cp.async, A/B).
-bool blasst_prefill_ktma() {
+// K and V tiles by TMA when tensor maps are given (SPADE_PREFILL_TMA=0: cp.async, for A/B runs).
+bool prefill_tma() {
   static const bool on = [] {
-    const char* e = std::getenv("SPADE_BLASST_PF_KTMA");
+    const char* e = std::getenv("SPADE_PREFILL_TMA");
     return !(e && *e && std::atoi(e) == 0);
   }();
   return on;
@@ -776,9 +801,13 @@ void launch_prefill_wgmma(const AttnArgs& a, dim3 grid, cudaStream_t s, int stag
   // BLASST always runs on 3 stages: its kept tiles hold their stage one tile longer (P V runs
   // one tile behind), which leaves a 2-stage ring no K prefetch (H100: +63% vs +28% at zero
   // sparsity, bench/bench_blasst_prefill.cu).
+  const bool tma = tmk && tmv && a.P % 16 == 0 && prefill_tma();
   if (a.skip_log2 > -INFINITY) {
-    if (tmk && tmv && a.P % 16 == 0 && blasst_prefill_ktma()) launch_pf<3, true, true>(a, grid, s, tmk, tmv);
+    if (tma) launch_pf<3, true, true>(a, grid, s, tmk, tmv);
     else launch_pf<3, true>(a, grid, s);
+  } else if (tma) {
+    if (stages == 3) launch_pf<3, false, true>(a, grid, s, tmk, tmv);
+    else launch_pf<2, false, true>(a, grid, s, tmk, tmv);
   } else if (stages == 3) launch_pf<3, false>(a, grid, s);
   else launch_pf<2, false>(a, grid, s);
   SPADE_CUDA_LAUNCH();
