@@ -8,9 +8,12 @@
 // sequence: row p -> token p / G, head kvh*G + p % G, so every K/V tile read serves the whole
 // GQA group. 384 threads: warps 0-7 are two consumer warpgroups (64 rows each, 224 registers
 // after setmaxnreg), warps 8-11 the producer warpgroup (56 registers). The producer streams
-// 128-token K and V tiles through a shared ring of ST = 2 or 3 stages with 16-byte cp.async
-// (zero-filled past the keys), signalling per-stage "full" mbarriers
-// (cp.async.mbarrier.arrive.noinc); consumers release a stage on its "empty" mbarrier.
+// 128-token K and V tiles through a shared ring of ST = 2 or 3 stages, signalling per-stage
+// "full" mbarriers; consumers release a stage on its "empty" mbarrier. With tensor maps of
+// the caches (P % 16 == 0; the default, KTMA) one thread of warp 8 loads K and one of warp 9
+// (SKIP: warp 10) V by TMA, 16 boxes of {64 columns, 16 rows} per tile with expect_tx, and a
+// partial last V tile by zero-filling cp.async; otherwise all four warps copy with 16-byte
+// cp.async (zero-filled past the keys, cp.async.mbarrier.arrive.noinc).
 // Shared tiles are [2 halves of 64 columns][128 rows][128 B], 128-byte swizzled (chunk c of
 // row r at c ^ (r & 7)): the canonical wgmma layout (K-major for Q and K, N-major for V).
 // Per tile and consumer warpgroup: S = Q K^T (8 x wgmma m64n128k16, both operands in shared
@@ -37,7 +40,8 @@
 //     then arrive on the stage's K-slot barrier too (so "decided" never runs a phase ahead);
 //     with tensor maps of the caches (P % 16 == 0, the default) one thread of warp 8 loads K
 //     and one of warp 10 loads V by TMA instead (no proxy fence for the consumers, no cp.async
-//     issue on their SM sub-partitions; H100 76.5%: 1.37x -> 1.55x with K by TMA, 1.59x with V);
+//     issue on their SM sub-partitions; H100 76.5%, against the cp.async dense kernel: 1.37x
+//     -> 1.55x with K by TMA, 1.59x with V; 1.49x against the dense kernel with TMA loads);
 //   - a consumer runs P V one kept tile behind: tile t issues S(t), then P V of the last kept
 //     tile (its V was requested a whole S + softmax earlier), votes and exponentiates tile t
 //     while that P V runs, and waits for it only to rescale O and pack P(t). A stage's K slot
