@@ -133,6 +133,13 @@ TEST(CudaAttention, PrefillLong) {
   run_case(32, 8, 128, 16, {{3000, 2048}}, 0, 24);
 }
 
+// Pages of 32 rows: the wgmma kernels' TMA boxes (16 rows) start mid-page; keys ending inside
+// a tile (the partial last V tile goes by zero-filling cp.async) and a cached prefix.
+TEST(CudaAttention, PrefillPage32) {
+  SKIP_WITHOUT_GPU();
+  run_case(32, 8, 128, 32, {{700, 333}, {300, 300}, {129, 64}, {1000, 1}}, 0, 26);
+}
+
 // v3 decode: page size 32 (a 16-token chunk starts mid-page), G = 16 (rows 8..15 live), many
 // forced splits with empty ones (short sequences next to a long one), MHA with odd page.
 TEST(CudaAttention, DecodeV3PagesGroupsSplits) {
