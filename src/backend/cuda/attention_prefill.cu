@@ -348,6 +348,19 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       }
     };
     auto issue_k_tma = [&](int t, int st, int kids) { issue_tma_tile(sK(st), bar_fk(st), t, kids, &tmk); };
+    // V tile t by TMA, or, when the keys end inside it, by zero-filling cp.async from the whole
+    // warp, which waits for its copies before lane 0 arrives (one arrival either way).
+    auto issue_v_tma = [&](int t, int st, int kids) {
+      if ((t + 1) * BN <= n_keys) {
+        issue_tma_tile(sV(st), bar_fv(st), t, kids, &tmv);
+      } else {
+        load_tile(a.v, sV(st), t * BN, kids, 1, 0);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_fv(st));
+      }
+    };
     int s = 0, ph = 0;  // stage of tile t, and the parity of its (t / ST)-th use
     if constexpr (!SKIP && KTMA) {
       // Dense with TMA: warp 8 loads K tiles, warp 9 V tiles (a partial last V tile by
@@ -358,17 +371,8 @@ __global__ void __launch_bounds__(kPfThreads, 1)
           if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);
           const int kcur = kids;
           if (t + 1 < n_tiles) kids = load_ids(t + 1, 1, 0);
-          if (pw == 0) {
-            issue_tma_tile(sK(s), bar_fk(s), t, kcur, &tmk);
-          } else if ((t + 1) * BN <= n_keys) {
-            issue_tma_tile(sV(s), bar_fv(s), t, kcur, &tmv);
-          } else {
-            load_tile(a.v, sV(s), t * BN, kcur, 1, 0);
-            cp_async_commit();
-            cp_async_wait<0>();
-            __syncwarp();
-            if (lane == 0) mbar_arrive(bar_fv(s));
-          }
+          if (pw == 0) issue_k_tma(t, s, kcur);
+          else issue_v_tma(t, s, kcur);
           if (++s == ST) s = 0, ph ^= 1;
         }
       }
@@ -423,17 +427,8 @@ __global__ void __launch_bounds__(kPfThreads, 1)
           const bool need = need_v[2 * s] | need_v[2 * s + 1];
           if (lane == 0) mbar_arrive(bar_ek(s));
           if (t >= ST) mbar_wait(bar_em(s), ph ^ 1);
-          if (need && (t + 1) * BN <= n_keys) {
-            issue_tma_tile(sV(s), bar_fv(s), t, vcur, &tmv);
-          } else if (need) {
-            load_tile(a.v, sV(s), t * BN, vcur, 1, 0);
-            cp_async_commit();
-            cp_async_wait<0>();
-            __syncwarp();
-            if (lane == 0) mbar_arrive(bar_fv(s));
-          } else if (lane == 0) {
-            mbar_arrive(bar_fv(s));
-          }
+          if (need) issue_v_tma(t, s, vcur);
+          else if (lane == 0) mbar_arrive(bar_fv(s));
           if (lane == 0) mbar_arrive(bar_em(s));
           if (++s == ST) s = 0, ph ^= 1;
         }
