@@ -61,17 +61,6 @@ struct DecCfg {
 __device__ __forceinline__ void mbar_init1(uint32_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void mbar_wait_parity(uint32_t bar, int parity) {
-  uint32_t ok = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!ok);
-}
 
 // Byte offset of (row r, column col % 8 == 0) in a chunk tile. v3: [TK][D] with 16-byte chunk
 // c of row r at c ^ (r & 7); v4 (TMA 128-byte swizzle): [D/64][TK][64], chunk c of a 128-byte
@@ -306,7 +295,7 @@ __global__ void __launch_bounds__(W * 32)
     const bf16* tV = tK + C::kTile;
     const int j0 = chunk_j0(k);
     if constexpr (TMA) {
-      mbar_wait_parity(bar_of(st_use), phase);
+      mbar_wait(bar_of(st_use), phase);
       if (j0 + TK > L) {  // rows past the end hold whatever the page held: zero them in V
         for (int idx = lane; idx < TK * CH; idx += 32) {
           const int r = idx / CH, c = idx % CH;
