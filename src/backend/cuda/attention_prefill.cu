@@ -503,19 +503,22 @@ __global__ void __launch_bounds__(kPfThreads, 1)
     // BLASST: P V runs one kept tile behind. Tile t: S(t) issues, then the pending P V of the
     // last kept tile (its V rows were requested when that tile was decided, a whole S + softmax
     // ago); the vote and the exponentials of tile t overlap that P V; only the O rescale and the
-    // packing of P(t) wait for it. The V loaders read a tile's V only when a warpgroup keeps it.
+    // packing of P(t) wait for it, and a skipped tile t not at all (its V slot is released
+    // after the next tile's S wait, which covers every older group; H200, 32K / 64K at 70-92%
+    // sparsity: 0.2-1.3% faster, bench/results/blasst_prefill_defer_ab_h200_20261127.json).
+    // The V loaders read a tile's V only when a warpgroup keeps it.
     uint32_t pa[8][4];      // P of the pending kept tile (bf16 pairs)
     bool pend = false;      // a kept tile's P V is pending (uniform over the warpgroup)
     int ps = 0, pph = 0;    // its stage and that stage's parity
     bool pzero = false;     // its V came by cp.async (zero-filled rows past the keys)
+    bool inflight = false;  // a P V issued in a skipped tile, not waited for; its V slot held
+    int is = 0;             // that P V's stage
     for (int t = 0; t < n_tiles; ++t) {
       float sc[64];
       SPADE_TILE_STAMP(0);
       mbar_wait(bar_fk(s), ph);
       if constexpr (!KTMA) fence_proxy_async();  // cp.async (generic proxy) -> wgmma; TMA: none
       SPADE_TILE_STAMP(1);
-      reg_fence(o);  // the pending P V's operands are final before the fence in issue_s
-      reg_fence(pa);
       issue_s(sc, s);
       SPADE_TILE_STAMP(2);
       if (pend) {
@@ -531,6 +534,10 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       reg_fence(sc);
       SPADE_TILE_STAMP(3);
       mbar_arrive(bar_ek(s));  // K(t) read: the K loaders may refill the slot
+      if (inflight) {  // the wait above covered every older group: that P V is done
+        mbar_arrive(bar_em(is));
+        inflight = false;
+      }
       float mxA, mxB;
       mask_max(sc, t * BN, mxA, mxB);
       SPADE_TILE_STAMP(7);
@@ -555,16 +562,17 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       mbar_arrive(bar_dec(s));
       float alA = 1.f, alB = 1.f;
       if (!skip) softmax(sc, nA, nB, alA, alB);  // skipped: m, l and O stay
-      wgmma_wait0();
-      reg_fence(o);
-      if (pend) {
-        mbar_arrive(bar_em(ps));
-        pend = false;
-      }
       if (!skip) {
+        wgmma_wait0();
+        reg_fence(o);
+        if (pend) mbar_arrive(bar_em(ps));
         rescale_pack(sc, alA, alB, pa);
+        reg_fence(o);  // the next P V's operands are final before the next wgmma fence
+        reg_fence(pa);
         pend = true, ps = s, pph = ph, pzero = (t + 1) * BN > n_keys;
       } else {
+        // A skipped tile leaves the pending P V running (the next tile's S queues behind it)
+        if (pend) inflight = true, is = ps, pend = false;
         mbar_arrive(bar_em(s));  // K read; V not needed by this warpgroup
       }
       SPADE_TILE_STAMP(5);
@@ -581,6 +589,9 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       reg_fence(o);
       mbar_arrive(bar_em(ps));
     }
+    wgmma_wait0();
+    reg_fence(o);
+    if (inflight) mbar_arrive(bar_em(is));
   }
   if (wg == 0) named_sync(1, 256);  // consume warpgroup 1's last turn signal
   if constexpr (SKIP) {
