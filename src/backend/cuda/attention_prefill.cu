@@ -42,9 +42,10 @@
 //     and one of warp 10 loads V by TMA instead (no proxy fence for the consumers, no cp.async
 //     issue on their SM sub-partitions; H100 76.5%, against the cp.async dense kernel: 1.37x
 //     -> 1.55x with K by TMA, 1.59x with V; 1.49x against the dense kernel with TMA loads);
-//   - a consumer runs P V one kept tile behind: tile t issues S(t), then P V of the last kept
-//     tile (its V was requested a whole S + softmax earlier), votes and exponentiates tile t
-//     while that P V runs, and waits for it only to rescale O and pack P(t). A stage's K slot
+//   - a consumer runs P V one kept tile behind: tile t issues S(t), votes, then issues P V of
+//     the last kept tile (its V was requested a whole S + softmax earlier), exponentiates tile
+//     t while that P V runs, and waits for it only to rescale O and pack P(t) (a skipped tile
+//     does not wait for it: the next S wait does). A stage's K slot
 //     is released once S(t) is done (and the V loaders read the vote), its V slot after P V of
 //     a kept tile, at once for a skipped one: K loads run ST tiles ahead of S, not of P V.
 // One counter register (skipped tiles); at the end the warpgroup's first thread adds the tiles
@@ -500,12 +501,15 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       if (++s == ST) s = 0, ph ^= 1;
     }
   } else {
-    // BLASST: P V runs one kept tile behind. Tile t: S(t) issues, then the pending P V of the
-    // last kept tile (its V rows were requested when that tile was decided, a whole S + softmax
-    // ago); the vote and the exponentials of tile t overlap that P V; only the O rescale and the
-    // packing of P(t) wait for it, and a skipped tile t not at all (its V slot is released
-    // after the next tile's S wait, which covers every older group; H200, 32K / 64K at 70-92%
-    // sparsity: 0.2-1.3% faster, bench/results/blasst_prefill_defer_ab_h200_20261127.json).
+    // BLASST: P V runs one kept tile behind. Tile t: S(t) issues (then the turn passes), its
+    // maxima and vote, then the pending P V of the last kept tile (its V rows were requested
+    // when that tile was decided, a whole S + softmax ago); the exponentials of tile t overlap
+    // that P V; only the O rescale and the packing of P(t) wait for it, and a skipped tile t
+    // not at all (its V slot is released after the next tile's S wait, which covers every
+    // older group). Issuing the P V before the vote, right behind S(t), queued the other
+    // warpgroup's S behind it and doubled every vote's wait: P V after the vote took the
+    // zero-sparsity overhead from +22-24% to +3-4% (GQA, H200) and 76.5% from 49.8 to 47.7 ms
+    // (bench/results/blasst_prefill_pv_after_vote_ab_h200_20261127.json).
     // The V loaders read a tile's V only when a warpgroup keeps it.
     uint32_t pa[8][4];      // P of the pending kept tile (bf16 pairs)
     bool pend = false;      // a kept tile's P V is pending (uniform over the warpgroup)
@@ -521,23 +525,23 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       SPADE_TILE_STAMP(1);
       issue_s(sc, s);
       SPADE_TILE_STAMP(2);
-      if (pend) {
-        mbar_wait(bar_fv(ps), pph);
-        if (!KTMA || pzero) fence_proxy_async();  // cp.async V (KTMA: the partial last tile only)
-        wgmma_fence();
-        issue_pv(pa, ps);
-      }
-      // The waits stay unconditional (an empty group when nothing was issued): a wgmma wait
-      // under a branch makes ptxas serialize every wgmma of the kernel (C7518).
-      wgmma_commit();
-      wgmma_wait1();  // S(t) done; P V may still run
+      wgmma_wait0();  // S(t) done (and a P V a skipped tile left running)
       reg_fence(sc);
       SPADE_TILE_STAMP(3);
       mbar_arrive(bar_ek(s));  // K(t) read: the K loaders may refill the slot
-      if (inflight) {  // the wait above covered every older group: that P V is done
+      if (inflight) {
         mbar_arrive(bar_em(is));
         inflight = false;
       }
+#ifdef SPADE_PF_V4
+      if (pend) {
+        mbar_wait(bar_fv(ps), pph);
+        if (!KTMA || pzero) fence_proxy_async();
+        wgmma_fence();
+        issue_pv(pa, ps);
+      }
+      wgmma_commit();
+#endif
       float mxA, mxB;
       mask_max(sc, t * BN, mxA, mxB);
       SPADE_TILE_STAMP(7);
@@ -560,6 +564,19 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       // wgmma.
       need_v[2 * s + wg] = skip ? 0u : 1u;
       mbar_arrive(bar_dec(s));
+#ifndef SPADE_PF_V4
+      // The pending kept tile's P V, issued only now: the other warpgroup's S, issued in its
+      // turn meanwhile, goes first on the tensor cores, and every vote waits for S alone.
+      if (pend) {
+        mbar_wait(bar_fv(ps), pph);
+        if (!KTMA || pzero) fence_proxy_async();  // cp.async V (KTMA: the partial last tile only)
+        wgmma_fence();
+        issue_pv(pa, ps);
+      }
+      // The waits stay unconditional (an empty group when nothing was issued): a wgmma wait
+      // under a branch makes ptxas serialize every wgmma of the kernel (C7518).
+      wgmma_commit();
+#endif
       float alA = 1.f, alB = 1.f;
       if (!skip) softmax(sc, nA, nB, alA, alB);  // skipped: m, l and O stay
       if (!skip) {
