@@ -573,8 +573,9 @@ __global__ void __launch_bounds__(kPfThreads, 1)
         wgmma_fence();
         issue_pv(pa, ps);
       }
-      // The waits stay unconditional (an empty group when nothing was issued): a wgmma wait
-      // under a branch makes ptxas serialize every wgmma of the kernel (C7518).
+      // The commit stays unconditional (an empty group when nothing was issued); only a kept
+      // tile waits for it, below (no O access on the skipped path, so ptxas keeps the wgmma
+      // asynchronous).
       wgmma_commit();
 #endif
       float alA = 1.f, alB = 1.f;
