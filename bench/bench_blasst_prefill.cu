@@ -162,16 +162,17 @@ void header(const Ctx& c, char* buf, size_t n) {
                 c.device.c_str(), c.date.c_str(), c.commit.c_str(), c.command.c_str());
 }
 
-// Dense runs the default 2-stage ring (the 3-stage one is within 1-2% of it); the skip kernel
-// always runs on 3 stages (attention_prefill.cu). kern 0: the generic mma.sync kernel (D = 64,
-// SmolLM2's shape), which skips per warp (32 rows x 64 keys) and loads every K/V tile.
-void sweep(const Ctx& c, int L, int B, int reps, int Hq = 1, int Hkv = 1, int D = 128, int kern = 1) {
-  const int stages = kern == 1 ? 2 : 0;
+// Dense runs the default kernel, the 3-stage ring with P V one tile behind (kern 2; the
+// 2-stage ring was 1-3% slower); the skip kernel always runs on 3 stages (attention_prefill.cu).
+// kern 0: the generic mma.sync kernel (D = 64, SmolLM2's shape), which skips per warp (32 rows
+// x 64 keys) and loads every K/V tile.
+void sweep(const Ctx& c, int L, int B, int reps, int Hq = 1, int Hkv = 1, int D = 128, int kern = 2) {
+  const int stages = kern == 2 ? 3 : kern == 1 ? 2 : 0;
   Setup s(Hq, Hkv, B, L, D);
   s.plant(16.f);
   s.ws->set_prefill_kernel(kern);
   s.ws->plan(s.batch, 0);
-  if (kern == 1 && !s.ws->prefill_wgmma_active()) {
+  if (kern >= 1 && !s.ws->prefill_wgmma_active()) {
     std::fprintf(stderr, "wgmma prefill not active: skipped\n");
     return;
   }
@@ -255,7 +256,7 @@ int main(int argc, char** argv) {
       const float lam = float(std::atof(what.c_str() + what.rfind(':') + 1));
       Setup s(1, 1, 148, L);
       s.plant(16.f);
-      s.ws->set_prefill_kernel(1);
+      s.ws->set_prefill_kernel(2);
       s.ws->plan(s.batch, 0);
       const float d = s.time_once({});
       auto [t, sk] = s.count(lam);

@@ -110,9 +110,9 @@ class AttentionWorkspace {
   void set_split_policy(int p) { split_policy_ = p; }
   static int decode_kernel_count();
   static const char* decode_kernel_name(int v);
-  // Prefill kernel: 1 = wgmma with a 2-stage K/V ring, 2 = 3 stages (D = 128 on compute
-  // capability 9.0 with the sm_90a image; else falls back), 0 = the generic mma.sync kernel
-  // (v2). Env: SPADE_ATTN_PREFILL=0|1|2.
+  // Prefill kernel: 2 = wgmma with a 3-stage K/V ring and P V one tile behind (the default),
+  // 1 = wgmma with a 2-stage ring (D = 128 on compute capability 9.0 with the sm_90a image;
+  // else falls back), 0 = the generic mma.sync kernel (v2). Env: SPADE_ATTN_PREFILL=0|1|2.
   void set_prefill_kernel(int v);
   // Bench only: per-CTA {start ns, end ns, SM, tiles} of wgmma prefill launches (4 x u64 each).
   void set_trace(unsigned long long* t) { trace_ = t; }
@@ -144,7 +144,7 @@ class AttentionWorkspace {
   int resolve_variant(int B, int max_kv) const;
   int auto_variant(int B, int max_kv) const;
   int variant_occupancy(int variant) const;
-  int prefill_kernel_ = 1;
+  int prefill_kernel_ = 2;
   unsigned long long* trace_ = nullptr;
 };
 

@@ -18,7 +18,8 @@
 // row r at c ^ (r & 7)): the canonical wgmma layout (K-major for Q and K, N-major for V).
 // Per tile and consumer warpgroup: S = Q K^T (8 x wgmma m64n128k16, both operands in shared
 // memory), online softmax in registers (log2 units, mask only on tiles that cross the
-// diagonal), O += P V (8 x wgmma with P from registers). The two warpgroups take turns
+// diagonal), O += P V (8 x wgmma with P from registers); on the 3-stage ring (the default)
+// P V runs one tile behind, right after the next tile's S (see the dense loops). The two warpgroups take turns
 // issuing S (named barriers 1/2, FA3-style ping-pong) so one's softmax overlaps the other's
 // matrix work.
 // Shared memory: Q 32 KB + ST x (K 32 KB + V 32 KB) = 160 KB (ST = 2) or 224 KB (ST = 3), +1 KB
@@ -43,9 +44,8 @@
 //     issue on their SM sub-partitions; H100 76.5%, against the cp.async dense kernel: 1.37x
 //     -> 1.55x with K by TMA, 1.59x with V; 1.49x against the dense kernel with TMA loads);
 //   - a consumer runs P V one kept tile behind: tile t issues S(t), votes, then issues P V of
-//     the last kept tile (its V was requested a whole S + softmax earlier), exponentiates tile
-//     t while that P V runs, and waits for it only to rescale O and pack P(t) (a skipped tile
-//     does not wait for it: the next S wait does). A stage's K slot
+//     the last kept tile (its V was requested a whole S + softmax earlier); a kept tile waits
+//     for it before its exponentials, a skipped one not at all (the next S wait does). A stage's K slot
 //     is released once S(t) is done (and the V loaders read the vote), its V slot after P V of
 //     a kept tile, at once for a skipped one: K loads run ST tiles ahead of S, not of P V.
 // One counter register (skipped tiles); at the end the warpgroup's first thread adds the tiles
@@ -470,7 +470,63 @@ __global__ void __launch_bounds__(kPfThreads, 1)
     }
   };
   int s = 0, ph = 0;
-  if constexpr (!SKIP) {
+  if constexpr (!SKIP && ST >= 3) {
+    // Dense on the 3-stage ring (the default): P V one tile behind. Tile t: S(t) in the turn,
+    // its maxima, then P V(t - 1) and its wait, then the exponentials of tile t and the packing
+    // of P(t). Each warpgroup's two matrix products of a tile run back to back and its
+    // softmax runs while the other warpgroup's do (FA3's ping-pong), where the plain loop
+    // below splits them around the softmax. P V(t - 1) goes after S(t)'s wait so the other
+    // warpgroup's S, issued in its turn, is not queued behind it. A stage is held until its
+    // P V, in the next tile: hence 3 stages. GQA prefill on the H100: +1-3%
+    // (bench/results/attention_prefill_pv_behind_ab_h100_20261127b.json). Letting that P V run
+    // under the exponentials instead (its wait moved to the next tile) gave +1%.
+    uint32_t pa[8][4];
+    bool pend = false;    // P V of the previous tile pending
+    int ps = 0, pph = 0;  // its stage and that stage's parity
+    bool pzero = false;   // its V tile came by cp.async (fence before reading it)
+    for (int t = 0; t < n_tiles; ++t) {
+      float sc[64];
+      SPADE_TILE_STAMP(0);
+      mbar_wait(bar_fk(s), ph);
+      if constexpr (!KTMA) fence_proxy_async();
+      SPADE_TILE_STAMP(1);
+      issue_s(sc, s);
+      SPADE_TILE_STAMP(2);
+      wgmma_wait0();
+      reg_fence(sc);
+      SPADE_TILE_STAMP(3);
+      float mxA, mxB, alA, alB;
+      mask_max(sc, t * BN, mxA, mxB);
+      if (pend) {
+        mbar_wait(bar_fv(ps), pph);
+        if (!KTMA || pzero) fence_proxy_async();
+        wgmma_fence();
+        issue_pv(pa, ps);
+      }
+      wgmma_commit();  // unconditional (an empty group at t = 0), like the waits
+      wgmma_wait0();
+      reg_fence(o);
+      if (pend) mbar_arrive(bar_em(ps));
+      SPADE_TILE_STAMP(4);  // here: maxima + P V(t - 1)
+      softmax(sc, fmaxf(mA, mxA * sl2), fmaxf(mB, mxB * sl2), alA, alB);
+      rescale_pack(sc, alA, alB, pa);
+      reg_fence(o);
+      reg_fence(pa);
+      SPADE_TILE_STAMP(5);  // here: softmax + packing
+      pend = true, ps = s, pph = ph, pzero = (t + 1) * BN > n_keys;
+      if (++s == ST) s = 0, ph ^= 1;
+    }
+    if (pend) {
+      mbar_wait(bar_fv(ps), pph);
+      if (!KTMA || pzero) fence_proxy_async();
+      wgmma_fence();
+      issue_pv(pa, ps);
+      wgmma_commit();
+      wgmma_wait0();
+      reg_fence(o);
+      mbar_arrive(bar_em(ps));
+    }
+  } else if constexpr (!SKIP) {
     for (int t = 0; t < n_tiles; ++t) {
       float sc[64];
       SPADE_TILE_STAMP(0);
@@ -503,14 +559,16 @@ __global__ void __launch_bounds__(kPfThreads, 1)
   } else {
     // BLASST: P V runs one kept tile behind. Tile t: S(t) issues (then the turn passes), its
     // maxima and vote, then the pending P V of the last kept tile (its V rows were requested
-    // when that tile was decided, a whole S + softmax ago); the exponentials of tile t overlap
-    // that P V; only the O rescale and the packing of P(t) wait for it, and a skipped tile t
-    // not at all (its V slot is released after the next tile's S wait, which covers every
-    // older group). Issuing the P V before the vote, right behind S(t), queued the other
-    // warpgroup's S behind it and doubled every vote's wait: P V after the vote took the
-    // zero-sparsity overhead from +22-24% to +3-4% (GQA, H200) and 76.5% from 49.8 to 47.7 ms
-    // (bench/results/blasst_prefill_pv_after_vote_ab_h200_20261127.json).
-    // The V loaders read a tile's V only when a warpgroup keeps it.
+    // when that tile was decided, a whole S + softmax ago). A kept tile waits for it before its
+    // exponentials (ptxas puts the wait there: the block holds no other wgmma use; a variant
+    // whose exponentials ran under the P V, the wait behind a second test of the vote, was
+    // within +-1.5% at 70-80% sparsity and not kept), a skipped tile t not at all (its V slot
+    // is released after the next tile's S wait, which covers every older group). Issuing the
+    // P V before the vote, right behind S(t), queued the other warpgroup's S behind it and
+    // doubled every vote's wait: P V after the vote took the zero-sparsity overhead from
+    // +22-24% to +3-4% (GQA, H200) and 76.5% from 49.8 to 47.7 ms
+    // (bench/results/blasst_prefill_pv_after_vote_ab_h200_20261127.json). The V loaders read a
+    // tile's V only when a warpgroup keeps it.
     uint32_t pa[8][4];      // P of the pending kept tile (bf16 pairs)
     bool pend = false;      // a kept tile's P V is pending (uniform over the warpgroup)
     int ps = 0, pph = 0;    // its stage and that stage's parity
