@@ -477,9 +477,10 @@ __global__ void __launch_bounds__(kPfThreads, 1)
     // softmax runs while the other warpgroup's do (FA3's ping-pong), where the plain loop
     // below splits them around the softmax. P V(t - 1) goes after S(t)'s wait so the other
     // warpgroup's S, issued in its turn, is not queued behind it. A stage is held until its
-    // P V, in the next tile: hence 3 stages. GQA prefill on the H100: +1-3%
+    // P V, in the next tile: hence 3 stages. GQA prefill on the H100 against the 2-stage ring:
+    // +2-5% at 8K, -0.5..+2.6% at 32K, four same-call A/Bs
     // (bench/results/attention_prefill_pv_behind_ab_h100_20261127b.json). Letting that P V run
-    // under the exponentials instead (its wait moved to the next tile) gave +1%.
+    // under the exponentials instead (its wait moved to the next tile's top) gave +0-1.5%.
     uint32_t pa[8][4];
     bool pend = false;    // P V of the previous tile pending
     int ps = 0, pph = 0;  // its stage and that stage's parity
