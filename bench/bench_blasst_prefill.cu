@@ -163,7 +163,7 @@ void header(const Ctx& c, char* buf, size_t n) {
 }
 
 // Dense runs the default kernel, the 3-stage ring with P V one tile behind (kern 2; the
-// 2-stage ring was 1-3% slower); the skip kernel always runs on 3 stages (attention_prefill.cu).
+// 2-stage ring was 0-5% slower); the skip kernel always runs on 3 stages (attention_prefill.cu).
 // kern 0: the generic mma.sync kernel (D = 64, SmolLM2's shape), which skips per warp (32 rows
 // x 64 keys) and loads every K/V tile.
 void sweep(const Ctx& c, int L, int B, int reps, int Hq = 1, int Hkv = 1, int D = 128, int kern = 2) {

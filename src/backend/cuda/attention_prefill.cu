@@ -19,9 +19,9 @@
 // Per tile and consumer warpgroup: S = Q K^T (8 x wgmma m64n128k16, both operands in shared
 // memory), online softmax in registers (log2 units, mask only on tiles that cross the
 // diagonal), O += P V (8 x wgmma with P from registers); on the 3-stage ring (the default)
-// P V runs one tile behind, right after the next tile's S (see the dense loops). The two warpgroups take turns
-// issuing S (named barriers 1/2, FA3-style ping-pong) so one's softmax overlaps the other's
-// matrix work.
+// P V runs one tile behind, after the next tile's S (see the dense loops). The two warpgroups
+// take turns issuing S (named barriers 1/2, FA3-style ping-pong) so one's softmax overlaps the
+// other's matrix work.
 // Shared memory: Q 32 KB + ST x (K 32 KB + V 32 KB) = 160 KB (ST = 2) or 224 KB (ST = 3), +1 KB
 // alignment: 1 CTA/SM.
 // BLASST (SKIP = true, chosen when a.skip_log2 > -inf; attention.h BlasstSkip; always ST = 3):
@@ -592,15 +592,6 @@ __global__ void __launch_bounds__(kPfThreads, 1)
         mbar_arrive(bar_em(is));
         inflight = false;
       }
-#ifdef SPADE_PF_V4
-      if (pend) {
-        mbar_wait(bar_fv(ps), pph);
-        if (!KTMA || pzero) fence_proxy_async();
-        wgmma_fence();
-        issue_pv(pa, ps);
-      }
-      wgmma_commit();
-#endif
       float mxA, mxB;
       mask_max(sc, t * BN, mxA, mxB);
       SPADE_TILE_STAMP(7);
@@ -623,7 +614,6 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       // wgmma.
       need_v[2 * s + wg] = skip ? 0u : 1u;
       mbar_arrive(bar_dec(s));
-#ifndef SPADE_PF_V4
       // The pending kept tile's P V, issued only now: the other warpgroup's S, issued in its
       // turn meanwhile, goes first on the tensor cores, and every vote waits for S alone.
       if (pend) {
@@ -636,7 +626,6 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       // tile waits for it, below (no O access on the skipped path, so ptxas keeps the wgmma
       // asynchronous).
       wgmma_commit();
-#endif
       float alA = 1.f, alB = 1.f;
       if (!skip) softmax(sc, nA, nB, alA, alB);  // skipped: m, l and O stay
       if (!skip) {
