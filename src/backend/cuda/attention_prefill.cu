@@ -469,6 +469,28 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       pa[kt][3] = pack_bf16(sc[8 * kt + 6], sc[8 * kt + 7]);
     }
   };
+  // Tile t's S = Q K^T from the stage's K tile: its K wait, the issue in this warpgroup's turn
+  // and the wait for the result (every loop below).
+  auto s_tile = [&](float (&sc)[64], int t, int s, int ph) {
+    SPADE_TILE_STAMP(0);
+    mbar_wait(bar_fk(s), ph);
+    if constexpr (!KTMA) fence_proxy_async();  // cp.async (generic proxy) -> wgmma; TMA: none
+    SPADE_TILE_STAMP(1);
+    issue_s(sc, s);
+    SPADE_TILE_STAMP(2);
+    wgmma_wait0();  // S(t) (and, BLASST, a P V a skipped tile left running)
+    reg_fence(sc);
+    SPADE_TILE_STAMP(3);
+  };
+  // P V of a tile whose V sits in stage vs (parity vph): the V wait, the proxy fence when that
+  // tile came by cp.async (vzero: a partial last tile, or no tensor maps), the issue; the caller
+  // commits.
+  auto pv_tile = [&](const uint32_t (&pa)[8][4], int vs, int vph, bool vzero) {
+    mbar_wait(bar_fv(vs), vph);
+    if (!KTMA || vzero) fence_proxy_async();
+    wgmma_fence();
+    issue_pv(pa, vs);
+  };
   int s = 0, ph = 0;
   if constexpr (!SKIP && ST >= 3) {
     // Dense on the 3-stage ring (the default): P V one tile behind. Tile t: S(t) in the turn,
@@ -487,23 +509,10 @@ __global__ void __launch_bounds__(kPfThreads, 1)
     bool pzero = false;   // its V tile came by cp.async (fence before reading it)
     for (int t = 0; t < n_tiles; ++t) {
       float sc[64];
-      SPADE_TILE_STAMP(0);
-      mbar_wait(bar_fk(s), ph);
-      if constexpr (!KTMA) fence_proxy_async();
-      SPADE_TILE_STAMP(1);
-      issue_s(sc, s);
-      SPADE_TILE_STAMP(2);
-      wgmma_wait0();
-      reg_fence(sc);
-      SPADE_TILE_STAMP(3);
+      s_tile(sc, t, s, ph);
       float mxA, mxB, alA, alB;
       mask_max(sc, t * BN, mxA, mxB);
-      if (pend) {
-        mbar_wait(bar_fv(ps), pph);
-        if (!KTMA || pzero) fence_proxy_async();
-        wgmma_fence();
-        issue_pv(pa, ps);
-      }
+      if (pend) pv_tile(pa, ps, pph, pzero);
       wgmma_commit();  // unconditional (an empty group at t = 0), like the waits
       wgmma_wait0();
       reg_fence(o);
@@ -518,10 +527,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       if (++s == ST) s = 0, ph ^= 1;
     }
     if (pend) {
-      mbar_wait(bar_fv(ps), pph);
-      if (!KTMA || pzero) fence_proxy_async();
-      wgmma_fence();
-      issue_pv(pa, ps);
+      pv_tile(pa, ps, pph, pzero);
       wgmma_commit();
       wgmma_wait0();
       reg_fence(o);
@@ -530,26 +536,15 @@ __global__ void __launch_bounds__(kPfThreads, 1)
   } else if constexpr (!SKIP) {
     for (int t = 0; t < n_tiles; ++t) {
       float sc[64];
-      SPADE_TILE_STAMP(0);
-      mbar_wait(bar_fk(s), ph);
-      if constexpr (!KTMA) fence_proxy_async();
-      SPADE_TILE_STAMP(1);
-      issue_s(sc, s);
-      SPADE_TILE_STAMP(2);
-      wgmma_wait0();
-      reg_fence(sc);
-      SPADE_TILE_STAMP(3);
+      s_tile(sc, t, s, ph);
       float mxA, mxB, alA, alB;
       mask_max(sc, t * BN, mxA, mxB);
       softmax(sc, fmaxf(mA, mxA * sl2), fmaxf(mB, mxB * sl2), alA, alB);
       uint32_t pa[8][4];
       rescale_pack(sc, alA, alB, pa);
       SPADE_TILE_STAMP(4);
-      mbar_wait(bar_fv(s), ph);
-      if (!KTMA || (t + 1) * BN > n_keys) fence_proxy_async();
       reg_fence(o);
-      wgmma_fence();
-      issue_pv(pa, s);
+      pv_tile(pa, s, ph, (t + 1) * BN > n_keys);
       wgmma_commit();
       wgmma_wait0();
       reg_fence(o);
@@ -578,15 +573,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
     int is = 0;             // that P V's stage
     for (int t = 0; t < n_tiles; ++t) {
       float sc[64];
-      SPADE_TILE_STAMP(0);
-      mbar_wait(bar_fk(s), ph);
-      if constexpr (!KTMA) fence_proxy_async();  // cp.async (generic proxy) -> wgmma; TMA: none
-      SPADE_TILE_STAMP(1);
-      issue_s(sc, s);
-      SPADE_TILE_STAMP(2);
-      wgmma_wait0();  // S(t) done (and a P V a skipped tile left running)
-      reg_fence(sc);
-      SPADE_TILE_STAMP(3);
+      s_tile(sc, t, s, ph);
       mbar_arrive(bar_ek(s));  // K(t) read: the K loaders may refill the slot
       if (inflight) {
         mbar_arrive(bar_em(is));
@@ -616,12 +603,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       mbar_arrive(bar_dec(s));
       // The pending kept tile's P V, issued only now: the other warpgroup's S, issued in its
       // turn meanwhile, goes first on the tensor cores, and every vote waits for S alone.
-      if (pend) {
-        mbar_wait(bar_fv(ps), pph);
-        if (!KTMA || pzero) fence_proxy_async();  // cp.async V (KTMA: the partial last tile only)
-        wgmma_fence();
-        issue_pv(pa, ps);
-      }
+      if (pend) pv_tile(pa, ps, pph, pzero);
       // The commit stays unconditional (an empty group when nothing was issued); only a kept
       // tile waits for it, below (no O access on the skipped path, so ptxas keeps the wgmma
       // asynchronous).
@@ -645,11 +627,8 @@ __global__ void __launch_bounds__(kPfThreads, 1)
       if (++s == ST) s = 0, ph ^= 1;
     }
     if (pend) {
-      mbar_wait(bar_fv(ps), pph);
-      if (!KTMA || pzero) fence_proxy_async();
       reg_fence(o);
-      wgmma_fence();
-      issue_pv(pa, ps);
+      pv_tile(pa, ps, pph, pzero);
       wgmma_commit();
       wgmma_wait0();
       reg_fence(o);
