@@ -286,7 +286,9 @@ int main(int argc, char** argv) {
         s.ws->set_trace(nullptr);
         std::vector<unsigned long long> h(2 * kMax * 8);
         SPADE_CUDA(cudaMemcpy(h.data(), tr, h.size() * 8, cudaMemcpyDeviceToHost));
-        const char* ph[6] = {"K wait", "turn + S issue", "S done", "max + vote / softmax", "P V / rest", "to next"};
+        // Phases 4 and 5: skip kernel "max + vote" / "P V or rest"; the default dense loop (3
+        // stages, P V one tile behind) "max + P V(t - 1)" / "softmax + packing".
+        const char* ph[6] = {"K wait", "turn + S issue", "S done", "max + vote | max + P V", "P V or rest | softmax", "to next"};
         for (int wg = 0; wg < 2; ++wg) {
           // Means per phase over tiles 1..n-2, split by the tile's decision (dense: all kept).
           double sum[2][6] = {}, cnt[2] = {}, max_done[2] = {};
