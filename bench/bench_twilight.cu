@@ -18,9 +18,7 @@
 // graph): each stage alone (top-p also by the step-per-pass bisection, us_topp_bisection),
 // and the whole step of each variant; plus the pruner of every rotated layer replayed from
 // one CUDA graph (us_pruner_graph, per layer), and both whole steps the same way
-// (us_quest_step_graph, us_twilight_step_graph: the form the model runs them in). The pruner
-// is TwilightPruner::run: the fused one-launch pruner where fused_ok() (pruner_fused = 1);
-// us_pruner_two_launch(_graph) times the two launches (estimate, top-p) on the same data.
+// (us_quest_step_graph, us_twilight_step_graph: the form the model runs them in).
 // Byte floors: the pruner moves base tokens x (D/2 + 4) B of INT4 rows + kept x 4 B; floor
 // time = bytes / the copy bandwidth measured here (cudaMemcpy D2D, 2 x bytes / time).
 // The SparseAttention plan for the kept lists takes the previous step's kept counts as its
@@ -263,40 +261,6 @@ int main(int argc, char** argv) {
       return t;
     };
     const double t_pruner_graph = graph_us([&](int l, cudaStream_t gs) { pr.run(tstep(l), gs); });
-    // The two-launch pruner (estimate, top-p) for comparison with the fused one run() takes.
-    const bool fused = pr.fused_ok();
-    pr.set_fused(false);
-    const double t_pruner_two = time_us([&](int i) { pr.run(tstep(i), 0); }, calls, reps);
-    const double t_pruner_two_graph = graph_us([&](int l, cudaStream_t gs) { pr.run(tstep(l), gs); });
-    pr.set_fused(true);
-    if (fused && std::getenv("SPADE_TWL_TRACE")) {  // phase stamps of one fused launch
-      const int lists = B * Hkv;
-      unsigned long long* dtr = nullptr;
-      SPADE_CUDA(cudaMalloc(&dtr, size_t(lists) * 8 * 8 * 8));
-      pr.set_fused_trace(dtr);
-      for (int i = 0; i < 3; ++i) pr.run(tstep(i), 0);
-      SPADE_CUDA(cudaDeviceSynchronize());
-      const int C = pr.fused_cluster();
-      std::vector<unsigned long long> tr(size_t(lists) * C * 8);
-      SPADE_CUDA(cudaMemcpy(tr.data(), dtr, tr.size() * 8, cudaMemcpyDeviceToHost));
-      pr.set_fused_trace(nullptr);
-      SPADE_CUDA(cudaFree(dtr));
-      unsigned long long t0 = ~0ull;
-      for (size_t c = 0; c < tr.size() / 8; ++c) t0 = std::min(t0, tr[c * 8]);
-      double mean[7] = {0}, mx[7] = {0};
-      double passes = 0;
-      for (size_t c = 0; c < tr.size() / 8; ++c) {
-        for (int k = 0; k < 7; ++k) {
-          const double v = double(tr[c * 8 + k] - t0) * 1e-3;
-          mean[k] += v / double(tr.size() / 8), mx[k] = std::max(mx[k], v);
-        }
-        passes += double(tr[c * 8 + 7]) / double(tr.size() / 8);
-      }
-      std::printf("fused trace ctx %d B %d cluster %d passes %.2f, us after the first CTA's entry (mean / max):", ctx, B, C, passes);
-      const char* names[7] = {"entry", "warp0", "estimate", "softmax", "search", "counted", "end"};
-      for (int k = 0; k < 7; ++k) std::printf(" %s %.2f/%.2f", names[k], mean[k], mx[k]);
-      std::printf("\n");
-    }
     pr.run(tstep(0), 0);  // layer 0's kept lists (its q over its selection) for the stage below
     const double t_attn_kept = time_us([&](int i) { const Layer& y = lay(i); sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0, nullptr, 0, {}, pr.kept_count()); }, calls, reps);
     const double t_attn_kept_hint = time_us([&](int i) { const Layer& y = lay(i); sa_h.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0, nullptr, 0, {}, pr.kept_count()); }, calls, reps);
@@ -339,7 +303,6 @@ int main(int argc, char** argv) {
                   "\"kept_mean\":%.1f,\"kept_max\":%d,"
                   "\"us_quest_score\":%.2f,\"us_quest_topk\":%.2f,\"us_quest_select\":%.2f,"
                   "\"us_attn_base\":%.2f,\"us_estimate\":%.2f,\"us_topp\":%.2f,\"us_topp_bisection\":%.2f,\"us_compact\":%.2f,"
-                  "\"pruner_fused\":%d,\"us_pruner_two_launch\":%.2f,\"us_pruner_two_launch_graph\":%.2f,"
                   "\"us_pruner\":%.2f,\"us_pruner_graph\":%.2f,\"us_attn_kept\":%.2f,\"us_attn_kept_counts_plan\":%.2f,\"us_dense\":%.2f,"
                   "\"us_quest_step\":%.2f,\"us_twilight_step\":%.2f,"
                   "\"us_quest_step_graph\":%.2f,\"us_twilight_step_graph\":%.2f,\"speedup_vs_quest_graph\":%.3f,"
@@ -347,7 +310,7 @@ int main(int argc, char** argv) {
                   "\"pruner_floor_us\":%.2f,\"pruner_vs_floor\":%.3f,\"estimate_vs_floor\":%.3f,"
                   "\"speedup_vs_quest\":%.3f,\"speedup_vs_dense\":%.3f}",
                   pt.tag, ctx, B, Hq, Hkv, D, P, base_budget, pt.planted, n_layers, kept_mean, kept_max,
-                  t_score, t_topk, t_select, t_attn_base, t_est, t_topp, t_topp_bisect, t_cmp, int(fused), t_pruner_two, t_pruner_two_graph, t_pruner, t_pruner_graph, t_attn_kept, t_attn_kept_hint,
+                  t_score, t_topk, t_select, t_attn_base, t_est, t_topp, t_topp_bisect, t_cmp, t_pruner, t_pruner_graph, t_attn_kept, t_attn_kept_hint,
                   t_dense, t_quest_step, t_tw_step, t_quest_step_graph, t_tw_step_graph,
                   t_quest_step_graph / t_tw_step_graph, pr_bytes, est_bytes, bw / 1e9, floor_us,
                   t_pruner / floor_us, t_est / (est_bytes / bw * 1e6), t_quest_step / t_tw_step,

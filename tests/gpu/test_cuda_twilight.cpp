@@ -15,9 +15,6 @@
 //        512 x 16) and the shared / global-memory ones (lists over 8192 slots);
 //      * top-p thresholds of the tree search bit-identical to the step-per-pass bisection's
 //        (TwilightPruner::set_topp_bisection_only) on the same logits; eps 1e-3 .. 1e-10;
-//      * the fused pruner (one cluster launch, twilight_fused.cu) bit-identical to the two
-//        launches (thresholds, counts, kept lists) wherever fused_ok(); the CPU comparison
-//        then reads the fused pruner's lists;
 //      * attention over the GPU's kept CSR lists (SparseAttention, Token) vs
 //        cpu::attention_selected over the same positions (rel err < kTolAttn).
 //  - Quest (GPU) -> compact -> pruner -> attention, whole step: kept sets vs the CPU pruner
@@ -237,7 +234,7 @@ struct PruneCase {
 };
 
 struct Agreement {
-  int64_t lists = 0, equal = 0, near_tie_lists = 0, bad_lists = 0, fused_cases = 0;
+  int64_t lists = 0, equal = 0, near_tie_lists = 0, bad_lists = 0;
   double base_sum = 0, kept_gpu = 0, kept_cpu = 0;
 };
 
@@ -335,35 +332,7 @@ void run_prune_case(const PruneCase& c, uint32_t seed, Agreement& ag) {
   std::vector<float> thr_bisect(n_lists * G);
   SPADE_CUDA(cudaMemcpy(thr_bisect.data(), pr.thresholds(), 4 * thr_bisect.size(), cudaMemcpyDeviceToHost));
   pr.set_topp_bisection_only(false);
-  // The two-launch pruner (estimate, then top-p), then the fused one (one cluster launch):
-  // thresholds, kept counts and kept lists must be bit-identical.
-  pr.set_fused(false);
   pr.run(st, 0);
-  std::vector<float> thr_two(n_lists * G);
-  std::vector<int32_t> cnt_two(n_lists), kept_two(n_lists * size_t(pr.max_slots()));
-  SPADE_CUDA(cudaMemcpy(thr_two.data(), pr.thresholds(), 4 * thr_two.size(), cudaMemcpyDeviceToHost));
-  SPADE_CUDA(cudaMemcpy(cnt_two.data(), pr.kept_count(), 4 * cnt_two.size(), cudaMemcpyDeviceToHost));
-  SPADE_CUDA(cudaMemcpy(kept_two.data(), pr.kept_strided_idx(), 4 * kept_two.size(), cudaMemcpyDeviceToHost));
-  pr.set_fused(true);
-  if (pr.fused_ok()) {
-    ++ag.fused_cases;
-    SPADE_CUDA(cudaMemset(const_cast<int32_t*>(pr.kept_count()), 0xff, 4 * cnt_two.size()));
-    pr.run(st, 0);
-    std::vector<float> thr_fu(n_lists * G);
-    std::vector<int32_t> cnt_fu(n_lists), kept_fu(kept_two.size());
-    SPADE_CUDA(cudaMemcpy(thr_fu.data(), pr.thresholds(), 4 * thr_fu.size(), cudaMemcpyDeviceToHost));
-    SPADE_CUDA(cudaMemcpy(cnt_fu.data(), pr.kept_count(), 4 * cnt_fu.size(), cudaMemcpyDeviceToHost));
-    SPADE_CUDA(cudaMemcpy(kept_fu.data(), pr.kept_strided_idx(), 4 * kept_fu.size(), cudaMemcpyDeviceToHost));
-    int64_t fu_thr_differ = 0, fu_lists_differ = 0;
-    for (size_t i = 0; i < thr_fu.size(); ++i) fu_thr_differ += std::memcmp(&thr_fu[i], &thr_two[i], 4) != 0;
-    for (size_t l = 0; l < n_lists; ++l) {
-      const size_t o = l * size_t(pr.max_slots());
-      fu_lists_differ += cnt_fu[l] != cnt_two[l] ||
-                         !std::equal(kept_fu.begin() + o, kept_fu.begin() + o + std::max(0, cnt_two[l]), kept_two.begin() + o);
-    }
-    EXPECT_EQ(fu_thr_differ, 0) << "fused vs two-launch pruner thresholds";
-    EXPECT_EQ(fu_lists_differ, 0) << "fused vs two-launch pruner kept lists (of " << n_lists << ")";
-  }
   pr.compact(st, 0);  // CSR copies of the strided lists, read below
   SPADE_CUDA(cudaDeviceSynchronize());
   std::vector<int32_t> koff(n_lists + 1), kcnt(n_lists);
@@ -544,10 +513,10 @@ void run_prune_case(const PruneCase& c, uint32_t seed, Agreement& ag) {
 
 void report(const char* name, const Agreement& ag) {
   std::printf("%s: %lld lists, %lld equal, %lld near-tie only, %lld bad; mean base %.1f, kept "
-              "gpu %.1f cpu %.1f; %lld cases also fused\n",
+              "gpu %.1f cpu %.1f\n",
               name, (long long)ag.lists, (long long)ag.equal, (long long)ag.near_tie_lists,
               (long long)ag.bad_lists, ag.base_sum / double(ag.lists),
-              ag.kept_gpu / double(ag.lists), ag.kept_cpu / double(ag.lists), (long long)ag.fused_cases);
+              ag.kept_gpu / double(ag.lists), ag.kept_cpu / double(ag.lists));
 }
 
 TEST(CudaTwilight, PrunerChunk16VsCpu) {

@@ -515,10 +515,6 @@ void TwilightPruner::compact(const TwilightStep& st, cudaStream_t s) {
 }
 
 void TwilightPruner::run(const TwilightStep& st, cudaStream_t s) {
-  if (fused_ok()) {
-    run_fused(st, s);
-    return;
-  }
   estimate(st, s);
   topp(st, s);
 }

@@ -24,7 +24,6 @@
 // Only head_combine=union is implemented (the CPU method's default).
 #pragma once
 #include <cstdint>
-#include <vector>
 
 #include "backend/cuda/sparse_attention.h"
 
@@ -60,20 +59,10 @@ class TwilightPruner {
   // Top-p by the step-per-pass bisection alone (the reference the tree search is tested and
   // timed against; the thresholds are the same).
   void set_topp_bisection_only(bool on) { topp_bisection_only_ = on; }
-  // The fused pruner (twilight_fused.cu: estimate, top-p and union in one cluster launch, the
-  // logits kept in shared memory), used by run() when fused_ok(); off: the two launches.
-  void set_fused(bool on) { fused_ = on; }
-  bool fused_ok() const;
-  // Diagnostics: per-CTA globaltimer stamps of the fused kernel ([B * Hkv][cluster][8]:
-  // entry, q ready, estimate done, softmax done, search done, union counted, end, passes);
-  // nullptr: off. fused_cluster(): the cluster size of the last fused launch.
-  void set_fused_trace(unsigned long long* dev) { fused_trace_ = dev; }
-  int fused_cluster() const { return fused_cluster_; }
-  // estimate + top-p (fused when fused_ok()): the kept lists at a fixed stride (kept_strided_*, kept_count), which
+  // estimate + top-p: the kept lists at a fixed stride (kept_strided_*, kept_count), which
   // SparseAttention::run reads with sel_cnt = kept_count() (no compaction launch).
   void run(const TwilightStep& st, cudaStream_t s);
-  // The stages separately (timing, tests), and the fused form.
-  void run_fused(const TwilightStep& st, cudaStream_t s);
+  // The stages separately (timing, tests).
   void estimate(const TwilightStep& st, cudaStream_t s);
   void topp(const TwilightStep& st, cudaStream_t s);
   // After run(): the kept lists as CSR (kept_off / kept_idx), for consumers without counts.
@@ -100,11 +89,6 @@ class TwilightPruner {
   int n_sms_ = 0;
   double p_, eps_;
   bool topp_bisection_only_ = false;
-  bool fused_ = true;
-  unsigned long long* fused_trace_ = nullptr;
-  std::vector<int> fused_c_;  // cluster size per list count (0: not chosen yet)
-  int fused_cluster_for(int lists);
-  int fused_cluster_ = 0;
   float* logits_ = nullptr;
   float* wglob_ = nullptr;  // top-p weights of lists over the shared-memory cap
   uint32_t* mask_ = nullptr;  // kept bits [list][G][ceil(max_slots / 32)]

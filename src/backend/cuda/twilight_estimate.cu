@@ -10,6 +10,7 @@
 //   signed 7-bit digits; Chunk16 lists stream through a per-warp cp.async ring, the grid
 //   giving each warp at most 16 tiles, enough warps for ~16 per SM).
 #include <algorithm>
+#include <cstdlib>
 
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/twilight.h"
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(kEstWarps * 32) twl_estimate_kernel(const Twil
   const int first = blockIdx.x * kEstWarps + warp, stride = gridDim.x * kEstWarps;
   if (first >= n_tiles) return;
   __shared__ twl::EstRing<D / 32> ring_all[kEstWarps];
-  twl::est_warp<D, NP, twl::kEstRing>(st, ring_all[warp], list, Hkv, P, G, first, stride, n_tiles, n_slots,
+  twl::est_warp<D, NP>(st, ring_all[warp], list, Hkv, P, G, first, stride, n_tiles, n_slots,
                                           st.q + (int64_t(b) * Hq + h * G) * D,
                        logits + int64_t(list) * G * max_slots, max_slots, 0);
 }
@@ -52,8 +53,12 @@ void TwilightPruner::estimate(const TwilightStep& st, cudaStream_t s) {
   // Tiles per warp: enough warps to fill the GPU (kEstWarpsPerSm per SM), at least
   // kEstTilesPerWarp (one stage) and at most kEstMaxWarpTiles (the Chunk16 pipeline's bound).
   const int64_t all_tiles = int64_t(tiles) * st.B * Hkv_;
-  const int tpw = int(std::clamp<int64_t>(all_tiles / (int64_t(n_sms_) * kEstWarpsPerSm),
-                                          twl::kEstTilesPerWarp, twl::kEstMaxWarpTiles / 2));
+  static const int min_tpw = [] {  // SPADE_TWL_EST_TPW: the least tiles per warp (A/B runs)
+    const char* e = std::getenv("SPADE_TWL_EST_TPW");
+    return e ? std::clamp(std::atoi(e), twl::kEstTilesPerWarp, twl::kEstMaxWarpTiles / 2) : twl::kEstTilesPerWarp;
+  }();
+  const int tpw = int(std::clamp<int64_t>(all_tiles / (int64_t(n_sms_) * kEstWarpsPerSm), min_tpw,
+                                          twl::kEstMaxWarpTiles / 2));
   dim3 grid(unsigned(std::max(1, (tiles + kEstWarps * tpw - 1) / (kEstWarps * tpw))),
             unsigned(st.B * Hkv_));
   auto go = [&](auto kernel) {

@@ -1,6 +1,5 @@
-// Twilight pruner, the estimate's warp-level pieces (twilight.h): shared by the estimate
-// kernel (twilight_estimate.cu, logits to global memory) and the fused pruner
-// (twilight_fused.cu, logits to shared memory).
+// Twilight pruner, the estimate's warp-level pieces (twilight.h; the kernel is
+// twilight_estimate.cu).
 //
 // One warp estimates 16-slot tiles with integer tensor cores, mma.m16n8k32 u8 x s8 -> s32:
 //   A = the INT4 codes of 16 rows as bytes: lane (r = lane / 4, t = lane % 4) holds 16-byte
@@ -52,11 +51,10 @@ __device__ __forceinline__ void imma_u8s8(int (&c)[4], uint32_t a0, uint32_t a1,
 
 // A warp's cp.async ring (Chunk16 pipeline): per stage and tile, lane l's W code words of
 // rows r and r + 8 and their scale/zero words; every lane reads back only what it copied.
-template <int W, int R = kEstRing>
+template <int W>
 struct EstRing {
-  static constexpr int kDepth = R;
-  uint32_t codes[R][kEstTilesPerWarp][2][32][W];
-  uint32_t sz[R][kEstTilesPerWarp][2][32];
+  uint32_t codes[kEstRing][kEstTilesPerWarp][2][32][W];
+  uint32_t sz[kEstRing][kEstTilesPerWarp][2][32];
 };
 
 __device__ __forceinline__ void cp_async_small(void* dst, const void* src, int bytes, bool valid) {
@@ -223,11 +221,11 @@ __device__ __forceinline__ void est_tile(const EstStage<D / 32>& S, int u, int s
 // slots go to out[g * ostride + 16 j - obase + ...]; qg: the group's first query head. Chunk16 lists with at most
 // kEstMaxWarpTiles tiles for this warp: lane j resolves tile j's entry -> page -> first row up
 // front (one dependent chain per warp), then stages of kEstTilesPerWarp tiles stream through
-// the warp's R-deep cp.async ring (ring: this warp's; R - 1 stages in flight). Otherwise (Token lists, long
+// the warp's kEstRing-deep cp.async ring (ring: this warp's). Otherwise (Token lists, long
 // Chunk16 lists): kEstTilesPerWarp tiles per iteration, all their index, page and code loads
 // issued before the math.
-template <int D, int NP, int R>
-__device__ __forceinline__ void est_warp(const TwilightStep& st, EstRing<D / 32, R>& ring, int list,
+template <int D, int NP>
+__device__ __forceinline__ void est_warp(const TwilightStep& st, EstRing<D / 32>& ring, int list,
                                          int Hkv, int P, int G, int first, int stride, int n_tiles,
                                          int n_slots, const bf16* __restrict__ qg,
                                          float* __restrict__ out, int ostride, int obase) {
@@ -257,7 +255,7 @@ __device__ __forceinline__ void est_warp(const TwilightStep& st, EstRing<D / 32,
     uint32_t ok_bits = 0;  // bit (slot * 2U + 2u + hr): the row is a real token
     auto issue = [&](int k) {
       if (k < n_stages) {
-        const int slot = k % R;
+        const int slot = k % kEstRing;
         ok_bits &= ~(((1u << (2 * U)) - 1u) << (slot * 2 * U));
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -279,11 +277,11 @@ __device__ __forceinline__ void est_warp(const TwilightStep& st, EstRing<D / 32,
       cp_async_commit();  // one group per stage, empty past the end (uniform counting)
     };
 #pragma unroll
-    for (int k = 0; k < R - 1; ++k) issue(k);
+    for (int k = 0; k < kEstRing - 1; ++k) issue(k);
     est_q_digits<D, NP>(Q, qraw, G, r, t);  // under the first stages' loads
     for (int k = 0; k < n_stages; ++k) {
-      cp_async_wait<R - 2>();  // stage k has landed (this lane's copies)
-      const int slot = k % R;
+      cp_async_wait<kEstRing - 2>();  // stage k has landed (this lane's copies)
+      const int slot = k % kEstRing;
       EstStage<W> S;
 #pragma unroll
       for (int u = 0; u < U; ++u)
@@ -294,7 +292,7 @@ __device__ __forceinline__ void est_warp(const TwilightStep& st, EstRing<D / 32,
           for (int c = 0; c < W; ++c) S.w[u][hr][c] = ring.codes[slot][u][hr][lane][c];
           S.sz[u][hr] = ring.sz[slot][u][hr][lane];
         }
-      issue(k + R - 1);  // into the slot read at iteration k - 1
+      issue(k + kEstRing - 1);  // into the slot read at iteration k - 1
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int j = k * U + u;
@@ -303,7 +301,6 @@ __device__ __forceinline__ void est_warp(const TwilightStep& st, EstRing<D / 32,
         est_tile<D, NP>(S, u, tile * 16, n_slots, Q, st.scale, G, r, t, out + (tile * 16 - obase), ostride);
       }
     }
-    cp_async_wait<0>();  // nothing of this warp's ring in flight past here (empty groups)
     return;
   }
   est_q_digits<D, NP>(Q, qraw, G, r, t);
