@@ -21,6 +21,7 @@ namespace {
 
 constexpr int kEstWarps = 4;
 constexpr int kEstWarpsPerSm = 16;  // grid sizing target (resident estimate warps per SM)
+constexpr int kEstMinWarpTiles = 4;  // the least tiles per warp (two stages)
 
 template <int D, int NP>
 __global__ void __launch_bounds__(kEstWarps * 32) twl_estimate_kernel(const TwilightStep st,
@@ -50,12 +51,15 @@ void TwilightPruner::estimate(const TwilightStep& st, cudaStream_t s) {
               "twilight: base lists must be Token or Chunk16 (P % 16 == 0)");
   const int G = Hq_ / Hkv_, NP = (G + 3) / 4;
   const int tiles = (max_slots_ + 15) / 16;
-  // Tiles per warp: enough warps to fill the GPU (kEstWarpsPerSm per SM), at least
-  // kEstTilesPerWarp (one stage) and at most kEstMaxWarpTiles (the Chunk16 pipeline's bound).
+  // Tiles per warp: enough warps to fill the GPU (kEstWarpsPerSm per SM), at most
+  // kEstMaxWarpTiles / 2 (the Chunk16 pipeline's bound), at least kEstMinWarpTiles: q's
+  // digits (twilight_estimate.cuh, ~1000 instructions per warp) are paid once per warp, so
+  // batch 1 (all_tiles / warps ~ 2) takes fewer, longer warps (docs/cuda_twilight.md).
+  // SPADE_TWL_EST_TPW overrides it (A/B runs).
   const int64_t all_tiles = int64_t(tiles) * st.B * Hkv_;
-  static const int min_tpw = [] {  // SPADE_TWL_EST_TPW: the least tiles per warp (A/B runs)
+  static const int min_tpw = [] {
     const char* e = std::getenv("SPADE_TWL_EST_TPW");
-    return e ? std::clamp(std::atoi(e), twl::kEstTilesPerWarp, twl::kEstMaxWarpTiles / 2) : twl::kEstTilesPerWarp;
+    return e ? std::clamp(std::atoi(e), twl::kEstTilesPerWarp, twl::kEstMaxWarpTiles / 2) : kEstMinWarpTiles;
   }();
   const int tpw = int(std::clamp<int64_t>(all_tiles / (int64_t(n_sms_) * kEstWarpsPerSm), min_tpw,
                                           twl::kEstMaxWarpTiles / 2));
