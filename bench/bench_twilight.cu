@@ -16,9 +16,9 @@
 // reads over the rotation exceed 2x the 50 MB L2), so no stage is timed L2-hot.
 // Timing: CUDA events, median over reps of `calls` back-to-back launches (stream order, no
 // graph): each stage alone (top-p also by the step-per-pass bisection, us_topp_bisection),
-// and the whole step of each variant; plus the pruner of every rotated layer replayed from
-// one CUDA graph (us_pruner_graph, per layer), and both whole steps the same way
-// (us_quest_step_graph, us_twilight_step_graph: the form the model runs them in).
+// and the whole step of each variant; plus the pruner's two launches of every rotated
+// layer replayed from one CUDA graph (us_pruner_graph, per layer), and both whole steps the
+// same way (us_quest_step_graph, us_twilight_step_graph: the form the model runs them in).
 // Byte floors: the pruner moves base tokens x (D/2 + 4) B of INT4 rows + kept x 4 B; floor
 // time = bytes / the copy bandwidth measured here (cudaMemcpy D2D, 2 x bytes / time).
 // The SparseAttention plan for the kept lists takes the previous step's kept counts as its

@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kEstWarps * 32) twl_estimate_kernel(const Twil
   pdl_begin();  // pdl.cuh: first, before any global access
   const int list = blockIdx.y, b = list / Hkv, h = list % Hkv;
   const int G = Hq / Hkv;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5;
   const int e0 = st.base_off[list], ne = st.base_off[list + 1] - e0;
   const int n_slots = min(st.gran == SelGran::Chunk16 ? 16 * ne : ne, max_slots);  // longer: caller's bug
   const int n_tiles = (n_slots + 15) / 16;
@@ -39,8 +39,8 @@ __global__ void __launch_bounds__(kEstWarps * 32) twl_estimate_kernel(const Twil
   if (first >= n_tiles) return;
   __shared__ twl::EstRing<D / 32> ring_all[kEstWarps];
   twl::est_warp<D, NP>(st, ring_all[warp], list, Hkv, P, G, first, stride, n_tiles, n_slots,
-                                          st.q + (int64_t(b) * Hq + h * G) * D,
-                       logits + int64_t(list) * G * max_slots, max_slots, 0);
+                       st.q + (int64_t(b) * Hq + h * G) * D, logits + int64_t(list) * G * max_slots,
+                       max_slots, 0);
 }
 
 }  // namespace
