@@ -8,7 +8,7 @@
 //   CTA = 4 warps of one list (b, KV head); a warp takes 16-slot tiles `stride` apart
 //   (twilight_estimate.cuh: integer tensor cores over the codes as bytes and q as three
 //   signed 7-bit digits; Chunk16 lists stream through a per-warp cp.async ring, the grid
-//   giving each warp at most 16 tiles, enough warps for ~16 per SM).
+//   giving each warp 4 to 16 tiles, enough warps for ~16 per SM).
 #include <algorithm>
 #include <cstdlib>
 
