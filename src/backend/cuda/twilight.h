@@ -12,7 +12,8 @@
 //
 // Pruner launches, all on one stream, no host sync, no allocation (buffers from the arena):
 //   1. estimate: logits[list][g][slot] = scale * (zero * sum(q_g) + s * q_g . code) fp32,
-//      tensor cores (bf16 q x exact bf16 codes, fp32 accumulation); slot = entry (Token) or
+//      integer tensor cores (u8 codes x q as three exact s8 digits, s32 sums;
+//      twilight_estimate.cuh); slot = entry (Token) or
 //      16 * entry + row (Chunk16); slots past kv_len are -inf.
 //   2. top-p: one CTA per (list, query head): softmax, then Algorithm 1 as
 //      sparse::topp_binary_search (same double bisection, same termination test), eight
