@@ -25,15 +25,8 @@
 #include <vector>
 
 #include "backend/cuda/load_stream.cuh"
+#include "bench_record.h"
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));         \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 namespace {
 
@@ -171,17 +164,11 @@ __global__ void __launch_bounds__(256) per_seq_kernel(const char* K, const char*
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 4) {
-    std::fprintf(stderr, "usage: %s OUT.jsonl COMMIT COMMAND\n", argv[0]);
-    return 2;
-  }
-  FILE* out = std::fopen(argv[1], "a");
-  if (!out) return 1;
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  BenchRecord rec;
+  if (!open_bench_record(argc, argv, "%Y-%m-%dT%H:%M:%SZ", rec)) return 2;
+  FILE* out = rec.out;
+  const cudaDeviceProp& prop = rec.prop;
+  const char* date = rec.date;
   const long long max_bytes = 4ll << 30;  // per array (K or V)
   char *K = nullptr, *V = nullptr;
   unsigned* sink = nullptr;

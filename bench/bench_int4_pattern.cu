@@ -12,6 +12,8 @@
 // load the 1 KB of codes (two 16-byte loads each) and lanes 0..15 the 64 B of scale/zero;
 // U page-heads' loads are issued before any is folded (xor into a sink).
 // Rotation: R pools, call i reads pool i % R (each > the 50 MB L2).
+// Build: nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc
+//   bench/bench_int4_pattern.cu <libspade_cuda.a> -o bench_int4_pattern
 // Usage: bench_int4_pattern OUT.jsonl COMMIT COMMAND   (JSON lines: device, date, commit,
 // command, placement, B, lists, bytes, us, GB/s, copy GB/s, x of the copy floor)
 #include <cuda_runtime.h>
@@ -26,15 +28,9 @@
 #include <vector>
 
 #include "backend/cuda/load_stream.cuh"
+#include "bench_record.h"
+#include "copy_bandwidth.h"
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));  \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
 
 namespace {
 
@@ -74,35 +70,16 @@ __global__ void __launch_bounds__(128) pattern_kernel(const char* codes, const c
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 4) {
-    std::fprintf(stderr, "usage: %s OUT.jsonl COMMIT COMMAND\n", argv[0]);
-    return 2;
-  }
-  FILE* out = std::fopen(argv[1], "a");
-  if (!out) return 2;
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
-  // Copy bandwidth (read + write of 1 GiB), the floor's denominator as in bench_twilight.
-  const size_t cb = size_t(1) << 30;
-  char *ca, *cb2;
-  CK(cudaMalloc(&ca, cb));
-  CK(cudaMalloc(&cb2, cb));
+  BenchRecord rec;
+  if (!open_bench_record(argc, argv, "%Y-%m-%d", rec)) return 2;
+  FILE* out = rec.out;
+  const cudaDeviceProp& prop = rec.prop;
+  const char* date = rec.date;
+  const double copy_bw = copy_bandwidth();  // the floors' denominator (bench/copy_bandwidth.h)
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  CK(cudaMemcpy(cb2, ca, cb, cudaMemcpyDeviceToDevice));
-  CK(cudaEventRecord(e0));
-  for (int i = 0; i < 5; ++i) CK(cudaMemcpy(cb2, ca, cb, cudaMemcpyDeviceToDevice));
-  CK(cudaEventRecord(e1));
-  CK(cudaEventSynchronize(e1));
   float ms = 0;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
-  const double copy_bw = 2.0 * cb * 5 / (ms * 1e-3);
-  CK(cudaFree(ca));
-  CK(cudaFree(cb2));
   unsigned* sink;
   CK(cudaMalloc(&sink, 4));
   const int pages_per_seq = 2048, sel = 512;  // 32K context, Quest budget 8192 tokens
