@@ -96,6 +96,86 @@ struct Layer {
 
 }  // namespace
 
+// SPADE_TWL_TRACE=1: per-CTA phase stamps of the top-p launch (TwilightPruner::set_trace) of
+// the last of 3 back-to-back launches; us after the earliest CTA passed its PDL wait, [min
+// mean max n] over the CTAs that reached the phase (n of them; the end: the lists' last CTAs,
+// whose stamp may be an earlier launch's where another CTA came last). Needs twilight.cu built
+// with the stamps, linked before the library:
+//   nvcc -O3 -DNDEBUG -DSPADE_TOPP_TRACE -gencode=arch=compute_90a,code=sm_90a
+//     --expt-relaxed-constexpr -std=c++17 -Isrc -c src/backend/cuda/twilight.cu -o twl_trace.o
+//   nvcc ... bench/bench_twilight.cu twl_trace.o <libspade_cuda.a> ...
+// Also traces the kept attention (SparseAttention::set_trace, in every build).
+template <class F>
+void topp_trace(TwilightPruner& pr, F&& launch, int n_cta, FILE* out, const char* tag, int ctx,
+                int B, double us_call) {
+  constexpr int W = 16;
+  unsigned long long* d = nullptr;
+  SPADE_CUDA(cudaMalloc(&d, sizeof(unsigned long long) * W * n_cta));
+  SPADE_CUDA(cudaMemset(d, 0, sizeof(unsigned long long) * W * n_cta));
+  pr.set_trace(d);
+  for (int i = 0; i < 3; ++i) launch();
+  SPADE_CUDA(cudaDeviceSynchronize());
+  pr.set_trace(nullptr);
+  std::vector<unsigned long long> t(size_t(W) * n_cta);
+  SPADE_CUDA(cudaMemcpy(t.data(), d, 8 * t.size(), cudaMemcpyDeviceToHost));
+  cudaFree(d);
+  unsigned long long t0 = ~0ull;
+  for (int i = 0; i < n_cta; ++i) t0 = std::min(t0, t[size_t(W) * i + 1]);
+  const char* names[13] = {"entry", "wait", "max", "sum", "binned1", "pass1", "pass2", "pass3",
+                           "pass4", "search", "masks", "handoff", "end"};
+  std::fprintf(out, "{\"kind\":\"topp_trace\",\"variant\":\"%s\",\"ctx\":%d,\"batch\":%d,\"ctas\":%d,\"us_per_call\":%.3f",
+               tag, ctx, B, n_cta, us_call);
+  std::printf("top-p trace %s ctx=%d B=%d (%d CTAs, %.2f us/call), us after the first wait [min mean max n]:\n",
+              tag, ctx, B, n_cta, us_call);
+  for (int k = 0; k < 13; ++k) {
+    double mn = 1e30, mx = -1e30, sum = 0;
+    int n = 0;
+    for (int i = 0; i < n_cta; ++i) {
+      const unsigned long long v = t[size_t(W) * i + k];
+      if (!v) continue;
+      const double us = (double(v) - double(t0)) * 1e-3;
+      mn = std::min(mn, us), mx = std::max(mx, us), sum += us, ++n;
+    }
+    if (!n) continue;
+    std::fprintf(out, ",\"%s\":[%.3f,%.3f,%.3f,%d]", names[k], mn, sum / n, mx, n);
+    std::printf("  %-8s %7.2f %7.2f %7.2f  %d\n", names[k], mn, sum / n, mx, n);
+  }
+  std::fprintf(out, "}\n");
+  std::fflush(out);
+}
+
+// SPADE_TWL_TRACE=1: per-CTA phase stamps of a SparseAttention launch (set_trace; the last of
+// 3 back-to-back launches): us after the earliest CTA passed its PDL wait, [min mean max].
+template <class F>
+void attention_trace(SparseAttention& sa, F&& launch, FILE* out, const char* what, int ctx, int B) {
+  const int n = sa.n_items();
+  unsigned long long* d = nullptr;
+  SPADE_CUDA(cudaMalloc(&d, sizeof(unsigned long long) * 8 * n));
+  sa.set_trace(d);
+  for (int i = 0; i < 3; ++i) launch();
+  SPADE_CUDA(cudaDeviceSynchronize());
+  sa.set_trace(nullptr);
+  std::vector<unsigned long long> t(size_t(8) * n);
+  SPADE_CUDA(cudaMemcpy(t.data(), d, 8 * t.size(), cudaMemcpyDeviceToHost));
+  cudaFree(d);
+  unsigned long long t0 = ~0ull;
+  for (int i = 0; i < n; ++i) t0 = std::min(t0, t[8 * size_t(i) + 1]);
+  const char* names[6] = {"entry", "wait", "issued", "loop", "merged", "end"};
+  std::fprintf(out, "{\"kind\":\"attention_trace\",\"what\":\"%s\",\"ctx\":%d,\"batch\":%d,\"items\":%d", what, ctx, B, n);
+  std::printf("attention trace %s ctx=%d B=%d (%d items), us after the first wait [min mean max]:\n", what, ctx, B, n);
+  for (int k = 0; k < 6; ++k) {
+    double mn = 1e30, mx = -1e30, sum = 0;
+    for (int i = 0; i < n; ++i) {
+      const double us = (double(t[8 * size_t(i) + k]) - double(t0)) * 1e-3;
+      mn = std::min(mn, us), mx = std::max(mx, us), sum += us;
+    }
+    std::fprintf(out, ",\"%s\":[%.3f,%.3f,%.3f]", names[k], mn, sum / n, mx);
+    std::printf("  %-8s %7.2f %7.2f %7.2f\n", names[k], mn, sum / n, mx);
+  }
+  std::fprintf(out, "}\n");
+  std::fflush(out);
+}
+
 int main(int argc, char** argv) {
   const std::string out_path = argc > 1 ? argv[1] : "twilight.jsonl";
   const std::string mode = argc > 2 ? argv[2] : "all";
@@ -238,6 +318,7 @@ int main(int argc, char** argv) {
     // Top-p reads only the logits (L2-resident): timed on layer 0's, which match the lists.
     pr.estimate(tstep(0), 0);
     const double t_topp = time_us([&](int) { pr.topp(tstep(0), 0); }, calls, reps);
+    if (std::getenv("SPADE_TWL_TRACE")) topp_trace(pr, [&] { pr.topp(tstep(0), 0); }, B * Hq, out, pt.tag, ctx, B, t_topp);
     pr.set_topp_bisection_only(true);  // the step-per-pass search, same thresholds (tests)
     const double t_topp_bisect = time_us([&](int) { pr.topp(tstep(0), 0); }, calls, reps);
     pr.set_topp_bisection_only(false);
@@ -264,6 +345,10 @@ int main(int argc, char** argv) {
     pr.run(tstep(0), 0);  // layer 0's kept lists (its q over its selection) for the stage below
     const double t_attn_kept = time_us([&](int i) { const Layer& y = lay(i); sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0, nullptr, 0, {}, pr.kept_count()); }, calls, reps);
     const double t_attn_kept_hint = time_us([&](int i) { const Layer& y = lay(i); sa_h.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0, nullptr, 0, {}, pr.kept_count()); }, calls, reps);
+    if (std::getenv("SPADE_TWL_TRACE")) {
+      const Layer& y = lay(0);
+      attention_trace(sa_t, [&] { sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0, nullptr, 0, {}, pr.kept_count()); }, out, "kept_lists", ctx, B);
+    }
     const double t_dense = time_us([&](int i) { const Layer& y = lay(i); sa_d.run(y.q, y.k, y.v, boff, bidx, att, scale, 0); }, calls, reps);
     // Whole steps, in stream order.
     const double t_quest_step = time_us([&](int i) {
@@ -296,7 +381,7 @@ int main(int argc, char** argv) {
     const double est_bytes = base_tokens * (D / 2 + 4);
     const double pr_bytes = double(pr.floor_bytes(int64_t(base_tokens), int64_t(kept_mean * B * Hkv)));
     const double floor_us = pr_bytes / bw * 1e6;
-    char line[2048];
+    char line[4096];
     std::snprintf(line, sizeof line,
                   "{\"variant\":\"%s\",\"ctx\":%d,\"batch\":%d,\"Hq\":%d,\"Hkv\":%d,\"D\":%d,\"P\":%d,"
                   "\"base_budget\":%d,\"p\":0.95,\"planted\":%d,\"layers_rotated\":%d,"

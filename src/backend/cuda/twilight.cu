@@ -181,14 +181,34 @@ struct TpArgs {
   double p, eps;
   int use_smem;
   int bisection_only;  // the step-per-pass loop alone (the reference: tests, benchmark)
+  // Diagnostics (optional, TwilightPruner::set_trace): kTpTraceWords uint64 per CTA.
+  unsigned long long* trace;
 };
 
+// Trace word k of this CTA (thread 0; globaltimer ns): 0 entry, 1 past the PDL wait, 2 max
+// done, 3 sum done, 4 pass 1 binned, 5-8 tree passes 1-4 done, 9 search done, 10 masks
+// stored, 11 handoff decided, 12 end (the list's last CTA). Diagnostic builds only
+// (-DSPADE_TOPP_TRACE; bench/bench_twilight.cu's SPADE_TWL_TRACE): even unused, the stamps
+// cost the batch-1 top-p ~0.3 us (H100, bench/results/twilight_topp_trace_cost_h100_20261127.json),
+// so production builds compile none of them.
+constexpr int kTpTraceWords = 16;
+__device__ __forceinline__ void tp_stamp(const TpArgs& a, int k) {
+#ifdef SPADE_TOPP_TRACE
+  if (a.trace && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    a.trace[size_t(blockIdx.x) * kTpTraceWords + k] = t;
+  }
+#endif
+}
 
 // EPT > 0: NT threads hold the weights of slots tid + k * NT, k < EPT, in registers;
 // EPT == 0: the weights live in shared memory (a.use_smem) or global memory.
 template <int NT, int EPT>
 __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const TpArgs a) {
+  tp_stamp(a, 0);  // (the trace buffer is the benchmark's, no other kernel touches it)
   pdl_begin();  // pdl.cuh: first, before any global access
+  tp_stamp(a, 1);
   extern __shared__ float sWf[];
   __shared__ RedSmem sred;
   __shared__ TreeSmem stree;
@@ -234,6 +254,7 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
     vmax = fmaxf(vmax, v);
   });
   const float lmax = max_block(vmax, sred, parity);
+  tp_stamp(a, 2);
   double sum = 0.0, n_max = 0.0;
   each([&](int, float& v) {
     if (v != -INFINITY) {
@@ -245,6 +266,7 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
     }
   });
   const double2 red = sum2_block(sum, n_max, sred, parity);
+  tp_stamp(a, 3);
   const float inv = float(1.0 / red.x);
   const float wmax = inv;
   const double at_max = red.y * double(wmax);
@@ -278,11 +300,13 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
         tree_bin_flush0(bins, mn0, mx0);
         tree_bins_clear(stree.bins[tp ^ 1], tid, NT);  // last read in the previous pass's walk
         __syncthreads();
+        if (it == 0) tp_stamp(a, 4);
         if (warp == 0) {
           tree_build_warp(bins, stree.nodes);
           if (tid == 0) stree.walk = tree_walk(bins, stree.nodes, l, r, mass_r, it, a.p, a.eps);
         }
         __syncthreads();
+        if (it < 32) tp_stamp(a, 5 + min(3, it / 8));  // it = 0, 8, 16, 24 before passes 1-4
         const TreeWalk w = stree.walk;
         l = w.l, r = w.r, mass_r = w.mass_r, it = w.it;
         if (w.done) {
@@ -343,6 +367,7 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
     thr = float(l);
     if (double(thr) > l) thr = nextafterf(thr, -INFINITY);
   }
+  tp_stamp(a, 9);
   if (tid == 0) a.thr[list * G + g] = thr;
   // Kept mask: bit (i % 32) of word [list][g][i / 32]; a warp's 32 consecutive slots are one
   // ballot and one store.
@@ -361,6 +386,7 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
       if (lane == 0) mw[i0 >> 5] = bits;
     }
   }
+  tp_stamp(a, 10);
   // The last of the G CTAs of the list emits the union, in selection order. The grid-sync
   // pattern of cooperative groups: the barrier orders every thread's mask stores before
   // thread 0's fence and counter add (fences are cumulative), so one thread fences instead of
@@ -376,6 +402,7 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
     }
   }
   __syncthreads();
+  tp_stamp(a, 11);
   if (!s_last) return;
   const uint32_t* ml = a.mask + int64_t(list) * G * nw;
   auto union_word = [&](int w) {
@@ -404,6 +431,7 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
     }
   }
   if (tid == 0) a.kept_cnt[list] = tot;
+  tp_stamp(a, 12);
 }
 
 __global__ void twl_compact_kernel(const int32_t* kept, const int32_t* cnt, int max_slots,
@@ -485,7 +513,8 @@ size_t TwilightPruner::arena_bytes(int max_batch, int Hq, int Hkv, int max_slots
 void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
   const int G = Hq_ / Hkv_;
   TpArgs a{st.base_off, st.base_idx, st.gran, logits_, wglob_, mask_, counters_, thr_,
-           kept_strided_, kept_cnt_, G, max_slots_, p_, eps_, 0, topp_bisection_only_ ? 1 : 0};
+           kept_strided_, kept_cnt_, G, max_slots_, p_, eps_, 0, topp_bisection_only_ ? 1 : 0,
+           trace_};
   if (max_slots_ <= kTpRegSlots) {
     const int ctas = st.B * Hkv_ * G;
     if (ctas <= n_sms_)
@@ -512,6 +541,14 @@ void TwilightPruner::compact(const TwilightStep& st, cudaStream_t s) {
   launch_pdl(twl_compact_kernel, n_lists, 1024, 0, s, kept_strided_, kept_cnt_, max_slots_, n_lists,
                                              kept_off_, kept_idx_);
   SPADE_CUDA_LAUNCH();
+}
+
+void TwilightPruner::set_trace(unsigned long long* trace) {
+#ifndef SPADE_TOPP_TRACE
+  SPADE_CHECK(trace == nullptr, "twilight: the top-p trace needs twilight.cu built with "
+              "-DSPADE_TOPP_TRACE (bench/bench_twilight.cu says how)");
+#endif
+  trace_ = trace;
 }
 
 void TwilightPruner::run(const TwilightStep& st, cudaStream_t s) {

@@ -60,12 +60,19 @@ class TwilightPruner {
   // Top-p by the step-per-pass bisection alone (the reference the tree search is tested and
   // timed against; the thresholds are the same).
   void set_topp_bisection_only(bool on) { topp_bisection_only_ = on; }
+  // Diagnostics (bench_twilight's SPADE_TWL_TRACE; a build of twilight.cu with
+  // -DSPADE_TOPP_TRACE, else a non-null trace is an error): while set, every top-p launch
+  // writes globaltimer stamps, 16 uint64 per CTA (one CTA per (list, query head)) at
+  // trace[16 * cta]: entry, past the PDL wait, softmax max done, sum done, pass 1 binned, tree
+  // passes 1-4 done, search done, masks stored, handoff decided, end (the list's last CTA).
+  void set_trace(unsigned long long* trace);
   // estimate + top-p: the kept lists at a fixed stride (kept_strided_*, kept_count), which
   // SparseAttention::run reads with sel_cnt = kept_count() (no compaction launch).
   void run(const TwilightStep& st, cudaStream_t s);
   // The stages separately (timing, tests).
   void estimate(const TwilightStep& st, cudaStream_t s);
   void topp(const TwilightStep& st, cudaStream_t s);
+
   // After run(): the kept lists as CSR (kept_off / kept_idx), for consumers without counts.
   void compact(const TwilightStep& st, cudaStream_t s);
 
@@ -90,6 +97,7 @@ class TwilightPruner {
   int n_sms_ = 0;
   double p_, eps_;
   bool topp_bisection_only_ = false;
+  unsigned long long* trace_ = nullptr;
   float* logits_ = nullptr;
   float* wglob_ = nullptr;  // top-p weights of lists over the shared-memory cap
   uint32_t* mask_ = nullptr;  // kept bits [list][G][ceil(max_slots / 32)]
