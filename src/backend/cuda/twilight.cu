@@ -191,9 +191,9 @@ struct TpArgs {
 // (-DSPADE_TOPP_TRACE; bench/bench_twilight.cu's SPADE_TWL_TRACE): even unused, the stamps
 // cost the batch-1 top-p ~0.3 us (H100, bench/results/twilight_topp_trace_cost_h100_20261127.json),
 // so production builds compile none of them.
-constexpr int kTpTraceWords = 16;
 __device__ __forceinline__ void tp_stamp(const TpArgs& a, int k) {
 #ifdef SPADE_TOPP_TRACE
+  constexpr int kTpTraceWords = 16;
   if (a.trace && threadIdx.x == 0) {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
