@@ -181,7 +181,7 @@ struct TpArgs {
   double p, eps;
   int use_smem;
   int bisection_only;  // the step-per-pass loop alone (the reference: tests, benchmark)
-  // Diagnostics (optional, TwilightPruner::set_trace): kTpTraceWords uint64 per CTA.
+  // Diagnostics (optional, TwilightPruner::set_trace; -DSPADE_TOPP_TRACE builds): 16 uint64 per CTA.
   unsigned long long* trace;
 };
 
