@@ -44,6 +44,7 @@
 #include "backend/cuda/sparse_attention.h"
 #include "bench_record.h"
 #include "copy_bandwidth.h"
+#include "rotation_timer.h"
 
 using namespace spade;
 using namespace spade::cuda;
@@ -132,31 +133,6 @@ __global__ void __launch_bounds__(128) items_kernel(const GArgs a) {
     x ^= read_chunk(a.K, a.V, off, lane, sbuf[warp]);
   }
   if (x == 0x9e3779b9u) a.sink[0] = x;
-}
-
-// Median per-call time (us) of f(r), r cycling through R rotations (as bench_sparse).
-double time_calls(int R, const std::function<void(int)>& f) {
-  for (int i = 0; i < 2 * R + 2; ++i) f(i % R);
-  CK(cudaDeviceSynchronize());
-  const int calls = std::max(R, 8) / R * R;
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> per;
-  for (int rep = 0; rep < 30; ++rep) {
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < calls; ++i) f(i % R);
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    per.push_back(ms * 1000.f / calls);
-  }
-  CK(cudaGetLastError());
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(per.begin(), per.end());
-  return per[per.size() / 2];
 }
 
 void run_shape(const BenchRecord& rec, double bw, int L, int B) {

@@ -53,6 +53,7 @@
 #include "backend/cuda/attention.h"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/sparse_attention.h"
+#include "rotation_timer.h"
 
 using namespace spade;
 using namespace spade::cuda;
@@ -73,36 +74,6 @@ const int g_force_split = [] {
   return e && *e ? std::atoi(e) : 0;
 }();
 
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Median per-call time (us) of f(i), i cycling through R rotations.
-double time_calls(int R, const std::function<void(int)>& f, float* us_min = nullptr) {
-  for (int i = 0; i < 2 * R + 2; ++i) f(i % R);
-  SPADE_CUDA(cudaDeviceSynchronize());
-  const int calls = std::max(R, 8) / R * R;
-  cudaEvent_t a, b;
-  SPADE_CUDA(cudaEventCreate(&a));
-  SPADE_CUDA(cudaEventCreate(&b));
-  std::vector<float> per;
-  for (int rep = 0; rep < 30; ++rep) {
-    SPADE_CUDA(cudaEventRecord(a));
-    for (int i = 0; i < calls; ++i) f(i % R);
-    SPADE_CUDA(cudaEventRecord(b));
-    SPADE_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    SPADE_CUDA(cudaEventElapsedTime(&ms, a, b));
-    per.push_back(ms * 1000.f / calls);
-  }
-  SPADE_CUDA(cudaGetLastError());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  if (us_min) *us_min = *std::min_element(per.begin(), per.end());
-  return median(per);
-}
 
 void measure_bw() {
   const size_t n = size_t(1) << 30;
