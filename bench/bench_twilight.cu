@@ -24,8 +24,6 @@
 // The SparseAttention plan for the kept lists takes the previous step's kept counts as its
 // upper bounds (here: the counts of a warm-up step), as a decode loop would.
 //
-// The fused variant (us_*fused*): TwilightPruner::run_attend, the attention inside the top-p
-// (no compaction, no attention launch), where attend_supported(B).
 // Build (bench/run_gpu_twilight.sh): nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a
 //   -Isrc bench/bench_twilight.cu <libspade_cuda.a> -lcublasLt -lcublas -o bench_twilight
 #include <algorithm>
@@ -123,14 +121,13 @@ void topp_trace(TwilightPruner& pr, F&& launch, int n_cta, FILE* out, const char
   cudaFree(d);
   unsigned long long t0 = ~0ull;
   for (int i = 0; i < n_cta; ++i) t0 = std::min(t0, t[size_t(W) * i + 1]);
-  const char* names[16] = {"entry", "wait", "max", "sum", "binned1", "pass1", "pass2", "pass3",
-                           "pass4", "search", "masks", "handoff", "end", "att_rows", "att_loop",
-                           "att_merged"};
+  const char* names[13] = {"entry", "wait", "max", "sum", "binned1", "pass1", "pass2", "pass3",
+                           "pass4", "search", "masks", "handoff", "end"};
   std::fprintf(out, "{\"kind\":\"topp_trace\",\"variant\":\"%s\",\"ctx\":%d,\"batch\":%d,\"ctas\":%d,\"us_per_call\":%.3f",
                tag, ctx, B, n_cta, us_call);
   std::printf("top-p trace %s ctx=%d B=%d (%d CTAs, %.2f us/call), us after the first wait [min mean max n]:\n",
               tag, ctx, B, n_cta, us_call);
-  for (int k = 0; k < 16; ++k) {
+  for (int k = 0; k < 13; ++k) {
     double mn = 1e30, mx = -1e30, sum = 0;
     int n = 0;
     for (int i = 0; i < n_cta; ++i) {
@@ -380,46 +377,6 @@ int main(int argc, char** argv) {
       sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, gs, 0,
                nullptr, 0, {}, pr.kept_count());
     });
-    // The attention fused into the top-p (TwilightPruner::run_attend: no compaction, no
-    // attention launch), where the batch allows it; SPADE_TWL_SINGLE_MAX=n forces its rule
-    // (unions up to n tokens by one CTA). fused_max_abs_diff: its layer-0 output against the
-    // two launches' (SparseAttention over the kept lists).
-    double t_pruner_fused = -1, t_topp_fused = -1, t_tw_fused_step = -1, t_tw_fused_step_graph = -1, fused_diff = -1;
-    if (pr.attend_supported(B)) {
-      if (const char* e = std::getenv("SPADE_TWL_SINGLE_MAX")) pr.set_attend_single_max(std::atoi(e));
-      const size_t n_out = size_t(B) * Hq * D;
-      bf16* att2 = arena.alloc_n<bf16>(n_out, "att fused");
-      {
-        const Layer& y = lay(0);
-        select(0);
-        pr.run(tstep(0), 0);
-        sa_t.run(y.q, y.k, y.v, pr.kept_strided_off(), pr.kept_strided_idx(), att, scale, 0, 0,
-                 nullptr, 0, {}, pr.kept_count());
-        pr.run_attend(tstep(0), y.k, y.v, att2, 0);
-        std::vector<bf16> h1(n_out), h2(n_out);
-        SPADE_CUDA(cudaMemcpy(h1.data(), att, 2 * n_out, cudaMemcpyDeviceToHost));
-        SPADE_CUDA(cudaMemcpy(h2.data(), att2, 2 * n_out, cudaMemcpyDeviceToHost));
-        fused_diff = 0;
-        for (size_t i = 0; i < n_out; ++i)
-          fused_diff = std::max(fused_diff, std::fabs(double(__bfloat162float(h1[i])) - double(__bfloat162float(h2[i]))));
-      }
-      t_pruner_fused = time_us([&](int i) { const Layer& y = lay(i); pr.run_attend(tstep(i), y.k, y.v, att2, 0); }, calls, reps);
-      pr.estimate(tstep(0), 0);  // layer 0's logits for the top-p timed alone
-      t_topp_fused = time_us([&](int) { const Layer& y = lay(0); pr.topp_attend(tstep(0), y.k, y.v, att2, 0); }, calls, reps);
-      if (std::getenv("SPADE_TWL_TRACE"))
-        topp_trace(pr, [&] { const Layer& y = lay(0); pr.topp_attend(tstep(0), y.k, y.v, att2, 0); },
-                   B * Hq, out, (std::string(pt.tag) + "_fused").c_str(), ctx, B, t_topp_fused);
-      t_tw_fused_step = time_us([&](int i) {
-        const Layer& y = lay(i);
-        select(i);
-        pr.run_attend(tstep(i), y.k, y.v, att2, 0);
-      }, calls, reps);
-      t_tw_fused_step_graph = graph_us([&](int l, cudaStream_t gs) {
-        const Layer& y = lay(l);
-        quest_select(qargs(l), gs);
-        pr.run_attend(tstep(l), y.k, y.v, att2, gs);
-      });
-    }
     const double base_tokens = double(B) * Hkv * base_budget;
     const double est_bytes = base_tokens * (D / 2 + 4);
     const double pr_bytes = double(pr.floor_bytes(int64_t(base_tokens), int64_t(kept_mean * B * Hkv)));
@@ -436,18 +393,13 @@ int main(int argc, char** argv) {
                   "\"us_quest_step_graph\":%.2f,\"us_twilight_step_graph\":%.2f,\"speedup_vs_quest_graph\":%.3f,"
                   "\"pruner_bytes\":%.0f,\"estimate_bytes\":%.0f,\"copy_bw_gbs\":%.1f,"
                   "\"pruner_floor_us\":%.2f,\"pruner_vs_floor\":%.3f,\"estimate_vs_floor\":%.3f,"
-                  "\"speedup_vs_quest\":%.3f,\"speedup_vs_dense\":%.3f,"
-                  "\"us_pruner_attend_fused\":%.2f,\"us_topp_attend_fused\":%.2f,\"us_twilight_fused_step\":%.2f,"
-                  "\"us_twilight_fused_step_graph\":%.2f,\"speedup_fused_vs_quest_graph\":%.3f,"
-                  "\"fused_max_abs_diff\":%.5f}",
+                  "\"speedup_vs_quest\":%.3f,\"speedup_vs_dense\":%.3f}",
                   pt.tag, ctx, B, Hq, Hkv, D, P, base_budget, pt.planted, n_layers, kept_mean, kept_max,
                   t_score, t_topk, t_select, t_attn_base, t_est, t_topp, t_topp_bisect, t_cmp, t_pruner, t_pruner_graph, t_attn_kept, t_attn_kept_hint,
                   t_dense, t_quest_step, t_tw_step, t_quest_step_graph, t_tw_step_graph,
                   t_quest_step_graph / t_tw_step_graph, pr_bytes, est_bytes, bw / 1e9, floor_us,
                   t_pruner / floor_us, t_est / (est_bytes / bw * 1e6), t_quest_step / t_tw_step,
-                  t_dense / t_tw_step, t_pruner_fused, t_topp_fused, t_tw_fused_step, t_tw_fused_step_graph,
-                  t_tw_fused_step_graph > 0 ? t_quest_step_graph / t_tw_fused_step_graph : -1.0,
-                  fused_diff);
+                  t_dense / t_tw_step);
     std::printf("%s\n", line);
     std::fprintf(out, "%s\n", line);
     std::fflush(out);

@@ -660,14 +660,9 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
         ts.kv_len = sparse_->dev_kv_len();
         ts.base_off = sel_off_, ts.base_idx = sel_idx_, ts.gran = cuda::SelGran::Chunk16;
         ts.B = step_B_, ts.scale = scale;
-        const cuda::SelSkip skip = sel_skip(int(l));
-        if (!skip.active() && twilight_->attend_supported(step_B_)) {
-          twilight_->run_attend(ts, kc, vc, att, st);  // the attention inside the top-p
-        } else {
-          twilight_->run(ts, st);
-          sparse_kept_->run(q, kc, vc, twilight_->kept_strided_off(), twilight_->kept_strided_idx(),
-                            att, scale, st, 0, nullptr, 0, skip, twilight_->kept_count());
-        }
+        twilight_->run(ts, st);
+        sparse_kept_->run(q, kc, vc, twilight_->kept_strided_off(), twilight_->kept_strided_idx(),
+                          att, scale, st, 0, nullptr, 0, sel_skip(int(l)), twilight_->kept_count());
       } else {
         sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st, 0, nullptr, 0, sel_skip(int(l)));
       }

@@ -16,10 +16,7 @@
 //      * top-p thresholds of the tree search bit-identical to the step-per-pass bisection's
 //        (TwilightPruner::set_topp_bisection_only) on the same logits; eps 1e-3 .. 1e-10;
 //      * attention over the GPU's kept CSR lists (SparseAttention, Token) vs
-//        cpu::attention_selected over the same positions (rel err < kTolAttn);
-//      * the attention fused into the top-p (TwilightPruner::run_attend; one CTA per union,
-//        split over the list's CTAs, the default rule): kept counts equal, output vs the CPU
-//        over the same positions (rel err < kTolBf16Out: fp32 P, one bf16 rounding).
+//        cpu::attention_selected over the same positions (rel err < kTolAttn).
 //  - Quest (GPU) -> compact -> pruner -> attention, whole step: kept sets vs the CPU pruner
 //    over the GPU Quest selection (same rule).
 // Kept-count statistics are printed.
@@ -512,29 +509,6 @@ void run_prune_case(const PruneCase& c, uint32_t seed, Agreement& ag) {
          nullptr, 0, {}, pr.kept_count());
   auto got = from_bf16(dout.download());
   EXPECT_LT(rel_err(got, got_ref), kTolAttn);
-  // The attention fused into the top-p (run_attend) on the same step: the same kept counts,
-  // the output vs the CPU over the same positions, with each union attended by one CTA, split
-  // over the list's G CTAs, and by the default rule (which picks per list).
-  if (!pr.attend_supported(B)) {
-    std::printf("  fused attention: not supported here (G x D = %d)\n", G * D);
-    return;
-  }
-  for (int single_max : {-1, 0, 1 << 30}) {
-    SCOPED_TRACE(testing::Message() << "run_attend single_max=" << single_max);
-    pr.set_attend_single_max(single_max);
-    dout.poison();
-    SPADE_CUDA(cudaMemset(const_cast<int32_t*>(pr.kept_count()), 0xff, 4 * n_lists));
-    pr.run_attend(st, dk.p, dv.p, dout.p, 0);
-    SPADE_CUDA(cudaDeviceSynchronize());
-    std::vector<int32_t> fcnt(n_lists);
-    SPADE_CUDA(cudaMemcpy(fcnt.data(), pr.kept_count(), 4 * n_lists, cudaMemcpyDeviceToHost));
-    for (size_t l = 0; l < n_lists; ++l) EXPECT_EQ(fcnt[l], kcnt[l]) << "list " << l;
-    auto fgot = from_bf16(dout.download());
-    // fp32 scores, P and sums: only the output's bf16 rounding differs from the CPU.
-    EXPECT_LT(rel_err(fgot, got_ref), kTolBf16Out);
-    EXPECT_LT(rel_err(fgot, got), kTolAttn) << "fused vs SparseAttention over the kept lists";
-  }
-  pr.set_attend_single_max(-1);
 }
 
 void report(const char* name, const Agreement& ag) {

@@ -34,7 +34,6 @@
 #include "backend/cuda/int4_keys.cuh"
 #include "backend/cuda/topp_tree_search.cuh"
 #include "backend/cuda/twilight.h"
-#include "backend/cuda/twilight_attend.cuh"
 #include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
@@ -184,8 +183,6 @@ struct TpArgs {
   int bisection_only;  // the step-per-pass loop alone (the reference: tests, benchmark)
   // Diagnostics (optional, TwilightPruner::set_trace; -DSPADE_TOPP_TRACE builds): 16 uint64 per CTA.
   unsigned long long* trace;
-  // The fused attention over the union (FD > 0 instances; TwilightPruner::run_attend).
-  twl_attend::Args ta;
 };
 
 // Trace word k of this CTA (thread 0; globaltimer ns): 0 entry, 1 past the PDL wait, 2 max
@@ -207,28 +204,21 @@ __device__ __forceinline__ void tp_stamp(const TpArgs& a, int k) {
 
 // EPT > 0: NT threads hold the weights of slots tid + k * NT, k < EPT, in registers;
 // EPT == 0: the weights live in shared memory (a.use_smem) or global memory.
-// FD > 0 (EPT > 0 only): head dim of the fused attention (twilight_attend.cuh) that replaces
-// the compaction: the dynamic shared memory is its work area.
-template <int NT, int EPT, int FD = 0>
+template <int NT, int EPT>
 __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const TpArgs a) {
-  static_assert(FD == 0 || EPT > 0, "fused attention only in the register shapes");
   tp_stamp(a, 0);  // (the trace buffer is the benchmark's, no other kernel touches it)
   pdl_begin();  // pdl.cuh: first, before any global access
   tp_stamp(a, 1);
-  extern __shared__ __align__(16) float sWf[];
+  extern __shared__ float sWf[];
   __shared__ RedSmem sred;
   __shared__ TreeSmem stree;
   __shared__ int s_warp[64];
-  __shared__ int s_last, s_flag;
+  __shared__ int s_last;
   const int G = a.G, list = blockIdx.x / G, g = blockIdx.x % G, tid = threadIdx.x;
   const int e0 = a.base_off[list], ne = a.base_off[list + 1] - e0;
   const bool chunk = a.gran == SelGran::Chunk16;
   const int n = min(chunk ? 16 * ne : ne, EPT > 0 ? NT * EPT : a.max_slots);
   if (n == 0) {  // every CTA of the list leaves here: the counter is not used
-    if constexpr (FD > 0) {  // an empty selection attends to nothing: zeros (as SparseAttention)
-      const int64_t row = int64_t(list / a.ta.Hkv) * a.ta.Hq + (list % a.ta.Hkv) * G + g;
-      for (int d = tid; d < FD; d += NT) a.ta.out[row * FD + d] = __float2bfloat16(0.f);
-    }
     if (tid == 0) {
       a.thr[list * G + g] = INFINITY;
       if (g == 0) a.kept_cnt[list] = 0;
@@ -397,35 +387,6 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
     }
   }
   tp_stamp(a, 10);
-  auto pos_of = [&](int i) {
-    return chunk ? __ldg(a.base_idx + e0 + i / 16) * 16 + i % 16 : __ldg(a.base_idx + e0 + i);
-  };
-  const uint32_t* ml = a.mask + int64_t(list) * G * nw;
-  if constexpr (FD > 0) {
-    // Every CTA of the list needs the union when it is split among them: the earlier CTAs
-    // wait for the last one's release (gen), read before arriving so no release is missed.
-    __syncthreads();
-    if (tid == 0) {
-      const int gen0 = twl_attend::ld_acquire(a.ta.gen + list);
-      __threadfence();
-      s_last = atomicAdd(a.counters + list, 1) == G - 1;
-      if (s_last) {
-        a.counters[list] = 0;
-        __threadfence();
-        atomicAdd(a.ta.gen + list, 1);
-      } else {
-        while (twl_attend::ld_acquire(a.ta.gen + list) == gen0) {
-        }
-      }
-    }
-    __syncthreads();
-    tp_stamp(a, 11);
-    twl_attend::attend_union<NT, FD>(a.ta, ml, nw, (n + 31) >> 5, G, list, g, s_last != 0,
-                                     pos_of, a.kept_cnt, reinterpret_cast<unsigned char*>(sWf),
-                                     s_warp, &s_flag);
-    tp_stamp(a, 12);
-    return;
-  }
   // The last of the G CTAs of the list emits the union, in selection order. The grid-sync
   // pattern of cooperative groups: the barrier orders every thread's mask stores before
   // thread 0's fence and counter add (fences are cumulative), so one thread fences instead of
@@ -443,6 +404,7 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
   __syncthreads();
   tp_stamp(a, 11);
   if (!s_last) return;
+  const uint32_t* ml = a.mask + int64_t(list) * G * nw;
   auto union_word = [&](int w) {
     unsigned m = 0u;
     for (int k = 0; k < G; ++k) m |= __ldcg(ml + k * nw + w);
@@ -457,6 +419,9 @@ __global__ void __launch_bounds__(NT, NT >= 1024 ? 1 : 2) twl_topp_kernel(const 
   int tot;
   int o = block_exclusive_scan(cnt, s_warp, &tot);
   int32_t* out = a.kept + int64_t(list) * a.max_slots;
+  auto pos_of = [&](int i) {
+    return chunk ? __ldg(a.base_idx + e0 + i / 16) * 16 + i % 16 : __ldg(a.base_idx + e0 + i);
+  };
   for (int w = w0; w < w1; ++w) {
     unsigned m = w == w0 ? first : union_word(w);
     while (m) {
@@ -490,26 +455,6 @@ __global__ void twl_compact_kernel(const int32_t* kept, const int32_t* cnt, int 
     off[list] = start;
     if (list == n_lists - 1) off[list + 1] = start + n;
   }
-}
-
-// The fused shapes (FD > 0): kernel, dynamic shared memory, CTAs resident on the GPU at once.
-template <int FD>
-auto topp_attend_kernel(bool wide) {
-  return wide ? twl_topp_kernel<kTpWideThreads, kTpWideEpt, FD> : twl_topp_kernel<kTpRegThreads, kTpEpt, FD>;
-}
-template <int FD>
-size_t attend_smem(bool wide, int rows_cap) {
-  return wide ? twl_attend::Cfg<kTpWideThreads, FD>::smem(rows_cap)
-              : twl_attend::Cfg<kTpRegThreads, FD>::smem(rows_cap);
-}
-template <int FD>
-int attend_resident(bool wide, int rows_cap, int n_sms) {
-  const auto kernel = topp_attend_kernel<FD>(wide);
-  const size_t smem = attend_smem<FD>(wide, rows_cap);
-  SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  int per_sm = 0;
-  SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, wide ? kTpWideThreads : kTpRegThreads, smem));
-  return per_sm * n_sms;
 }
 
 }  // namespace
@@ -555,19 +500,6 @@ TwilightPruner::TwilightPruner(DeviceArena& arena, int max_batch, int Hq, int Hk
   kept_cnt_ = arena.alloc_n<int32_t>(lists, "twilight kept counts");
   kept_off_ = arena.alloc_n<int32_t>(lists + 1, "twilight kept offsets");
   kept_idx_ = arena.alloc_n<int32_t>(lists * ms, "twilight kept indices");
-  // Fused attention: split partials, arrival counters and union releases; the shapes'
-  // shared memory and how many of their CTAs fit on the GPU at once.
-  if (ms <= size_t(kTpRegSlots) && G * size_t(D) <= size_t(twl_attend::kGD)) {
-    att_part_ = arena.alloc_n<float>(lists * G * G * size_t(D), "twilight attention partials");
-    att_part_ml_ = arena.alloc_n<float>(lists * G * G * 2, "twilight attention partial lse");
-    att_arrive_ = arena.alloc_n<int>(2 * lists, "twilight attention counters");
-    att_gen_ = att_arrive_ + lists;
-    SPADE_CUDA(cudaMemset(att_arrive_, 0, 2 * lists * sizeof(int)));
-    att_rows_cap_ = int((ms + G - 1) / G);
-    for (int wide = 0; wide < 2; ++wide)
-      att_resident_[wide] = D == 128 ? attend_resident<128>(wide, att_rows_cap_, n_sms_)
-                                     : attend_resident<64>(wide, att_rows_cap_, n_sms_);
-  }
 }
 
 size_t TwilightPruner::arena_bytes(int max_batch, int Hq, int Hkv, int max_slots) {
@@ -575,8 +507,6 @@ size_t TwilightPruner::arena_bytes(int max_batch, int Hq, int Hkv, int max_slots
   const size_t ms = size_t((max_slots + 15) / 16 * 16);
   size_t b = lists * G * ms * 4 + lists * G * ((ms + 31) / 32) * 4 + lists * ms * 4 * 2 + lists * (G * 4 + 20) + 4096;
   if (ms > size_t(kTpRegSlots) && ms * 4 > kTpSmemMax) b += lists * G * ms * 4;
-  // The fused attention's partials (G x D <= kGD when it is enabled) and counters.
-  if (ms <= size_t(kTpRegSlots)) b += lists * G * (twl_attend::kGD * 4 + G * 8) + lists * 8 + 1024;
   return b;
 }
 
@@ -603,45 +533,6 @@ void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
     }
     launch_pdl(twl_topp_kernel<kTpMemThreads, 0>, st.B * Hkv_ * G, kTpMemThreads, a.use_smem ? smem : 0, s, a);
   }
-  SPADE_CUDA_LAUNCH();
-}
-
-bool TwilightPruner::attend_supported(int B) const {
-  const int ctas = B * Hq_;
-  return att_part_ != nullptr && B <= max_batch_ &&
-         ctas <= att_resident_[ctas <= n_sms_ ? 1 : 0];
-}
-
-void TwilightPruner::run_attend(const TwilightStep& st, const bf16* k_cache, const bf16* v_cache,
-                                bf16* out, cudaStream_t s) {
-  SPADE_CHECK(attend_supported(st.B), "twilight: no fused attention for batch ", st.B,
-              " (TwilightPruner::attend_supported)");
-  estimate(st, s);
-  topp_attend(st, k_cache, v_cache, out, s);
-}
-
-void TwilightPruner::topp_attend(const TwilightStep& st, const bf16* k_cache, const bf16* v_cache,
-                                 bf16* out, cudaStream_t s) {
-  SPADE_CHECK(attend_supported(st.B), "twilight: no fused attention for batch ", st.B,
-              " (TwilightPruner::attend_supported)");
-  const int G = Hq_ / Hkv_, ctas = st.B * Hq_;
-  const bool wide = ctas <= n_sms_;
-  TpArgs a{st.base_off, st.base_idx, st.gran, logits_, wglob_, mask_, counters_, thr_,
-           kept_strided_, kept_cnt_, G, max_slots_, p_, eps_, 0, topp_bisection_only_ ? 1 : 0,
-           trace_};
-  twl_attend::Args& t = a.ta;
-  t.q = st.q, t.k = k_cache, t.v = v_cache, t.out = out;
-  t.page_table = st.page_table, t.page_off = st.page_off;
-  t.part = att_part_, t.part_ml = att_part_ml_, t.arrive = att_arrive_, t.gen = att_gen_;
-  t.Hq = Hq_, t.Hkv = Hkv_, t.P = P_;
-  t.scale_log2 = st.scale * 1.4426950408889634f;
-  t.trace = trace_;
-  const int nw = (wide ? kTpWideThreads : kTpRegThreads) / 32;
-  t.single_max = std::min(att_rows_cap_, attend_single_max_ >= 0 ? attend_single_max_
-                                                                 : 2 * twl_attend::kNB * nw);
-  const size_t smem = D_ == 128 ? attend_smem<128>(wide, att_rows_cap_) : attend_smem<64>(wide, att_rows_cap_);
-  const auto kernel = D_ == 128 ? topp_attend_kernel<128>(wide) : topp_attend_kernel<64>(wide);
-  launch_pdl(kernel, ctas, wide ? kTpWideThreads : kTpRegThreads, smem, s, a);
   SPADE_CUDA_LAUNCH();
 }
 

@@ -22,10 +22,6 @@
 //      selection order into kept_strided[list][slot].
 // run() = 1 + 2: the attention reads the strided lists with their counts (sel_cnt).
 //   3. compact (optional): kept_strided + kept_count -> CSR kept_off[B * Hkv + 1] / kept_idx.
-// run_attend() = 1 + 2 with the attention fused into the top-p (twilight_attend.cuh): the
-//   list's last CTA attends to the union itself (or the list's G CTAs split a large one),
-//   so the step has no compaction and no attention launch; kept_count is written, the
-//   strided lists are not. Needs attend_supported(B).
 // Only head_combine=union is implemented (the CPU method's default).
 #pragma once
 #include <cstdint>
@@ -73,24 +69,9 @@ class TwilightPruner {
   // estimate + top-p: the kept lists at a fixed stride (kept_strided_*, kept_count), which
   // SparseAttention::run reads with sel_cnt = kept_count() (no compaction launch).
   void run(const TwilightStep& st, cudaStream_t s);
-  // estimate + top-p + attention of q over the kept union of each (request, KV head):
-  // out[B, Hq, D] as SparseAttention::run over the kept lists writes it (k_cache, v_cache:
-  // this layer's [page][Hkv][P][D] bf16; page table / offsets from st). No BLASST skip.
-  void run_attend(const TwilightStep& st, const bf16* k_cache, const bf16* v_cache, bf16* out,
-                  cudaStream_t s);
-  // Whether run_attend can run a batch of B: D 64 or 128, G * D <= 512, lists of at most
-  // 8192 slots, and every top-p CTA resident at once (its CTAs of a list may wait for each
-  // other).
-  bool attend_supported(int B) const;
-  // Unions of at most n tokens are attended by one CTA, larger ones by the list's G CTAs
-  // (-1: the default, two batches per warp of that CTA). Tests and benchmarks force both.
-  void set_attend_single_max(int n) { attend_single_max_ = n; }
-
   // The stages separately (timing, tests).
   void estimate(const TwilightStep& st, cudaStream_t s);
   void topp(const TwilightStep& st, cudaStream_t s);
-  void topp_attend(const TwilightStep& st, const bf16* k_cache, const bf16* v_cache, bf16* out,
-                   cudaStream_t s);  // run_attend's second launch
 
   // After run(): the kept lists as CSR (kept_off / kept_idx), for consumers without counts.
   void compact(const TwilightStep& st, cudaStream_t s);
@@ -127,14 +108,6 @@ class TwilightPruner {
   int32_t* kept_cnt_ = nullptr;
   int32_t* kept_off_ = nullptr;
   int32_t* kept_idx_ = nullptr;
-  // Fused attention (run_attend).
-  float* att_part_ = nullptr;
-  float* att_part_ml_ = nullptr;
-  int* att_arrive_ = nullptr;
-  int* att_gen_ = nullptr;
-  int att_rows_cap_ = 0;
-  int att_resident_[2] = {0, 0};  // CTAs resident at once: 512-thread / 1024-thread shape
-  int attend_single_max_ = -1;
 };
 
 }  // namespace spade::cuda
