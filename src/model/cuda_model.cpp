@@ -661,6 +661,7 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
         ts.base_off = sel_off_, ts.base_idx = sel_idx_, ts.gran = cuda::SelGran::Chunk16;
         ts.B = step_B_, ts.scale = scale;
         twilight_->run(ts, st);
+        if (quest_trace) trace_twilight(int(l));
         sparse_kept_->run(q, kc, vc, twilight_->kept_strided_off(), twilight_->kept_strided_idx(),
                           att, scale, st, 0, nullptr, 0, sel_skip(int(l)), twilight_->kept_count());
       } else {

@@ -189,6 +189,11 @@ class CudaModel {
     // LessIsMore: per query head [layer][b * Hq + hq][kv_len of b]; oracle-topk: the group
     // weights W [layer][b * Hkv + h][kv_len of b].
     std::vector<std::vector<std::vector<float>>> scores;
+    // Twilight: the pruner's kept token positions [layer][b * Hkv + h] (selection order) and
+    // its estimated logits [layer][(b * Hkv + h) * G + g][slot] (slot = 16 * entry + row of
+    // the layer's Quest list in sel; slots past the context are -inf).
+    std::vector<std::vector<std::vector<int32_t>>> kept;
+    std::vector<std::vector<std::vector<float>>> logits;
   };
   QuestTrace* quest_trace = nullptr;
   // BLASST tile counters since the last reset, per layer and KV head: {tiles, skipped} pairs,
@@ -211,6 +216,7 @@ class CudaModel {
   void launch(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void trace_quest(int layer);
   void trace_scores(int layer);  // Tidal / LessIsMore: a selection layer's scores into quest_trace
+  void trace_twilight(int layer);  // the pruner's kept lists and logits into quest_trace
   int lists_per_req() const;     // selection lists per request: Hkv, or 1 (one shared list)
   // LycheeDecode: attention of decode layer `layer` (bf16 q [B, Hq, D], this layer's K/V
   // cache, out att) and its retrieval heads' selections for the next layer

@@ -9,6 +9,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/sparse_attention.h"
+#include "backend/cuda/twilight.h"
 #include "core/error.h"
 #include "model/cuda_model.h"
 
@@ -166,6 +167,30 @@ void CudaModel::trace_scores(int layer) {
     const float* src = opt_.sparse.method == CudaSparse::Method::OracleTopK ? oracle_w_ : sel_scores_;
     SPADE_CUDA(cudaMemcpy(v.data(), src + int64_t(r) * ld, sizeof(float) * v.size(),
                           cudaMemcpyDeviceToHost));
+  }
+}
+
+void CudaModel::trace_twilight(int layer) {
+  const int lists = step_B_ * cfg_.n_kv_heads, G = cfg_.n_heads / cfg_.n_kv_heads;
+  const size_t ms = size_t(twilight_->max_slots());
+  std::vector<int32_t> cnt(static_cast<size_t>(lists)), kept(size_t(lists) * ms);
+  std::vector<float> lg(size_t(lists) * G * ms);
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  SPADE_CUDA(cudaMemcpy(cnt.data(), twilight_->kept_count(), 4 * cnt.size(), cudaMemcpyDeviceToHost));
+  SPADE_CUDA(cudaMemcpy(kept.data(), twilight_->kept_strided_idx(), 4 * kept.size(), cudaMemcpyDeviceToHost));
+  SPADE_CUDA(cudaMemcpy(lg.data(), twilight_->logits(), 4 * lg.size(), cudaMemcpyDeviceToHost));
+  auto& tk = quest_trace->kept;
+  auto& tl = quest_trace->logits;
+  if (tk.size() <= size_t(layer)) tk.resize(size_t(layer) + 1), tl.resize(size_t(layer) + 1);
+  tk[size_t(layer)].assign(size_t(lists), {});
+  tl[size_t(layer)].assign(size_t(lists) * G, {});
+  for (int i = 0; i < lists; ++i) {
+    tk[size_t(layer)][size_t(i)].assign(kept.begin() + int64_t(i) * int64_t(ms),
+                                        kept.begin() + int64_t(i) * int64_t(ms) + cnt[size_t(i)]);
+    for (int g = 0; g < G; ++g) {
+      const auto b = lg.begin() + (int64_t(i) * G + g) * int64_t(ms);
+      tl[size_t(layer)][size_t(i) * G + g].assign(b, b + int64_t(ms));
+    }
   }
 }
 

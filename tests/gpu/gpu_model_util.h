@@ -201,6 +201,8 @@ inline double traced_decode_compare(CpuModel& cpu, sparse::SparseSession& s0,
   for (int s = 0; s < steps; ++s) {
     trace.sel.clear();
     trace.scores.clear();
+    trace.kept.clear();
+    trace.logits.clear();
     int32_t ta = int32_t(rng() % uint32_t(vocab)), tb = int32_t(rng() % uint32_t(vocab));
     std::vector<float> lg = gpu.forward({{&pg[0], &ta, 1, false}, {&pg[1], &tb, 1, false}}, rg);
     const auto& lc = cpu.forward({{&pc[0], &ta, 1, false, &s0.attention()},
