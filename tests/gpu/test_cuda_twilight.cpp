@@ -436,12 +436,7 @@ void run_prune_case(const PruneCase& c, uint32_t seed, Agreement& ag) {
           const double e = std::fabs(double(gl) - double(r[size_t(i)])) / (scale * bound + 1e-30);
           worst_logit = std::max(worst_logit, e);
         }
-        float mx = -INFINITY;
-        for (float x : r) mx = std::max(mx, x);
-        double sum = 0;
-        for (auto& x : r) sum += (x = std::exp(x - mx));
-        const float inv = float(1.0 / sum);
-        for (auto& x : r) x *= inv;
+        sparse::softmax_weights(r.data(), n);
         thr[size_t(g)] = sparse::topp_binary_search(r.data(), n, c.p, c.eps).threshold;
       }
       if (c.gran == SelGran::Token) {  // CPU output order = selection order; GPU's too

@@ -197,12 +197,7 @@ class TracingTwilight final : public sparse::SparseMethod {
       std::vector<std::vector<float>> wc(static_cast<size_t>(G), std::vector<float>(size_t(n))), wg = wc;
       std::vector<float> E(static_cast<size_t>(G), 0.f), tc(static_cast<size_t>(G)), tg(tc);
       auto softmax_topp = [&](std::vector<float>& x) {
-        float m = -INFINITY;
-        for (float v : x) m = std::max(m, v);
-        double sum = 0;
-        for (auto& v : x) sum += (v = std::exp(v - m));
-        const float inv = float(1.0 / sum);
-        for (auto& v : x) v *= inv;
+        sparse::softmax_weights(x.data(), int64_t(x.size()));
         return sparse::topp_binary_search(x.data(), int64_t(x.size()), p_, eps_).threshold;
       };
       const float* qh = c.q + int64_t(h) * G * D;

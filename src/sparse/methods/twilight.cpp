@@ -54,6 +54,15 @@ TopPResult topp_binary_search(const float* w, int64_t n, double p, double eps,
   return res;
 }
 
+void softmax_weights(float* w, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, w[i]);
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += (w[i] = std::exp(w[i] - mx));
+  const float inv = float(1.0 / sum);
+  for (int64_t i = 0; i < n; ++i) w[i] *= inv;
+}
+
 // ---------------------------------------------------------------- composition
 
 ComposedMethod::ComposedMethod(std::shared_ptr<const SparseMethod> base) : base_(std::move(base)) {
@@ -361,16 +370,7 @@ void TwilightMethod::prune(StepContext& c, Selection& sel) const {
         }
       }
     }
-    // Softmax over the selection, per query head.
-    for (int g = 0; g < G; ++g) {
-      float* r = w + int64_t(g) * n;
-      float mx = -INFINITY;
-      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, r[i]);
-      double sum = 0;
-      for (int64_t i = 0; i < n; ++i) sum += (r[i] = std::exp(r[i] - mx));
-      const float inv = float(1.0 / sum);
-      for (int64_t i = 0; i < n; ++i) r[i] *= inv;
-    }
+    for (int g = 0; g < G; ++g) softmax_weights(w + int64_t(g) * n, n);  // per query head
     std::fill_n(mark, n, uint8_t(0));
     if (prm_.combine == Combine::Union) {
       for (int g = 0; g < G; ++g) {

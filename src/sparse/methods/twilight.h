@@ -45,6 +45,10 @@ struct TopPResult {
 // weight. Sums are accumulated in double.
 TopPResult topp_binary_search(const float* w, int64_t n, double p, double eps,
                               int max_iterations = 64);
+// Softmax of one query head's estimated logits in place, in the pruner's arithmetic (float max
+// and exp, double sum, float reciprocal and product): the weights Algorithm 1 runs on (the GPU
+// pruner's tests compare against exactly these).
+void softmax_weights(float* w, int64_t n);
 
 // ---- Composition of modifier stages over a base ----
 
