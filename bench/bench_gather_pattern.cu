@@ -167,7 +167,7 @@ void run_shape(const BenchRecord& rec, double bw, int L, int B) {
   unsigned* sink = arena.alloc_n<unsigned>(1, "sink");
   std::vector<SparseSeq> seqs(B);
   for (int b = 0; b < B; ++b) seqs[b] = {perm.data() + size_t(b) * pps, pps, L};
-  SparseAttention sa(arena, B, region_pages, Hq, Hkv, D, P, 64);
+  SparseAttention sa(arena, B, region_pages, Hq, Hkv, D, P);
   const float scale = 1.f / std::sqrt(float(D));
   const double qo_bytes = 2.0 * B * Hq * D * 2;
   int dev = 0, sms = 0;

@@ -222,7 +222,10 @@ void bench_shape(int L, int B) {
 
   std::vector<SparseSeq> seqs(B);
   for (int b = 0; b < B; ++b) seqs[b] = {perm.data() + size_t(b) * pps, pps, L};
-  SparseAttention sa(arena, B, region_pages, Hq, Hkv, D, P, 64);
+  // SPADE_BENCH_MAX_SPLIT=n: the most splits per (request, head) (the library default, 256,
+  // when unset; 64 before the split partials were indexed by work item).
+  const char* ms_env = std::getenv("SPADE_BENCH_MAX_SPLIT");
+  SparseAttention sa(arena, B, region_pages, Hq, Hkv, D, P, ms_env ? std::atoi(ms_env) : 256);
   unsigned long long* d_skip_counts = arena.alloc_n<unsigned long long>(size_t(2) * Hkv, "skip counts");
   int32_t* d_rown = arena.alloc_n<int32_t>(size_t(B) * Hq + B, "row lengths");
   int32_t* d_strided = arena.alloc_n<int32_t>(size_t(B) * Hq * 4096, "strided top-k");

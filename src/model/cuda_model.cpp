@@ -349,7 +349,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
     SPADE_CHECK(sp.dense_layers >= 0 && sp.dense_layers <= NL, "sparse dense_layers outside [0, ",
                 NL, "]");
     sparse_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
-                                                      int(Hkv), int(D), P, 64,
+                                                      int(Hkv), int(D), P, 256,
                                                       int(std::max<size_t>(1, ld_patterns_.size())));
     if (sp.quest_base()) {
       const size_t me = size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D);
@@ -365,7 +365,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
                                                          int(D), P, int(sp.budget / 16 * 16),
                                                          sp.twilight_p, sp.twilight_eps);
       sparse_kept_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
-                                                             int(Hkv), int(D), P, 64);
+                                                             int(Hkv), int(D), P);
     }
     if (sp.method == CudaSparse::Method::LessIsMore) {
       const int64_t mb = opt_.max_batch, ld = seq_pages_cap_ * P, nu = sp.lim_unified();

@@ -105,6 +105,7 @@ struct AttnCase {
   std::vector<uint8_t> dense;  // hybrid: per KV head
   std::vector<int> splits = {0, 1, 5};
   int max_frac_den = 4;  // list sizes drawn in [0, range / max_frac_den] (+ small ones)
+  int min_split_used = 0;  // the planner's own split counts (force 0) must reach this
 };
 
 void run_attn_case(const AttnCase& c, uint32_t seed) {
@@ -192,6 +193,7 @@ void run_attn_case(const AttnCase& c, uint32_t seed) {
       auto got = from_bf16(dout.download());
       const double e = rel_err(got, ref);
       EXPECT_LT(e, kTolAttn) << "items=" << sa.n_items() << " max_split=" << sa.max_split_used();
+      if (fs == 0) EXPECT_GE(sa.max_split_used(), c.min_split_used);
       if (rep == 0) {
         dout2.poison();
         sa.run(dq.p, dk.p, dv.p, dsoff.p, dsidx.p, dout2.p, scale, 0, 0, nullptr, 0, {}, dscnt.p);
@@ -252,6 +254,16 @@ TEST(CudaSparse, HybridDenseAndSparseHeads) {
   run_attn_case(c, 42);
   c.dense = {1, 1, 1, 1, 1, 1, 1, 1};  // all dense: full attention through the same kernel
   run_attn_case(c, 43);
+  // Batch 1, two dense heads over 60000 tokens beside six short lists: the planner gives each
+  // dense head ~126 splits (its items as long as the sparse heads'), past the 64 that capped
+  // them when split partials were indexed [split][B * Hq] (partials now per work item).
+  AttnCase h;
+  h.lens = {60000};
+  h.dense = {1, 1, 0, 0, 0, 0, 0, 0};
+  h.max_frac_den = 200;
+  h.splits = {0, 300};
+  h.min_split_used = 65;
+  run_attn_case(h, 44);
 }
 
 // fast = 1: tensor-core scores (QuestArgs::fast): scores within fp32 rounding of the CPU's,

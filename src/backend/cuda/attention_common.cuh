@@ -286,7 +286,11 @@ __device__ __forceinline__ bool last_split_cta(int* counter, int nsplit, int& s_
 template <int D, int NT>
 __device__ __forceinline__ void combine_splits(const float* part_o, const float* part_lse,
                                                int64_t total_rows, int64_t row_base, int ns, int G,
-                                               bf16* out, unsigned char* smem, int* counter) {
+                                               bf16* out, unsigned char* smem, int* counter,
+                                               int64_t out_row_base = -1) {
+  // out_row_base >= 0: the output rows start there instead of at row_base (partials indexed
+  // by work item, sparse_attention.cu).
+  const int64_t orb = out_row_base >= 0 ? out_row_base : row_base;
   const int tid = threadIdx.x;
   constexpr int V4 = D / 4;
   const int items = G * V4;  // float4 outputs
@@ -342,7 +346,7 @@ __device__ __forceinline__ void combine_splits(const float* part_o, const float*
   };
   auto store = [&](int i, float4 v) {
     const int g = i / V4;
-    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (row_base + g) * D + (i % V4) * 4);
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (orb + g) * D + (i % V4) * 4);
     dst[0] = __floats2bfloat162_rn(v.x, v.y);
     dst[1] = __floats2bfloat162_rn(v.z, v.w);
   };

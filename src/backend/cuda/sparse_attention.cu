@@ -2,8 +2,9 @@
 //
 // Layout read: q bf16 [B, Hq, D]; K/V bf16 pages [page][Hkv][P][D] (HND, like KVPool and the
 // dense decode kernel); page table int32 per request; selection CSR sel_off / sel_idx int32.
-// Layout written: out bf16 [B, Hq, D]; with splits, partials fp32 [split][B*Hq][D] and
-// log2-sum-exp [split][B*Hq], combined by the LAST CTA of each (request, KV head) to arrive
+// Layout written: out bf16 [B, Hq, D]; with splits, partials fp32 [item][G][D] and
+// log2-sum-exp [item][G] (item = the CTA's index in the launch; a (request, KV head)'s splits
+// are consecutive items), combined by the LAST CTA of each (request, KV head) to arrive
 // (arrival counter per (request, KV head), reset by that CTA): one launch.
 //
 // Work: a CTA = work item {request, KV head (+ dense flag), split, nsplit} with W = 4 warps.
@@ -54,7 +55,6 @@ struct SpArgs {
   float* part_lse;
   int* counters;
   int Hq, Hkv, G, P, lists_per_req, gran;  // gran: SelGran as int
-  int64_t total_rows;                      // B * Hq
   float scale_log2;
   // Dense heads only (optional): group-mean scores scores_out[(seq * Hkv + kvh) * ld + j] =
   // mean over the G query heads of q.k_j * scale, from the products the softmax uses.
@@ -425,8 +425,12 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   // Merge the W warps (rows < G) through shared memory, then the split combine by the last CTA
   // of this (request, KV head) to finish.
   const int64_t row_base = int64_t(seq) * a.Hq + kvh * G;
-  merge_warps_store<D, W>(o, m, l, smem_raw, G, row_base, split, nsplit, a.total_rows, a.out,
-                          a.part_o, a.part_lse);
+  // Split partials are indexed by work item, [item][G][D] (item = this CTA in the launch; the
+  // splits of a (request, KV head) are consecutive items), so the buffer holds one slot per
+  // item of a launch rather than max_split x (B * Hq) rows.
+  const bool split_mode = nsplit > 1;
+  merge_warps_store<D, W>(o, m, l, smem_raw, G, split_mode ? 0 : row_base,
+                          split_mode ? int(blockIdx.x) : 0, nsplit, G, a.out, a.part_o, a.part_lse);
   // Diagnostics: warp 0's stamps (entry, past the PDL wait, prologue issued, its chunk loop
   // done, warps merged, end) + the SM id; the end is rewritten by the CTA that combines.
   auto stamp = [&](unsigned long long t_end, bool combined) {
@@ -448,7 +452,8 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     stamp(t_merged, false);
     return;
   }
-  combine_splits<D, NT>(a.part_o, a.part_lse, a.total_rows, row_base, nsplit, G, a.out, smem_raw, counter);
+  combine_splits<D, NT>(a.part_o, a.part_lse, G, int64_t(int(blockIdx.x) - split) * G, nsplit, G,
+                        a.out, smem_raw, counter, row_base);
   if (a.trace) {  // launch-uniform
     __syncthreads();
     stamp(global_ns(), true);
@@ -507,12 +512,17 @@ SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_
   meta_cap_ = size_t(off_items_ + 4 * max_items);
   meta_dev_ = arena.alloc_n<int32_t>(meta_cap_, "sparse attention metadata");
   SPADE_CUDA(cudaMallocHost(&meta_host_, meta_cap_ * sizeof(int32_t)));
-  const size_t rows = size_t(max_batch) * Hq;
-  part_o_ = arena.alloc_n<float>(size_t(max_split) * rows * D, "sparse attention split partials");
-  part_lse_ = arena.alloc_n<float>(size_t(max_split) * rows, "sparse attention split lse");
   counters_ = arena.alloc_n<int>(size_t(max_batch) * Hkv, "sparse attention split counters");
   SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * size_t(max_batch) * Hkv));
   ctas_per_sm_ = query_ctas_per_sm();
+  // Partial slots (one per work item of a launch): the planner's items fit the CTA slots of
+  // the waves that hold one item per list; forced split counts (benchmarks) up to 32 per list.
+  const int64_t lists = int64_t(max_batch) * Hkv, slots = int64_t(sm_count()) * ctas_per_sm_;
+  part_items_ = std::min<int64_t>(int64_t(max_batch) * Hkv * max_split,
+                                  std::max((lists + slots - 1) / slots * slots, lists * 32));
+  const size_t G = size_t(Hq / Hkv);
+  part_o_ = arena.alloc_n<float>(size_t(part_items_) * G * D, "sparse attention split partials");
+  part_lse_ = arena.alloc_n<float>(size_t(part_items_) * G, "sparse attention split lse");
 }
 
 int SparseAttention::query_ctas_per_sm() const {
@@ -629,6 +639,8 @@ void SparseAttention::plan_patterns(const std::vector<SparseSeq>& batch, SelGran
         }
       }
     pattern_count_.push_back(n_items - pattern_first_.back());
+    SPADE_CHECK(pattern_count_.back() <= part_items_, "sparse attention: ", pattern_count_.back(),
+                " work items > the ", part_items_, " split partial slots (force_split too large)");
   }
   n_items_ = pattern_count_[0];
   SPADE_CUDA(cudaMemcpyAsync(meta_dev_, meta_host_, sizeof(int32_t) * size_t(tot_pages),
@@ -672,7 +684,6 @@ void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cach
   a.P = P_;
   a.lists_per_req = lists_per_req_;
   a.gran = int(gran_);
-  a.total_rows = int64_t(B_) * Hq_;
   a.scale_log2 = scale * 1.4426950408889634f;
   a.skip_log2 = skip.log_lambda * 1.4426950408889634f;
   a.skip_per_length = skip.per_length ? 1 : 0;

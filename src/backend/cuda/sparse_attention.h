@@ -51,8 +51,10 @@ struct SelSkip {
 class SparseAttention {
  public:
   // max_patterns: dense-head patterns one plan_patterns() may hold.
+  // max_split: the most splits of one (request, head); split partials take one slot per work
+  // item of a launch (about the GPU's CTA slots), not max_split x rows.
   SparseAttention(DeviceArena& arena, int max_batch, int64_t max_pages, int Hq, int Hkv, int D,
-                  int P, int max_split = 64, int max_patterns = 1);
+                  int P, int max_split = 256, int max_patterns = 1);
 
   // max_entries[b * lists_per_req + l]: host upper bound of each list's length (entries);
   // dense_heads (optional, size Hkv): heads that ignore their list and read all of
@@ -108,6 +110,7 @@ class SparseAttention {
   int* counters_ = nullptr;
   int64_t off_pt_ = 0, off_po_ = 0, off_len_ = 0, off_items_ = 0;
   int B_ = 0, n_items_ = 0, max_split_used_ = 0, lists_per_req_ = 1;
+  int64_t part_items_ = 0;  // split partial slots
   SelGran gran_ = SelGran::Token;
   unsigned long long* trace_ = nullptr;
   std::vector<int> pattern_first_, pattern_count_;  // work items of each planned pattern
