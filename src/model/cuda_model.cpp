@@ -34,6 +34,10 @@ namespace spade {
 using cuda::bf16;
 
 namespace {
+// The most splits of one (request, KV head) in sparse decode launches (dense retrieval heads at
+// batch 1 take ~128 at 128K; bench/results/sparse_max_split_ab_h100_20261127.json).
+constexpr int kSparseMaxSplit = 256;
+
 int fused_gemv_mask(const CudaModelOptions& opt) {
   const char* e = std::getenv("SPADE_FUSED_GEMV");
   return e && *e ? std::atoi(e) : opt.fused_gemv;
@@ -166,8 +170,8 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       if (sp.method == CudaSparse::Method::Twilight) {
         sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * P) * size_t(D / 2 + 4);  // INT4 K
         sp_bytes += cuda::TwilightPruner::arena_bytes(int(mb), int(Hq), int(Hkv), int(kp * 16));
-        sp_bytes += size_t(n_pages_ + 2 * mb + 8 + 4 * mb * Hkv * 64) * 4 +  // kept attention
-                    size_t(64 * mb * Hq) * (D + 1) * 4 + size_t(mb * Hkv) * 4 + (4u << 20);
+        sp_bytes += cuda::SparseAttention::arena_bytes(int(mb), n_pages_, int(Hq), int(Hkv),
+                                                       int(D)) + (4u << 20);  // kept attention
       }
     } else if (sp.method == CudaSparse::Method::Tidal ||
                sp.method == CudaSparse::Method::LycheeDecode) {
@@ -194,8 +198,8 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
     }
     sp_bytes += size_t(sel_cap + mb * Hkv + 1) * 4 + size_t(2 * upd_cap_) * 4;
     // SparseAttention: metadata + work items (per pattern), split partials, counters.
-    sp_bytes += size_t(n_pages_ + 2 * mb + 8 + 4 * mb * Hkv * 64 * n_patterns) * 4 +
-                size_t(64 * mb * Hq) * (D + 1) * 4 + size_t(mb * Hkv) * 4 + (4u << 20);
+    sp_bytes += cuda::SparseAttention::arena_bytes(int(mb), n_pages_, int(Hq), int(Hkv), int(D),
+                                                   kSparseMaxSplit, int(n_patterns)) + (4u << 20);
   }
   if (sp.blasst_any()) sp_bytes += size_t(4) * NL * Hkv * 8 + 1024;
   // Token top-k of selection layers over long rows (Tidal, LycheeDecode, oracle-topk).
@@ -349,7 +353,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
     SPADE_CHECK(sp.dense_layers >= 0 && sp.dense_layers <= NL, "sparse dense_layers outside [0, ",
                 NL, "]");
     sparse_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
-                                                      int(Hkv), int(D), P, 256,
+                                                      int(Hkv), int(D), P, kSparseMaxSplit,
                                                       int(std::max<size_t>(1, ld_patterns_.size())));
     if (sp.quest_base()) {
       const size_t me = size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D);

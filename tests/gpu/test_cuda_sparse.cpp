@@ -266,6 +266,21 @@ TEST(CudaSparse, HybridDenseAndSparseHeads) {
   run_attn_case(h, 44);
 }
 
+// SparseAttention::arena_bytes is what CudaModel sizes its pool with: an arena of exactly that
+// many bytes must hold the object (metadata for the launch-bounded work items, split partials).
+TEST(CudaSparse, ArenaBytesCoverTheObject) {
+  SKIP_WITHOUT_GPU();
+  for (int mb : {1, 8, 64})
+    for (int D : {64, 128})
+      for (int patterns : {1, 3}) {
+        SCOPED_TRACE(testing::Message() << "max_batch=" << mb << " D=" << D << " patterns=" << patterns);
+        const size_t need = cuda::SparseAttention::arena_bytes(mb, 5000, 32, 8, D, 256, patterns);
+        cuda::DeviceArena arena(need);
+        EXPECT_NO_THROW(cuda::SparseAttention(arena, mb, 5000, 32, 8, D, 16, 256, patterns));
+        EXPECT_LE(arena.used(), need);
+      }
+}
+
 // fast = 1: tensor-core scores (QuestArgs::fast): scores within fp32 rounding of the CPU's,
 // selections equal to the CPU's except at near-ties (every page in the symmetric difference
 // scores within 1e-4 x the row's largest |score| of the CPU's k-th best).

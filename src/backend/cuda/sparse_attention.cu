@@ -491,7 +491,38 @@ void launch_d(const SpArgs& a, bool tok, bool skip, int n, cudaStream_t s) {
   else tok ? launch_one<D, true, false>(a, n, s) : launch_one<D, false, false>(a, n, s);
 }
 
+// CTAs of the sparse kernel (token instance) per SM, and the work items one launch may hold:
+// the planner's items fit the CTA slots of the waves that hold one item per list (so at most
+// max(lists, slots) rounded up to whole waves); forced split counts (benchmarks) up to 32 per
+// list.
+int sparse_ctas_per_sm(int D) {
+  int n = 0;
+  if (D == 128) {
+    prepare_one<128, true, false>();
+    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<128, kW, kS, true, false>,
+                                                             kW * 32, SpCfg<128, kW, kS>::kSmem));
+  } else {
+    prepare_one<64, true, false>();
+    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<64, kW, kS, true, false>,
+                                                             kW * 32, SpCfg<64, kW, kS>::kSmem));
+  }
+  return std::max(n, 1);
+}
+int64_t launch_items_bound(int64_t lists, int max_split, int D) {
+  const int64_t slots = int64_t(sm_count()) * sparse_ctas_per_sm(D);
+  return std::min<int64_t>(lists * max_split, std::max((lists + slots - 1) / slots * slots, lists * 32));
+}
+int64_t align4(int64_t n) { return (n + 3) / 4 * 4; }
+
 }  // namespace
+
+size_t SparseAttention::arena_bytes(int max_batch, int64_t max_pages, int Hq, int Hkv, int D,
+                                    int max_split, int max_patterns) {
+  const int64_t lists = int64_t(max_batch) * Hkv, G = Hq / Hkv;
+  const int64_t items = launch_items_bound(lists, max_split, D);
+  const int64_t meta = align4(max_pages) + 2 * align4(max_batch) + 4 * items * max_patterns;
+  return size_t(meta + lists + items * G * (D + 1)) * 4 + 4 * 256;  // + alignment of 4 arrays
+}
 
 SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_pages, int Hq,
                                  int Hkv, int D, int P, int max_split, int max_patterns)
@@ -501,10 +532,12 @@ SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_
   SPADE_CHECK(D == 64 || D == 128, "sparse attention: head dim ", D, " (64 or 128 supported)");
   SPADE_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "sparse attention: G = Hq / Hkv must be <= 16");
   SPADE_CHECK(max_split >= 1 && max_split <= 1024, "sparse attention: max_split");
-  const int64_t max_items = int64_t(max_batch) * Hkv * max_split * max_patterns;
+  ctas_per_sm_ = sparse_ctas_per_sm(D);
+  // Work items per launch (pattern) and split partial slots (one per item of a launch).
+  part_items_ = launch_items_bound(int64_t(max_batch) * Hkv, max_split, D);
+  const int64_t max_items = part_items_ * max_patterns;
   // Fixed offsets (the arrays' device addresses do not move between plans, so a captured
   // CUDA graph stays valid): page table | page offsets | lengths | work items.
-  auto align4 = [](int64_t n) { return (n + 3) / 4 * 4; };
   off_pt_ = 0;
   off_po_ = align4(max_pages);
   off_len_ = off_po_ + align4(max_batch);
@@ -514,29 +547,11 @@ SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_
   SPADE_CUDA(cudaMallocHost(&meta_host_, meta_cap_ * sizeof(int32_t)));
   counters_ = arena.alloc_n<int>(size_t(max_batch) * Hkv, "sparse attention split counters");
   SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * size_t(max_batch) * Hkv));
-  ctas_per_sm_ = query_ctas_per_sm();
-  // Partial slots (one per work item of a launch): the planner's items fit the CTA slots of
-  // the waves that hold one item per list; forced split counts (benchmarks) up to 32 per list.
-  const int64_t lists = int64_t(max_batch) * Hkv, slots = int64_t(sm_count()) * ctas_per_sm_;
-  part_items_ = std::min<int64_t>(int64_t(max_batch) * Hkv * max_split,
-                                  std::max((lists + slots - 1) / slots * slots, lists * 32));
   const size_t G = size_t(Hq / Hkv);
   part_o_ = arena.alloc_n<float>(size_t(part_items_) * G * D, "sparse attention split partials");
   part_lse_ = arena.alloc_n<float>(size_t(part_items_) * G, "sparse attention split lse");
 }
 
-int SparseAttention::query_ctas_per_sm() const {
-  int n = 0;
-  if (D_ == 128) prepare_one<128, true, false>();
-  else prepare_one<64, true, false>();
-  if (D_ == 128)
-    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<128, kW, kS, true, false>,
-                                                             kW * 32, SpCfg<128, kW, kS>::kSmem));
-  else
-    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<64, kW, kS, true, false>,
-                                                             kW * 32, SpCfg<64, kW, kS>::kSmem));
-  return std::max(n, 1);
-}
 
 void SparseAttention::plan(const std::vector<SparseSeq>& batch, SelGran gran, int lists_per_req,
                            const std::vector<int>& max_entries,

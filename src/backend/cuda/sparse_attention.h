@@ -55,6 +55,9 @@ class SparseAttention {
   // item of a launch (about the GPU's CTA slots), not max_split x rows.
   SparseAttention(DeviceArena& arena, int max_batch, int64_t max_pages, int Hq, int Hkv, int D,
                   int P, int max_split = 256, int max_patterns = 1);
+  // Arena bytes the constructor takes with these arguments (alignment included).
+  static size_t arena_bytes(int max_batch, int64_t max_pages, int Hq, int Hkv, int D,
+                            int max_split = 256, int max_patterns = 1);
 
   // max_entries[b * lists_per_req + l]: host upper bound of each list's length (entries);
   // dense_heads (optional, size Hkv): heads that ignore their list and read all of
@@ -98,7 +101,6 @@ class SparseAttention {
   void set_trace(unsigned long long* trace) { trace_ = trace; }
 
  private:
-  int query_ctas_per_sm() const;
 
   int Hq_, Hkv_, D_, P_, max_batch_, max_split_, max_patterns_, ctas_per_sm_ = 1;
   int64_t max_pages_;
