@@ -89,4 +89,14 @@ constexpr double kTolBf16Out = 8e-3; // one bf16 rounding of the output (2^-8 re
 constexpr double kTolGemm = 1e-3;    // fp32 accumulate; different summation order
 constexpr double kTolAttn = 1e-2;    // bf16 P in the P.V product + bf16 output
 
+// Two runs of the same decode step (e.g. with and without score emission) give the same bits,
+// unless the step draws its chunks (AttentionWorkspace::draws_chunks: the summation order
+// varies between runs), where they agree within one bf16 rounding of the output.
+inline void expect_same_decode_output(const std::vector<__nv_bfloat16>& a,
+                                      const std::vector<__nv_bfloat16>& b, bool drawn,
+                                      const char* what) {
+  if (drawn) EXPECT_LT(rel_err(from_bf16(a), from_bf16(b)), kTolBf16Out) << what;
+  else EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0]))) << what;
+}
+
 }  // namespace spade::test

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_common.cuh"
@@ -514,9 +515,22 @@ int AttentionWorkspace::variant_occupancy(int variant) const {
 // batch 2 (16 pairs) at 32K 4-warp faster by 0.3%. (The bound was max_kv <= 32768, which a 32K
 // decode, at 32768 + generated tokens, missed.) The TMA (v4) twins are not faster and are not
 // picked.
+// Drawn chunks (the DYN twins, variants 5 / 6: warps take 16-token chunks from a per-(sequence,
+// KV head) counter, so no split or warp waits for a slower one) when the step needs splits and
+// each warp streams >= 32 chunks, unless the workspace is deterministic (their summation order
+// varies from run to run). H100, same process, interleaved twice
+// (bench/results/attention_decode_dyn_h100_20261127.json): 128K B = 1 188.7 -> 183.5 us (8-warp
+// twin; 4-warp 184.4), 32K B = 8 365.9 -> 359.0, 128K B = 8 1424 -> 1411, 8K B = 8 98.1 -> 97.0;
+// with fewer chunks per warp the ticket round trips cost more than they balance (8K B = 1
+// 18.7 -> 19.9, 32K B = 1 equal), and without splits (B = 32) nothing changes.
 int AttentionWorkspace::auto_variant(int B, int max_kv) const {
-  const bool few = int64_t(B) * Hkv_ <= 8 && max_kv <= 65536;
-  return few ? 2 : 1;
+  const bool few_pairs = int64_t(B) * Hkv_ <= 8;
+  if (!deterministic_) {
+    const int v = few_pairs ? 6 : 5;
+    const int ns = split_for(v, B, max_kv);
+    if (ns > 1 && (max_kv + 15) / 16 >= 32 * ns * decode_v3_variant(v).warps) return v;
+  }
+  return few_pairs && max_kv <= 65536 ? 2 : 1;
 }
 
 void AttentionWorkspace::set_prefill_kernel(int v) {
@@ -559,8 +573,9 @@ AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim
   (void)rows;
   part_o_ = arena.alloc_n<float>(size_t(lim.max_split) * split_rows * D, "attention split partials");
   part_lse_ = arena.alloc_n<float>(size_t(lim.max_split) * split_rows, "attention split lse");
-  counters_ = arena.alloc_n<int>(size_t(lim.max_batch) * Hkv, "attention split counters");
-  SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * size_t(lim.max_batch) * Hkv));
+  // Arrival counters, then the DYN variants' chunk tickets: [2][max_batch][Hkv].
+  counters_ = arena.alloc_n<int>(2 * size_t(lim.max_batch) * Hkv, "attention split counters");
+  SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * 2 * size_t(lim.max_batch) * Hkv));
   tmaps_ = std::make_unique<TensorMaps>();
   {  // TMA decode needs pages of whole 16-row boxes and a driver that encodes tensor maps
     CUtensorMap probe;
@@ -568,6 +583,8 @@ AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim
   }
   variant_occupancy(0);  // sets the v2 decode kernel's shared-memory limit
   set_decode_kernel(env_decode_kernel());
+  if (const char* e = std::getenv("SPADE_DETERMINISTIC"); e && *e && std::string(e) != "0")
+    deterministic_ = true;
   if (const char* e = std::getenv("SPADE_ATTN_PREFILL"); e && *e)
     set_prefill_kernel(std::max(0, std::min(2, std::atoi(e))));
   if (D == 64) {
@@ -583,6 +600,10 @@ AttentionWorkspace::~AttentionWorkspace() {
   if (meta_host_) cudaFreeHost(meta_host_);
 }
 
+bool AttentionWorkspace::draws_chunks() const {
+  return decode_ && variant_ > 0 && decode_v3_variant(variant_).dyn && !deterministic_;
+}
+
 int AttentionWorkspace::decode_warps() const {
   if (variant_ == 0) return 0;
   return D_ == 64 ? 4 : decode_v3_variant(variant_).warps;  // D = 64 has 4-warp kernels only
@@ -593,7 +614,10 @@ int AttentionWorkspace::resolve_variant(int B, int max_kv) const {
 }
 
 int AttentionWorkspace::choose_split(int B, int max_kv) const {
-  const int variant = resolve_variant(B, max_kv);
+  return split_for(resolve_variant(B, max_kv), B, max_kv);
+}
+
+int AttentionWorkspace::split_for(int variant, int B, int max_kv) const {
   const int slots = sm_count() * variant_occupancy(variant);
   const int base = B * Hkv_;
   if (variant == 0) {  // v2: one wave of CTAs, >= 2 tiles of 64 per split
@@ -713,6 +737,8 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
   a.part_o = part_o_;
   a.part_lse = part_lse_;
   a.counters = counters_;
+  // No tickets: the DYN variants run their static twins (same split count).
+  a.tickets = deterministic_ ? nullptr : counters_ + size_t(lim_.max_batch) * Hkv_;
   a.Hq = Hq_;
   a.Hkv = Hkv_;
   a.G = Hq_ / Hkv_;

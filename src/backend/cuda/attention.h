@@ -108,6 +108,16 @@ class AttentionWorkspace {
   // v3 split count: 0 = smallest count whose CTAs fill >= 96% of their last wave; 1 = exact
   // waves when each warp keeps >= 8 chunks (else as 0). Takes effect at the next plan().
   void set_split_policy(int p) { split_policy_ = p; }
+  // Deterministic: every decode runs a static chunk schedule, so the same inputs give the same
+  // bits on every run. Off (the default; env SPADE_DETERMINISTIC=1 turns it on), auto may pick
+  // the DYN variants, whose warps draw chunks from a counter (faster at long contexts with
+  // splits; the summation order, hence the last bits, varies between runs). Takes effect at
+  // the next plan() (auto's choice) and run() (explicitly chosen DYN variants).
+  void set_deterministic(bool d) { deterministic_ = d; }
+  bool deterministic() const { return deterministic_; }
+  // Whether a run() of the last plan (without BLASST) draws its chunks: a DYN variant, not
+  // deterministic. Two such runs may differ in the last bits of the output.
+  bool draws_chunks() const;
   static int decode_kernel_count();
   static const char* decode_kernel_name(int v);
   // Prefill kernel: 2 = wgmma with a 3-stage K/V ring and P V one tile behind (the default),
@@ -128,7 +138,7 @@ class AttentionWorkspace {
   size_t meta_cap_ = 0;
   float* part_o_ = nullptr;    // [max_split][max_q_tokens * Hq][D]
   float* part_lse_ = nullptr;  // [max_split][max_q_tokens * Hq]
-  int* counters_ = nullptr;    // [max_batch][Hkv] split arrival counters (v3)
+  int* counters_ = nullptr;    // [2][max_batch][Hkv]: split arrival counters (v3), DYN tickets
   // Offsets (in int32) of each array inside meta.
   int64_t off_page_table_ = 0, off_page_off_ = 0, off_kv_len_ = 0, off_q_off_ = 0,
           off_items_ = 0;
@@ -137,12 +147,14 @@ class AttentionWorkspace {
   int decode_kernel_ = 1;
   int variant_ = 0;
   int split_policy_ = 0;
+  bool deterministic_ = false;
   bool tma_ok_ = false;
   mutable std::vector<int> occ_cache_;
   struct TensorMaps;
   std::unique_ptr<TensorMaps> tmaps_;
   int resolve_variant(int B, int max_kv) const;
   int auto_variant(int B, int max_kv) const;
+  int split_for(int variant, int B, int max_kv) const;
   int variant_occupancy(int variant) const;
   int prefill_kernel_ = 2;
   unsigned long long* trace_ = nullptr;

@@ -26,6 +26,7 @@ struct AttnArgs {
   float* part_o;
   float* part_lse;
   int* counters;  // [batch][Hkv] split arrival counters (v3 decode; 0 between launches)
+  int* tickets = nullptr;  // [batch][Hkv] chunk tickets of the DYN decode variants (0 between)
   int Hq, Hkv, G, P, nsplit;
   int64_t total_rows;  // T * Hq
   float scale_log2;
@@ -48,6 +49,7 @@ struct DecodeVariant {
   const char* name;
   int warps, stages, tokens;  // warps per CTA, ring depth per warp, tokens per stage
   bool tma;                   // v4: K/V page-heads by the bulk tensor copy engine
+  bool dyn;                   // warps draw chunks from a per-(sequence, KV head) counter
 };
 int decode_v3_count();
 DecodeVariant decode_v3_variant(int v);

@@ -24,9 +24,15 @@
 // sequence end are copied too (the page exists) and zeroed in V before use (0 * NaN = NaN).
 // Needs P % 16 == 0; otherwise the v3 twin runs. Measured 5-7% SLOWER than v3 on an H200
 // (kept selectable, not picked by auto).
-// Variants: v3_w4s3 (4 warps, 3 stages, 2 CTAs/SM) and v3_w8s3 (8 warps, 1 CTA/SM); auto
-// takes w8s3 when batch x Hkv < SMs (splits needed), else w4s3. Split count: the smallest that
-// fills >= 96% of the CTA slots of the last wave (W4: 32 at B = 1, Hkv = 8; W8: 16).
+// Variants: v3_w4s3 (4 warps, 3 stages, 2 CTAs/SM) and v3_w8s3 (8 warps, 1 CTA/SM); auto's
+// rule is in attention.cu. Split count: the smallest that fills >= 96% of the CTA slots of the
+// last wave (W4: 32 at B = 1, Hkv = 8; W8: 16).
+// DYN twins (v3d_*): a warp's first S chunks are static, (k * nsplit + split) * W + warp, and
+// every later one is nsplit * W * S + a ticket drawn (atomicAdd by lane 0, one iteration before
+// the chunk's page id is read) from a counter per (sequence, KV head): the splits and warps
+// that stream faster take more chunks, so none waits at the end for a slower one. The order of
+// the sums then varies between runs (not bit-reproducible: AttentionWorkspace's deterministic
+// mode runs the static twin, passing no counters). The last CTA resets the counter.
 // Bytes per SM in flight: (CTAs/SM) x W x (S-1..S) x TK*D*2*2 (8 KB per chunk at D = 128).
 // Shared memory: 4 KB (Q) + W*S*TK*D*2*2 (ring) + 1 KB alignment: W4 S3 -> 101 KB (2 CTAs/SM).
 // Split combine: the last CTA reads every split's lse (one round of loads), then the partial
@@ -73,14 +79,15 @@ __device__ __forceinline__ uint32_t kv_off(int r, int col) {
     return uint32_t(swz<D>(r, col)) * 2;
 }
 
-template <int D, int W, int S, int TK, bool TMA, bool SKIP, bool EMIT>
+template <int D, int W, int S, int TK, bool TMA, bool SKIP, bool EMIT, bool DYN>
 __global__ void __launch_bounds__(W * 32)
     decode_v3_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap tmk,
                      const __grid_constant__ CUtensorMap tmv) {
   pdl_begin();  // pdl.cuh: first, before any global access
   using C = DecCfg<D, W, S, TK>;
-  static_assert(!(SKIP && TMA) && !(EMIT && (TMA || SKIP)),
-                "BLASST skipping and score emission run in the cp.async kernel, not together");
+  static_assert(!(SKIP && TMA) && !(EMIT && (TMA || SKIP)) && !(DYN && (TMA || SKIP)),
+                "BLASST skipping, score emission and drawn chunks run in the cp.async kernel; "
+                "skipping with neither");
   constexpr int CH = C::CH, RPI = C::RPI, NT = C::kThreads;
   extern __shared__ __align__(1024) unsigned char smem_dyn[];
   __shared__ int s_last;
@@ -115,8 +122,7 @@ __global__ void __launch_bounds__(W * 32)
 
   auto bar_of = [&](int st) { return smem_u32(&s_bar[warp * S + st]); };
   // parts: 1 = the K tile, 2 = the V tile, 3 = both (BLASST loads V only for kept chunks).
-  auto issue = [&](int k, int st, int pid, int parts = 3) {
-    const int j0 = chunk_j0(k);
+  auto issue_at = [&](int j0, int st, int pid, int parts = 3) {
     bf16* dK = ring + (warp * S + st) * C::kStage;
     bf16* dV = dK + C::kTile;
     if constexpr (TMA) {
@@ -157,6 +163,7 @@ __global__ void __launch_bounds__(W * 32)
       }
     }
   };
+  auto issue = [&](int k, int st, int pid, int parts = 3) { issue_at(chunk_j0(k), st, pid, parts); };
 
   // BLASST seeds: K rows of the sequence's first (attention sink) and last (most recent) chunk,
   // any page size, into the K and V halves of ring stage S - 1 (unused until iteration 0).
@@ -192,14 +199,38 @@ __global__ void __launch_bounds__(W * 32)
     issue_keys(0, seed);
     if (n_ch > 1) issue_keys((n_ch - 1) * TK, seed + C::kTile);
   }
+  // DYN: the warp's chunks are cq[0..S-1] = (k * nsplit + split) * W + warp for k < S (a
+  // static prefix, so the first loads need no round trip), then nsplit * W * S + t for the
+  // tickets t this warp draws from the (sequence, KV head) counter, one per chunk, requested
+  // one iteration before the chunk's page id is read and two before its copies are issued.
+  // Warps (and CTAs) that stream faster take more chunks: no static tail. Each warp's chunk
+  // indices increase, so once one is past the end the warp is done. Reset by the last CTA.
+  int cq[S + 1];
+  int t_raw = 0;  // lane 0: the ticket in flight
+  int* tick = DYN ? a.tickets + seq * a.Hkv + kvh : nullptr;
+  const int dyn_base = a.nsplit * W * S;
+  if constexpr (DYN) {
+#pragma unroll
+    for (int k = 0; k < S; ++k) cq[k] = (k * a.nsplit + split) * W + warp;
+    cq[S] = n_ch;
+    if (lane == 0) t_raw = atomicAdd(tick, 1);
+  }
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if constexpr (SKIP) cp_async_commit();  // the (empty) V group of chunk s - S + 1
-    if (s < n_my) issue(s, s, fast ? pt[pdiv(chunk_j0(s))] : 0, SKIP ? 1 : 3);
+    if constexpr (DYN) {
+      if (cq[s] < n_ch) issue_at(cq[s] * TK, s, fast ? pt[pdiv(cq[s] * TK)] : 0);
+    } else {
+      if (s < n_my) issue(s, s, fast ? pt[pdiv(chunk_j0(s))] : 0, SKIP ? 1 : 3);
+    }
     cp_async_commit();
   }
   int pid_next = 0;  // page id of the next chunk to issue (S - 1), loaded one iteration early
-  if (fast && S - 1 < n_my) pid_next = pt[pdiv(chunk_j0(S - 1))];
+  if constexpr (DYN) {
+    if (fast && cq[S - 1] < n_ch) pid_next = pt[pdiv(cq[S - 1] * TK)];
+  } else {
+    if (fast && S - 1 < n_my) pid_next = pt[pdiv(chunk_j0(S - 1))];
+  }
   if constexpr (TMA) cp_async_wait<0>();
   else if constexpr (SKIP) cp_async_wait<2 * S - 3>();  // Q (group 0) has landed
   else cp_async_wait<S - 2>();  // this thread's Q part (group 0) has landed
@@ -275,6 +306,39 @@ __global__ void __launch_bounds__(W * 32)
       }
     }
   };
+  // Score emission (EMIT): the chunk's q.k products, per query head or as the group mean.
+  auto emit_scores = [&](int j0, const float (&sc)[TK / 8][4], const float (&sc2)[TK / 8][4]) {
+    // Rows 0..15 of a column live in the 8 lanes with the same t4 (row g8 in c[e], row
+    // g8 + 8 in c[2 + e]); rows >= G have q = 0 and add 0.
+    if (a.scores_per_head) {  // row g = query head kvh * G + g
+      const float f = sl2 * 0.6931471805599453f;  // log2 units -> natural
+      float* dst = a.scores_out + (int64_t(seq) * a.Hq + kvh * G) * a.scores_ld;
+#pragma unroll
+      for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = j0 + nb * 8 + 2 * t4 + e;
+          if (j >= L) continue;
+          if (g8 < G) dst[int64_t(g8) * a.scores_ld + j] = (sc[nb][e] + sc2[nb][e]) * f;
+          if (g8 + 8 < G)
+            dst[int64_t(g8 + 8) * a.scores_ld + j] = (sc[nb][2 + e] + sc2[nb][2 + e]) * f;
+        }
+    } else {  // group mean
+      const float f = sl2 * 0.6931471805599453f / float(G);  // log2 units -> natural / G
+      float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
+#pragma unroll
+      for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = sc[nb][e] + sc2[nb][e] + sc[nb][2 + e] + sc2[nb][2 + e];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          const int j = j0 + nb * 8 + 2 * t4 + e;
+          if (g8 == 0 && j < L) dst[j] = v * f;
+        }
+    }
+  };
   // Scale to log2 units, mask columns past L, row maxima of the chunk (quad-reduced).
   auto chunk_max = [&](int j0, float (&sc)[TK / 8][4], const float (&sc2)[TK / 8][4],
                        float (&mx)[2]) { scale_mask_chunk<TK>(sc, sc2, L - j0, sl2, hi_rows, mx); };
@@ -283,7 +347,34 @@ __global__ void __launch_bounds__(W * 32)
     online_softmax_chunk<D, TK>(sc, mx, m, l, o, hi_rows);
   };
 
-  if constexpr (!SKIP) {
+  if constexpr (DYN) {
+    int st_issue = S - 1, st_use = 0;
+    while (cq[0] < n_ch) {
+      __syncwarp();  // every lane is done reading the stage about to be overwritten
+      cq[S] = dyn_base + __shfl_sync(0xffffffffu, t_raw, 0);  // drawn one iteration ago
+      if (lane == 0) t_raw = atomicAdd(tick, 1);
+      if (cq[S - 1] < n_ch) issue_at(cq[S - 1] * TK, st_issue, pid_next);
+      cp_async_commit();
+      if (fast && cq[S] < n_ch) pid_next = pt[pdiv(cq[S] * TK)];
+      const bf16* tK = ring + (warp * S + st_use) * C::kStage;
+      const bf16* tV = tK + C::kTile;
+      const int j0 = cq[0] * TK;
+      cp_async_wait<S - 1>();
+      __syncwarp();  // make every lane's copies of chunk cq[0] visible to the warp
+      float sc[TK / 8][4], sc2[TK / 8][4], mx[2];
+      uint32_t pa[TK / 16][4];
+      qk(reinterpret_cast<const unsigned char*>(tK), sc, sc2);
+      if constexpr (EMIT) emit_scores(j0, sc, sc2);
+      chunk_max(j0, sc, sc2, mx);
+      softmax(sc, mx);
+      pack_p(sc, pa);
+      pv(pa, reinterpret_cast<const unsigned char*>(tV));
+#pragma unroll
+      for (int i = 0; i < S; ++i) cq[i] = cq[i + 1];
+      st_issue = st_issue + 1 == S ? 0 : st_issue + 1;
+      if (++st_use == S) st_use = 0;
+    }
+  } else if constexpr (!SKIP) {
   int st_issue = S - 1, st_use = 0, phase = 0;
   for (int k = 0; k < n_my; ++k) {
     __syncwarp();  // every lane is done reading the stage about to be overwritten
@@ -312,38 +403,7 @@ __global__ void __launch_bounds__(W * 32)
     float sc[TK / 8][4], sc2[TK / 8][4], mx[2];
     uint32_t pa[TK / 16][4];
     qk(reinterpret_cast<const unsigned char*>(tK), sc, sc2);
-    if constexpr (EMIT) {
-      // Rows 0..15 of a column live in the 8 lanes with the same t4 (row g8 in c[e], row
-      // g8 + 8 in c[2 + e]); rows >= G have q = 0 and add 0.
-      if (a.scores_per_head) {  // row g = query head kvh * G + g
-        const float f = sl2 * 0.6931471805599453f;  // log2 units -> natural
-        float* dst = a.scores_out + (int64_t(seq) * a.Hq + kvh * G) * a.scores_ld;
-#pragma unroll
-        for (int nb = 0; nb < TK / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = j0 + nb * 8 + 2 * t4 + e;
-            if (j >= L) continue;
-            if (g8 < G) dst[int64_t(g8) * a.scores_ld + j] = (sc[nb][e] + sc2[nb][e]) * f;
-            if (g8 + 8 < G)
-              dst[int64_t(g8 + 8) * a.scores_ld + j] = (sc[nb][2 + e] + sc2[nb][2 + e]) * f;
-          }
-      } else {  // group mean
-        const float f = sl2 * 0.6931471805599453f / float(G);  // log2 units -> natural / G
-        float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
-#pragma unroll
-        for (int nb = 0; nb < TK / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float v = sc[nb][e] + sc2[nb][e] + sc[nb][2 + e] + sc2[nb][2 + e];
-            v += __shfl_xor_sync(0xffffffffu, v, 4);
-            v += __shfl_xor_sync(0xffffffffu, v, 8);
-            v += __shfl_xor_sync(0xffffffffu, v, 16);
-            const int j = j0 + nb * 8 + 2 * t4 + e;
-            if (g8 == 0 && j < L) dst[j] = v * f;
-          }
-      }
-    }
+    if constexpr (EMIT) emit_scores(j0, sc, sc2);
     chunk_max(j0, sc, sc2, mx);
     softmax(sc, mx);
     pack_p(sc, pa);
@@ -452,30 +512,37 @@ __global__ void __launch_bounds__(W * 32)
   const int64_t row_base = int64_t(q0) * a.Hq + kvh * G;
   merge_warps_store<D, W>(o, m, l, smem_raw, G, row_base, split, a.nsplit, a.total_rows, a.out,
                           a.part_o, a.part_lse);
-  if (a.nsplit == 1) return;
+  if (a.nsplit == 1) {
+    if (DYN && tid == 0) *tick = 0;  // the merge's barriers: every warp is done drawing
+    return;
+  }
   if (!last_split_cta(a.counters + seq * a.Hkv + kvh, a.nsplit, s_last)) return;
+  if (DYN && tid == 0) *tick = 0;  // every CTA of this (sequence, KV head) is done drawing
   combine_splits<D, NT>(a.part_o, a.part_lse, a.total_rows, row_base, a.nsplit, G, a.out, smem_raw,
                         a.counters + seq * a.Hkv + kvh);
 }
 
 // Variant table (index v - 1). Shared memory at D = 128: 4 KB Q + W*S*8 KB + 1 KB.
 constexpr DecodeVariant kVariants[] = {
-    {"v3_w4s3", 4, 3, 16, false},  // 101 KB, 2 CTAs/SM, 8 warps/SM
-    {"v3_w8s3", 8, 3, 16, false},  // 197 KB, 1 CTA/SM, 8 warps/SM
-    {"v4_w4s3", 4, 3, 16, true},   // TMA twins of the above
-    {"v4_w8s3", 8, 3, 16, true},
+    {"v3_w4s3", 4, 3, 16, false, false},  // 101 KB, 2 CTAs/SM, 8 warps/SM
+    {"v3_w8s3", 8, 3, 16, false, false},  // 197 KB, 1 CTA/SM, 8 warps/SM
+    {"v4_w4s3", 4, 3, 16, true, false},   // TMA twins of the above
+    {"v4_w8s3", 8, 3, 16, true, false},
+    {"v3d_w4s3", 4, 3, 16, false, true},  // v3 with chunks drawn from a counter (DYN)
+    {"v3d_w8s3", 8, 3, 16, false, true},
 };
 // Measured and dropped (docs/cuda.md): a 2-warp 6-stage TMA variant (-10..-16%), the
 // cp.async L2::256B prefetch hint (-3..-7%), 4-warp 2-stage and 2-warp 4-stage rings.
 constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
 
-template <int D, int W, int S, int TK, bool TMA, bool SKIP = false, bool EMIT = false>
+template <int D, int W, int S, int TK, bool TMA, bool SKIP = false, bool EMIT = false,
+          bool DYN = false>
 struct Inst {
   using C = DecCfg<D, W, S, TK>;
   static void prepare() {
     static bool done = false;
     if (!done) {
-      SPADE_CUDA(cudaFuncSetAttribute(decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT>,
+      SPADE_CUDA(cudaFuncSetAttribute(decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT, DYN>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmem)));
       done = true;
     }
@@ -484,14 +551,14 @@ struct Inst {
     prepare();
     int n = 0;
     SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT>, C::kThreads, C::kSmem));
+        &n, decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT, DYN>, C::kThreads, C::kSmem));
     return n;
   }
   static void launch(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* tmk,
                      const CUtensorMap* tmv) {
     prepare();
     CUtensorMap zero{};
-    launch_pdl(decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT>, grid, C::kThreads, C::kSmem, s, 
+    launch_pdl(decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT, DYN>, grid, C::kThreads, C::kSmem, s, 
         a, tmk ? *tmk : zero, tmv ? *tmv : zero);
     SPADE_CUDA_LAUNCH();
   }
@@ -499,26 +566,34 @@ struct Inst {
 
 // tma: whether the TMA instance may run (maps present, P % 16 == 0); else the cp.async twin.
 // skip: the BLASST instance (cp.async only).
+// allow_dyn: the DYN variants draw their chunks (else their static twins run).
 template <typename F>
-void dispatch(int D, int v, bool tma, bool skip, bool emit, F&& f) {
+void dispatch(int D, int v, bool tma, bool skip, bool emit, bool allow_dyn, F&& f) {
   const int vi = (v >= 1 && v <= kNumVariants ? v : 1) - 1;
   const DecodeVariant dv = kVariants[vi];
   const bool t = tma && dv.tma && !skip && !emit;
+  const bool dyn = dv.dyn && allow_dyn && !skip;  // BLASST and deterministic runs: static twin
   if (D == 64) {
+    if (emit && dyn) return f(Inst<64, 4, 3, 16, false, false, true, true>{});
     if (emit) return f(Inst<64, 4, 3, 16, false, false, true>{});
     if (skip) return f(Inst<64, 4, 3, 16, false, true>{});
     if (t) return f(Inst<64, 4, 3, 16, true>{});
+    if (dyn) return f(Inst<64, 4, 3, 16, false, false, false, true>{});
     return f(Inst<64, 4, 3, 16, false>{});
   }
   if (dv.warps == 8) {
+    if (emit && dyn) return f(Inst<128, 8, 3, 16, false, false, true, true>{});
     if (emit) return f(Inst<128, 8, 3, 16, false, false, true>{});
     if (skip) return f(Inst<128, 8, 3, 16, false, true>{});
     if (t) return f(Inst<128, 8, 3, 16, true>{});
+    if (dyn) return f(Inst<128, 8, 3, 16, false, false, false, true>{});
     return f(Inst<128, 8, 3, 16, false>{});
   }
+  if (emit && dyn) return f(Inst<128, 4, 3, 16, false, false, true, true>{});
   if (emit) return f(Inst<128, 4, 3, 16, false, false, true>{});
   if (skip) return f(Inst<128, 4, 3, 16, false, true>{});
   if (t) return f(Inst<128, 4, 3, 16, true>{});
+  if (dyn) return f(Inst<128, 4, 3, 16, false, false, false, true>{});
   return f(Inst<128, 4, 3, 16, false>{});
 }
 
@@ -528,13 +603,13 @@ int decode_v3_count() { return kNumVariants; }
 DecodeVariant decode_v3_variant(int v) { return kVariants[(v >= 1 && v <= kNumVariants ? v : 1) - 1]; }
 int decode_v3_occupancy(int D, int v) {
   int n = 0;
-  dispatch(D, v, true, false, false, [&](auto inst) { n = decltype(inst)::occupancy(); });
+  dispatch(D, v, true, false, false, true, [&](auto inst) { n = decltype(inst)::occupancy(); });
   return n;
 }
 void launch_decode_v3(int D, int v, const AttnArgs& a, dim3 grid, cudaStream_t s,
                       const CUtensorMap* tmk, const CUtensorMap* tmv) {
   const bool tma = tmk && tmv && a.P % 16 == 0;
-  dispatch(D, v, tma, a.skip_log2 > -INFINITY, a.scores_out != nullptr,
+  dispatch(D, v, tma, a.skip_log2 > -INFINITY, a.scores_out != nullptr, a.tickets != nullptr,
            [&](auto inst) { decltype(inst)::launch(a, grid, s, tmk, tmv); });
 }
 

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Decode attention with drawn chunks (the DYN variants, attention_decode.cu) against the static
+# schedule, on the device. SPADE_DETERMINISTIC=1 makes auto pick the static kernels (the
+# schedule before DYN); 0 lets it pick DYN. Each A/B runs interleaved in two orders.
+#   here:   $PRE (default .prebuilt-dyn) holds gzipped spade_gpu_tests, bench_attention and
+#           bench_tpot (bench/run_gpu_blasst_prefill.sh prebuild for the tests; nvcc / g++ as
+#           in bench/run_gpu.sh for the benches)
+#   device: run(command="MODE=... COMMIT=<sha> bash bench/run_gpu_decode_dyn_ab.sh",
+#               carry=[".prebuilt-dyn", ".deps-cuda"])
+# MODE=variants: bench_attention decode over kernels $KERNELS (default 1,2,6,3,7) twice in
+#   opposite orders (decode_r{1,2}.jsonl); MODE=auto: auto with SPADE_DETERMINISTIC=1 / 0, pages
+#   shuffled (twice) and in id order (once) (decode_{det,dyn}_*.jsonl); both then PyTorch SDPA
+#   once (sdpa.jsonl) and a table. MODE=tests: the whole gpu suite but SmolLM2's tests
+#   (gpu_tests_decode_dyn.log). MODE=tpot: bench_tpot (synthetic Llama-3.1-8B, batch 1, 32K and
+#   128K) with SPADE_DETERMINISTIC=1, 0, 1, 0 (tpot_{det,dyn}_r{1,2}.json).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+PRE=${PRE:-.prebuilt-dyn}
+mkdir -p "$OUT" /tmp/pre
+for f in $PRE/*.gz; do gunzip -c "$f" > /tmp/pre/$(basename "$f" .gz); chmod +x /tmp/pre/$(basename "$f" .gz); done
+NVCC=$(command -v nvcc); CH=$(dirname $(dirname $NVCC)); CL=$CH/lib64
+[ -d $CH/targets/x86_64-linux/lib ] && CL=$CH/targets/x86_64-linux/lib
+export LD_LIBRARY_PATH=$CL:$(pwd)/.deps-cuda/lib:${LD_LIBRARY_PATH:-}
+mkdir -p /work && ln -sfn "$(pwd)" /work/main 2>/dev/null
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+BA=/tmp/pre/bench_attention
+for mode in ${MODE:-variants}; do case $mode in
+tests)
+  timeout 400 /tmp/pre/spade_gpu_tests --gtest_filter="${FILTER:--CudaSmolLM2Methods.*:CudaModel.SmolLM2*}" \
+    > "$OUT/gpu_tests_decode_dyn.log" 2>&1
+  echo "tests rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]" "$OUT/gpu_tests_decode_dyn.log" | tail -12
+  ;;
+tpot)
+  for r in 1 2; do for d in 1 0; do
+    n=$([ $d = 1 ] && echo det || echo dyn)
+    SPADE_DETERMINISTIC=$d timeout 150 /tmp/pre/bench_tpot "$OUT/tpot_${n}_r$r.json" > "$OUT/tpot_${n}_r$r.log" 2>&1
+    echo "tpot $n r$r rc=$? $(grep -o '"L":[0-9]*[^}]*"tpot_ms":[0-9.]*' "$OUT/tpot_${n}_r$r.json" | sed 's/,"[a-z_]*":[^,]*//g' | tr '\n' ' ')"
+  done; done
+  ;;
+variants|auto)
+  if [ $mode = variants ]; then
+    K1=${KERNELS:-1,2,6,3,7}
+    K2=$(echo "$K1" | tr ',' '\n' | tac | paste -sd,)
+    timeout 200 $BA decode "$OUT/decode_r1.jsonl" "$K1" 2>&1 | tail -1
+    timeout 200 $BA decode "$OUT/decode_r2.jsonl" "$K2" 2>&1 | tail -1
+  else
+    for r in 1 2; do for d in 1 0; do
+      [ $r = 2 ] && d=$((1 - d))
+      n=$([ $d = 1 ] && echo det || echo dyn)
+      SPADE_DETERMINISTIC=$d timeout 120 $BA decode "$OUT/decode_${n}_r$r.jsonl" 1 2>&1 | tail -1
+    done; done
+    for d in 1 0; do
+      n=$([ $d = 1 ] && echo det || echo dyn)
+      SPADE_BENCH_PAGE_ORDER=sequential SPADE_DETERMINISTIC=$d timeout 120 $BA decode \
+        "$OUT/decode_${n}_seq.jsonl" 1 2>&1 | tail -1
+    done
+  fi
+  PYTHONUNBUFFERED=1 timeout 150 python3 python/bench_sdpa_decode.py decode --out "$OUT/sdpa.jsonl" 2>&1 | grep -v Warning | tail -1
+  python3 - "$OUT" <<'PY'
+import json, sys, collections, glob, os
+o = sys.argv[1]
+sd = collections.defaultdict(list)
+for l in open(f"{o}/sdpa.jsonl"):
+    if l.startswith("{"):
+        r = json.loads(l); sd[(r["L"], r["B"])].append(r["us"])
+t = collections.defaultdict(list)
+for f in sorted(glob.glob(f"{o}/decode_*.jsonl")):
+    tag = os.path.basename(f)[7:-6].split("_r")[0]
+    for l in open(f):
+        if l.startswith("{"):
+            r = json.loads(l)
+            t[(r["L"], r["B"], tag, r["kernel"], r["variant"], r["page_order"][:3], r["splits"])].append(r["us"])
+for k in sorted(t):
+    s = min(sd.get(k[:2], [float("nan")]))
+    print(k, " ".join(f"{u:.1f}" for u in t[k]), f"sdpa {s:.1f}", f"x {s / min(t[k]):.3f}")
+PY
+  ;;
+esac; done
