@@ -245,8 +245,16 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "device: %s\n", device_summary().c_str());
     if (mode == "decode" || mode == "all") {
+      // SPADE_BENCH_FORCE_SPLIT=n: every decode plan with n splits per (sequence, KV head).
+      const char* fs = std::getenv("SPADE_BENCH_FORCE_SPLIT");
+      const int force_split = fs ? std::atoi(fs) : 0;
+      // SPADE_BENCH_SHAPES="L:B,L:B": only these decode shapes.
+      const char* shapes = std::getenv("SPADE_BENCH_SHAPES");
       for (int L : {8192, 32768, 131072})
-        for (int B : {1, 8, 32}) bench_decode(out, L, B, 0);
+        for (int B : {1, 8, 32})
+          if (!shapes || (std::string(",") + shapes + ",").find("," + std::to_string(L) + ":" +
+                                                               std::to_string(B) + ",") != std::string::npos)
+            bench_decode(out, L, B, force_split);
     }
     if (mode == "prefill" || mode == "all") {
       for (int L : {8192, 32768}) bench_prefill(out, L);

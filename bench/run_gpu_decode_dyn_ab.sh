@@ -11,7 +11,9 @@
 #   opposite orders (decode_r{1,2}.jsonl); MODE=auto: auto with SPADE_DETERMINISTIC=1 / 0, pages
 #   shuffled (twice) and in id order (once) (decode_{det,dyn}_*.jsonl); both then PyTorch SDPA
 #   once (sdpa.jsonl) and a table. MODE=tests: the whole gpu suite but SmolLM2's tests
-#   (gpu_tests_decode_dyn.log). MODE=tpot: bench_tpot (synthetic Llama-3.1-8B, batch 1, 32K and
+#   (gpu_tests_decode_dyn.log). MODE=steal: forced split counts beyond one wave with DYN
+#   (decode_fs*_r*.jsonl) against static auto; MODE=sweep: DYN split counts per shape
+#   (decode_sweep_r*.jsonl). MODE=tpot: bench_tpot (synthetic Llama-3.1-8B, batch 1, 32K and
 #   128K) with SPADE_DETERMINISTIC=1, 0, 1, 0 (tpot_{det,dyn}_r{1,2}.json).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -37,8 +39,36 @@ tpot)
     echo "tpot $n r$r rc=$? $(grep -o '"L":[0-9]*[^}]*"tpot_ms":[0-9.]*' "$OUT/tpot_${n}_r$r.json" | sed 's/,"[a-z_]*":[^,]*//g' | tr '\n' ' ')"
   done; done
   ;;
-variants|auto)
-  if [ $mode = variants ]; then
+steal)
+  # Splits beyond one wave with drawn chunks: the second wave's CTAs take over the first's
+  # tails. Static auto (SPADE_DETERMINISTIC=1) vs forced split counts, twice.
+  for r in 1 2; do
+    SPADE_BENCH_SHAPES=8192:32,32768:32,131072:32,32768:8,131072:8,131072:1 SPADE_DETERMINISTIC=1 \
+      timeout 100 $BA decode "$OUT/decode_det_r$r.jsonl" 1 2>&1 | tail -1
+    for fs in 1 2; do
+      SPADE_BENCH_SHAPES=8192:32,32768:32,131072:32 SPADE_BENCH_FORCE_SPLIT=$fs \
+        timeout 100 $BA decode "$OUT/decode_fs${fs}_r$r.jsonl" 6,2 2>&1 | tail -1
+    done
+    SPADE_BENCH_SHAPES=32768:8,131072:8 SPADE_BENCH_FORCE_SPLIT=8 \
+      timeout 100 $BA decode "$OUT/decode_fs8_r$r.jsonl" 6 2>&1 | tail -1
+    SPADE_BENCH_SHAPES=131072:1 SPADE_BENCH_FORCE_SPLIT=32 \
+      timeout 100 $BA decode "$OUT/decode_fs32_r$r.jsonl" 7,6 2>&1 | tail -1
+  done
+  ;;&
+sweep)
+  # Split counts of DYN around one, two and three waves (SWEEP="L:B:kernel:splits ...").
+  for r in 1 2; do
+    for c in ${SWEEP:-32768:32:6:2 32768:32:6:3 32768:32:6:4 131072:32:6:2 131072:32:6:3 32768:8:6:8 32768:8:6:12 32768:8:6:16 131072:8:6:8 131072:8:6:12 131072:8:6:16 131072:1:6:64 131072:1:6:96 131072:1:7:32 131072:1:7:48}; do
+      IFS=: read L B K NS <<< "$c"
+      SPADE_BENCH_SHAPES=$L:$B SPADE_BENCH_FORCE_SPLIT=$NS timeout 60 $BA decode "$OUT/sw.jsonl" $K > /dev/null 2>&1
+      cat "$OUT/sw.jsonl" >> "$OUT/decode_sweep_r$r.jsonl"
+    done
+  done
+  rm -f "$OUT/sw.jsonl"
+  ;;&
+variants|auto|steal|sweep)
+  if [ $mode = steal ] || [ $mode = sweep ]; then :
+  elif [ $mode = variants ]; then
     K1=${KERNELS:-1,2,6,3,7}
     K2=$(echo "$K1" | tr ',' '\n' | tac | paste -sd,)
     timeout 200 $BA decode "$OUT/decode_r1.jsonl" "$K1" 2>&1 | tail -1

@@ -5,6 +5,7 @@
 // 3-stage, mma.sync) on the same inputs, twice (the split counters must be back at 0).
 #include <algorithm>
 #include <numeric>
+#include <string>
 
 #include "backend/cpu/attention.h"
 #include "backend/cuda/attention.h"
@@ -152,6 +153,61 @@ TEST(CudaAttention, DecodeV3PagesGroupsSplits) {
   run_case(32, 8, 64, 16, {{2000, 1}, {1, 1}}, 0, 36);                 // D = 64
   // Peaked softmax (logits of std ~8): the running max moves often (lazy rescale path).
   run_case(32, 8, 128, 16, {{4000, 1}, {300, 1}}, 0, 37, 8.f);
+}
+
+// Drawn chunks (the DYN variants): auto's choice at batch 8 (two waves of splits; every kernel
+// vs the CPU), DYN kernels with forced split counts of two and three waves (late CTAs find
+// their pair's counter drained) and a peaked softmax.
+TEST(CudaAttention, DecodeDrawnChunks) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Seq> eight(8, Seq{17000, 1});
+  eight[3].kv_len = 16385;  // the longest sets the plan; shorter ones end early
+  run_case(32, 8, 128, 16, eight, 0, 51);
+  run_case(32, 8, 128, 16, {{9000, 1}, {5000, 1}, {3000, 1}, {17, 1}}, 40, 52);
+  run_case(32, 8, 128, 16, {{12000, 1}, {700, 1}}, 64, 53, 8.f);
+}
+
+// Auto's rule for drawn chunks (attention.cu): batch 1 at 70K on the 8-warp twin (one wave),
+// batch 8 at 17K on the 4-warp twin with twice the one-wave splits, never with few chunks per
+// warp, in deterministic mode or when planned for BLASST.
+TEST(CudaAttention, AutoDrawsChunksOnlyWherePlanned) {
+  SKIP_WITHOUT_GPU();
+  const int Hq = 32, Hkv = 8, D = 128, P = 16;
+  cuda::DeviceArena arena(64u << 20);
+  cuda::AttnLimits lim;
+  lim.max_batch = 8;
+  lim.max_q_tokens = 8;
+  lim.max_pages = 1 << 16;
+  cuda::AttentionWorkspace ws(arena, lim, Hq, Hkv, D, P);
+  ws.set_deterministic(false);  // whatever SPADE_DETERMINISTIC says
+  std::vector<int32_t> pages(size_t(lim.max_pages));
+  std::iota(pages.begin(), pages.end(), 0);
+  auto plan = [&](int B, int L) {
+    std::vector<cuda::AttnSeq> batch;
+    for (int b = 0; b < B; ++b) batch.push_back({pages.data() + b * ((L + P - 1) / P), (L + P - 1) / P, L, 1});
+    ws.plan(batch, 0);
+  };
+  const int slots4 = cuda::sm_count() * 2;  // 4-warp CTAs per SM: 2 (101 KB of shared memory)
+  plan(1, 70000);
+  EXPECT_EQ(std::string(cuda::AttentionWorkspace::decode_kernel_name(ws.decode_variant() + 1)), "v3d_w8s3");
+  EXPECT_TRUE(ws.draws_chunks());
+  plan(8, 17000);
+  EXPECT_EQ(std::string(cuda::AttentionWorkspace::decode_kernel_name(ws.decode_variant() + 1)), "v3d_w4s3");
+  const int ns_drawn = ws.n_split();
+  ws.set_deterministic(true);
+  plan(8, 17000);
+  EXPECT_EQ(std::string(cuda::AttentionWorkspace::decode_kernel_name(ws.decode_variant() + 1)), "v3_w4s3");
+  EXPECT_FALSE(ws.draws_chunks());
+  const int ns_static = ws.n_split();
+  if (ns_static < 8 && 8 * Hkv <= slots4) EXPECT_EQ(ns_drawn, 2 * ns_static);
+  ws.set_deterministic(false);
+  ws.set_blasst_decode(true);
+  plan(8, 17000);
+  EXPECT_FALSE(ws.draws_chunks());
+  EXPECT_EQ(ws.n_split(), ns_static);
+  ws.set_blasst_decode(false);
+  plan(1, 8192);  // 512 chunks: too few per warp
+  EXPECT_FALSE(ws.draws_chunks());
 }
 
 // wgmma prefill: tiles of 128 keys cross pages and the diagonal; page sizes 16 (fast path),

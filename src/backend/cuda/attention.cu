@@ -516,21 +516,34 @@ int AttentionWorkspace::variant_occupancy(int variant) const {
 // decode, at 32768 + generated tokens, missed.) The TMA (v4) twins are not faster and are not
 // picked.
 // Drawn chunks (the DYN twins, variants 5 / 6: warps take 16-token chunks from a per-(sequence,
-// KV head) counter, so no split or warp waits for a slower one) when the step needs splits and
-// each warp streams >= 32 chunks, unless the workspace is deterministic (their summation order
-// varies from run to run). H100, same process, interleaved twice
-// (bench/results/attention_decode_dyn_h100_20261127.json): 128K B = 1 188.7 -> 183.5 us (8-warp
-// twin; 4-warp 184.4), 32K B = 8 365.9 -> 359.0, 128K B = 8 1424 -> 1411, 8K B = 8 98.1 -> 97.0;
-// with fewer chunks per warp the ticket round trips cost more than they balance (8K B = 1
-// 18.7 -> 19.9, 32K B = 1 equal), and without splits (B = 32) nothing changes.
+// KV head) counter, so no split or warp waits for a slower one) whenever dyn_split finds a split
+// count for them, unless the workspace is deterministic (their summation order varies from run
+// to run). H100, same process, interleaved twice
+// (bench/results/attention_decode_dyn_h100_20261127.json): one wave of CTAs, 128K B = 1 188.7 ->
+// 183.5 us (8-warp twin), 32K B = 8 365.9 -> 359.0, 128K B = 8 1424 -> 1411; with fewer than 32
+// chunks per warp the ticket round trips cost more than they balance (8K B = 1 18.7 -> 19.9).
+// Two waves when one wave gives a pair fewer than 8 CTAs (the second wave's CTAs take over the
+// first's tails): 32K B = 8 (8 splits) 357.7-358.3, 128K B = 8 1398-1401, 32K B = 32 (2 splits,
+// which static runs without) 1401-1404 vs 1421-1422, 128K B = 32 5568-5583 vs 5631-5635; at
+// batch 1 a second wave is slower (128K: 185.4-185.6 vs 183.5-184.6).
 int AttentionWorkspace::auto_variant(int B, int max_kv) const {
   const bool few_pairs = int64_t(B) * Hkv_ <= 8;
-  if (!deterministic_) {
-    const int v = few_pairs ? 6 : 5;
-    const int ns = split_for(v, B, max_kv);
-    if (ns > 1 && (max_kv + 15) / 16 >= 32 * ns * decode_v3_variant(v).warps) return v;
-  }
+  if (may_draw() && dyn_split(few_pairs ? 6 : 5, B, max_kv) > 0) return few_pairs ? 6 : 5;
   return few_pairs && max_kv <= 65536 ? 2 : 1;
+}
+
+// The split count of a DYN variant, 0 where drawing does not pay: the pairs must fit one wave
+// of CTAs, and each warp must stream >= 32 chunks of 16 tokens.
+int AttentionWorkspace::dyn_split(int variant, int B, int max_kv) const {
+  const int64_t pairs = int64_t(B) * Hkv_;
+  if (pairs > int64_t(sm_count()) * variant_occupancy(variant)) return 0;
+  const int warps = decode_v3_variant(variant).warps;
+  const int64_t chunks = (int64_t(max_kv) + 15) / 16;
+  const int ns1 = split_for(variant, B, max_kv);
+  const int ns2 = std::min(2 * ns1, lim_.max_split);
+  if (ns1 < 8 && ns2 > ns1 && chunks >= 32LL * ns2 * warps) return ns2;
+  if (ns1 > 1 && chunks >= 32LL * ns1 * warps) return ns1;
+  return 0;
 }
 
 void AttentionWorkspace::set_prefill_kernel(int v) {
@@ -601,7 +614,7 @@ AttentionWorkspace::~AttentionWorkspace() {
 }
 
 bool AttentionWorkspace::draws_chunks() const {
-  return decode_ && variant_ > 0 && decode_v3_variant(variant_).dyn && !deterministic_;
+  return decode_ && variant_ > 0 && decode_v3_variant(variant_).dyn && may_draw();
 }
 
 int AttentionWorkspace::decode_warps() const {
@@ -614,7 +627,10 @@ int AttentionWorkspace::resolve_variant(int B, int max_kv) const {
 }
 
 int AttentionWorkspace::choose_split(int B, int max_kv) const {
-  return split_for(resolve_variant(B, max_kv), B, max_kv);
+  const int v = resolve_variant(B, max_kv);
+  if (v > 0 && decode_v3_variant(v).dyn && may_draw())
+    if (const int ns = dyn_split(v, B, max_kv); ns > 0) return ns;
+  return split_for(v, B, max_kv);
 }
 
 int AttentionWorkspace::split_for(int variant, int B, int max_kv) const {
@@ -709,6 +725,8 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
     decode = false;
   }
   SPADE_CHECK(off_items_ + 4 * n <= int64_t(meta_cap_), "attention plan: too many work items");
+  SPADE_CHECK(!decode || n <= 65535, "attention plan: ", n,
+              " decode work items (batch x splits) exceed the grid's y limit of 65535");
   SPADE_CUDA(cudaMemcpyAsync(meta_dev_, h, sizeof(int32_t) * size_t(off_items_ + 4 * n),
                              cudaMemcpyHostToDevice, s));
   // The pinned staging buffer is reused by the next plan(): make sure this copy is done.
@@ -738,7 +756,7 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
   a.part_lse = part_lse_;
   a.counters = counters_;
   // No tickets: the DYN variants run their static twins (same split count).
-  a.tickets = deterministic_ ? nullptr : counters_ + size_t(lim_.max_batch) * Hkv_;
+  a.tickets = may_draw() ? counters_ + size_t(lim_.max_batch) * Hkv_ : nullptr;
   a.Hq = Hq_;
   a.Hkv = Hkv_;
   a.G = Hq_ / Hkv_;
@@ -770,7 +788,7 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
       tmk = tmaps_->get(k_cache, D_);
       tmv = tmaps_->get(v_cache, D_);
     }
-    launch_decode_v3(D_, variant_, a, grid, s, tmk, tmv);
+    launch_decode_v3(D_, variant_, a, dim3(Hkv_, n_items_), s, tmk, tmv);
   } else if (decode_) {
     if (D_ == 64)
       launch_pdl(decode_v2_kernel<64>, grid, DecodeCfg<64>::kThreads, DecodeCfg<64>::kSmemTotal, s, a);

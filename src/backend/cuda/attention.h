@@ -115,8 +115,11 @@ class AttentionWorkspace {
   // the next plan() (auto's choice) and run() (explicitly chosen DYN variants).
   void set_deterministic(bool d) { deterministic_ = d; }
   bool deterministic() const { return deterministic_; }
-  // Whether a run() of the last plan (without BLASST) draws its chunks: a DYN variant, not
-  // deterministic. Two such runs may differ in the last bits of the output.
+  // Decode steps will run with BLASST skipping (BlasstSkip): plan the static schedule, whose
+  // split count suits the skip kernel (it has no DYN twin). Takes effect at the next plan().
+  void set_blasst_decode(bool b) { blasst_decode_ = b; }
+  // Whether a run() of the last plan (without BLASST) draws its chunks: a DYN variant, neither
+  // deterministic nor planned for BLASST. Two such runs may differ in the output's last bits.
   bool draws_chunks() const;
   static int decode_kernel_count();
   static const char* decode_kernel_name(int v);
@@ -148,13 +151,16 @@ class AttentionWorkspace {
   int variant_ = 0;
   int split_policy_ = 0;
   bool deterministic_ = false;
+  bool blasst_decode_ = false;
+  bool may_draw() const { return !deterministic_ && !blasst_decode_; }
   bool tma_ok_ = false;
   mutable std::vector<int> occ_cache_;
   struct TensorMaps;
   std::unique_ptr<TensorMaps> tmaps_;
   int resolve_variant(int B, int max_kv) const;
   int auto_variant(int B, int max_kv) const;
-  int split_for(int variant, int B, int max_kv) const;
+  int split_for(int variant, int B, int max_kv) const;  // one wave (v3), as documented above
+  int dyn_split(int variant, int B, int max_kv) const;
   int variant_occupancy(int variant) const;
   int prefill_kernel_ = 2;
   unsigned long long* trace_ = nullptr;

@@ -7,7 +7,7 @@
 // log2-sum-exp [split][B*Hq], combined by the LAST CTA of each (sequence, KV head) to arrive
 // (arrival counter per (sequence, KV head), reset by that CTA): no second launch.
 //
-// Work: a CTA = (sequence, split, KV head) with W warps. The CTA's token range is cut into
+// Work: a CTA = (sequence, split, KV head) with W warps (grid: KV head x work item). The CTA's token range is cut into
 // chunks of TK tokens (TK = 16: one page at P = 16); warp w streams chunks w, w+W, w+2W, ...
 // through its OWN S-stage cp.async ring (16-byte copies, rows swizzled for ldmatrix) with
 // only __syncwarp between stages: no CTA barrier in the main loop, so one warp's compute
@@ -96,9 +96,11 @@ __global__ void __launch_bounds__(W * 32)
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
   bf16* ring = reinterpret_cast<bf16*>(smem_raw + C::kQ);
 
-  const int4 item = a.items[blockIdx.x];
+  // Grid (Hkv, items): CTAs start in item order, so every (sequence, KV head)'s split 0 is in
+  // the first wave and, with drawn chunks, later splits take over the tails of earlier ones.
+  const int4 item = a.items[blockIdx.y];
   const int seq = item.x, split = item.z;
-  const int kvh = blockIdx.y;
+  const int kvh = blockIdx.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = a.G, P = a.P;
   const int q0 = a.q_off[seq];
