@@ -14,7 +14,8 @@
 #   (gpu_tests_decode_dyn.log). MODE=steal: forced split counts beyond one wave with DYN
 #   (decode_fs*_r*.jsonl) against static auto; MODE=sweep: DYN split counts per shape
 #   (decode_sweep_r*.jsonl). MODE=tpot: bench_tpot (synthetic Llama-3.1-8B, batch 1, 32K and
-#   128K) with SPADE_DETERMINISTIC=1, 0, 1, 0 (tpot_{det,dyn}_r{1,2}.json).
+#   128K) with SPADE_DETERMINISTIC=1, 0, 1, 0 (tpot_{det,dyn}_r{1,2}.json). MODE=blasst:
+#   bench_blasst paper (blasst_decode.jsonl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 PRE=${PRE:-.prebuilt-dyn}
@@ -31,6 +32,18 @@ tests)
   timeout 400 /tmp/pre/spade_gpu_tests --gtest_filter="${FILTER:--CudaSmolLM2Methods.*:CudaModel.SmolLM2*}" \
     > "$OUT/gpu_tests_decode_dyn.log" 2>&1
   echo "tests rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]" "$OUT/gpu_tests_decode_dyn.log" | tail -12
+  ;;
+blasst)
+  # BLASST decode sweep (paper shape) with the static schedule planned for it, and our default
+  # dense decode (DYN where auto picks it) in each line as dense_default_us.
+  timeout 200 /tmp/pre/bench_blasst paper "$OUT/blasst_decode.jsonl" 2>&1 | tail -1
+  python3 -c "
+import json
+for l in open('$OUT/blasst_decode.jsonl'):
+    r = json.loads(l)
+    print(r['L'], r['kernel'], r['splits'], r['lambda'], 'sparsity %.3f' % r['sparsity'], 'us %.1f' % r['us'],
+          'dense %.1f' % r['dense_us'], 'x %.3f' % r['speedup'], '| default', r['dense_default_kernel'],
+          '%.1f' % r['dense_default_us'], 'x %.3f' % r['speedup_vs_default'])"
   ;;
 tpot)
   for r in 1 2; do for d in 1 0; do
