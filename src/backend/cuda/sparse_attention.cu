@@ -30,7 +30,6 @@
 // bytes per skipped row 2*D (K) instead of 4*D.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/sparse_attention.h"
@@ -55,7 +54,6 @@ struct SpArgs {
   float* part_o;
   float* part_lse;
   int* counters;
-  int* tickets;  // DYN: [batch][Hkv] chunk tickets (0 between launches)
   int Hq, Hkv, G, P, lists_per_req, gran;  // gran: SelGran as int
   float scale_log2;
   // Dense heads only (optional): group-mean scores scores_out[(seq * Hkv + kvh) * ld + j] =
@@ -96,12 +94,8 @@ struct SpCfg {
 // TOKEN: Token lists (per-row gather); else Chunk16 / Block64 / dense (16-token runs).
 // SKIP: BLASST inside the selection (chunks far below the running max are skipped, their V
 // rows not loaded); no dense-head score emission then.
-// DYN: drawn chunks, as in the dense DYN decode variants (attention_decode.cu): a warp's first
-// S + 1 chunks are static, (k * nsplit + split) * W + warp, later ones nsplit * W * (S + 1) + a
-// ticket from the (request, KV head)'s counter, drawn one iteration before the chunk's entry.
-template <int D, int W, int S, bool TOKEN, bool SKIP, bool DYN = false>
+template <int D, int W, int S, bool TOKEN, bool SKIP>
 __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
-  static_assert(!(SKIP && DYN), "BLASST skipping runs the static schedule");
   const unsigned long long t_entry = a.trace ? global_ns() : 0;
   pdl_begin();  // pdl.cuh: first, before any global access
   const unsigned long long t_wait = a.trace ? global_ns() : 0;
@@ -146,7 +140,8 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   struct Ent {
     int tok, lim;
   };
-  auto stage_a_c = [&](int c) -> Ent {
+  auto stage_a = [&](int kk) -> Ent {
+    const int c = chunk_of(kk);
     if (tok_mode) {
       const int r = lane & 15;
       const int j = c * kTK + r;
@@ -159,7 +154,6 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     const int t0 = u * kTK;
     return {t0 < L ? t0 : -1, min(kTK, L - t0)};
   };
-  auto stage_a = [&](int kk) -> Ent { return stage_a_c(chunk_of(kk)); };
   // Stage B (one chunk ahead): row id (page * Hkv + kvh) * P + slot of that token.
   auto stage_b = [&](int tok) -> int {
     return tok < 0 ? -1 : (__ldg(pt + pdiv(tok)) * a.Hkv + kvh) * P + pmod(tok);
@@ -196,25 +190,11 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   int ridq[S];  // SKIP: their resolved row ids (the V rows are issued once a chunk is kept)
 #pragma unroll
   for (int s = 0; s < S; ++s) lq[s] = 0, ridq[s] = -1;
-  // DYN: cq[i] = the chunk of the warp's step kk + i (i <= S + 1; n_ch or more: none).
-  int cq[S + 2];
-  int t_raw = 0;  // lane 0: the ticket in flight
-  int* tick = DYN ? a.tickets + seq * a.Hkv + kvh : nullptr;
-  const int dyn_base = nsplit * W * (S + 1);
-  if constexpr (DYN) {
-#pragma unroll
-    for (int k = 0; k <= S; ++k) cq[k] = (k * nsplit + split) * W + warp;
-    cq[S + 1] = n_ch;
-    if (lane == 0) t_raw = atomicAdd(tick, 1);
-  }
-  // Whether the warp's step kk (< S + 2) has a chunk, and its entries.
-  auto has_step = [&](int kk) { return DYN ? cq[kk] < n_ch : kk < n_my; };
-  auto stage_a_step = [&](int kk) -> Ent { return DYN ? stage_a_c(cq[kk]) : stage_a(kk); };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if constexpr (SKIP) cp_async_commit();
-    if (has_step(s)) {
-      const Ent e = stage_a_step(s);
+    if (s < n_my) {
+      const Ent e = stage_a(s);
       lq[s] = e.lim;
       ridq[s] = stage_b(e.tok);
       issue(s, ridq[s], e.lim, SKIP ? 1 : 3);
@@ -223,26 +203,25 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   }
   // Pipeline registers: chunk S-1 resolved (rid), chunk S entry loaded (tok).
   int rid_next = -1, lim_next = 0, tok_ahead = -1, lim_ahead = 0;
-  if (has_step(S - 1)) {
-    const Ent e = stage_a_step(S - 1);
+  if (S - 1 < n_my) {
+    const Ent e = stage_a(S - 1);
     lim_next = e.lim;
     rid_next = stage_b(e.tok);
   }
-  if (has_step(S)) {
-    const Ent e = stage_a_step(S);
+  if (S < n_my) {
+    const Ent e = stage_a(S);
     tok_ahead = e.tok;
     lim_ahead = e.lim;
   }
   // Advances the address pipeline once chunk kn is issued: resolves chunk kn + 1 (page id) and
   // loads chunk kn + 2's entry.
-  // DYN: the same with the steps' chunks in cq (kn + 1 -> cq[S], kn + 2 -> cq[S + 1]).
   auto advance = [&](int kn) {
-    if (DYN ? cq[S] < n_ch : kn + 1 < n_my) {
+    if (kn + 1 < n_my) {
       rid_next = stage_b(tok_ahead);
       lim_next = lim_ahead;
     }
-    if (DYN ? cq[S + 1] < n_ch : kn + 2 < n_my) {
-      const Ent e = DYN ? stage_a_c(cq[S + 1]) : stage_a(kn + 2);
+    if (kn + 2 < n_my) {
+      const Ent e = stage_a(kn + 2);
       tok_ahead = e.tok;
       lim_ahead = e.lim;
     }
@@ -324,14 +303,10 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
 
   if constexpr (!SKIP) {
   int st_issue = S - 1, st_use = 0;
-  for (int kk = 0; DYN ? cq[0] < n_ch : kk < n_my; ++kk) {
+  for (int kk = 0; kk < n_my; ++kk) {
     __syncwarp();
     const int kn = kk + S - 1;
-    if constexpr (DYN) {
-      cq[S + 1] = dyn_base + __shfl_sync(0xffffffffu, t_raw, 0);  // drawn one step ago
-      if (lane == 0) t_raw = atomicAdd(tick, 1);
-    }
-    if (DYN ? cq[S - 1] < n_ch : kn < n_my) issue(st_issue, rid_next, lim_next, 3);
+    if (kn < n_my) issue(st_issue, rid_next, lim_next, 3);
     lq[S - 1] = lim_next;
     cp_async_commit();
     advance(kn);
@@ -346,7 +321,7 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
       // lane / 4 + 8 in [2 + e]); rows >= G have q = 0 and add 0.
       const float f = sl2 * 0.6931471805599453f / float(G);
       float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
-      const int j0 = (DYN ? cq[0] : chunk_of(kk)) * kTK;
+      const int j0 = chunk_of(kk) * kTK;
 #pragma unroll
       for (int nb = 0; nb < kTK / 8; ++nb)
 #pragma unroll
@@ -368,10 +343,6 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     st_use = st_use + 1 == S ? 0 : st_use + 1;
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) lq[s] = lq[s + 1];
-    if constexpr (DYN) {
-#pragma unroll
-      for (int i = 0; i <= S; ++i) cq[i] = cq[i + 1];
-    }
   }
   } else {
     // BLASST (SKIP): a chunk is skipped when no query row of the group has a score within
@@ -473,7 +444,6 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
   const unsigned long long t_merged = a.trace ? global_ns() : 0;
   if (a.trace && tid == 0) a.trace[8 * size_t(blockIdx.x) + 4] = t_merged;
   if (nsplit == 1) {
-    if (DYN && tid == 0) *tick = 0;  // the merge's barriers: every warp is done drawing
     stamp(t_merged, false);
     return;
   }
@@ -482,7 +452,6 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     stamp(t_merged, false);
     return;
   }
-  if (DYN && tid == 0) *tick = 0;  // every CTA of this (request, KV head) is done drawing
   combine_splits<D, NT>(a.part_o, a.part_lse, G, int64_t(int(blockIdx.x) - split) * G, nsplit, G,
                         a.out, smem_raw, counter, row_base);
   if (a.trace) {  // launch-uniform
@@ -497,29 +466,28 @@ constexpr int kW = 4, kS = 3;
 // query too: without it the query answers for the default 48 KB limit (0 CTAs/SM), and a plan
 // made before the first launch cut its work into other splits than every later plan (a
 // different summation order: not bit-identical).
-template <int D, bool TOKEN, bool SKIP, bool DYN = false>
+template <int D, bool TOKEN, bool SKIP>
 void prepare_one() {
   static bool done = false;
   if (!done) {
-    SPADE_CUDA(cudaFuncSetAttribute(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP, DYN>,
+    SPADE_CUDA(cudaFuncSetAttribute(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(SpCfg<D, kW, kS>::kSmem)));
     done = true;
   }
 }
 
-template <int D, bool TOKEN, bool SKIP, bool DYN = false>
+template <int D, bool TOKEN, bool SKIP>
 void launch_one(const SpArgs& a, int n_items, cudaStream_t s) {
   using C = SpCfg<D, kW, kS>;
-  prepare_one<D, TOKEN, SKIP, DYN>();
-  launch_pdl(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP, DYN>, n_items, C::kThreads, C::kSmem, s, a);
+  prepare_one<D, TOKEN, SKIP>();
+  launch_pdl(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP>, n_items, C::kThreads, C::kSmem, s, a);
   SPADE_CUDA_LAUNCH();
 }
 
 template <int D>
 void launch_d(const SpArgs& a, bool tok, bool skip, int n, cudaStream_t s) {
   if (skip) tok ? launch_one<D, true, true>(a, n, s) : launch_one<D, false, true>(a, n, s);
-  else if (a.tickets) tok ? launch_one<D, true, false, true>(a, n, s) : launch_one<D, false, false, true>(a, n, s);
   else tok ? launch_one<D, true, false>(a, n, s) : launch_one<D, false, false>(a, n, s);
 }
 
@@ -553,7 +521,7 @@ size_t SparseAttention::arena_bytes(int max_batch, int64_t max_pages, int Hq, in
   const int64_t lists = int64_t(max_batch) * Hkv, G = Hq / Hkv;
   const int64_t items = launch_items_bound(lists, max_split, D);
   const int64_t meta = align4(max_pages) + 2 * align4(max_batch) + 4 * items * max_patterns;
-  return size_t(meta + 2 * lists + items * G * (D + 1)) * 4 + 4 * 256;  // + alignment of 4 arrays
+  return size_t(meta + lists + items * G * (D + 1)) * 4 + 4 * 256;  // + alignment of 4 arrays
 }
 
 SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_pages, int Hq,
@@ -577,10 +545,8 @@ SparseAttention::SparseAttention(DeviceArena& arena, int max_batch, int64_t max_
   meta_cap_ = size_t(off_items_ + 4 * max_items);
   meta_dev_ = arena.alloc_n<int32_t>(meta_cap_, "sparse attention metadata");
   SPADE_CUDA(cudaMallocHost(&meta_host_, meta_cap_ * sizeof(int32_t)));
-  // Arrival counters, then the DYN instances' chunk tickets: [2][max_batch][Hkv].
-  counters_ = arena.alloc_n<int>(2 * size_t(max_batch) * Hkv, "sparse attention split counters");
-  SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * 2 * size_t(max_batch) * Hkv));
-  if (const char* e = std::getenv("SPADE_SPARSE_DRAW"); e && *e) draw_chunks_ = std::atoi(e) != 0;
+  counters_ = arena.alloc_n<int>(size_t(max_batch) * Hkv, "sparse attention split counters");
+  SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * size_t(max_batch) * Hkv));
   const size_t G = size_t(Hq / Hkv);
   part_o_ = arena.alloc_n<float>(size_t(part_items_) * G * D, "sparse attention split partials");
   part_lse_ = arena.alloc_n<float>(size_t(part_items_) * G, "sparse attention split lse");
@@ -727,7 +693,6 @@ void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cach
   a.part_o = part_o_;
   a.part_lse = part_lse_;
   a.counters = counters_;
-  a.tickets = draw_chunks_ && !skip.active() ? counters_ + size_t(max_batch_) * Hkv_ : nullptr;
   a.Hq = Hq_;
   a.Hkv = Hkv_;
   a.G = Hq_ / Hkv_;

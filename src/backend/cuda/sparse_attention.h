@@ -99,10 +99,6 @@ class SparseAttention {
   // issued, after warp 0's chunk loop, after the warp merge, at the end (after the split
   // combine for the CTA that ran it), then smid | combined << 32, and the CTA's chunk count.
   void set_trace(unsigned long long* trace) { trace_ = trace; }
-  // Drawn chunks (the DYN instances: warps take chunks from a counter per (request, KV head);
-  // summation order varies between runs). Off by default; env SPADE_SPARSE_DRAW=1 at
-  // construction. Takes effect at the next run().
-  void set_draw_chunks(bool d) { draw_chunks_ = d; }
 
  private:
 
@@ -113,8 +109,7 @@ class SparseAttention {
   size_t meta_cap_ = 0;
   float* part_o_ = nullptr;
   float* part_lse_ = nullptr;
-  int* counters_ = nullptr;  // [2][max_batch][Hkv]: split arrival counters, DYN tickets
-  bool draw_chunks_ = false;
+  int* counters_ = nullptr;
   int64_t off_pt_ = 0, off_po_ = 0, off_len_ = 0, off_items_ = 0;
   int B_ = 0, n_items_ = 0, max_split_used_ = 0, lists_per_req_ = 1;
   int64_t part_items_ = 0;  // split partial slots
