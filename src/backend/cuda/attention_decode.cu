@@ -32,7 +32,9 @@
 // the chunk's page id is read) from a counter per (sequence, KV head): the splits and warps
 // that stream faster take more chunks, so none waits at the end for a slower one. The order of
 // the sums then varies between runs (not bit-reproducible: AttentionWorkspace's deterministic
-// mode runs the static twin, passing no counters). The last CTA resets the counter.
+// mode runs the static twin, passing no counters). The last CTA resets the counter; a warp
+// draws only while it has chunks, so each drawn ticket is read before the warp leaves its loop
+// (no draw outlives the reset).
 // Bytes per SM in flight: (CTAs/SM) x W x (S-1..S) x TK*D*2*2 (8 KB per chunk at D = 128).
 // Shared memory: 4 KB (Q) + W*S*TK*D*2*2 (ring) + 1 KB alignment: W4 S3 -> 101 KB (2 CTAs/SM).
 // Split combine: the last CTA reads every split's lse (one round of loads), then the partial
@@ -215,7 +217,11 @@ __global__ void __launch_bounds__(W * 32)
 #pragma unroll
     for (int k = 0; k < S; ++k) cq[k] = (k * a.nsplit + split) * W + warp;
     cq[S] = n_ch;
-    if (lane == 0) t_raw = atomicAdd(tick, 1);
+    // Draw only while the warp still has chunks, so every drawn ticket is read (by the shfl of
+    // the next iteration, which then runs) before the warp leaves the loop: no draw can land
+    // after the counter's reset. Tickets are monotonic: past one invalid chunk, all are.
+    t_raw = n_ch;
+    if (lane == 0 && cq[S - 1] < n_ch) t_raw = atomicAdd(tick, 1);
   }
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
@@ -354,7 +360,8 @@ __global__ void __launch_bounds__(W * 32)
     while (cq[0] < n_ch) {
       __syncwarp();  // every lane is done reading the stage about to be overwritten
       cq[S] = dyn_base + __shfl_sync(0xffffffffu, t_raw, 0);  // drawn one iteration ago
-      if (lane == 0) t_raw = atomicAdd(tick, 1);
+      t_raw = n_ch;
+      if (lane == 0 && cq[S] < n_ch) t_raw = atomicAdd(tick, 1);
       if (cq[S - 1] < n_ch) issue_at(cq[S - 1] * TK, st_issue, pid_next);
       cp_async_commit();
       if (fast && cq[S] < n_ch) pid_next = pt[pdiv(cq[S] * TK)];
