@@ -144,6 +144,28 @@ __device__ __forceinline__ int swz(int r, int col) {
 // lane/4 and lane/4 + 8 = i 0 / 1, columns 8 nb + 2 (lane % 4) + e), rows >= 8 only when
 // hi_rows (G > 8).
 
+// Group-mean scores of one chunk of TK keys from the mma accumulators of Q K^T (s + s2: the
+// even and odd k-steps, raw products): dst[j] = f * sum over the 16 rows, j in [j0, j0 + TK)
+// and < L. Rows 0..15 of a column live in the 8 lanes with the same lane & 3 (row lane / 4 in
+// [e], row lane / 4 + 8 in [2 + e]); rows >= G have q = 0 and add 0.
+template <int TK>
+__device__ __forceinline__ void store_group_mean_scores(const float (&s)[TK / 8][4],
+                                                        const float (&s2)[TK / 8][4], float f,
+                                                        float* dst, int j0, int L) {
+  const int lane = threadIdx.x & 31, t4 = lane & 3;
+#pragma unroll
+  for (int nb = 0; nb < TK / 8; ++nb)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = s[nb][e] + s2[nb][e] + s[nb][2 + e] + s2[nb][2 + e];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      const int j = j0 + nb * 8 + 2 * t4 + e;
+      if ((lane >> 2) == 0 && j < L) dst[j] = v * f;
+    }
+}
+
 // s <- (s + s2) * sl2 (the two k-step chains, in log2 units), columns >= lim masked to -inf;
 // mx[i] = the chunk's row maxima (quad-reduced).
 template <int TK>

@@ -331,20 +331,9 @@ __global__ void __launch_bounds__(W * 32)
           if (g8 + 8 < G)
             dst[int64_t(g8 + 8) * a.scores_ld + j] = (sc[nb][2 + e] + sc2[nb][2 + e]) * f;
         }
-    } else {  // group mean
-      const float f = sl2 * 0.6931471805599453f / float(G);  // log2 units -> natural / G
-      float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
-#pragma unroll
-      for (int nb = 0; nb < TK / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = sc[nb][e] + sc2[nb][e] + sc[nb][2 + e] + sc2[nb][2 + e];
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          const int j = j0 + nb * 8 + 2 * t4 + e;
-          if (g8 == 0 && j < L) dst[j] = v * f;
-        }
+    } else {  // group mean; log2 units -> natural / G
+      store_group_mean_scores<TK>(sc, sc2, sl2 * 0.6931471805599453f / float(G),
+                                  a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld, j0, L);
     }
   };
   // Scale to log2 units, mask columns past L, row maxima of the chunk (quad-reduced).
@@ -353,6 +342,18 @@ __global__ void __launch_bounds__(W * 32)
   // Online softmax (lazy rescale) of the chunk: sc becomes the probabilities.
   auto softmax = [&](float (&sc)[TK / 8][4], const float (&mx)[2]) {
     online_softmax_chunk<D, TK>(sc, mx, m, l, o, hi_rows);
+  };
+
+  // One chunk (K tile tK, V tile tV, first key j0) into the running softmax state.
+  auto attend_chunk = [&](const bf16* tK, const bf16* tV, int j0) {
+    float sc[TK / 8][4], sc2[TK / 8][4], mx[2];
+    uint32_t pa[TK / 16][4];
+    qk(reinterpret_cast<const unsigned char*>(tK), sc, sc2);
+    if constexpr (EMIT) emit_scores(j0, sc, sc2);
+    chunk_max(j0, sc, sc2, mx);
+    softmax(sc, mx);
+    pack_p(sc, pa);
+    pv(pa, reinterpret_cast<const unsigned char*>(tV));
   };
 
   if constexpr (DYN) {
@@ -370,14 +371,7 @@ __global__ void __launch_bounds__(W * 32)
       const int j0 = cq[0] * TK;
       cp_async_wait<S - 1>();
       __syncwarp();  // make every lane's copies of chunk cq[0] visible to the warp
-      float sc[TK / 8][4], sc2[TK / 8][4], mx[2];
-      uint32_t pa[TK / 16][4];
-      qk(reinterpret_cast<const unsigned char*>(tK), sc, sc2);
-      if constexpr (EMIT) emit_scores(j0, sc, sc2);
-      chunk_max(j0, sc, sc2, mx);
-      softmax(sc, mx);
-      pack_p(sc, pa);
-      pv(pa, reinterpret_cast<const unsigned char*>(tV));
+      attend_chunk(tK, tV, j0);
 #pragma unroll
       for (int i = 0; i < S; ++i) cq[i] = cq[i + 1];
       st_issue = st_issue + 1 == S ? 0 : st_issue + 1;
@@ -409,14 +403,7 @@ __global__ void __launch_bounds__(W * 32)
       cp_async_wait<S - 1>();
       __syncwarp();  // make every lane's copies of chunk k visible to the warp
     }
-    float sc[TK / 8][4], sc2[TK / 8][4], mx[2];
-    uint32_t pa[TK / 16][4];
-    qk(reinterpret_cast<const unsigned char*>(tK), sc, sc2);
-    if constexpr (EMIT) emit_scores(j0, sc, sc2);
-    chunk_max(j0, sc, sc2, mx);
-    softmax(sc, mx);
-    pack_p(sc, pa);
-    pv(pa, reinterpret_cast<const unsigned char*>(tV));
+    attend_chunk(tK, tV, j0);
     st_issue = st_issue + 1 == S ? 0 : st_issue + 1;
     if (++st_use == S) st_use = 0, phase ^= 1;
   }

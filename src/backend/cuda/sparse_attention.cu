@@ -248,7 +248,6 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[nd][e] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const int t4 = lane & 3;
   const float sl2 = a.scale_log2;
   const int mi = lane >> 3;
 
@@ -317,22 +316,9 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
     float s[kTK / 8][4], s2[kTK / 8][4];
     qk(bK, s, s2);
     if (dense && a.scores_out) {  // CTA-uniform; a dense head's chunk c is tokens [16c, 16c + 16)
-      // Rows 0..15 of a column live in the 8 lanes with the same t4 (row lane / 4 in [e], row
-      // lane / 4 + 8 in [2 + e]); rows >= G have q = 0 and add 0.
-      const float f = sl2 * 0.6931471805599453f / float(G);
-      float* dst = a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld;
-      const int j0 = chunk_of(kk) * kTK;
-#pragma unroll
-      for (int nb = 0; nb < kTK / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = s[nb][e] + s2[nb][e] + s[nb][2 + e] + s2[nb][2 + e];
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          const int j = j0 + nb * 8 + 2 * t4 + e;
-          if ((lane >> 2) == 0 && j < L) dst[j] = v * f;
-        }
+      store_group_mean_scores<kTK>(s, s2, sl2 * 0.6931471805599453f / float(G),
+                                   a.scores_out + (int64_t(seq) * a.Hkv + kvh) * a.scores_ld,
+                                   chunk_of(kk) * kTK, L);
     }
     float mx[2];
     scale_mask(s, s2, lim, mx);
