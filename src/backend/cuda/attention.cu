@@ -586,9 +586,12 @@ AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim
   (void)rows;
   part_o_ = arena.alloc_n<float>(size_t(lim.max_split) * split_rows * D, "attention split partials");
   part_lse_ = arena.alloc_n<float>(size_t(lim.max_split) * split_rows, "attention split lse");
-  // Arrival counters, then the DYN variants' chunk tickets: [2][max_batch][Hkv].
-  counters_ = arena.alloc_n<int>(2 * size_t(lim.max_batch) * Hkv, "attention split counters");
-  SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * 2 * size_t(lim.max_batch) * Hkv));
+  counters_ = arena.alloc_n<int>(size_t(lim.max_batch) * Hkv, "attention split counters");
+  SPADE_CUDA(cudaMemset(counters_, 0, sizeof(int) * size_t(lim.max_batch) * Hkv));
+  // The DYN variants' chunk tickets, one L2 line each (kTicketStride).
+  const size_t n_tickets = size_t(lim.max_batch) * Hkv * kTicketStride;
+  tickets_ = arena.alloc_n<int>(n_tickets, "attention chunk tickets");
+  SPADE_CUDA(cudaMemset(tickets_, 0, sizeof(int) * n_tickets));
   tmaps_ = std::make_unique<TensorMaps>();
   {  // TMA decode needs pages of whole 16-row boxes and a driver that encodes tensor maps
     CUtensorMap probe;
@@ -756,7 +759,7 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
   a.part_lse = part_lse_;
   a.counters = counters_;
   // No tickets: the DYN variants run their static twins (same split count).
-  a.tickets = may_draw() ? counters_ + size_t(lim_.max_batch) * Hkv_ : nullptr;
+  a.tickets = may_draw() ? tickets_ : nullptr;
   a.Hq = Hq_;
   a.Hkv = Hkv_;
   a.G = Hq_ / Hkv_;

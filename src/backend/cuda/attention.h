@@ -141,7 +141,8 @@ class AttentionWorkspace {
   size_t meta_cap_ = 0;
   float* part_o_ = nullptr;    // [max_split][max_q_tokens * Hq][D]
   float* part_lse_ = nullptr;  // [max_split][max_q_tokens * Hq]
-  int* counters_ = nullptr;    // [2][max_batch][Hkv]: split arrival counters (v3), DYN tickets
+  int* counters_ = nullptr;    // [max_batch][Hkv] split arrival counters (v3)
+  int* tickets_ = nullptr;     // [max_batch][Hkv][kTicketStride]: DYN chunk tickets
   // Offsets (in int32) of each array inside meta.
   int64_t off_page_table_ = 0, off_page_off_ = 0, off_kv_len_ = 0, off_q_off_ = 0,
           off_items_ = 0;

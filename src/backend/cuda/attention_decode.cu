@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(W * 32)
   // indices increase, so once one is past the end the warp is done. Reset by the last CTA.
   int cq[S + 1];
   int t_raw = 0;  // lane 0: the ticket in flight
-  int* tick = DYN ? a.tickets + seq * a.Hkv + kvh : nullptr;
+  int* tick = DYN ? a.tickets + (seq * a.Hkv + kvh) * kTicketStride : nullptr;
   const int dyn_base = a.nsplit * W * S;
   if constexpr (DYN) {
 #pragma unroll
