@@ -15,7 +15,8 @@
 #   (decode_fs*_r*.jsonl) against static auto; MODE=sweep: DYN split counts per shape
 #   (decode_sweep_r*.jsonl). MODE=tpot: bench_tpot (synthetic Llama-3.1-8B, batch 1, 32K and
 #   128K) with SPADE_DETERMINISTIC=1, 0, 1, 0 (tpot_{det,dyn}_r{1,2}.json). MODE=blasst:
-#   bench_blasst paper (blasst_decode.jsonl). (MODE=sparse, drawn chunks in SparseAttention:
+#   bench_blasst paper (blasst_decode.jsonl). MODE=tpot_batch: bench_tpot_batch, full attention,
+#   $LENGTHS (default 32768:8,130900:1), SPADE_DETERMINISTIC=1, 0, 1, 0 (tpotb_*.json). (MODE=sparse, drawn chunks in SparseAttention:
 #   the script and the kernel at commit a1ed911; measured slower and reverted.)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -45,6 +46,19 @@ for l in open('$OUT/blasst_decode.jsonl'):
     print(r['L'], r['kernel'], r['splits'], r['lambda'], 'sparsity %.3f' % r['sparsity'], 'us %.1f' % r['us'],
           'dense %.1f' % r['dense_us'], 'x %.3f' % r['speedup'], '| default', r['dense_default_kernel'],
           '%.1f' % r['dense_default_us'], 'x %.3f' % r['speedup_vs_default'])"
+  ;;
+tpot_batch)
+  # Decode steps of synthetic Llama-3.1-8B with full attention through bench_tpot_batch at
+  # $LENGTHS (default 32K batch 8, 128K batch 1), SPADE_DETERMINISTIC=1, 0, 1, 0.
+  for r in 1 2; do for d in 1 0; do
+    n=$([ $d = 1 ] && echo det || echo dyn)
+    SPADE_DETERMINISTIC=$d timeout 200 /tmp/pre/bench_tpot_batch "$OUT/tpotb_${n}_r$r.json" --model llama3-8b \
+      --lengths "${LENGTHS:-32768:8,130900:1}" --methods full --commit "${COMMIT:-unknown}" > /dev/null 2>&1
+    echo "tpot_batch $n r$r rc=$? $(python3 -c "
+import json; d = json.load(open('$OUT/tpotb_${n}_r$r.json'))
+rs = d['results'] if isinstance(d, dict) and 'results' in d else d
+print(' '.join('%s:%s %.3f ms (floor %.3f)' % (r['context'], r['batch'], r['median_step_ms'], r['dense_floor_ms']) for r in rs))" 2>&1 | tail -1)"
+  done; done
   ;;
 tpot)
   for r in 1 2; do for d in 1 0; do
