@@ -15,6 +15,8 @@
 //                scores, top-k (radix select), attention over the selected pages
 //   quest_select the selection part of `quest` alone (quest_score / quest_topk: its two stages)
 //   quest_tc*    the same with the tensor-core page scores (QuestArgs::fast)
+//   quest_step / quest_tc_step  scores + top-k + attention without the separate metadata
+//                update: a model decode step, whose KV append writes the last page's min / max
 //   hybrid90     every KV head sparse, token lists at 90% sparsity (L/10 tokens), 128K
 //   hybrid_2d    KV heads 0 and 1 dense (whole context), 6 sparse heads with `budget` tokens
 //   full_emit_group / full_emit_head  `full` that also writes the group-mean / per-query-head
@@ -364,6 +366,16 @@ void bench_shape(int L, int B) {
         sa.run(Qr(r), Kr(r), Vr(r), d_off, d_qsel, o, scale, 0);
       }, &mn);
       emit(tag.c_str(), L, B, budget, us, mn, sel_bytes + att_bytes, R, sa.n_items(), sa.max_split_used());
+      // The selection + attention of a model decode step: there the last pages' metadata is
+      // written by the KV append (QkvPostArgs::quest_meta), as the K/V rows are for full
+      // attention, so no separate quest_update_meta launch.
+      us = time_calls(R, [&](int r) {
+        quest_select(qargs(r), 0);
+        sa.run(Qr(r), Kr(r), Vr(r), d_off, d_qsel, o, scale, 0);
+      }, &mn);
+      emit((tag + "_step").c_str(), L, B, budget, us, mn,
+           sel_bytes - double(B) * Hkv * (P * D * 2 + 4 * D) + att_bytes, R, sa.n_items(),
+           sa.max_split_used());
     }
     {  // selections of the scored layers (scores: the emit runs above, region 0's q)
       const int nl = B * Hkv;
