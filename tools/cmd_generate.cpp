@@ -51,6 +51,9 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
                         twilight|blasst; quest on the GPU
                         needs page_size 16, group=max; --sparse-opt gpu_scores=fast uses
                         tensor-core page scores)
+  --deterministic       GPU decode attention with the static schedule only: bit-identical
+                        reruns (default: long steps with splits draw their chunks, faster,
+                        last bits may vary; env SPADE_DETERMINISTIC=1 does the same)
   --synthetic NAME      no weights: random weights of NAME's shapes on the GPU (llama3-8b,
                         qwen3-8b, or a config.json path); the prompt is --prompt-len random
                         token ids and the output is token ids (speed measurements)
@@ -162,6 +165,7 @@ int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
   copt.max_tokens = std::min<int64_t>(plen + n, cfg.max_context);
   copt.max_batch = 1;
   copt.max_step_tokens = opt.prefill_chunk;
+  copt.deterministic = a.has("--deterministic");
   copt.sparse = cuda_sparse_config(scfg, cfg, copt.page_size);
   if (a.has("--stats"))
     std::fprintf(stderr, "[spade] attention (GPU): %s\n", copt.sparse.describe().c_str());
@@ -202,7 +206,7 @@ int run(int argc, char** argv) {
           "--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed",
           "--threads", "--page-size", "--prefill-chunk", "--sparse", "--budget", "--sparse-opt",
           "--sparse-config", "--device", "--synthetic", "--prompt-len"},
-         {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats", "--recall"});
+         {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats", "--recall", "--deterministic"});
   if (a.has("--help")) {
     std::fputs(help_text().c_str(), stdout);
     return 0;
@@ -305,6 +309,7 @@ int run(int argc, char** argv) {
     copt.max_tokens = tokens;
     copt.max_batch = 1;
     copt.max_step_tokens = std::min<int64_t>(opt.prefill_chunk, 8192);
+    copt.deterministic = a.has("--deterministic");
     opt.prefill_chunk = copt.max_step_tokens;
     opt.attention = nullptr;
     copt.sparse = cuda_sparse_config(scfg, cfg, layout.page_size);

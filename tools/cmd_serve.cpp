@@ -55,6 +55,9 @@ GET /v1/models, /health, /metrics (Prometheus), POST /tokenize, /detokenize.
                           server's --sparse method (full, streaming, quest, tidal, lessismore,
                           lycheedecode, twilight, blasst);
                           a request asking for another method gets a 400
+  --deterministic         with --device cuda: decode attention with the static schedule only
+                          (bit-identical reruns; default: long steps with splits draw their
+                          chunks, faster, last bits may vary; env SPADE_DETERMINISTIC=1)
   --threads N             CPU threads for the model (default: all cores)
   --http-threads N        HTTP worker threads (default max-batch + max-queue + 8)
   --shutdown-timeout S    seconds to let running requests finish on SIGTERM (default 30)
@@ -80,7 +83,7 @@ int run(int argc, char** argv) {
           "--max-step-tokens", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
           "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device",
           "--shutdown-timeout"},
-         {"--help"});
+         {"--help", "--deterministic"});
   if (a.has("--help")) {
     std::fputs(kHelp, stdout);
     return 0;
@@ -142,6 +145,7 @@ int run(int argc, char** argv) {
     copt.kv_pages = pages;
     copt.page_size = layout.page_size;
     copt.max_batch = so.max_batch;
+    copt.deterministic = a.has("--deterministic");
     so.max_step_tokens = std::max<int64_t>(so.max_step_tokens, so.max_batch);
     copt.max_step_tokens = so.max_step_tokens;
     // The server's method runs inside the GPU model for every request.

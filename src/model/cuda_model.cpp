@@ -346,6 +346,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   attn_ = std::make_unique<cuda::AttentionWorkspace>(A, lim, int(Hq), int(Hkv), int(D), P);
   // BLASST decode: the skip kernel keeps the static schedule, so plan its split counts.
   attn_->set_blasst_decode(sp.blasst_any() && sp.blasst_decode);
+  if (opt_.deterministic) attn_->set_deterministic(true);
   if (sp.blasst_any()) {
     const size_t n = size_t(4) * NL * Hkv;
     blasst_counts_ = A.alloc_n<unsigned long long>(n, "blasst tile counters");

@@ -128,6 +128,10 @@ struct CudaModelOptions {
   static constexpr int kFuseSwiglu = 1, kFuseQkvPost = 2;
   int fused_gemv = kFuseSwiglu | kFuseQkvPost;
   CudaSparse sparse;             // sparse decode (default: none; dense attention)
+  // Decode attention with the static chunk schedule only: the same inputs give the same bits on
+  // every run (AttentionWorkspace::set_deterministic; env SPADE_DETERMINISTIC=1 does the same).
+  // Off, long decode steps with splits let warps draw their chunks (faster, last bits vary).
+  bool deterministic = false;
 };
 
 // Configs for synthetic-weight runs: "llama3-8b" (Llama-3.1-8B: 128K context, llama3 RoPE
