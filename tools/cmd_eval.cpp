@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <map>
@@ -79,6 +80,8 @@ common options:
   --threads N           CPU threads (default: all cores)
   --page-size N         KV page size (default 16)
   --prefill-chunk N     prompt tokens per forward pass (default 1024)
+  --deterministic       with --device cuda: decode attention with the static schedule only,
+                        so a sweep gives the same bits on every run (also SPADE_DETERMINISTIC=1)
 tasks / agree:
   --tasks LIST          comma-separated task names or "all" (default all; agree:
                         niah_single_number,niah_multikey,json_lookup)
@@ -182,6 +185,7 @@ Setup setup(const Args& a, const std::string& kind) {
               "--recall measures attention recall on the CPU only (drop --device cuda)");
   s.ro.page_size = int(a.integer("--page-size", 16));
   s.ro.chunk = a.integer("--prefill-chunk", 1024);
+  s.ro.deterministic = a.has("--deterministic");
   std::vector<int64_t> budgets = parse_list(a.str("--budgets", "256"), "--budgets");
   s.runs = expand_methods(a.str("--methods", "full;streaming;quest;tidal;lessismore;oracle-topk"),
                           budgets);
@@ -221,6 +225,10 @@ Setup setup(const Args& a, const std::string& kind) {
   if (s.device == Device::CUDA) {
     s.meta["gpu"] = gpu_summary();
     s.meta["placement"] = placement_line(s.runs, s.place);
+    // Whether the GPU decode was bit-reproducible (the flag, or the env var the workspace reads).
+    const char* env = std::getenv("SPADE_DETERMINISTIC");
+    s.meta["deterministic_decode"] =
+        s.ro.deterministic || (env && *env && std::string(env) != "0");
   }
   std::fprintf(stderr, "[eval %s] device %s: %s\n", kind.c_str(), device_name(s.device),
                placement_line(s.runs, s.place).c_str());
@@ -610,7 +618,7 @@ int run(int argc, char** argv) {
          {"--model", "--text", "--methods", "--budgets", "--lengths", "--samples", "--seed",
           "--out", "--md", "--threads", "--device", "--page-size", "--prefill-chunk", "--tasks", "--max-new",
           "--decode"},
-         {"--help", "--recall"});
+         {"--help", "--recall", "--deterministic"});
   if (a.has("--help") || a.positional().empty()) {
     std::fputs(kHelp, a.has("--help") ? stdout : stderr);
     if (a.has("--help")) {

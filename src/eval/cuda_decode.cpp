@@ -15,9 +15,10 @@ double since(clk::time_point t) { return std::chrono::duration<double>(clk::now(
 }  // namespace
 
 CudaDecoder::CudaDecoder(const ModelWeights& w, int64_t max_prompt, int64_t max_new,
-                         int page_size, int64_t chunk, const Tokenizer* tok)
+                         int page_size, int64_t chunk, const Tokenizer* tok, bool deterministic)
     : w_(w), tok_(tok), chunk_(std::max<int64_t>(1, chunk)) {
   SPADE_CHECK(page_size > 0, "page size must be positive");
+  opt_.deterministic = deterministic;
   opt_.page_size = page_size;
   opt_.max_tokens = max_prompt + max_new + page_size;
   opt_.max_batch = 1;  // eval decodes one sequence at a time

@@ -24,9 +24,10 @@ class CudaDecoder {
  public:
   // Models sized for prompts up to `max_prompt` tokens plus `max_new` decoded tokens, one
   // sequence, prefill chunks of `chunk` tokens. `tok`: token text for the methods that chunk
-  // by it (LycheeCluster; without it their chunks are fixed 16-token runs).
+  // by it (LycheeCluster; without it their chunks are fixed 16-token runs). `deterministic`:
+  // every model decodes with the static attention schedule (CudaModelOptions::deterministic).
   CudaDecoder(const ModelWeights& w, int64_t max_prompt, int64_t max_new, int page_size = 16,
-              int64_t chunk = 1024, const Tokenizer* tok = nullptr);
+              int64_t chunk = 1024, const Tokenizer* tok = nullptr, bool deterministic = false);
   ~CudaDecoder();
   CudaDecoder(const CudaDecoder&) = delete;
   CudaDecoder& operator=(const CudaDecoder&) = delete;

@@ -100,7 +100,7 @@ EvalRunner::EvalRunner(const ModelWeights& w, const std::vector<MethodRun>& runs
     if (place_[i].gpu) gpu_->sparse[i] = cuda_sparse_config(runs_[i].config, w.config, opt.page_size);
   if (any_gpu)
     gpu_->dec = std::make_unique<CudaDecoder>(w, opt.max_prompt, opt.max_new, opt.page_size,
-                                              opt.chunk, tok);
+                                              opt.chunk, tok, opt.deterministic);
 #else
   SPADE_CHECK(!any_gpu, "EvalRunner: a run is placed on the GPU in a build without CUDA");
 #endif

@@ -45,6 +45,7 @@ struct RunnerOptions {
   int64_t max_new = 0;     // most tokens one decode emits
   int page_size = 16;
   int64_t chunk = 1024;    // prefill chunk
+  bool deterministic = false;  // GPU: static decode schedule, bit-reproducible (CudaModelOptions)
 };
 
 class EvalRunner {

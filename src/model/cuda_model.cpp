@@ -106,6 +106,8 @@ CudaModel::~CudaModel() {
 
 size_t CudaModel::arena_bytes() const { return arena_ ? arena_->capacity() : 0; }
 
+bool CudaModel::decode_draws_chunks() const { return attn_ && attn_->draws_chunks(); }
+
 void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   const ModelConfig& c = cfg_;
   SPADE_CHECK(cuda::device_available(), "--device cuda: no CUDA device is available");

@@ -182,6 +182,9 @@ class CudaModel {
   // Time of the last forward*() on the device (ms, CUDA events around the step).
   float last_step_ms() const { return last_ms_; }
   int graphs_captured() const { return int(graphs_.size()); }
+  // Whether the last step's decode attention drew its chunks (the DYN schedule: fastest for
+  // long steps with splits, not bit-reproducible; never with CudaModelOptions::deterministic).
+  bool decode_draws_chunks() const;
   const CudaSparse& sparse() const { return opt_.sparse; }
   // Tests: when set, each sparse decode step copies every sparse layer's Quest selection (Tidal,
   // LessIsMore, LycheeDecode, oracle-topk: each selecting layer's token lists) to the host: sel[layer][b * Hkv + h] = the

@@ -3,7 +3,9 @@
 // on the SAME bf16-rounded weights, so the measured differences are the GPU's activation
 // precision, not the weight rounding.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -157,6 +159,63 @@ TEST(CudaModel, PoolTooSmallIsAClearError) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("GPU memory"), std::string::npos) << e.what();
   }
+}
+
+// CudaModelOptions::deterministic reaches the decode attention: at a shape where auto's rule
+// lets the warps draw their chunks (16 sequences x 16.4K tokens, 2 KV heads of 128: one wave of
+// splits with >= 32 chunks per warp), the deterministic model runs the static schedule and two
+// runs of the same step give the same logits bit for bit; the default model draws (unless
+// SPADE_DETERMINISTIC is set) and agrees with it within the bf16 rounding the order moves.
+TEST(CudaModel, DeterministicDecodeRepeatsBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const int B = 16;
+  const int64_t L = 16400;
+  ModelConfig c = small_config(Arch::Llama, 128);
+  c.n_layers = 1;
+  c.max_context = 32768;
+  ModelWeights w = random_model(c, 5);
+  CudaModelOptions opt;
+  opt.max_tokens = B * (L + 16);
+  opt.max_batch = B;
+  opt.max_step_tokens = 64;
+  // One decode step over KV filled with seeded random values; logits of every sequence.
+  auto step = [&](CudaModel& m) {
+    std::vector<PageTable> pt(B);
+    std::vector<int32_t> tok(B);
+    std::vector<SeqInput> batch;
+    for (int b = 0; b < B; ++b) {
+      m.fill_kv_random(pt[size_t(b)], L, 100 + uint64_t(b));
+      tok[size_t(b)] = int32_t(7 * b + 1);
+    }
+    for (int b = 0; b < B; ++b) batch.push_back({&pt[size_t(b)], &tok[size_t(b)], 1, false});
+    std::vector<int64_t> rows;
+    std::vector<float> logits = m.forward(batch, rows);
+    for (auto& p : pt) m.release(p);
+    return logits;
+  };
+  opt.deterministic = true;
+  CudaModel det(w, opt);
+  const std::vector<float> a = step(det);
+  EXPECT_FALSE(det.decode_draws_chunks());
+  const std::vector<float> b = step(det);
+  ASSERT_EQ(a.size(), size_t(B) * size_t(c.vocab));
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+      << "deterministic decode steps differ";
+  opt.deterministic = false;
+  CudaModel fast(w, opt);
+  const std::vector<float> f = step(fast);
+  if (const char* e = std::getenv("SPADE_DETERMINISTIC"); !(e && *e && std::string(e) != "0"))
+    EXPECT_TRUE(fast.decode_draws_chunks()) << "auto's rule no longer draws at this shape";
+  ASSERT_EQ(f.size(), a.size());
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, double(std::fabs(f[i] - a[i])));
+    scale = std::max(scale, double(std::fabs(a[i])));
+  }
+  EXPECT_LT(worst, 1e-2 * scale) << "drawn vs static decode: max |logit difference| " << worst;
+  std::printf("[ model ] deterministic vs drawn decode: max |logit diff| %.3g (max |logit| %.3g)\n",
+              worst, scale);
 }
 
 std::string model_path() {
