@@ -178,44 +178,46 @@ TEST(CudaModel, DeterministicDecodeRepeatsBitForBit) {
   opt.max_tokens = B * (L + 16);
   opt.max_batch = B;
   opt.max_step_tokens = 64;
-  // One decode step over KV filled with seeded random values; logits of every sequence.
-  auto step = [&](CudaModel& m) {
+  // One decode step of a fresh model over KV filled with seeded random values (a fresh pool
+  // hands out the same pages, so the step sees the same cache); logits of every sequence.
+  auto step = [&](bool deterministic, bool* drew) {
+    opt.deterministic = deterministic;
+    CudaModel m(w, opt);
     std::vector<PageTable> pt(B);
     std::vector<int32_t> tok(B);
     std::vector<SeqInput> batch;
-    for (int b = 0; b < B; ++b) {
-      m.fill_kv_random(pt[size_t(b)], L, 100 + uint64_t(b));
-      tok[size_t(b)] = int32_t(7 * b + 1);
-    }
+    for (int b = 0; b < B; ++b) tok[size_t(b)] = int32_t(7 * b + 1);
+    for (int b = 0; b < B; ++b) m.fill_kv_random(pt[size_t(b)], L, 100);  // fills the pool
     for (int b = 0; b < B; ++b) batch.push_back({&pt[size_t(b)], &tok[size_t(b)], 1, false});
     std::vector<int64_t> rows;
     std::vector<float> logits = m.forward(batch, rows);
-    for (auto& p : pt) m.release(p);
+    *drew = m.decode_draws_chunks();
     return logits;
   };
-  opt.deterministic = true;
-  CudaModel det(w, opt);
-  const std::vector<float> a = step(det);
-  EXPECT_FALSE(det.decode_draws_chunks());
-  const std::vector<float> b = step(det);
+  bool drew = true;
+  const std::vector<float> a = step(true, &drew);
+  EXPECT_FALSE(drew);
+  const std::vector<float> b = step(true, &drew);
   ASSERT_EQ(a.size(), size_t(B) * size_t(c.vocab));
   ASSERT_EQ(a.size(), b.size());
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
       << "deterministic decode steps differ";
-  opt.deterministic = false;
-  CudaModel fast(w, opt);
-  const std::vector<float> f = step(fast);
+  const std::vector<float> f = step(false, &drew);
   if (const char* e = std::getenv("SPADE_DETERMINISTIC"); !(e && *e && std::string(e) != "0"))
-    EXPECT_TRUE(fast.decode_draws_chunks()) << "auto's rule no longer draws at this shape";
+    EXPECT_TRUE(drew) << "auto's rule no longer draws at this shape";
   ASSERT_EQ(f.size(), a.size());
   double worst = 0, scale = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     worst = std::max(worst, double(std::fabs(f[i] - a[i])));
     scale = std::max(scale, double(std::fabs(a[i])));
   }
-  EXPECT_LT(worst, 1e-2 * scale) << "drawn vs static decode: max |logit difference| " << worst;
-  std::printf("[ model ] deterministic vs drawn decode: max |logit diff| %.3g (max |logit| %.3g)\n",
-              worst, scale);
+  // One bf16 rounding of the attention output, carried through wo, the MLP and the lm_head
+  // (measured 0.163 of 236 on the H100).
+  EXPECT_LT(worst, 3e-3 * scale) << "drawn vs static decode: max |logit difference| " << worst;
+  const std::vector<float> g = step(false, &drew);  // drawn twice: may or may not differ
+  std::printf("[ model ] deterministic vs drawn decode: max |logit diff| %.3g (max |logit| %.3g); "
+              "two drawn runs bit-identical: %s\n",
+              worst, scale, std::memcmp(f.data(), g.data(), f.size() * sizeof(float)) ? "no" : "yes");
 }
 
 std::string model_path() {
