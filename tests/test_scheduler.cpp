@@ -33,6 +33,7 @@ struct Result {
   std::vector<int32_t> tokens;
   std::vector<TokenLogprob> logprobs;
   FinishReason reason = FinishReason::None;
+  std::string error;
   int64_t prompt_tokens = 0, completion_tokens = 0;
   int deltas = 0;
 };
@@ -49,6 +50,7 @@ Result collect(RequestChannel& ch, std::chrono::seconds limit = 60s) {
     r.logprobs.insert(r.logprobs.end(), d.logprobs.begin(), d.logprobs.end());
     if (d.finished) {
       r.reason = d.reason;
+      r.error = d.error;
       r.prompt_tokens = d.prompt_tokens;
       r.completion_tokens = d.completion_tokens;
       return r;
@@ -405,5 +407,59 @@ TEST(Scheduler, FailingAttentionMakerFailsOnlyThatRequest) {
   EXPECT_EQ(collect(*b).reason, FinishReason::Error);
   EXPECT_EQ(collect(*g).reason, FinishReason::Length);
   ASSERT_TRUE(sched.wait_idle(5s));
+  EXPECT_EQ(f.kv.used_pages(), 0);
+}
+
+// Dense attention through the callback path that throws at one layer of one decode step,
+// as a sparse method's state can fail mid-step (issue: a tidal request with a bad layer
+// schedule used to fail every request of its step).
+class ThrowingAttention : public SeqAttention {
+ public:
+  ThrowingAttention(CpuModel& m, int64_t fail_at_call) {
+    fn_ = [&m, fail_at_call, calls = int64_t(0)](int layer, const PageTable& pt, const float* q,
+                                                 int64_t p0, int64_t T, float* out) mutable {
+      if (++calls == fail_at_call) throw Error("layer 1 has no token set from this step");
+      m.dense_attention(layer, pt, q, p0, T, out);
+    };
+  }
+  const AttentionFn* fn() override { return &fn_; }
+
+ private:
+  AttentionFn fn_;
+};
+
+TEST(Scheduler, MethodFailingMidStepFailsOnlyThatRequest) {
+  Fixture f;
+  SchedulerOptions so;
+  so.max_batch = 8;
+  Scheduler sched(f.model, f.text, so);
+  // Prefill is one call per layer; the throw lands in layer 1 of the third decode step.
+  const int64_t fail_at = int64_t(f.cfg.n_layers) * 3 + 2;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestChannel>> chans;
+  for (int i = 0; i < 4; ++i) prompts.push_back(make_prompt(6 + i, 10 + i, f.cfg.vocab));
+  EngineRequest bad = greedy(prompts[0], 12);
+  bad.method = "planted";
+  CpuModel& m = f.model;
+  bad.attention = [&m, fail_at]() -> std::unique_ptr<SeqAttention> {
+    return std::make_unique<ThrowingAttention>(m, fail_at);
+  };
+  chans.push_back(sched.submit(std::move(bad)));
+  for (int i = 1; i < 4; ++i) chans.push_back(sched.submit(greedy(prompts[size_t(i)], 12)));
+  const Result b = collect(*chans[0]);
+  EXPECT_EQ(b.reason, FinishReason::Error);
+  EXPECT_NE(b.error.find("sparse method 'planted': layer 1 has no token set"), std::string::npos) << b.error;
+  EXPECT_EQ(b.completion_tokens, 3);  // the steps before the failing one were sampled
+  for (int i = 1; i < 4; ++i) {
+    const Result r = collect(*chans[size_t(i)]);
+    EXPECT_EQ(r.reason, FinishReason::Length) << r.error;
+    ASSERT_EQ(r.tokens.size(), 12u);
+    expect_greedy(f.w, prompts[size_t(i)], r.tokens);
+  }
+  ASSERT_TRUE(sched.wait_idle(5s));
+  const EngineMetrics em = sched.metrics();
+  EXPECT_EQ(em.finished_error, 1u);
+  EXPECT_EQ(em.finished_length, 3u);
+  EXPECT_GT(em.batch_size.sum / double(em.batch_size.count), 1.0);  // it really shared steps
   EXPECT_EQ(f.kv.used_pages(), 0);
 }

@@ -12,14 +12,6 @@ using namespace spade::server;
 
 namespace {
 
-int port_of(int fd, bool peer) {
-  sockaddr_in a{};
-  socklen_t n = sizeof a;
-  if (peer) getpeername(fd, reinterpret_cast<sockaddr*>(&a), &n);
-  else getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
-  return ntohs(a.sin_port);
-}
-
 // A connected pair over 127.0.0.1: {server side, client side}.
 std::pair<int, int> tcp_pair() {
   int ls = socket(AF_INET, SOCK_STREAM, 0);
@@ -37,24 +29,69 @@ std::pair<int, int> tcp_pair() {
   return {s, c};
 }
 
+// Polls `w` for up to 1 s until it reports the peer gone; returns whether it did.
+bool gone_within_1s(PeerWatch& w, const std::string& probe) {
+  for (int i = 0; i < 100; ++i) {
+    if (w.gone(probe)) return true;
+    usleep(10000);
+  }
+  return false;
+}
+
+const std::string kProbe = "HTTP/1.1 100 Continue\r\n\r\n";
+
 }  // namespace
 
-TEST(ServerSocket, FindsTheServerSideAndSeesTheClientLeave) {
+TEST(ServerSocket, LiveClientWithUnreadDataIsNotGone) {
   auto [s, c] = tcp_pair();
   ASSERT_GE(s, 0);
-  // The handler knows its local port and the client's port, as cpp-httplib reports them.
-  const int local = port_of(s, false), remote = port_of(s, true);
-  EXPECT_EQ(find_connection_socket(local, remote), s);
-  EXPECT_EQ(find_connection_socket(local, remote), s);  // cached
-  EXPECT_EQ(find_connection_socket(local, remote + 1 == 65536 ? 1 : remote + 1), -1);
-  EXPECT_FALSE(peer_closed(s));
-  // Unread data from a live client is not a disconnect.
-  ASSERT_EQ(write(c, "x", 1), 1);
+  PeerWatch w(s);
+  EXPECT_FALSE(w.gone(kProbe));
+  ASSERT_EQ(write(c, "x", 1), 1);  // a pipelined byte: not a disconnect, and not consumed
   usleep(10000);
-  EXPECT_FALSE(peer_closed(s));
+  EXPECT_FALSE(w.gone(kProbe));
+  char b;
+  EXPECT_EQ(recv(s, &b, 1, MSG_DONTWAIT), 1);
+  EXPECT_FALSE(w.saw_eof());
   close(c);
-  usleep(10000);
-  EXPECT_TRUE(peer_closed(s));
   close(s);
-  EXPECT_FALSE(peer_closed(-1));
+  EXPECT_FALSE(PeerWatch(-1).gone(kProbe));
+}
+
+TEST(ServerSocket, HalfClosedClientStaysAndReadsTheProbe) {
+  auto [s, c] = tcp_pair();
+  ASSERT_GE(s, 0);
+  ASSERT_EQ(shutdown(c, SHUT_WR), 0);  // the request is sent; the client still reads
+  PeerWatch w(s);
+  EXPECT_FALSE(gone_within_1s(w, kProbe));
+  EXPECT_TRUE(w.saw_eof());
+  char buf[64] = {};
+  ASSERT_EQ(recv(c, buf, sizeof buf - 1, MSG_DONTWAIT), ssize_t(kProbe.size()));
+  EXPECT_EQ(std::string(buf), kProbe);
+  // The answer still reaches it.
+  ASSERT_EQ(send(s, "ok", 2, MSG_NOSIGNAL), 2);
+  usleep(10000);
+  EXPECT_EQ(recv(c, buf, sizeof buf, MSG_DONTWAIT), 2);
+  close(c);
+  close(s);
+}
+
+TEST(ServerSocket, ClosedClientIsGoneAfterTheProbe) {
+  auto [s, c] = tcp_pair();
+  ASSERT_GE(s, 0);
+  close(c);
+  PeerWatch w(s);
+  EXPECT_TRUE(gone_within_1s(w, kProbe));  // the probe draws the reset
+  EXPECT_TRUE(w.gone(kProbe));             // and stays gone
+  close(s);
+}
+
+TEST(ServerSocket, WithoutAProbeEndOfStreamIsGone) {
+  auto [s, c] = tcp_pair();
+  ASSERT_GE(s, 0);
+  ASSERT_EQ(shutdown(c, SHUT_WR), 0);
+  PeerWatch w(s);
+  EXPECT_TRUE(gone_within_1s(w, ""));  // HTTP/1.0: nothing may be sent before the answer
+  close(c);
+  close(s);
 }

@@ -22,6 +22,10 @@ struct Scheduler::Seq {
   int64_t generated = 0;
   PageTable pt;
   std::unique_ptr<SeqAttention> attn;
+  // attn's function behind a guard: a method that throws fails this request only (error),
+  // and its remaining layers of the step write zeros that nobody samples from.
+  AttentionFn guarded;
+  std::string error;
   std::unique_ptr<sparse::MethodState> dev_state;  // the runner's own method's (GPU LycheeCluster)
   std::string held;             // text not yet emitted: might be the start of a stop string
   uint64_t order = 0;           // admission priority (submission order)
@@ -214,8 +218,25 @@ bool Scheduler::admit_one(std::vector<std::unique_ptr<Seq>>& running) {
     if (!s->admitted_once) metrics_.queue_time.observe(seconds(clock_type::now() - s->ch->created));
   }
   s->admitted_once = true;
+  s->error.clear();
   try {
-    if (s->req.attention) s->attn = s->req.attention();
+    if (s->req.attention) {
+      s->attn = s->req.attention();
+      Seq* sp = s.get();
+      const int64_t width = int64_t(model_.config().n_heads) * model_.config().head_dim;
+      s->guarded = [sp, width](int layer, const PageTable& pt, const float* q, int64_t p0,
+                               int64_t T, float* out) {
+        if (sp->error.empty()) {
+          try {
+            (*sp->attn->fn())(layer, pt, q, p0, T, out);
+            return;
+          } catch (const std::exception& e) {
+            sp->error = e.what();
+          }
+        }
+        std::fill(out, out + T * width, 0.f);
+      };
+    }
     s->dev_state = model_.new_request_state();
   } catch (const std::exception& e) {
     finish(*s, FinishReason::Error, cat("sparse method: ", e.what()));
@@ -310,7 +331,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
         in.pages = &r->pt;
         in.tokens = r->tokens.data() + r->pt.length;
         in.n_tokens = n;
-        in.attention = r->attn ? r->attn->fn() : nullptr;
+        in.attention = r->attn ? &r->guarded : nullptr;
         in.device_state = r->dev_state.get();
         batch_.push_back(in);
         batch_seqs_.push_back(r.get());
@@ -324,10 +345,14 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   if (batch_.empty()) return;
   for (size_t i = 0; i < batch_.size(); ++i) {
     Seq* s = batch_seqs_[i];
-    if (s->attn) s->attn->on_tokens(batch_[i].tokens, batch_[i].n_tokens, text_);
-    if (s->dev_state && s->dev_state->wants_token_text())
-      for (int64_t j = 0; j < batch_[i].n_tokens; ++j)
-        s->dev_state->append_token_text(text_.piece(batch_[i].tokens[j]));
+    try {
+      if (s->attn) s->attn->on_tokens(batch_[i].tokens, batch_[i].n_tokens, text_);
+      if (s->dev_state && s->dev_state->wants_token_text())
+        for (int64_t j = 0; j < batch_[i].n_tokens; ++j)
+          s->dev_state->append_token_text(text_.piece(batch_[i].tokens[j]));
+    } catch (const std::exception& e) {
+      if (s->error.empty()) s->error = e.what();
+    }
   }
 
   const std::vector<float>* logits = nullptr;
@@ -346,6 +371,12 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   for (size_t i = 0; i < batch_seqs_.size(); ++i) {
     Seq& s = *batch_seqs_[i];
     step_tokens += batch_[i].n_tokens;
+    if (!s.error.empty()) {
+      // Its own method failed: this request ends with that error (its pages go back); the
+      // other sequences of the step are unaffected.
+      finish(s, FinishReason::Error, cat("sparse method '", s.req.method, "': ", s.error));
+      continue;
+    }
     if (!s.prompt_counted && s.pt.length >= s.n_prompt) {
       s.prompt_counted = true;
       std::lock_guard<std::mutex> lk(mu_);

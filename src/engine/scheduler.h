@@ -14,6 +14,11 @@
 //
 // Cancellation (RequestChannel::cancel) is honoured at the next step: the request ends as
 // Cancelled and its pages return to the pool.
+//
+// Failure isolation: a request's own sparse method that throws (while attending, or while
+// taking its tokens' text) ends that request with FinishReason::Error and its message; its
+// pages return to the pool and the step completes for every other sequence. Only an error
+// of the shared forward pass itself fails the whole step.
 #pragma once
 #include <atomic>
 #include <condition_variable>

@@ -1,13 +1,15 @@
 #include "server/http_server.h"
 
-#include <httplib.h>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
+#include "server/http_transport.h"
 #include "server/openai_response.h"
-#include "server/socket_probe.h"
 #include "tokenizer/tokenizer.h"
 
 namespace spade::server {
@@ -36,9 +38,34 @@ ApiError api_error(int status, std::string message, std::string code = {}, std::
   return e;
 }
 
-void send_error(httplib::Response& res, const ApiError& e) {
-  res.status = e.status;
-  res.set_content(error_json(e), "application/json");
+HttpResponse error_response(const ApiError& e) {
+  HttpResponse r;
+  r.status = e.status;
+  r.body = error_json(e);
+  return r;
+}
+
+void send_error(HttpExchange& ex, const ApiError& e) { ex.respond(error_response(e)); }
+
+HttpResponse json_response(std::string body) {
+  HttpResponse r;
+  r.body = std::move(body);
+  return r;
+}
+
+// "Authorization: Bearer KEY" (the scheme is case-insensitive, RFC 9110) or "X-Api-Key: KEY".
+std::string presented_key(const HttpRequest& req) {
+  const std::string auth = req.header("authorization");
+  const size_t sp = auth.find(' ');
+  if (sp != std::string::npos) {
+    std::string scheme = auth.substr(0, sp);
+    for (char& c : scheme) c = char(std::tolower(static_cast<unsigned char>(c)));
+    if (scheme == "bearer") {
+      const size_t k = auth.find_first_not_of(' ', sp);
+      return k == std::string::npos ? std::string() : auth.substr(k);
+    }
+  }
+  return req.header("x-api-key");
 }
 
 uint64_t splitmix(uint64_t x) {
@@ -64,39 +91,35 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-// One streamed response: pulls deltas from the channel and writes SSE events.
+// One streamed response: pulls deltas from the channel and writes SSE events until the
+// request finishes or the client goes away.
 struct StreamState {
   std::shared_ptr<RequestChannel> ch;
   ResponseMeta meta;
-  int fd = -1;
   bool include_usage = false;
-  bool started = false;
   std::string echo;
   size_t offset = 0;
   RequestDelta delta;
 
-  bool write(httplib::DataSink& sink, const std::string& s) {
-    return s.empty() || sink.write(s.data(), s.size());
-  }
-  // One call of cpp-httplib's content provider; false aborts the connection.
-  bool pump(httplib::DataSink& sink) {
-    if (!started) {
-      started = true;
-      if (meta.kind == ApiKind::Chat && !write(sink, stream_chunk(meta, "", {}, nullptr, true, 0)))
-        return fail();
-      if (!echo.empty()) {
-        if (!write(sink, stream_chunk(meta, echo, {}, nullptr, false, 0))) return fail();
-        offset += echo.size();
+  void run(HttpExchange& ex) {
+    if (!ex.begin_stream(200, "text/event-stream", {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}}))
+      return fail();
+    if (meta.kind == ApiKind::Chat && !ex.write_chunk(stream_chunk(meta, "", {}, nullptr, true, 0)))
+      return fail();
+    if (!echo.empty()) {
+      if (!ex.write_chunk(stream_chunk(meta, echo, {}, nullptr, false, 0))) return fail();
+      offset += echo.size();
+    }
+    for (;;) {
+      if (ex.peer_gone()) return fail();
+      if (!ch->wait_take(delta, kPoll)) continue;
+      if (!delta.text.empty() || !delta.logprobs.empty()) {
+        if (!ex.write_chunk(stream_chunk(meta, delta.text, delta.logprobs, nullptr, false, offset)))
+          return fail();
+        offset += delta.text.size();
       }
+      if (delta.finished) break;
     }
-    if (peer_closed(fd)) return fail();
-    if (!ch->wait_take(delta, kPoll)) return true;  // nothing yet: called again
-    if (!delta.text.empty() || !delta.logprobs.empty()) {
-      if (!write(sink, stream_chunk(meta, delta.text, delta.logprobs, nullptr, false, offset)))
-        return fail();
-      offset += delta.text.size();
-    }
-    if (!delta.finished) return true;
     std::string tail;
     if (delta.reason == FinishReason::Error || delta.reason == FinishReason::Cancelled) {
       tail = stream_error(delta.reason == FinishReason::Error
@@ -108,15 +131,19 @@ struct StreamState {
       if (include_usage) tail += usage_chunk(meta, delta.prompt_tokens, delta.completion_tokens);
     }
     tail += stream_done();
-    if (!write(sink, tail)) return fail();
-    sink.done();
-    return true;
+    if (!ex.write_chunk(tail)) return fail();
+    ex.end_stream();
   }
-  bool fail() {
-    ch->cancel();
-    return false;
-  }
+  void fail() { ch->cancel(); }
 };
+
+// Longest text a single token decodes to: a prompt of B bytes has at least B / this many
+// tokens (tokenizers do not shrink text by more than 2x in normalization, hence the 2).
+size_t longest_piece(const TokenText& text, int32_t vocab) {
+  size_t m = 1;
+  for (int32_t id = 0; id < vocab; ++id) m = std::max(m, text.piece(id).size());
+  return m;
+}
 
 }  // namespace
 
@@ -126,6 +153,8 @@ struct HttpServer::Impl {
       : sched(s), tok(t), text(tt), sparse(sp), cfg(c), opt(std::move(o)) {
     salt = splitmix(uint64_t(std::random_device{}()) ^
                     uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()));
+    const size_t piece = longest_piece(text, std::min<int32_t>(tok.vocab_size(), cfg.vocab));
+    max_prompt_bytes = std::min<size_t>(opt.max_body_bytes, size_t(sched.max_context()) * piece * 2);
   }
 
   Scheduler& sched;
@@ -134,7 +163,8 @@ struct HttpServer::Impl {
   SparseMethods& sparse;
   const ModelConfig& cfg;
   ServerOptions opt;
-  httplib::Server svr;
+  size_t max_prompt_bytes = 0;  // longer prompt text cannot fit the context: 400 before tokenizing
+  std::unique_ptr<HttpTransport> transport;
   std::atomic<bool> draining{false};
   std::atomic<int> active{0};
   std::atomic<uint64_t> counter{0};
@@ -150,12 +180,29 @@ struct HttpServer::Impl {
   }
 
   void setup();
-  void generate(const httplib::Request& req, httplib::Response& res, ApiKind kind);
-  void tokenize(const httplib::Request& req, httplib::Response& res);
-  void detokenize(const httplib::Request& req, httplib::Response& res);
+  bool quick(const HttpRequest& req, HttpResponse& out);
+  void handle(HttpExchange& ex);
+  void generate(HttpExchange& ex, ApiKind kind);
+  void tokenize(HttpExchange& ex);
+  void detokenize(HttpExchange& ex);
+  std::optional<ApiError> check_text_size(size_t bytes, const char* param) const;
   std::string render_chat(const std::vector<ApiMessage>& msgs, bool add_generation_prompt);
   std::vector<int32_t> chat_tokens(const std::vector<ApiMessage>& msgs, bool add_generation_prompt);
 };
+
+std::optional<ApiError> HttpServer::Impl::check_text_size(size_t bytes, const char* param) const {
+  if (bytes <= max_prompt_bytes) return std::nullopt;
+  return api_error(400, cat("the prompt text has ", bytes, " bytes; this model's context of ",
+                            sched.max_context(), " tokens holds at most ", max_prompt_bytes,
+                            " bytes of text. Please reduce the length of the prompt."),
+                   "context_length_exceeded", param);
+}
+
+static size_t message_bytes(const std::vector<ApiMessage>& msgs) {
+  size_t n = 0;
+  for (const ApiMessage& m : msgs) n += m.role.size() + m.content.size();
+  return n;
+}
 
 std::string HttpServer::Impl::render_chat(const std::vector<ApiMessage>& msgs,
                                           bool add_generation_prompt) {
@@ -174,11 +221,15 @@ std::vector<int32_t> HttpServer::Impl::chat_tokens(const std::vector<ApiMessage>
   return tok.encode(s, /*add_special=*/tok.chat_template() == nullptr, /*parse_special=*/true);
 }
 
-void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& res, ApiKind kind) {
-  if (draining.load()) return send_error(res, api_error(503, "the server is shutting down", "server_shutting_down"));
+void HttpServer::Impl::generate(HttpExchange& ex, ApiKind kind) {
+  const HttpRequest& req = ex.request();
+  if (draining.load()) return send_error(ex, api_error(503, "the server is shutting down", "server_shutting_down"));
   ParseResult pr = kind == ApiKind::Chat ? parse_chat_request(req.body) : parse_completion_request(req.body);
-  if (!pr.ok()) return send_error(res, pr.error);
+  if (!pr.ok()) return send_error(ex, pr.error);
   ApiRequest& a = *pr.request;
+  if (auto e = check_text_size(kind == ApiKind::Chat ? message_bytes(a.messages) : a.prompt.size(),
+                               kind == ApiKind::Chat ? "messages" : "prompt"))
+    return send_error(ex, *e);
   const int32_t vocab = std::min<int32_t>(tok.vocab_size(), cfg.vocab);
 
   EngineRequest er;
@@ -190,7 +241,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
       er.prompt = std::move(a.prompt_ids);
       for (int32_t id : er.prompt)
         if (id >= vocab)
-          return send_error(res, api_error(400, cat("prompt token id ", id, " is outside the vocabulary [0, ",
+          return send_error(ex, api_error(400, cat("prompt token id ", id, " is outside the vocabulary [0, ",
                                                     vocab, ")"), "invalid_value", "prompt"));
       if (a.echo) echo = tok.decode(er.prompt);
     } else {
@@ -198,13 +249,13 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
       if (a.echo) echo = a.prompt;
     }
   } catch (const std::exception& e) {
-    return send_error(res, api_error(400, cat(kind == ApiKind::Chat ? "cannot apply the chat template: "
+    return send_error(ex, api_error(400, cat(kind == ApiKind::Chat ? "cannot apply the chat template: "
                                                                     : "cannot tokenize the prompt: ",
                                               e.what()),
                                      "invalid_value", kind == ApiKind::Chat ? "messages" : "prompt"));
   }
   if (er.prompt.empty())
-    return send_error(res, api_error(400, "the prompt is empty (no tokens)", "invalid_value", "prompt"));
+    return send_error(ex, api_error(400, "the prompt is empty (no tokens)", "invalid_value", "prompt"));
   const int64_t P = int64_t(er.prompt.size()), ctx = sched.max_context();
   if (a.max_tokens) {
     er.max_tokens = *a.max_tokens;
@@ -222,7 +273,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
   if (!a.ignore_eos) er.stop_ids = tok.eos_ids();
   for (int32_t id : a.stop_token_ids) {
     if (id >= vocab)
-      return send_error(res, api_error(400, cat("stop token id ", id, " is outside the vocabulary"),
+      return send_error(ex, api_error(400, cat("stop token id ", id, " is outside the vocabulary"),
                                        "invalid_value", "stop_token_ids"));
     er.stop_ids.push_back(id);
   }
@@ -232,16 +283,16 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
     er.method = sp.method;
     er.attention = std::move(sp.maker);
   } catch (const std::exception& e) {
-    return send_error(res, api_error(400, e.what(), "invalid_value", "sparse"));
+    return send_error(ex, api_error(400, e.what(), "invalid_value", "sparse"));
   }
 
   std::shared_ptr<RequestChannel> ch;
   try {
     ch = sched.submit(std::move(er));
   } catch (const SubmitError& e) {
-    ApiError err = api_error(e.status, e.what(), e.code);
-    if (e.status == 429 || e.status == 503) res.set_header("Retry-After", "1");
-    return send_error(res, err);
+    HttpResponse r = error_response(api_error(e.status, e.what(), e.code));
+    if (e.status == 429 || e.status == 503) r.headers.emplace_back("Retry-After", "1");
+    return ex.respond(r);
   }
 
   ResponseMeta meta;
@@ -252,32 +303,21 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
   meta.model = opt.model_id;
   meta.logprobs = a.logprobs;
   meta.text = &text;
-  const int fd = find_connection_socket(req.local_port, req.remote_port);
-
-  if (a.stream) {
-    auto st = std::make_shared<StreamState>();
-    st->ch = ch;
-    st->meta = meta;
-    st->fd = fd;
-    st->include_usage = a.include_usage;
-    st->echo = std::move(echo);
-    ++active;
-    res.set_header("Cache-Control", "no-cache");
-    res.set_header("X-Accel-Buffering", "no");
-    res.set_chunked_content_provider(
-        "text/event-stream", [st](size_t, httplib::DataSink& sink) { return st->pump(sink); },
-        [st, this](bool) {
-          if (!st->ch->finished()) st->ch->cancel();
-          --active;
-        });
-    return;
-  }
 
   ++active;
   struct Done {
     std::atomic<int>& n;
     ~Done() { --n; }
   } done{active};
+  if (a.stream) {
+    StreamState st;
+    st.ch = ch;
+    st.meta = meta;
+    st.include_usage = a.include_usage;
+    st.echo = std::move(echo);
+    st.run(ex);
+    return;
+  }
   std::string out = std::move(echo);
   std::vector<TokenLogprob> lps;
   RequestDelta d;
@@ -287,25 +327,26 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
       for (auto& l : d.logprobs) lps.push_back(std::move(l));
       if (d.finished) break;
     }
-    if (peer_closed(fd)) {
-      ch->cancel();
-      res.status = 499;  // client closed the request; nothing will be read
+    if (ex.peer_gone()) {
+      ch->cancel();  // the client left: nothing will be read
       return;
     }
   }
   if (d.reason == FinishReason::Error)
-    return send_error(res, api_error(500, d.error.empty() ? "generation failed" : d.error));
+    return send_error(ex, api_error(500, d.error.empty() ? "generation failed" : d.error));
   if (d.reason == FinishReason::Cancelled)
-    return send_error(res, api_error(503, d.error.empty() ? "the request was cancelled" : d.error,
-                                     "server_shutting_down"));
-  res.set_content(full_response(meta, out, lps, d.reason, d.prompt_tokens, d.completion_tokens),
-                  "application/json");
+    return send_error(ex, api_error(503, d.error.empty() ? "the request was cancelled" : d.error,
+                                    "server_shutting_down"));
+  ex.respond(json_response(full_response(meta, out, lps, d.reason, d.prompt_tokens, d.completion_tokens)));
 }
 
-void HttpServer::Impl::tokenize(const httplib::Request& req, httplib::Response& res) {
+void HttpServer::Impl::tokenize(HttpExchange& ex) {
   ApiError err;
-  auto t = parse_tokenize_request(req.body, err);
-  if (!t) return send_error(res, err);
+  auto t = parse_tokenize_request(ex.request().body, err);
+  if (!t) return send_error(ex, err);
+  if (auto e = check_text_size(t->is_chat ? message_bytes(t->messages) : t->prompt.size(),
+                               t->is_chat ? "messages" : "prompt"))
+    return send_error(ex, *e);
   std::vector<int32_t> ids;
   try {
     if (t->is_chat) {
@@ -315,112 +356,126 @@ void HttpServer::Impl::tokenize(const httplib::Request& req, httplib::Response& 
       ids = tok.encode(t->prompt, t->add_special_tokens, true);
     }
   } catch (const std::exception& e) {
-    return send_error(res, api_error(400, e.what(), "invalid_value"));
+    return send_error(ex, api_error(400, e.what(), "invalid_value"));
   }
   json j = {{"tokens", ids}, {"count", ids.size()}, {"max_model_len", sched.max_context()}};
-  res.set_content(j.dump(), "application/json");
+  ex.respond(json_response(j.dump()));
 }
 
-void HttpServer::Impl::detokenize(const httplib::Request& req, httplib::Response& res) {
+void HttpServer::Impl::detokenize(HttpExchange& ex) {
   ApiError err;
-  auto t = parse_detokenize_request(req.body, err);
-  if (!t) return send_error(res, err);
+  auto t = parse_detokenize_request(ex.request().body, err);
+  if (!t) return send_error(ex, err);
   for (int32_t id : t->tokens)
     if (id >= tok.vocab_size())
-      return send_error(res, api_error(400, cat("token id ", id, " is outside the vocabulary [0, ",
+      return send_error(ex, api_error(400, cat("token id ", id, " is outside the vocabulary [0, ",
                                                 tok.vocab_size(), ")"), "invalid_value", "tokens"));
   json j = {{"prompt", tok.decode(t->tokens)}};
-  res.set_content(j.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+  ex.respond(json_response(j.dump(-1, ' ', false, json::error_handler_t::replace)));
 }
 
-void HttpServer::Impl::setup() {
-  const int threads = opt.http_threads > 0
-                          ? opt.http_threads
-                          : sched.options().max_batch + sched.options().max_queue + 8;
-  svr.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
-  svr.set_payload_max_length(opt.max_body_bytes);
-  svr.set_keep_alive_timeout(opt.keep_alive_seconds);
-  svr.set_read_timeout(opt.io_timeout_seconds, 0);
-  svr.set_write_timeout(opt.io_timeout_seconds, 0);
-  svr.set_tcp_nodelay(true);
+namespace {
+const char* const kRoutes[] = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                               "/metrics", "/tokenize", "/detokenize"};
+bool is_get_route(const std::string& p) { return p == "/health" || p == "/v1/models" || p == "/metrics"; }
+bool is_known_route(const std::string& p) {
+  return std::find_if(std::begin(kRoutes), std::end(kRoutes), [&](const char* r) { return p == r; }) !=
+         std::end(kRoutes);
+}
+}  // namespace
 
-  svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (opt.api_key.empty() || req.path == "/health" || req.path == "/metrics")
-      return httplib::Server::HandlerResponse::Unhandled;
-    std::string key = req.get_header_value("Authorization");
-    if (key.rfind("Bearer ", 0) == 0) key = key.substr(7);
-    else key = req.get_header_value("X-Api-Key");
-    if (constant_time_equal(key, opt.api_key)) return httplib::Server::HandlerResponse::Unhandled;
-    send_error(res, api_error(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                              "invalid_api_key"));
-    return httplib::Server::HandlerResponse::Handled;
-  });
-  // Every error status gets an OpenAI-shaped body unless the handler wrote one.
-  svr.set_error_handler(httplib::Server::HandlerWithResponse(
-      [](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty() || res.status == 499) return httplib::Server::HandlerResponse::Unhandled;
-    std::string msg;
-    switch (res.status) {
-      case 404: msg = "no route for " + req.method + " " + req.path; break;
-      case 405: msg = "method " + req.method + " not allowed on " + req.path; break;
-      case 413: msg = "the request body is too large"; break;
-      case 414: msg = "the request URI is too long"; break;
-      default: msg = "HTTP error " + std::to_string(res.status); break;
-    }
-    send_error(res, api_error(res.status, msg));
-    return httplib::Server::HandlerResponse::Handled;
-  }));
-  svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-    std::string msg = "internal error";
-    try {
-      if (ep) std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      msg = std::string("internal error: ") + e.what();
-    } catch (...) {
-    }
-    send_error(res, api_error(500, msg));
-  });
-  svr.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
-    static const char* known[] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
-                                  "/health", "/metrics", "/tokenize", "/detokenize"};
-    std::string route = "other";
-    for (const char* k : known)
-      if (req.path == k) route = k;
-    std::lock_guard<std::mutex> lk(count_mu);
-    ++counts[{route, res.status}];
-  });
-
-  svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    if (draining.load()) {
-      res.status = 503;
-      res.set_content(R"({"status":"draining"})", "application/json");
-    } else {
-      res.set_content(R"({"status":"ok"})", "application/json");
-    }
-  });
-  svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+// Reactor thread: authentication, routing errors and the cheap GET routes.
+bool HttpServer::Impl::quick(const HttpRequest& req, HttpResponse& out) {
+  if (!opt.api_key.empty() && req.path != "/health" && req.path != "/metrics" &&
+      !constant_time_equal(presented_key(req), opt.api_key)) {
+    out = error_response(api_error(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                   "invalid_api_key"));
+    return true;
+  }
+  if (!is_known_route(req.path)) {
+    out = error_response(api_error(404, "no route for " + req.method + " " + req.path));
+    return true;
+  }
+  const bool get = is_get_route(req.path);
+  if (req.method != (get ? "GET" : "POST")) {
+    out = error_response(api_error(405, "method " + req.method + " not allowed on " + req.path));
+    out.headers.emplace_back("Allow", get ? "GET" : "POST");
+    return true;
+  }
+  if (req.path == "/health") {
+    out.status = draining.load() ? 503 : 200;
+    out.body = draining.load() ? R"({"status":"draining"})" : R"({"status":"ok"})";
+    return true;
+  }
+  if (req.path == "/v1/models") {
     json m = {{"id", opt.model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "spade"},
               {"max_model_len", sched.max_context()}};
     json j = {{"object", "list"}, {"data", json::array({m})}};
-    res.set_content(j.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
-  });
-  svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    out.body = j.dump(-1, ' ', false, json::error_handler_t::replace);
+    return true;
+  }
+  if (req.path == "/metrics") {
     HttpCounts c;
     {
       std::lock_guard<std::mutex> lk(count_mu);
       c = counts;
     }
-    res.set_content(prometheus_text(sched.metrics(), c, opt.model_id),
-                    "text/plain; version=0.0.4; charset=utf-8");
-  });
-  svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    generate(req, res, ApiKind::Completion);
-  });
-  svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    generate(req, res, ApiKind::Chat);
-  });
-  svr.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) { tokenize(req, res); });
-  svr.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) { detokenize(req, res); });
+    out.content_type = "text/plain; version=0.0.4; charset=utf-8";
+    out.body = prometheus_text(sched.metrics(), c, opt.model_id);
+    return true;
+  }
+  return false;
+}
+
+// Worker thread: the routes that tokenize or generate.
+void HttpServer::Impl::handle(HttpExchange& ex) {
+  const std::string& p = ex.request().path;
+  try {
+    if (p == "/v1/completions") return generate(ex, ApiKind::Completion);
+    if (p == "/v1/chat/completions") return generate(ex, ApiKind::Chat);
+    if (p == "/tokenize") return tokenize(ex);
+    if (p == "/detokenize") return detokenize(ex);
+    send_error(ex, api_error(404, "no route for " + ex.request().method + " " + p));
+  } catch (const std::exception& e) {
+    send_error(ex, api_error(500, std::string("internal error: ") + e.what()));
+  }
+}
+
+void HttpServer::Impl::setup() {
+  TransportLimits lim;
+  lim.workers = opt.http_threads > 0 ? opt.http_threads
+                                     : sched.options().max_batch + sched.options().max_queue + 8;
+  lim.max_body_bytes = opt.max_body_bytes;
+  lim.max_header_bytes = opt.max_header_bytes;
+  lim.max_header_fields = opt.max_header_fields;
+  lim.header_timeout_s = opt.header_timeout_seconds;
+  lim.request_timeout_s = opt.io_timeout_seconds;
+  lim.write_timeout_s = opt.io_timeout_seconds;
+  lim.keep_alive_s = opt.keep_alive_seconds;
+  // Every connection is a descriptor: raise the soft limit as far as allowed, and keep the
+  // connection cap under it (model files, pipes and the listener need some).
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+    if (rl.rlim_cur < rl.rlim_max) {
+      rlimit want = rl;
+      want.rlim_cur = std::min<rlim_t>(rl.rlim_max, 65536);
+      if (setrlimit(RLIMIT_NOFILE, &want) == 0) rl = want;
+    }
+    lim.max_connections = int(std::min<rlim_t>(rlim_t(opt.max_connections),
+                                               rl.rlim_cur > 128 ? rl.rlim_cur - 64 : rl.rlim_cur / 2));
+  } else {
+    lim.max_connections = opt.max_connections;
+  }
+  TransportHooks hooks;
+  hooks.quick = [this](const HttpRequest& r, HttpResponse& out) { return quick(r, out); };
+  hooks.handle = [this](HttpExchange& ex) { handle(ex); };
+  hooks.error_body = [](int status, const std::string& msg) { return error_json(api_error(status, msg)); };
+  hooks.on_response = [this](const std::string& path, int status) {
+    const std::string route = is_known_route(path) ? path : "other";
+    std::lock_guard<std::mutex> lk(count_mu);
+    ++counts[{route, status}];
+  };
+  transport = std::make_unique<HttpTransport>(lim, std::move(hooks));
 }
 
 HttpServer::HttpServer(Scheduler& sched, const Tokenizer& tok, const TokenText& text,
@@ -431,24 +486,13 @@ HttpServer::HttpServer(Scheduler& sched, const Tokenizer& tok, const TokenText& 
 
 HttpServer::~HttpServer() { stop(); }
 
-int HttpServer::bind(const std::string& host, int port) {
-  if (port == 0) {
-    const int p = impl_->svr.bind_to_any_port(host);
-    SPADE_CHECK(p > 0, "cannot listen on ", host, " (any port)");
-    return p;
-  }
-  SPADE_CHECK(impl_->svr.bind_to_port(host, port), "cannot listen on ", host, ":", port,
-              " (address in use or not available)");
-  return port;
-}
+int HttpServer::bind(const std::string& host, int port) { return impl_->transport->bind(host, port); }
 
-void HttpServer::serve() { impl_->svr.listen_after_bind(); }
+void HttpServer::serve() { impl_->transport->serve(); }
 
 void HttpServer::begin_drain() { impl_->draining.store(true); }
 
-void HttpServer::stop() {
-  if (impl_->svr.is_running()) impl_->svr.stop();
-}
+void HttpServer::stop() { impl_->transport->stop(); }
 
 int HttpServer::active() const { return impl_->active.load(); }
 

@@ -1,8 +1,9 @@
-// The OpenAI-compatible HTTP server (docs/server.md) on cpp-httplib: routes, API-key check,
+// The OpenAI-compatible HTTP server (docs/server.md) over HttpTransport (http_transport.h:
+// limits, deadlines, connections that cost no thread while idle): routes, API-key check,
 // request -> EngineRequest (tokenization, chat template, defaults, sparse method), and the
 // responses, whole or streamed as Server-Sent Events. Generation runs in the Scheduler;
-// handler threads only wait on their request's channel, and cancel it when the client
-// disconnects.
+// worker threads only wait on their request's channel, and cancel it when the client
+// goes away.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -23,10 +24,14 @@ struct ServerOptions {
   std::string model_id = "spade";
   std::string api_key;              // empty: no authentication
   int http_threads = 0;             // 0: max_batch + max_queue + 8
-  size_t max_body_bytes = 16 << 20;
+  size_t max_body_bytes = 16 << 20;        // decoded (chunked, gzip) request body
+  size_t max_header_bytes = 32 << 10;      // request line + header fields: else 431
+  int max_header_fields = 100;             // else 431
+  int max_connections = 1024;              // open connections (capped by the descriptor limit): else 503
   int64_t default_completion_tokens = 16;  // /v1/completions without max_tokens
-  int keep_alive_seconds = 5;
-  int io_timeout_seconds = 30;
+  double keep_alive_seconds = 5;           // idle connection between requests
+  double header_timeout_seconds = 10;      // a new connection's request header: else 408
+  double io_timeout_seconds = 30;          // a request body; one stalled response write
 };
 
 class HttpServer {

@@ -1,17 +1,28 @@
-// Client-disconnect detection for HTTP handlers. cpp-httplib 0.11 (Debian's) does not give
-// a handler its connection, so we find the handler's socket by its port pair (our local
-// port and the client's port, unique among this process's connected sockets) and then
-// poll it: a peer that closed or reset the connection shows as POLLRDHUP / HUP / ERR or as
-// a readable socket with nothing to read.
+// Client-disconnect detection while a response is being produced, on the connected socket
+// itself. A peer that reset the connection, or closed it fully, is gone; a peer that only
+// shut down its sending side after a complete request (a legal HTTP half-close) is not.
+// The two look alike on the wire until the server sends something: a fully closed peer
+// answers any byte with a reset. So on end-of-stream PeerWatch sends one probe the client
+// ignores (an HTTP/1.1 interim "100 Continue" before the response, or an SSE comment
+// inside a stream) and reports the peer gone only when the reset arrives.
 #pragma once
+#include <string>
 
 namespace spade::server {
 
-// The connected socket with local port `local_port` and peer port `remote_port`, or -1.
-// Cached per thread (a keep-alive connection stays on one handler thread).
-int find_connection_socket(int local_port, int remote_port);
+class PeerWatch {
+ public:
+  explicit PeerWatch(int fd) : fd_(fd) {}
+  // Never blocks. `probe`: bytes that may be sent to a half-closed peer (empty: none may,
+  // and end-of-stream means gone, as for an HTTP/1.0 client).
+  bool gone(const std::string& probe);
+  bool saw_eof() const { return eof_; }
 
-// True when the peer of `fd` has gone away (never blocks). False for fd < 0.
-bool peer_closed(int fd);
+ private:
+  int fd_;
+  bool eof_ = false;
+  bool probed_ = false;
+  bool gone_ = false;
+};
 
 }  // namespace spade::server
