@@ -122,7 +122,7 @@ struct Loaded {
 Loaded load(const Args& a) {
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   SPADE_CHECK(a.has("--text"), "--text is required (see --help)");
-  if (a.has("--threads")) ThreadPool::set_global_threads(int(a.integer("--threads", 0)));
+  if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
   Loaded l;
   l.w = load_model(a.str("--model"));
   auto tok = Tokenizer::load(a.str("--model"));

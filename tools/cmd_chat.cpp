@@ -62,7 +62,7 @@ int run(int argc, char** argv) {
     SPADE_CHECK(t == "on" || t == "off", "--thinking expects on or off, got '", t, "'");
     extra["enable_thinking"] = t == "on";
   }
-  if (a.has("--threads")) ThreadPool::set_global_threads(int(a.integer("--threads", 0)));
+  if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
   auto weights = load_model(a.str("--model"));
   auto tok = Tokenizer::load(a.str("--model"));
   const ChatTemplate* tmpl = tok->chat_template();

@@ -175,7 +175,7 @@ struct Setup {
 Setup setup(const Args& a, const std::string& kind) {
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   SPADE_CHECK(a.has("--text"), "--text is required (see --help)");
-  if (a.has("--threads")) ThreadPool::set_global_threads(int(a.integer("--threads", 0)));
+  if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
   Setup s;
   s.device = parse_device(a.str("--device", "cpu"));
   SPADE_CHECK(s.device == Device::CPU || kind != "recall",

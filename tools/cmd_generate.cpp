@@ -231,7 +231,7 @@ int run(int argc, char** argv) {
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   SPADE_CHECK(a.has("--prompt") != a.has("--prompt-file"),
               "give exactly one of --prompt and --prompt-file");
-  if (a.has("--threads")) ThreadPool::set_global_threads(int(a.integer("--threads", 0)));
+  if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
   std::string text = a.has("--prompt") ? a.str("--prompt") : read_file(a.str("--prompt-file"));
 
   using clock = std::chrono::steady_clock;

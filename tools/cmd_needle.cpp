@@ -86,7 +86,7 @@ int run(int argc, char** argv) {
   }
   for (const char* req : {"--model", "--haystack-file", "--needle", "--question"})
     SPADE_CHECK(a.has(req), req, " is required (see --help)");
-  if (a.has("--threads")) ThreadPool::set_global_threads(int(a.integer("--threads", 0)));
+  if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
   const long long n_new = a.has("-n") ? a.integer("-n", 24) : a.integer("--max-tokens", 24);
   SPADE_CHECK(n_new > 0, "--max-tokens must be positive");
   const double depth = a.number("--depth", 0.5);

@@ -59,7 +59,13 @@ GET /v1/models, /health, /metrics (Prometheus), POST /tokenize, /detokenize.
                           (bit-identical reruns; default: long steps with splits draw their
                           chunks, faster, last bits may vary; env SPADE_DETERMINISTIC=1)
   --threads N             CPU threads for the model (default: all cores)
-  --http-threads N        HTTP worker threads (default max-batch + max-queue + 8)
+  --http-threads N        HTTP worker threads for requests that tokenize or generate
+                          (default max-batch + max-queue + 8); idle or slow connections
+                          take none
+  --max-connections N     open connections; the next gets 503 (default 1024, and at most
+                          the process's descriptor limit less 64)
+  --header-timeout S      seconds a connection has to send a request's header (default 10;
+                          408 and close after it); its body then has 30 s
   --shutdown-timeout S    seconds to let running requests finish on SIGTERM (default 30)
 )";
 
@@ -82,6 +88,7 @@ int run(int argc, char** argv) {
          {"--model", "--tokenizer", "--model-name", "--host", "--port", "--api-key", "--max-batch", "--max-queue",
           "--max-step-tokens", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
           "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device",
+          "--max-connections", "--header-timeout",
           "--shutdown-timeout"},
          {"--help", "--deterministic"});
   if (a.has("--help")) {
@@ -99,22 +106,25 @@ int run(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
 
-  if (a.has("--threads")) ThreadPool::set_global_threads(int(a.integer("--threads", 0)));
+  if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
   const std::string path = a.str("--model");
   auto weights = load_model(path);
   auto tok = Tokenizer::load(a.str("--tokenizer", path));
   const ModelConfig& cfg = weights->config;
 
   SchedulerOptions so;
-  so.max_batch = int(a.integer("--max-batch", 16));
-  so.max_queue = int(a.integer("--max-queue", 64));
+  const int64_t max_batch = a.integer("--max-batch", 16), max_queue = a.integer("--max-queue", 64);
+  SPADE_CHECK(max_batch >= 1 && max_batch <= 4096, "--max-batch must be in [1, 4096]");
+  SPADE_CHECK(max_queue >= 1 && max_queue <= 100000, "--max-queue must be in [1, 100000]");
+  so.max_batch = int(max_batch);
+  so.max_queue = int(max_queue);
   so.max_step_tokens = a.integer("--max-step-tokens", 512);
-  SPADE_CHECK(so.max_batch >= 1 && so.max_batch <= 4096, "--max-batch must be in [1, 4096]");
-  SPADE_CHECK(so.max_queue >= 1 && so.max_queue <= 100000, "--max-queue must be in [1, 100000]");
-  SPADE_CHECK(so.max_step_tokens >= 1, "--max-step-tokens must be positive");
+  SPADE_CHECK(so.max_step_tokens >= 1 && so.max_step_tokens <= (1 << 20),
+              "--max-step-tokens must be in [1, 1048576]");
 
-  KVLayout layout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, int(a.integer("--page-size", 16))};
-  SPADE_CHECK(layout.page_size >= 1 && layout.page_size <= 4096, "--page-size must be in [1, 4096]");
+  const int64_t page_size = a.integer("--page-size", 16);
+  SPADE_CHECK(page_size >= 1 && page_size <= 4096, "--page-size must be in [1, 4096]");
+  KVLayout layout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, int(page_size)};
   const int64_t want_tokens =
       std::max<int64_t>(cfg.max_context, int64_t(so.max_batch) * std::min<int64_t>(cfg.max_context, 1024));
   const int64_t pages = a.integer("--kv-pages", (want_tokens + layout.page_size - 1) / layout.page_size);
@@ -178,10 +188,20 @@ int run(int argc, char** argv) {
   opt.api_key = a.str("--api-key");
   if (opt.api_key.empty())
     if (const char* k = std::getenv("SPADE_API_KEY")) opt.api_key = k;
-  opt.http_threads = int(a.integer("--http-threads", 0));
+  const int64_t http_threads = a.integer("--http-threads", 0);
+  SPADE_CHECK(http_threads >= 0 && http_threads <= 4096, "--http-threads must be in [1, 4096]");
+  opt.http_threads = int(http_threads);
+  const int64_t max_conn = a.integer("--max-connections", 1024);
+  SPADE_CHECK(max_conn >= 1 && max_conn <= 1000000, "--max-connections must be in [1, 1000000]");
+  opt.max_connections = int(max_conn);
+  opt.header_timeout_seconds = a.number("--header-timeout", 10);
+  SPADE_CHECK(opt.header_timeout_seconds > 0 && opt.header_timeout_seconds <= 3600,
+              "--header-timeout must be in (0, 3600] seconds");
   opt.default_completion_tokens = a.integer("--default-max-tokens", 16);
   SPADE_CHECK(opt.default_completion_tokens >= 1, "--default-max-tokens must be positive");
   const double shutdown_timeout = a.number("--shutdown-timeout", 30);
+  SPADE_CHECK(shutdown_timeout >= 0 && shutdown_timeout <= 86400,
+              "--shutdown-timeout must be in [0, 86400] seconds");
 
   server::HttpServer http(sched, *tok, text, methods, cfg, opt);
   const std::string host = a.str("--host", "127.0.0.1");

@@ -7,6 +7,13 @@
 
 namespace spade {
 
+// Opens `path` for reading only if it is a regular file (a FIFO, device or directory gets a
+// spade::Error naming it instead of a read that blocks forever or never ends); returns the
+// descriptor, which the caller closes.
+int open_regular_file(const std::string& path);
+// The whole regular file `path` as bytes; throws spade::Error naming it.
+std::string read_regular_file(const std::string& path);
+
 class MappedFile {
  public:
   MappedFile() = default;

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <memory>
 
+#include "core/error.h"
+
 namespace spade {
 
 namespace {
@@ -77,13 +79,22 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain,
   cv_done_.wait(lk, [&] { return pending_ == 0; });
 }
 
-void ThreadPool::set_global_threads(int n) { g_requested_threads = n; }
+void ThreadPool::set_global_threads(int64_t n) {
+  SPADE_CHECK(n >= 1 && n <= kMaxThreads, "--threads must be in [1, ", kMaxThreads, "], got ", n);
+  g_requested_threads = int(n);
+}
 
 ThreadPool& ThreadPool::global() {
   static std::unique_ptr<ThreadPool> pool = [] {
     int n = g_requested_threads;
     if (n <= 0) {
-      if (const char* s = std::getenv("SPADE_THREADS")) n = std::atoi(s);
+      if (const char* s = std::getenv("SPADE_THREADS")) {
+        char* end = nullptr;
+        const long long v = std::strtoll(s, &end, 10);
+        SPADE_CHECK(*s && end && *end == '\0' && v >= 1 && v <= kMaxThreads,
+                    "SPADE_THREADS must be an integer in [1, ", kMaxThreads, "], got '", s, "'");
+        n = int(v);
+      }
     }
     return std::make_unique<ThreadPool>(n);
   }();

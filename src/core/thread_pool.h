@@ -25,7 +25,10 @@ class ThreadPool {
                     const std::function<void(int64_t, int64_t)>& fn);
 
   static ThreadPool& global();          // sized by SPADE_THREADS or hardware concurrency
-  static void set_global_threads(int n);  // before first use of global()
+  // Before first use of global(). Throws spade::Error unless 1 <= n <= kMaxThreads (the
+  // same range SPADE_THREADS is checked against).
+  static void set_global_threads(int64_t n);
+  static constexpr int kMaxThreads = 1024;
 
  private:
   void worker_loop(int index);

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/mmap_file.h"
 
 namespace spade {
 
@@ -131,13 +132,7 @@ void parse_rope_scaling(const json& rs, const Reader& r, ModelConfig& c,
     fail(src, ": rope_scaling factor ", s.factor, " must be positive");
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open '", path, "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read_text(const std::string& path) { return read_regular_file(path); }
 
 }  // namespace
 

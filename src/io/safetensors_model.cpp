@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/mmap_file.h"
 #include "io/safetensors.h"
 
 namespace spade {
@@ -16,13 +17,7 @@ using json = nlohmann::json;
 
 namespace {
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open '", path, "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read_text(const std::string& path) { return read_regular_file(path); }
 
 // Shard names come from a JSON file: accept plain file names only, so an index cannot
 // point outside its directory.

@@ -1,6 +1,9 @@
 #include "kv/kv_pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 
@@ -12,14 +15,31 @@ KVPool::KVPool(const KVLayout& layout, int64_t n_pages) : layout_(layout), n_pag
               "KV pool: invalid layout (layers ", layout.n_layers, ", kv heads ",
               layout.n_kv_heads, ", head dim ", layout.head_dim, ", page size ",
               layout.page_size, ", pages ", n_pages, ")");
-  size_t floats = size_t(layout.n_layers) * size_t(n_pages) * size_t(layout.page_floats());
-  k_.assign(floats, 0.f);
-  v_.assign(floats, 0.f);
-  if (layout.page_minmax) {
-    size_t meta = size_t(layout.n_layers) * size_t(n_pages) * size_t(layout.n_kv_heads) *
-                  size_t(layout.head_dim);
-    kmin_.assign(meta, INFINITY);
-    kmax_.assign(meta, -INFINITY);
+  SPADE_CHECK(n_pages <= INT32_MAX, "KV pool: ", n_pages, " pages; page ids are 32-bit (at most ",
+              INT32_MAX, ")");
+  // Bytes first, in floating point (no overflow), against the machine's memory: a pool that
+  // cannot fit gets an error saying so instead of std::bad_alloc or an OOM kill.
+  const double floats_d = double(layout.n_layers) * double(n_pages) * double(layout.page_floats());
+  const double meta_d = layout.page_minmax ? floats_d / double(layout.page_size) : 0.0;
+  const double bytes = (2.0 * floats_d + 2.0 * meta_d) * sizeof(float) + double(n_pages) * 8.0;
+  const double phys = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  SPADE_CHECK(phys <= 0 || bytes <= phys,
+              "KV cache of ", n_pages, " pages x ", layout.page_size, " tokens needs ", bytes / gib,
+              " GiB (K and V in fp32, ", layout.n_layers, " layers x ", layout.n_kv_heads,
+              " KV heads x ", layout.head_dim, "), more than this machine's ", phys / gib,
+              " GiB of memory; lower --kv-pages (or --max-batch)");
+  try {
+    const size_t floats = size_t(floats_d);
+    k_.assign(floats, 0.f);
+    v_.assign(floats, 0.f);
+    if (layout.page_minmax) {
+      kmin_.assign(size_t(meta_d), INFINITY);
+      kmax_.assign(size_t(meta_d), -INFINITY);
+    }
+  } catch (const std::bad_alloc&) {
+    fail("KV cache of ", n_pages, " pages needs ", bytes / gib,
+         " GiB and that much memory could not be allocated; lower --kv-pages (or --max-batch)");
   }
   refs_.assign(size_t(n_pages), 0);
   free_.resize(size_t(n_pages));

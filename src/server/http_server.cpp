@@ -1,6 +1,9 @@
 #include "server/http_server.h"
 
 #include <sys/resource.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -442,6 +445,13 @@ void HttpServer::Impl::handle(HttpExchange& ex) {
 }
 
 void HttpServer::Impl::setup() {
+#if defined(__GLIBC__)
+  // Request bodies of megabytes are allocated and freed on many worker threads. glibc's
+  // default raises its mmap threshold to the largest block freed (up to 32 MiB), after
+  // which such blocks come from per-thread arenas that keep the memory: a fixed threshold
+  // gives every block over 1 MiB back to the system when it is freed.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+#endif
   TransportLimits lim;
   lim.workers = opt.http_threads > 0 ? opt.http_threads
                                      : sched.options().max_batch + sched.options().max_queue + 8;

@@ -1,9 +1,12 @@
 // Tokenizer::load: picks the loader from what the path is.
 #include <filesystem>
+#include <unistd.h>
+
 #include <fstream>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/mmap_file.h"
 #include "io/gguf.h"
 #include "tokenizer/tokenizer.h"
 
@@ -13,15 +16,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  SPADE_CHECK(in, p.string(), ": cannot open");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read_file(const fs::path& p) { return read_regular_file(p.string()); }
 
 bool has_gguf_magic(const fs::path& p) {
+  ::close(open_regular_file(p.string()));  // a FIFO or device: an error, not a blocked read
   std::ifstream in(p, std::ios::binary);
   char m[4] = {};
   in.read(m, 4);

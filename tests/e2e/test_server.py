@@ -283,6 +283,13 @@ def api_key(srv, args):
         check_error(s, b, 401)
         s, b, _ = key_srv.post("/v1/completions", body, headers={"Authorization": "Bearer s3cret"})
         check(s == 200, b)
+        # The scheme is case-insensitive (RFC 9110), the key is not.
+        s, b, _ = key_srv.post("/v1/completions", body, headers={"Authorization": "bearer s3cret"})
+        check(s == 200, b)
+        s, b, _ = key_srv.post("/v1/completions", body, headers={"Authorization": "BEARER  s3cret"})
+        check(s == 200, b)
+        s, b, _ = key_srv.post("/v1/completions", body, headers={"Authorization": "bearer S3CRET"})
+        check_error(s, b, 401)
         s, b, _ = key_srv.get("/health")
         check(s == 200, "health needs no key")
     finally:
