@@ -2,7 +2,7 @@
 # One device call: build (CUDA arch 90a) + gpu tests + attention benchmarks vs SDPA (+ TPOT).
 # Usage on the GPU machine, from the repo root:  bash bench/run_gpu.sh [tests|bench|tpot|all]...
 # Needs .deps-cuda/ carried (made by bench/gpu_deps/make_deps.sh: gtest, nlohmann_json, pcre2,
-# cpp-httplib, a cblas shim): the GPU image has CUDA, CMake and PyTorch but not the project's
+# zlib, Boost headers, a cblas shim): the GPU image has CUDA, CMake and PyTorch but not the project's
 # C++ dependencies. SmolLM2 for the greedy test: models/ (two calls, .stage/ parts).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -14,6 +14,7 @@ export PKG_CONFIG_PATH=$ROOT/.deps-cuda/lib/pkgconfig
 export LD_LIBRARY_PATH=$ROOT/.deps-cuda/lib:${LD_LIBRARY_PATH:-}
 # The carried .deps-cuda replaces the one there on every call: rebuild the shim archive.
 gcc -O3 -c .deps-cuda/src/cblas_shim.c -o /tmp/cblas_shim.o && ar rcs .deps-cuda/lib/libopenblas.a /tmp/cblas_shim.o
+[ -d .deps-cuda/include/boost ] || tar xzf .deps-cuda/boost-headers.tar.gz -C .deps-cuda/include
 PKGCFG=""
 command -v pkg-config >/dev/null || PKGCFG="-DPKG_CONFIG_EXECUTABLE=$ROOT/.deps-cuda/tools/pkg-config"
 t0=$(date +%s)
@@ -41,7 +42,7 @@ if [ $built_here = 1 ]; then
     $B/libspade_cuda.a -lcublasLt -lcublas -o $B/bench_attention >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
   g++ -std=c++20 -O2 -Isrc -I$CUDA_INC -DSPADE_HAVE_CUDA=1 bench/bench_tpot.cpp $B/libspade_lib.a \
     $B/libspade_cuda.a -L$CUDA_LIB -lcudart -lcublasLt -lcublas .deps-cuda/lib/libpcre2-8.a \
-    .deps-cuda/lib/libopenblas.a -L.deps-cuda/lib -lcpp-httplib -lpthread -o $B/bench_tpot >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; }
+    .deps-cuda/lib/libopenblas.a .deps-cuda/lib/libz.a -lpthread -o $B/bench_tpot >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; }
 fi
 echo "build: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader

@@ -29,13 +29,13 @@ nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_blas
 g++ -std=c++20 -O2 -Isrc -I$(dirname $CUDA_LIB)/include -DSPADE_HAVE_CUDA=1 bench/bench_tpot.cpp \
   $BD/libspade_lib.a $BD/libspade_cuda.a -L$CUDA_LIB -lcudart_static -lcublasLt -lcublas \
   .deps-cuda/lib/libpcre2-8.a /tmp/libopenblas_shim.a -lrt -lpthread -ldl -o .prebuilt/bench_tpot
-# The spade CLI too (PREBUILD_CLI=1): same static pcre2 / cblas shim / CUDA runtime, cpp-httplib
+# The spade CLI too (PREBUILD_CLI=1): same static pcre2 / cblas shim / CUDA runtime, zlib
 # from .deps-cuda (run_gpu.sh puts .deps-cuda/lib on LD_LIBRARY_PATH).
 if [ "${PREBUILD_CLI:-0}" = 1 ]; then
   ninja -C $BD -j${JOBS:-2} spade
   COBJS=$(grep "^build spade:" $BD/build.ninja | sed 's/^build spade: [^ ]* //; s/ |.*//')
   (cd $BD && g++ -O2 $COBJS -o ../.prebuilt/spade libspade_lib.a ../.deps-cuda/lib/libpcre2-8.a \
-    /tmp/libopenblas_shim.a -L../.deps-cuda/lib -lcpp-httplib libspade_cuda.a $CUDA_LIB/libcublas.so \
+    /tmp/libopenblas_shim.a ../.deps-cuda/lib/libz.a libspade_cuda.a $CUDA_LIB/libcublas.so \
     $CUDA_LIB/libcublasLt.so $CUDA_LIB/libculibos.a -L$CUDA_LIB -lcudadevrt -lcudart_static -lrt -lpthread -ldl)
 fi
 ls -la .prebuilt
