@@ -463,3 +463,80 @@ TEST(Scheduler, MethodFailingMidStepFailsOnlyThatRequest) {
   EXPECT_GT(em.batch_size.sum / double(em.batch_size.count), 1.0);  // it really shared steps
   EXPECT_EQ(f.kv.used_pages(), 0);
 }
+
+// A runner that "samples on the device" (greedy over the CPU model's logits), recording what
+// the scheduler asked of it: the path a CUDA server takes, checked without a GPU.
+class DeviceSamplingRunner final : public StepModel {
+ public:
+  explicit DeviceSamplingRunner(CpuModel& m) : m_(m) {}
+  const ModelConfig& config() const override { return m_.config(); }
+  const std::vector<float>& forward(const std::vector<SeqInput>& batch,
+                                    std::vector<int64_t>& row_of) override {
+    ++host_steps;
+    return m_.forward(batch, row_of);
+  }
+  bool samples_on_device() const override { return true; }
+  const std::vector<int32_t>& forward_sample(const std::vector<SeqInput>& batch,
+                                             const std::vector<RowSampling>& rows) override {
+    ++device_steps;
+    EXPECT_EQ(rows.size(), batch.size());
+    const auto& logits = m_.forward(batch, row_of_);
+    out_.resize(batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      EXPECT_EQ(rows[i].temperature, 0.f);
+      draws.push_back({rows[i].seed, rows[i].draw});
+      out_[i] = argmax(logits.data() + row_of_[i] * m_.config().vocab, m_.config().vocab);
+    }
+    return out_;
+  }
+  int page_size() const override { return m_.kv().layout().page_size; }
+  int64_t total_pages() const override { return m_.kv().n_pages(); }
+  int64_t free_pages() const override { return m_.kv().free_pages(); }
+  void release(PageTable& pt) override { m_.kv().release(pt); }
+  bool supports_attention_callbacks() const override { return true; }
+  std::string device() const override { return "fake device"; }
+
+  int host_steps = 0, device_steps = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> draws;  // (seed, draw) of every row
+
+ private:
+  CpuModel& m_;
+  std::vector<int64_t> row_of_;
+  std::vector<int32_t> out_;
+};
+
+TEST(Scheduler, DeviceSamplingUnlessAStepNeedsHostLogits) {
+  Fixture f;
+  DeviceSamplingRunner runner(f.model);
+  SchedulerOptions so;
+  so.max_batch = 4;
+  Scheduler sched(runner, f.text, so);
+  const auto p1 = make_prompt(7, 3, f.cfg.vocab), p2 = make_prompt(5, 4, f.cfg.vocab);
+  EngineRequest a = greedy(p1, 6), b = greedy(p2, 6);
+  a.sampling.seed = 11;
+  b.sampling.seed = 22;
+  auto ca = sched.submit(std::move(a));
+  auto cb = sched.submit(std::move(b));
+  const Result ra = collect(*ca), rb = collect(*cb);
+  ASSERT_EQ(ra.tokens.size(), 6u);
+  ASSERT_EQ(rb.tokens.size(), 6u);
+  expect_greedy(f.w, p1, ra.tokens);
+  expect_greedy(f.w, p2, rb.tokens);
+  EXPECT_EQ(runner.host_steps, 0);
+  EXPECT_GE(runner.device_steps, 6);
+  // Each request's rows carry its own seed and the index of the token being drawn.
+  std::vector<uint64_t> seen_a, seen_b;
+  for (auto [seed, draw] : runner.draws) (seed == 11 ? seen_a : seen_b).push_back(draw);
+  EXPECT_EQ(seen_a, (std::vector<uint64_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(seen_b, (std::vector<uint64_t>{0, 1, 2, 3, 4, 5}));
+  // A request with logprobs needs the logits on the host: its steps take forward().
+  EngineRequest c = greedy(p1, 3);
+  c.logprobs = 2;
+  const Result rc = collect(*sched.submit(std::move(c)));
+  EXPECT_EQ(rc.tokens, std::vector<int32_t>(ra.tokens.begin(), ra.tokens.begin() + 3));
+  EXPECT_EQ(rc.logprobs.size(), 3u);
+  EXPECT_EQ(runner.host_steps, 3);
+  ASSERT_TRUE(sched.wait_idle(5s));
+  EXPECT_EQ(sched.metrics().device_sampled_steps, uint64_t(runner.device_steps));
+  EXPECT_EQ(f.kv.used_pages(), 0);
+}

@@ -355,9 +355,27 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     }
   }
 
+  // Device sampling when the runner has it and no request of the step needs host logits.
+  bool on_device = model_.samples_on_device();
+  for (size_t i = 0; i < batch_.size() && on_device; ++i) {
+    const EngineRequest& q = batch_seqs_[i]->req;
+    on_device = q.logprobs < 0 && q.sampling.repetition_penalty == 1.f;
+  }
   const std::vector<float>* logits = nullptr;
+  const std::vector<int32_t>* tokens = nullptr;
+  const auto t_fwd = clock_type::now();
   try {
-    logits = &model_.forward(batch_, row_of_);
+    if (on_device) {
+      rows_.resize(batch_.size());
+      for (size_t i = 0; i < batch_.size(); ++i) {
+        const Seq& s = *batch_seqs_[i];
+        const SamplingParams& p = s.req.sampling;
+        rows_[i] = {p.temperature, p.top_k, p.top_p, p.min_p, p.seed, uint64_t(s.generated)};
+      }
+      tokens = &model_.forward_sample(batch_, rows_);
+    } else {
+      logits = &model_.forward(batch_, row_of_);
+    }
   } catch (const std::exception& e) {
     const std::string msg = cat("engine error: ", e.what());
     for (Seq* s : batch_seqs_) finish(*s, FinishReason::Error, msg);
@@ -366,6 +384,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
                   running.end());
     return;
   }
+  const auto t_sample = clock_type::now();
   int64_t step_tokens = 0, sampled = 0;
   const int64_t rows_per_pos = int64_t(cfg.n_layers) * cfg.n_kv_heads;
   for (size_t i = 0; i < batch_seqs_.size(); ++i) {
@@ -384,21 +403,29 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     }
     if (batch_[i].n_tokens == 1) s.dense_rows += rows_per_pos * s.pt.length;
     if (s.pt.length < int64_t(s.tokens.size())) continue;  // prefill continues next step
-    const float* row = logits->data() + row_of_[i] * cfg.vocab;
-    const int32_t tok = s.sampler.sample(row, cfg.vocab, s.tokens);
-    on_token(s, tok, row);
+    if (tokens) {
+      on_token(s, (*tokens)[i], nullptr);
+    } else {
+      const float* row = logits->data() + row_of_[i] * cfg.vocab;
+      const int32_t tok = s.sampler.sample(row, cfg.vocab, s.tokens);
+      on_token(s, tok, row);
+    }
     ++sampled;
   }
   // Finished sequences leave the batch (their pages were released in finish()).
   running.erase(std::remove_if(running.begin(), running.end(),
                                [](const std::unique_ptr<Seq>& r) { return r->ch->finished(); }),
                 running.end());
+  const auto t_end = clock_type::now();
   std::lock_guard<std::mutex> lk(mu_);
   ++metrics_.steps;
+  metrics_.forward_seconds += seconds(t_sample - t_fwd);
+  metrics_.sample_seconds += seconds(t_end - t_sample);
+  if (tokens) ++metrics_.device_sampled_steps;
   metrics_.generation_tokens += uint64_t(sampled);
   metrics_.batch_size.observe(double(batch_.size()));
   metrics_.step_tokens.observe(double(step_tokens));
-  metrics_.busy_seconds += seconds(clock_type::now() - t0);
+  metrics_.busy_seconds += seconds(t_end - t0);
 }
 
 // Longest suffix of `text` that is a proper prefix of one of `stops`.

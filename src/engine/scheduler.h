@@ -115,6 +115,7 @@ class Scheduler {
   std::vector<Seq*> batch_seqs_;
   std::vector<int64_t> row_of_;
   std::vector<std::pair<float, int32_t>> top_;
+  std::vector<StepModel::RowSampling> rows_;
   std::thread thread_;
 };
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "model/cpu_model.h"
 #include "sparse/method.h"
 
@@ -30,6 +31,23 @@ class StepModel {
   // Whether SeqInput::attention callbacks (sparse methods) are honoured.
   virtual bool supports_attention_callbacks() const = 0;
   virtual std::string device() const = 0;  // "cpu", or the GPU's name
+  // Sampling on the device (CudaModel): one token per sequence of `batch`, each with its own
+  // parameters, and no logits copied to the host. The scheduler takes this path for steps in
+  // which no request needs host logits (logprobs, repetition penalty).
+  struct RowSampling {
+    float temperature = 0.f;
+    int top_k = 0;
+    float top_p = 1.f;
+    float min_p = 0.f;
+    uint64_t seed = 0;
+    uint64_t draw = 0;  // index of the token drawn within its request
+  };
+  virtual bool samples_on_device() const { return false; }
+  virtual const std::vector<int32_t>& forward_sample(const std::vector<SeqInput>& batch,
+                                                     const std::vector<RowSampling>& rows) {
+    (void)batch, (void)rows;
+    fail("this runner does not sample on the device");
+  }
   // Per-request state the runner's own method keeps (CudaModel::new_request_state:
   // LycheeCluster on the GPU), passed as SeqInput::device_state; nullptr when none.
   virtual std::unique_ptr<sparse::MethodState> new_request_state() { return nullptr; }

@@ -92,6 +92,7 @@ CudaModel::~CudaModel() {
   if (ev1_) cudaEventDestroy(static_cast<cudaEvent_t>(ev1_));
   if (tok_host_) cudaFreeHost(tok_host_);
   if (sampled_host_) cudaFreeHost(sampled_host_);
+  if (rows_host_) cudaFreeHost(rows_host_);
   if (upd_host_) cudaFreeHost(upd_host_);
   if (lc_slot_host_) cudaFreeHost(lc_slot_host_);
   sparse_.reset();
@@ -339,6 +340,8 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   sampled_ = A.alloc_n<int32_t>(size_t(std::max<int64_t>(opt_.max_batch, max_rows_)), "sampled ids");
   SPADE_CUDA(cudaMallocHost(&tok_host_, sizeof(int32_t) * size_t(step_off_ + 4)));
   SPADE_CUDA(cudaMallocHost(&sampled_host_, sizeof(int32_t) * size_t(std::max<int64_t>(opt_.max_batch, max_rows_))));
+  rows_dev_ = A.alloc_n<cuda::GpuSamplingRow>(size_t(opt_.max_batch), "sampling rows");
+  SPADE_CUDA(cudaMallocHost(&rows_host_, sizeof(cuda::GpuSamplingRow) * size_t(opt_.max_batch)));
   gemm_ = std::make_unique<cuda::Gemm>(A);
   cuda::AttnLimits lim;
   lim.max_batch = opt_.max_batch;
@@ -693,7 +696,9 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   join_selection();
   cuda::rmsnorm(x_, tok_in_ + 3 * S, final_norm_, c.rms_eps, xn, R, H, st);
   gemm_->run_f32(xn, static_cast<const bf16*>(lm_head_), logits_, R, V, H, 0.f, st);
-  if (sample)
+  if (sample && rows_mode_)
+    cuda::sample_rows(logits_, R, V, rows_dev_, sampled_, st);
+  else if (sample)
     cuda::sample(logits_, R, V, *sp, 0, sampled_, st,
                  reinterpret_cast<const uint64_t*>(tok_in_ + step_off_));
 }
@@ -721,7 +726,8 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
       drop_graphs();
       it = graphs_.end();
     }
-    if (it == graphs_.end() || (sample && std::memcmp(&graph_sampling_, sp, sizeof(*sp)) != 0)) {
+    if (it == graphs_.end() ||
+        (sample && !rows_mode_ && std::memcmp(&graph_sampling_, sp, sizeof(*sp)) != 0)) {
       if (it != graphs_.end()) {
         cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(it->second));
         graphs_.erase(it);
@@ -740,7 +746,7 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
       SPADE_CUDA(cudaGraphInstantiate(&ge, g, 0));
       SPADE_CUDA(cudaGraphDestroy(g));
       graphs_[key] = ge;
-      if (sample) graph_sampling_ = *sp;
+      if (sample && !rows_mode_) graph_sampling_ = *sp;
       // The eager run already did this step's work (the KV append is idempotent: the
       // replay below rewrites the same slots with the same values).
     }
@@ -768,6 +774,7 @@ std::vector<int32_t> CudaModel::forward_sample(const std::vector<SeqInput>& batc
                                                const cuda::GpuSampling& sp, uint64_t step) {
   std::vector<int64_t> row_of;
   prepare(batch, row_of, true);
+  rows_mode_ = false;
   launch(true, &sp, step);
   SPADE_CUDA(cudaMemcpyAsync(sampled_host_, sampled_, sizeof(int32_t) * size_t(R_),
                              cudaMemcpyDeviceToHost, S_(stream_)));
@@ -775,6 +782,29 @@ std::vector<int32_t> CudaModel::forward_sample(const std::vector<SeqInput>& batc
   SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
                                   static_cast<cudaEvent_t>(ev1_)));
   return std::vector<int32_t>(sampled_host_, sampled_host_ + R_);
+}
+
+const std::vector<int32_t>& CudaModel::forward_sample_rows(
+    const std::vector<SeqInput>& batch, const std::vector<cuda::GpuSamplingRow>& rows) {
+  SPADE_CHECK(rows.size() == batch.size(), "forward_sample_rows: ", rows.size(),
+              " parameter rows for ", batch.size(), " sequences");
+  for (const SeqInput& s : batch)
+    SPADE_CHECK(!s.all_logits, "forward_sample_rows: all_logits is not supported");
+  std::vector<int64_t> row_of;
+  prepare(batch, row_of, true);
+  std::copy(rows.begin(), rows.end(), rows_host_);
+  SPADE_CUDA(cudaMemcpyAsync(rows_dev_, rows_host_, sizeof(cuda::GpuSamplingRow) * rows.size(),
+                             cudaMemcpyHostToDevice, S_(stream_)));
+  rows_mode_ = true;
+  launch(true, nullptr, 0);
+  rows_mode_ = false;
+  SPADE_CUDA(cudaMemcpyAsync(sampled_host_, sampled_, sizeof(int32_t) * size_t(R_),
+                             cudaMemcpyDeviceToHost, S_(stream_)));
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
+                                  static_cast<cudaEvent_t>(ev1_)));
+  sampled_rows_.assign(sampled_host_, sampled_host_ + R_);
+  return sampled_rows_;
 }
 
 }  // namespace spade

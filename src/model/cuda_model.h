@@ -171,6 +171,12 @@ class CudaModel {
   // One step that samples on the GPU: returns one token per sequence (its last position).
   std::vector<int32_t> forward_sample(const std::vector<SeqInput>& batch,
                                       const cuda::GpuSampling& sp, uint64_t step);
+  // One step that samples each sequence on the GPU with its own parameters (rows[i] for
+  // batch[i]; no SeqInput may ask for all_logits): what a server batch of requests with
+  // different sampling settings needs, with no logits copied to the host. Decode steps replay
+  // the same graphs whatever the parameters. Returns one token per sequence.
+  const std::vector<int32_t>& forward_sample_rows(const std::vector<SeqInput>& batch,
+                                                  const std::vector<cuda::GpuSamplingRow>& rows);
 
   // Benchmarks: gives `pt` pages for `length` tokens whose K/V hold random bf16 values (as
   // if a prompt of that length had been prefilled), without running the prefill.
@@ -360,6 +366,10 @@ class CudaModel {
   int32_t* tok_host_ = nullptr;  // pinned mirror
   int32_t* sampled_ = nullptr;   // device [max_batch]
   int32_t* sampled_host_ = nullptr;
+  cuda::GpuSamplingRow* rows_dev_ = nullptr;   // forward_sample_rows: per-row parameters
+  cuda::GpuSamplingRow* rows_host_ = nullptr;  // pinned mirror
+  bool rows_mode_ = false;                     // this step samples with rows_dev_
+  std::vector<int32_t> sampled_rows_;
   int64_t max_rows_ = 0;
   std::vector<int32_t> free_;
   int64_t n_pages_ = 0;

@@ -106,7 +106,7 @@ void CudaModel::graph_key(bool sample) {
   // sparse step its flag, metadata updates, Quest stride and every plan's work items.
   std::vector<int>& k = graph_key_;
   k.clear();
-  k.push_back(T_ * 4 + (sample ? 1 : 0));
+  k.push_back(T_ * 4 + (sample ? 1 : 0) + (sample && rows_mode_ ? 2 : 0));
   k.push_back(attn_->n_split());
   k.push_back(attn_->n_items());
   k.push_back(attn_->decode_variant());  // auto's kernel depends on the context length too

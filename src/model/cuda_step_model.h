@@ -27,9 +27,21 @@ class CudaStepModel final : public StepModel {
   std::unique_ptr<sparse::MethodState> new_request_state() override {
     return m_.new_request_state();
   }
+  bool samples_on_device() const override { return true; }
+  const std::vector<int32_t>& forward_sample(const std::vector<SeqInput>& batch,
+                                             const std::vector<RowSampling>& rows) override {
+    rows_.resize(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const RowSampling& r = rows[i];
+      rows_[i].p = cuda::GpuSampling{r.temperature, r.top_k, r.top_p, r.min_p, r.seed};
+      rows_[i].draw = r.draw;
+    }
+    return m_.forward_sample_rows(batch, rows_);
+  }
 
  private:
   CudaModel& m_;
+  std::vector<cuda::GpuSamplingRow> rows_;
 };
 
 }  // namespace spade

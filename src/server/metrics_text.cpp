@@ -93,6 +93,13 @@ std::string prometheus_text(const EngineMetrics& m, const HttpCounts& http,
   o.metric("spade_engine_steps_total", "counter", "Forward passes of the engine loop.", double(m.steps));
   o.metric("spade_preemptions_total", "counter", "Sequences preempted (pages released, recomputed later).", double(m.preemptions));
   o.metric("spade_engine_busy_seconds_total", "counter", "Seconds the engine spent in steps.", m.busy_seconds);
+  o.metric("spade_engine_forward_seconds_total", "counter",
+           "Seconds of those in the model runner's forward pass.", m.forward_seconds);
+  o.metric("spade_engine_sample_seconds_total", "counter",
+           "Seconds of those in host sampling, logprobs, detokenization and stop strings.",
+           m.sample_seconds);
+  o.metric("spade_engine_device_sampled_steps_total", "counter",
+           "Steps whose tokens the runner sampled on the device.", double(m.device_sampled_steps));
 
   o.metric("spade_requests_running", "gauge", "Sequences in the running batch.", double(m.running));
   o.metric("spade_requests_waiting", "gauge", "Requests waiting for admission.", double(m.waiting));

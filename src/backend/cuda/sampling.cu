@@ -1,4 +1,5 @@
-// See sampling.h. Reads: logits fp32 [R, V]; writes int32 [R].
+// See sampling.h. Reads: logits fp32 [R, V] (+ R x 32-byte row parameters for sample_rows);
+// writes int32 [R].
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -34,12 +35,9 @@ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-__global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, int V,
-                                                          GpuSampling p, uint64_t step,
-                                                          const uint64_t* step_dev,
-                                                          int32_t* out) {
-  pdl_begin();  // pdl.cuh: first, before any global access
-  if (step_dev) step = *step_dev;
+// One CTA samples one row; `key` seeds its uniform draw together with p.seed.
+__device__ __forceinline__ void sample_row(const float* row, int V, const GpuSampling& p,
+                                           uint64_t key, int32_t* out) {
   using RedA = cub::BlockReduce<ArgMax, kThreads>;
   using RedF = cub::BlockReduce<float, kThreads>;
   using RedI = cub::BlockReduce<int, kThreads>;
@@ -52,7 +50,6 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
   } tmp;
   __shared__ float sh_f;
   __shared__ int sh_i;
-  const float* row = logits + int64_t(blockIdx.x) * V;
   const int tid = threadIdx.x;
 
   ArgMax best{-INFINITY, V};
@@ -76,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
   const int amax = sh_i;
   const float lmax = sh_f;
   if (p.temperature <= 0.f) {
-    if (tid == 0) out[blockIdx.x] = amax;
+    if (tid == 0) *out = amax;
     return;
   }
   const float invT = 1.f / p.temperature;
@@ -127,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
   }
   const float Zk = mass(thr);
   // Uniform in [0, Zk), then the inverse CDF over contiguous per-thread chunks.
-  const uint64_t h = mix64(p.seed ^ mix64(step * 0x9e3779b97f4a7c15ull + blockIdx.x));
+  const uint64_t h = mix64(p.seed ^ mix64(key));
   const float u = float(double(h >> 11) * (1.0 / 9007199254740992.0)) * Zk;
   const int chunk = (V + kThreads - 1) / kThreads;
   const int i0 = tid * chunk, i1 = min(V, i0 + chunk);
@@ -154,7 +151,26 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
     if (pick >= 0) sh_i = pick;
   }
   __syncthreads();
-  if (tid == 0) out[blockIdx.x] = sh_i;
+  if (tid == 0) *out = sh_i;
+}
+
+__global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, int V,
+                                                          GpuSampling p, uint64_t step,
+                                                          const uint64_t* step_dev,
+                                                          int32_t* out) {
+  pdl_begin();  // pdl.cuh: first, before any global access
+  if (step_dev) step = *step_dev;
+  sample_row(logits + int64_t(blockIdx.x) * V, V, p, step * 0x9e3779b97f4a7c15ull + blockIdx.x,
+             out + blockIdx.x);
+}
+
+__global__ void __launch_bounds__(kThreads) sample_rows_kernel(const float* logits, int V,
+                                                               const GpuSamplingRow* rows,
+                                                               int32_t* out) {
+  pdl_begin();
+  const GpuSamplingRow r = rows[blockIdx.x];
+  sample_row(logits + int64_t(blockIdx.x) * V, V, r.p, r.draw * 0x9e3779b97f4a7c15ull,
+             out + blockIdx.x);
 }
 
 }  // namespace
@@ -163,6 +179,13 @@ void sample(const float* logits, int R, int V, const GpuSampling& p, uint64_t st
             int32_t* out, cudaStream_t s, const uint64_t* step_dev) {
   if (R == 0) return;
   launch_pdl(sample_kernel, R, kThreads, 0, s, logits, V, p, step, step_dev, out);
+  SPADE_CUDA_LAUNCH();
+}
+
+void sample_rows(const float* logits, int R, int V, const GpuSamplingRow* rows, int32_t* out,
+                 cudaStream_t s) {
+  if (R == 0) return;
+  launch_pdl(sample_rows_kernel, R, kThreads, 0, s, logits, V, rows, out);
   SPADE_CUDA_LAUNCH();
 }
 
