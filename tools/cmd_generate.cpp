@@ -55,7 +55,7 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
                         reruns (default: long steps with splits draw their chunks, faster,
                         last bits may vary; env SPADE_DETERMINISTIC=1 does the same)
   --synthetic NAME      no weights: random weights of NAME's shapes on the GPU (llama3-8b,
-                        qwen3-8b, or a config.json path); the prompt is --prompt-len random
+                        qwen3-8b, smollm2-135m, or a config.json path); the prompt is --prompt-len random
                         token ids and the output is token ids (speed measurements)
   --prompt-len N        prompt tokens for --synthetic (default 128)
 

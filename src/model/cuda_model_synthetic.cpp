@@ -39,6 +39,13 @@ ModelConfig synthetic_config(const std::string& name) {
       "rope_theta": 1000000.0, "tie_word_embeddings": false, "attention_bias": false,
       "bos_token_id": 151643, "eos_token_id": 151645})",
                            "synthetic qwen3-8b");
+  if (name == "smollm2-135m")  // the default model's shapes (SmolLM2-135M-Instruct)
+    return parse_hf_config(R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+      "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+      "max_position_embeddings": 8192, "rms_norm_eps": 1e-05, "rope_theta": 100000.0,
+      "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2})",
+                           "synthetic smollm2-135m");
   return load_hf_config(name);
 }
 

@@ -415,5 +415,72 @@ TEST(CudaOps, SamplingDistribution) {
   }
 }
 
+TEST(CudaOps, SamplingRowsTakeTheirOwnParameters) {
+  SKIP_WITHOUT_GPU();
+  // Rows of one batch with different settings: greedy rows give the argmax; a sampled row's
+  // draw depends on its (seed, draw) only, not on its position in the batch; the statistics
+  // of a row at T = 1 with top-k 3 match its distribution.
+  std::mt19937 rng(9);
+  const int V = 4096, R = 6;
+  auto logits = randn(size_t(R) * V, rng, 3.f);
+  DevBuf<float> dl(logits);
+  std::vector<cuda::GpuSamplingRow> rows(R);
+  for (int r = 0; r < R; r += 2) rows[size_t(r)].p.temperature = 0.f;  // greedy rows
+  for (int r = 1; r < R; r += 2) {
+    rows[size_t(r)].p.temperature = 1.f;
+    rows[size_t(r)].p.seed = 5;
+    rows[size_t(r)].draw = 17;
+  }
+  std::vector<uint8_t> raw(sizeof(cuda::GpuSamplingRow) * R);
+  std::memcpy(raw.data(), rows.data(), raw.size());
+  DevBuf<uint8_t> drows(raw);
+  DevBuf<int32_t> dout(R);
+  cuda::sample_rows(dl.p, R, V, reinterpret_cast<const cuda::GpuSamplingRow*>(drows.p), dout.p, 0);
+  auto got = dout.download();
+  for (int r = 0; r < R; r += 2) {
+    auto b = logits.begin() + size_t(r) * V;
+    EXPECT_EQ(got[size_t(r)], int(std::max_element(b, b + V) - b)) << "greedy row " << r;
+  }
+  // The same row contents at another position with the same (seed, draw): the same token.
+  std::vector<float> moved(logits.begin() + V, logits.begin() + 2 * V);  // row 1's logits
+  DevBuf<float> dm(moved);
+  DevBuf<uint8_t> dr1(std::vector<uint8_t>(raw.begin() + sizeof(cuda::GpuSamplingRow),
+                                           raw.begin() + 2 * sizeof(cuda::GpuSamplingRow)));
+  DevBuf<int32_t> d1(1);
+  cuda::sample_rows(dm.p, 1, V, reinterpret_cast<const cuda::GpuSamplingRow*>(dr1.p), d1.p, 0);
+  EXPECT_EQ(d1.download()[0], got[1]);
+  // Distribution: one 8-token row repeated N times, each with its own draw index.
+  const int W = 8, N = 20000;
+  std::vector<float> lg = {2.0f, 1.5f, 1.0f, 0.5f, 0.0f, -0.5f, -1.0f, -9.f};
+  std::vector<float> many;
+  std::vector<cuda::GpuSamplingRow> mr(N);
+  for (int i = 0; i < N; ++i) {
+    many.insert(many.end(), lg.begin(), lg.end());
+    mr[size_t(i)].p.temperature = 1.f;
+    mr[size_t(i)].p.top_k = 3;
+    mr[size_t(i)].p.seed = 99;
+    mr[size_t(i)].draw = uint64_t(i);
+  }
+  std::vector<uint8_t> mraw(sizeof(cuda::GpuSamplingRow) * N);
+  std::memcpy(mraw.data(), mr.data(), mraw.size());
+  DevBuf<float> dmany(many);
+  DevBuf<uint8_t> dmr(mraw);
+  DevBuf<int32_t> dmo(N);
+  cuda::sample_rows(dmany.p, N, W, reinterpret_cast<const cuda::GpuSamplingRow*>(dmr.p), dmo.p, 0);
+  auto mo = dmo.download();
+  double Z = 0;
+  for (int i = 0; i < 3; ++i) Z += std::exp(double(lg[size_t(i)]));
+  std::vector<int> cnt(W, 0);
+  for (int x : mo) {
+    ASSERT_GE(x, 0);
+    ASSERT_LT(x, 3) << "sampled outside top-k";
+    cnt[size_t(x)]++;
+  }
+  for (int i = 0; i < 3; ++i) {
+    const double expect = std::exp(double(lg[size_t(i)])) / Z * N, sd = std::sqrt(expect);
+    EXPECT_NEAR(cnt[size_t(i)], expect, 5 * sd + 1) << "token " << i;
+  }
+}
+
 }  // namespace
 }  // namespace spade::test

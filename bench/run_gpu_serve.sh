@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Served throughput and latency of `spade serve --device cuda` against llama.cpp's llama-server
+# on the same GPU, model (SmolLM2-135M-Instruct Q4_1) and client (bench/bench_serve.py), plus
+# the engine's own step rate at the same batch sizes (bench_tpot_batch, smollm2-135m shapes).
+#
+#   here:    bash bench/gpu_deps/make_deps.sh; bash ../shared/tools/llamacpp_src.sh .stage/llamacpp-src.tar.gz
+#            split -n 3 -d models/SmolLM2-135M-Instruct.Q4_1.gguf .stage/model.part   (carry limits)
+#   device:  A: bash bench/run_gpu_serve.sh build   carry .deps-cuda .stage/llamacpp-src.tar.gz .stage/model.part00
+#            B: bash bench/run_gpu_serve.sh stage   carry .stage/model.part01
+#            C: bash bench/run_gpu_serve.sh run     carry .stage/model.part02   (calls back to back)
+# Results: $OUT/serve_*.json, $OUT/engine_steps.json, $OUT/summary.txt (the table printed last).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /root/stage
+ROOT=$(pwd)
+B=build-gpu
+PEER=/root/peer/llama.cpp
+NVCC=$(command -v nvcc); CUDA_HOME=$(dirname $(dirname $NVCC))
+CUDA_LIB=$CUDA_HOME/lib64; [ -d $CUDA_HOME/targets/x86_64-linux/lib ] && CUDA_LIB=$CUDA_HOME/targets/x86_64-linux/lib
+export LD_LIBRARY_PATH=$ROOT/.deps-cuda/lib:$CUDA_LIB:${LD_LIBRARY_PATH:-}
+for p in .stage/model.part0*; do [ -f "$p" ] && cp "$p" /root/stage/; done
+phase=${1:-run}
+
+if [ "$phase" = build ]; then
+  t0=$(date +%s)
+  if [ ! -x $PEER/build-cuda/bin/llama-server ]; then
+    mkdir -p /root/peer && tar xzf .stage/llamacpp-src.tar.gz -C /root/peer
+    (cd $PEER && cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
+       -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+       -DLLAMA_OPENSSL=OFF -DGGML_CUDA_NCCL=OFF >/root/peer/cmake.log 2>&1 && \
+     cmake --build build-cuda -j8 --target llama-server llama-batched-bench >/root/peer/build.log 2>&1) &
+    peer_pid=$!
+  fi
+  gcc -O3 -c .deps-cuda/src/cblas_shim.c -o /tmp/cblas_shim.o && ar rcs .deps-cuda/lib/libopenblas.a /tmp/cblas_shim.o
+  [ -d .deps-cuda/include/boost ] || tar xzf .deps-cuda/boost-headers.tar.gz -C .deps-cuda/include
+  PKGCFG=""; command -v pkg-config >/dev/null || PKGCFG="-DPKG_CONFIG_EXECUTABLE=$ROOT/.deps-cuda/tools/pkg-config"
+  export PKG_CONFIG_PATH=$ROOT/.deps-cuda/lib/pkgconfig
+  [ -f $B/build.ninja ] || cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+      -DCMAKE_PREFIX_PATH=$ROOT/.deps-cuda -DBLA_VENDOR=OpenBLAS -DBLA_STATIC=ON $PKGCFG >"$OUT/cmake.log" 2>&1 \
+      || { tail -30 "$OUT/cmake.log"; exit 1; }
+  cmake --build $B -j10 --target spade spade_gpu_tests >"$OUT/build.log" 2>&1 || { grep -E "error|Error" -A3 "$OUT/build.log" | head -40; exit 1; }
+  g++ -std=c++20 -O2 -Isrc -I$CUDA_HOME/include -DSPADE_HAVE_CUDA=1 bench/bench_tpot_batch.cpp $B/libspade_lib.a \
+    $B/libspade_cuda.a -L$CUDA_LIB -lcudart -lcublasLt -lcublas .deps-cuda/lib/libpcre2-8.a \
+    .deps-cuda/lib/libopenblas.a .deps-cuda/lib/libz.a -lpthread -o $B/bench_tpot_batch >>"$OUT/build.log" 2>&1 || tail -20 "$OUT/build.log"
+  echo "spade build: $(( $(date +%s) - t0 )) s"
+  [ -n "${peer_pid:-}" ] && { wait $peer_pid; echo "llama.cpp build: rc=$? $(( $(date +%s) - t0 )) s"; tail -3 /root/peer/build.log; }
+  ls -la $B/spade $B/spade_gpu_tests $B/bench_tpot_batch $PEER/build-cuda/bin/llama-server 2>&1 | awk '{print $5, $NF}'
+  exit 0
+fi
+[ "$phase" = stage ] && { ls -la /root/stage; exit 0; }
+
+# ---- run
+M=/root/stage/s.gguf
+cat /root/stage/model.part00 /root/stage/model.part01 /root/stage/model.part02 > $M
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $M" | sha256sum -c - || exit 1
+DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+S="$OUT/summary.txt"; : > "$S"
+
+# 1. GPU tests of what this change touches.
+timeout 200 ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:-CudaOps.Sampling*:CudaScheduler*:CudaModel.SmolLM2*}" 2>&1 \
+  | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED)|FAILED|tests ran" | tail -8
+# 2. The engine's own decode step at the served batch sizes (random weights of SmolLM2's shapes).
+timeout 180 ./$B/bench_tpot_batch "$OUT/engine_steps.json" --model smollm2-135m \
+  --lengths "${ENGINE_LENGTHS:-320:1,320:64,320:256,3600:64}" --methods full --steps 200 --warm 10 --commit "$COMMIT" 2>&1 | tail -6
+# 3. Single stream, CLI.
+./$B/spade generate --model $M --device cuda --prompt "Once upon a time" -n 256 --ignore-eos --stats \
+  >/dev/null 2>"$OUT/generate_stats.txt"; grep -iE "decode|tok/s" "$OUT/generate_stats.txt" | head -3
+
+serve_runs() {  # $1 label prefix, $2 url
+  local L=$1 U=$2
+  python3 bench/bench_serve.py --url $U --num-prompts 16 --concurrency 1 --prompt-words 50 --max-tokens 256 \
+    --procs 1 --label "$L c=1" --out "$OUT/serve_${L}_c1.json" | tee -a "$S"
+  python3 bench/bench_serve.py --url $U --num-prompts 256 --concurrency 64 --prompt-words 50 --max-tokens 256 \
+    --procs 8 --label "$L c=64" --out "$OUT/serve_${L}_c64.json" | tee -a "$S"
+  python3 bench/bench_serve.py --url $U --num-prompts 256 --concurrency 64 --prompt-words 50 --max-tokens 256 \
+    --procs 8 --no-stream --label "$L c=64 no-stream" --out "$OUT/serve_${L}_c64_nostream.json" | tee -a "$S"
+  python3 bench/bench_serve.py --url $U --num-prompts 1024 --concurrency 256 --prompt-words 50 --max-tokens 256 \
+    --procs 12 --label "$L c=256" --out "$OUT/serve_${L}_c256.json" | tee -a "$S"
+}
+long_runs() {
+  python3 bench/bench_serve.py --url $2 --num-prompts 128 --concurrency 64 --prompt-words 2700 --max-tokens 128 \
+    --procs 8 --label "$1 c=64 long" --out "$OUT/serve_$1_c64_long.json" | tee -a "$S"
+}
+wait_up() { for i in $(seq 1 240); do curl -sf "$1/health" >/dev/null 2>&1 && return 0; sleep 0.5; done; return 1; }
+
+# 4. spade serve --device cuda.
+./$B/spade serve --model $M --device cuda --port 18080 --max-batch 256 --max-queue 2048 --max-step-tokens 2048 \
+  >"$OUT/spade_serve.log" 2>&1 &
+SP=$!
+wait_up http://127.0.0.1:18080 || { echo "spade serve did not start"; tail -20 "$OUT/spade_serve.log"; }
+serve_runs spade http://127.0.0.1:18080
+long_runs spade http://127.0.0.1:18080
+curl -s http://127.0.0.1:18080/metrics > "$OUT/spade_metrics.txt"
+grep -E "^spade_engine_(busy|forward|sample|steps|device_sampled)" "$OUT/spade_metrics.txt" | head
+kill -TERM $SP; wait $SP
+
+# 5. llama-server, same client.
+if [ -x $PEER/build-cuda/bin/llama-server ]; then
+  $PEER/build-cuda/bin/llama-server -m $M -ngl 99 -fa on -np 256 -c $((256 * 640)) --cont-batching \
+    --port 18081 >"$OUT/llama_server.log" 2>&1 &
+  LP=$!
+  wait_up http://127.0.0.1:18081 && serve_runs llama http://127.0.0.1:18081
+  kill -TERM $LP; wait $LP
+  $PEER/build-cuda/bin/llama-server -m $M -ngl 99 -fa on -np 64 -c $((64 * 3900)) --cont-batching \
+    --port 18082 >"$OUT/llama_server_long.log" 2>&1 &
+  LP=$!
+  wait_up http://127.0.0.1:18082 && long_runs llama http://127.0.0.1:18082
+  kill -TERM $LP; wait $LP
+else
+  echo "llama-server not built"; tail -5 /root/peer/build.log
+fi
+echo "== $DEV, commit $COMMIT"
+cat "$S"
