@@ -206,7 +206,7 @@ def main():
         t_begin, t_end = 0.0, 1e-9
     dur = max(t_end - t_begin, 1e-9)
     out_tokens = sum(r["tokens"] for r in ok)
-    ttft = [1000 * (r["first"] - r["sent"]) for r in ok]
+    ttft = [1000 * (r["first"] - r["sent"]) for r in ok] if args.stream else []  # no-stream: only e2e
     tpot = [1000 * (r["end"] - r["first"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1 and args.stream]
     itl = [1000 * (b - a) for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])] if args.stream else []
     e2e = [1000 * (r["end"] - r["sent"]) for r in ok]

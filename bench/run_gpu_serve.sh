@@ -5,9 +5,11 @@
 #
 #   here:    bash bench/gpu_deps/make_deps.sh; bash ../shared/tools/llamacpp_src.sh .stage/llamacpp-src.tar.gz
 #            split -n 3 -d models/SmolLM2-135M-Instruct.Q4_1.gguf .stage/model.part   (carry limits)
-#   device:  A: bash bench/run_gpu_serve.sh build   carry .deps-cuda .stage/llamacpp-src.tar.gz .stage/model.part00
-#            B: bash bench/run_gpu_serve.sh stage   carry .stage/model.part01
-#            C: bash bench/run_gpu_serve.sh run     carry .stage/model.part02   (calls back to back)
+#   device (calls back to back, each within the 64 MiB a call carries):
+#            A: bash bench/run_gpu_serve.sh build   carry .deps-cuda .stage/llamacpp-src.tar.gz
+#            B: bash bench/run_gpu_serve.sh stage   carry .stage/model.part00
+#            C: bash bench/run_gpu_serve.sh stage   carry .stage/model.part01
+#            D: bash bench/run_gpu_serve.sh run     carry .stage/model.part02
 # Results: $OUT/serve_*.json, $OUT/engine_steps.json, $OUT/summary.txt (the table printed last).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
