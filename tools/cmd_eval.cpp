@@ -250,7 +250,7 @@ ResultFile open_results(const std::string& out, const std::string& kind, const j
                         const std::string& cmd) {
   ResultFile f(out, kind, meta, cmd);
   const std::string was = f.doc().at("meta").value("backend", "cpu");
-  SPADE_CHECK(was == meta.at("backend"), "'", out, "' holds a --device ", was,
+  SPADE_CHECK(was == meta.at("backend").get<std::string>(), "'", out, "' holds a --device ", was,
               " sweep: resume it with --device ", was, " or give another --out");
   return f;
 }
