@@ -124,7 +124,7 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
               "' has no GPU path (GPU methods: ", cuda_method_list(),
               "; the others run with --device cpu)");
   auto method = sparse::make_method(cfg, model);  // the CPU method's own checks
-  sparse::MethodOptions o(info.name, info.options(), cfg.options);
+  sparse::MethodOptions o(info.name, info.options(), cfg.options, model);
   r.head_dim = model.head_dim;
   if (info.name == "blasst") {
     const sparse::BlasstMethod* bm = sparse::as_blasst(*method);

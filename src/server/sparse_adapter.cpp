@@ -43,13 +43,6 @@ ResolvedSparse SparseMethods::resolve(const std::optional<SparseSpec>& given) {
   sparse::SparseConfig cfg;
   cfg.method = spec.method;
   for (const auto& [k, v] : spec.options) {
-    // Options that name files (e.g. lycheedecode roles=PATH.json) are for the operator's
-    // flags only: a request must not make the server read files of its choosing.
-    if (given)
-      SPADE_CHECK((k != "config" || v.empty()) && v.find('/') == std::string::npos && v.find('\\') == std::string::npos &&
-                      (v.size() < 5 || v.compare(v.size() - 5, 5, ".json") != 0),
-                  "sparse option '", k, "': file paths are not accepted in requests; set them "
-                  "with the server's --sparse-opt / --sparse-config");
     if (k == "recall") {
       SPADE_CHECK(v == "true" || v == "false" || v == "1" || v == "0",
                   "sparse option 'recall' expects true or false, got '", v, "'");
@@ -58,6 +51,9 @@ ResolvedSparse SparseMethods::resolve(const std::optional<SparseSpec>& given) {
       cfg.set(k, v);
     }
   }
+  // Options that name files (blasst config=, lycheedecode roles=PATH) are for the operator's
+  // flags only: a request must not make the server read files of its choosing.
+  if (given) sparse::reject_local_only_options(cfg);
   ResolvedSparse r;
   r.method = spec.method;
   const std::string key = cfg.to_string() + (cfg.measure_recall ? " +recall" : "");
@@ -69,6 +65,7 @@ ResolvedSparse SparseMethods::resolve(const std::optional<SparseSpec>& given) {
       m = it->second;
     } else {
       m = sparse::make_method(cfg, cfg_);
+      if (kv_) m->check_kv_layout(kv_->layout());  // e.g. Quest pages vs KV pages: a 400 now
       if (cache_.size() < 256) cache_[key] = m;
     }
   }

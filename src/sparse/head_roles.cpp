@@ -131,6 +131,10 @@ HeadRoles HeadRoles::parse_json(const std::string& text, const std::string& what
   r.n_layers = j["n_layers"].get<int>();
   r.n_kv_heads = j["n_kv_heads"].get<int>();
   SPADE_CHECK(r.n_layers > 0 && r.n_kv_heads > 0, what, ": non-positive layer or head count");
+  SPADE_CHECK((!j.contains("n_heads") || j["n_heads"].is_number_integer()) &&
+                  (!j.contains("hidden") || j["hidden"].is_number_integer()) &&
+                  (!j.contains("arch") || j["arch"].is_string()),
+              what, ": \"n_heads\" and \"hidden\" must be integers, \"arch\" a string");
   if (j.contains("n_heads")) r.file_n_heads_ = j["n_heads"].get<int>();
   if (j.contains("hidden")) r.file_hidden_ = j["hidden"].get<int>();
   if (j.contains("arch")) r.file_arch_ = j["arch"].get<std::string>();

@@ -29,12 +29,16 @@ LayerSchedule LayerSchedule::from_options(const MethodOptions& o, const ModelCon
   for (int l : s.selection_layers)
     SPADE_CHECK(l >= 0 && l < cfg.n_layers, m, ": selection layer ", l, " outside [0, ",
                 cfg.n_layers, ")");
-  // The first layer that reuses a set must have a selection layer before it.
+  // The first layer that reuses a set must have a layer of role Select before it. A selection
+  // layer below dense_layers is a dense layer: it attends fully and never selects.
   for (int l = 0; l < cfg.n_layers; ++l) {
     if (s.role(l) != Role::Reuse) continue;
-    SPADE_CHECK(!s.selection_layers.empty() && s.selection_layers.front() < l, m, ": layer ", l,
-                " would reuse a token set but no selection layer comes before it (dense_layers=",
-                s.dense_layers, ", selection_layers=", o.str("selection_layers"), ")");
+    bool selects_before = false;
+    for (int x : s.selection_layers) selects_before |= x < l && s.role(x) == Role::Select;
+    SPADE_CHECK(selects_before, m, ": layer ", l, " would reuse a token set but no selection "
+                "layer at or above dense_layers=", s.dense_layers, " comes before it (",
+                s.describe(), "; a selection layer below dense_layers is dense and never "
+                "selects)");
     break;
   }
   return s;
@@ -74,13 +78,17 @@ void select_scheduled(const LayerSchedule& sched, int64_t budget, const char* me
 }
 
 OptionSpec dense_layers_option() {
-  return {"dense_layers", OptKind::Int, "auto",
-          "leading full-attention layers (auto: per-model table, 2; TidalDecode)"};
+  return OptionSpec{"dense_layers", OptKind::Int, "auto",
+                    "leading full-attention layers (auto: per-model table, 2; TidalDecode)"}
+      .range(0, kMaxTokenCount)
+      .upto(ModelBound::Layers);
 }
 OptionSpec selection_layers_option() {
-  return {"selection_layers", OptKind::IntList, "auto",
-          "token (re-)selection layers, comma list (auto: per-model table, e.g. 2,13 for "
-          "Llama-3-8B, 2,14 for SmolLM2-135M)"};
+  return OptionSpec{"selection_layers", OptKind::IntList, "auto",
+                    "token (re-)selection layers, comma list (auto: per-model table, e.g. 2,13 "
+                    "for Llama-3-8B, 2,14 for SmolLM2-135M)"}
+      .range(0, kMaxTokenCount)
+      .upto(ModelBound::LayerIndex);
 }
 
 }  // namespace spade::sparse

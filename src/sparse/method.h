@@ -105,6 +105,10 @@ class SparseMethod {
   virtual std::string describe() const = 0;
   // Per-request state; nullptr when the method keeps none.
   virtual std::unique_ptr<MethodState> new_state() const { return nullptr; }
+  // Throws spade::Error when the method cannot run on a KV cache of this layout (Quest: its
+  // page_size must be a multiple of the KV page size). SparseSession checks it at
+  // construction, so such a method fails before the first step, not in the middle of one.
+  virtual void check_kv_layout(const KVLayout& layout) const { (void)layout; }
   virtual void on_prefill(StepContext& ctx, int64_t p0, int64_t T) const {}
   virtual void on_append(StepContext& ctx) const {}
   virtual void select(StepContext& ctx, Selection& out) const = 0;

@@ -1,6 +1,8 @@
 #include "sparse/options.h"
 
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -16,23 +18,31 @@ std::string trim(const std::string& s) {
 }  // namespace
 
 int64_t parse_int(const std::string& s, const std::string& what) {
+  const std::string t = trim(s);
   try {
     size_t pos = 0;
-    long long v = std::stoll(trim(s), &pos);
-    if (pos == trim(s).size()) return v;
+    long long v = std::stoll(t, &pos);
+    if (pos == t.size()) return v;
+  } catch (const std::out_of_range&) {
+    fail(what, " = ", t, " is outside the 64-bit integer range");
   } catch (...) {
   }
   fail(what, " expects an integer, got '", s, "'");
 }
 
 double parse_float(const std::string& s, const std::string& what) {
+  const std::string t = trim(s);
+  double v = 0;
+  bool whole = false;
   try {
     size_t pos = 0;
-    double v = std::stod(trim(s), &pos);
-    if (pos == trim(s).size()) return v;
+    v = std::stod(t, &pos);
+    whole = pos == t.size();
   } catch (...) {
   }
-  fail(what, " expects a number, got '", s, "'");
+  SPADE_CHECK(whole, what, " expects a number, got '", s, "'");
+  SPADE_CHECK(std::isfinite(v), what, " expects a finite number, got '", s, "'");
+  return v;
 }
 
 std::vector<int> parse_int_list(const std::string& s, const std::string& what) {
@@ -41,8 +51,80 @@ std::vector<int> parse_int_list(const std::string& s, const std::string& what) {
   if (t.empty() || t == "none") return out;
   std::stringstream ss(t);
   std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(int(parse_int(item, what)));
+  while (std::getline(ss, item, ',')) {
+    const int64_t v = parse_int(item, what);
+    SPADE_CHECK(v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max(),
+                what, " element ", v, " does not fit in a 32-bit integer");
+    out.push_back(int(v));
+  }
+  if (!t.empty() && t.back() == ',') fail(what, " has an empty element in '", s, "'");
   return out;
+}
+
+// ---------------------------------------------------------------- OptionSpec
+
+OptionSpec OptionSpec::range(double l, double h) const {
+  OptionSpec s = *this;
+  s.lo = l;
+  s.hi = h;
+  return s;
+}
+OptionSpec OptionSpec::open_lo() const {
+  OptionSpec s = *this;
+  s.lo_open = true;
+  return s;
+}
+OptionSpec OptionSpec::open_hi() const {
+  OptionSpec s = *this;
+  s.hi_open = true;
+  return s;
+}
+OptionSpec OptionSpec::upto(ModelBound b) const {
+  OptionSpec s = *this;
+  s.bound = b;
+  return s;
+}
+OptionSpec OptionSpec::one_of(std::vector<std::string> values) const {
+  OptionSpec s = *this;
+  s.choices = std::move(values);
+  return s;
+}
+OptionSpec OptionSpec::names_file(bool (*is_file)(const std::string&)) const {
+  OptionSpec s = *this;
+  s.local_only = is_file ? is_file : [](const std::string& v) { return !trim(v).empty(); };
+  return s;
+}
+
+namespace {
+// The closed upper bound the model adds, or +inf.
+double model_hi(ModelBound b, int n_layers) {
+  switch (b) {
+    case ModelBound::None: return INFINITY;
+    case ModelBound::Layers: return n_layers;
+    case ModelBound::LayerIndex: return n_layers - 1;
+  }
+  return INFINITY;
+}
+std::string bound_text(double x) {
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  if (x == std::floor(x) && std::fabs(x) < 1e15) return std::to_string(int64_t(x));
+  return cat(x);
+}
+}  // namespace
+
+std::string OptionSpec::valid_text(int n_layers) const {
+  if (kind == OptKind::String) {
+    std::string s;
+    for (const auto& c : choices) s += (s.empty() ? "" : ", ") + c;
+    return "one of " + s;
+  }
+  const double mh = model_hi(bound, n_layers);
+  const bool by_model = mh <= hi;
+  const double h = by_model ? mh : hi;
+  std::string s = cat(lo_open || std::isinf(lo) ? "(" : "[", bound_text(lo), ", ", bound_text(h),
+                      (hi_open && !by_model) || std::isinf(h) ? ")" : "]");
+  if (bound != ModelBound::None) s += cat(" (the model has ", n_layers, " layers)");
+  return s;
 }
 
 void SparseConfig::set_options(const std::string& text) {
@@ -73,6 +155,7 @@ void SparseConfig::merge_json(const std::string& text, const std::string& what) 
   SPADE_CHECK(j.is_object(), what, ": expected a JSON object");
   auto value_text = [&](const std::string& key, const nlohmann::json& v) -> std::string {
     if (v.is_string()) return v.get<std::string>();
+    if (v.is_number_unsigned()) return std::to_string(v.get<unsigned long long>());
     if (v.is_number_integer()) return std::to_string(v.get<long long>());
     if (v.is_number()) {
       std::ostringstream os;
@@ -86,7 +169,9 @@ void SparseConfig::merge_json(const std::string& text, const std::string& what) 
       for (const auto& e : v) {
         SPADE_CHECK(e.is_number_integer(), what, ": option '", key,
                     "' must be a list of integers");
-        s += (s.empty() ? "" : ",") + std::to_string(e.get<long long>());
+        s += (s.empty() ? "" : ",") + (e.is_number_unsigned()
+                                             ? std::to_string(e.get<unsigned long long>())
+                                             : std::to_string(e.get<long long>()));
       }
       return s.empty() ? "none" : s;
     }
@@ -134,8 +219,9 @@ std::string SparseConfig::to_string() const {
 }
 
 MethodOptions::MethodOptions(std::string method, std::vector<OptionSpec> specs,
-                             const std::map<std::string, std::string>& given)
-    : method_(std::move(method)), specs_(std::move(specs)), given_(given) {
+                             const std::map<std::string, std::string>& given,
+                             const ModelConfig& model)
+    : method_(std::move(method)), specs_(std::move(specs)), given_(given), model_(model) {
   for (const auto& [k, v] : given_) {
     bool known = false;
     for (const auto& s : specs_) known |= s.key == k;
@@ -146,17 +232,41 @@ MethodOptions::MethodOptions(std::string method, std::vector<OptionSpec> specs,
            valid.empty() ? std::string("none") : valid);
     }
   }
-  // Parse every value now, so a typo fails before the model runs.
+  // Parse and range-check every value now, so a bad one fails before the model runs ("auto"
+  // only where it is the default: the method resolves it).
   for (const auto& s : specs_) {
     const std::string v = str(s.key);
-    if (v == "auto") continue;
-    const std::string what = cat(method_, " option '", s.key, "'");
-    switch (s.kind) {
-      case OptKind::Int: parse_int(v, what); break;
-      case OptKind::Float: parse_float(v, what); break;
-      case OptKind::IntList: parse_int_list(v, what); break;
-      case OptKind::String: break;
+    if (v != "auto" || s.def != "auto") check_value(s, v);
+  }
+}
+
+void MethodOptions::check_value(const OptionSpec& s, const std::string& v) const {
+  const std::string what = cat(method_, " option '", s.key, "'");
+  const double mh = model_hi(s.bound, model_.n_layers);
+  auto in_range = [&](double x) {
+    return (s.lo_open ? x > s.lo : x >= s.lo) && (s.hi_open ? x < s.hi : x <= s.hi) && x <= mh;
+  };
+  switch (s.kind) {
+    case OptKind::Int: {
+      const int64_t x = parse_int(v, what);
+      SPADE_CHECK(in_range(double(x)), what, " = ", x, " outside ", s.valid_text(model_.n_layers));
+      break;
     }
+    case OptKind::Float: {
+      const double x = parse_float(v, what);
+      SPADE_CHECK(in_range(x), what, " = ", trim(v), " outside ", s.valid_text(model_.n_layers));
+      break;
+    }
+    case OptKind::IntList:
+      for (int x : parse_int_list(v, what))
+        SPADE_CHECK(in_range(double(x)), what, " element ", x, " outside ",
+                    s.valid_text(model_.n_layers));
+      break;
+    case OptKind::String:
+      if (s.choices.empty()) break;
+      for (const auto& c : s.choices)
+        if (v == c) return;
+      fail(what, " = '", v, "' is not ", s.valid_text(model_.n_layers));
   }
 }
 

@@ -1,6 +1,7 @@
 #include "sparse/registry.h"
 
 #include <algorithm>
+#include <set>
 
 #include "core/error.h"
 #include "sparse/methods/full.h"
@@ -66,8 +67,29 @@ std::shared_ptr<const SparseMethod> make_method(const SparseConfig& cfg, const M
   // A stack "base+modifier[+modifier]" (e.g. quest+twilight, quest+twilight+blasst).
   if (cfg.method.find('+') != std::string::npos) return make_stack(cfg.method, cfg.options, model);
   const MethodInfo& info = find_method(cfg.method);
-  MethodOptions opts(info.name, info.options(), cfg.options);
+  MethodOptions opts(info.name, info.options(), cfg.options, model);
   return info.make(opts, model);
+}
+
+void reject_local_only_options(const SparseConfig& cfg) {
+  std::vector<std::string> todo = split_stack(cfg.method);
+  if (auto b = cfg.options.find("base"); b != cfg.options.end())
+    for (const auto& s : split_stack(b->second)) todo.push_back(s);
+  std::set<std::string> seen;
+  while (!todo.empty()) {
+    const std::string name = todo.back();
+    todo.pop_back();
+    if (!seen.insert(name).second) continue;
+    for (const auto& spec : find_method(name).options()) {
+      if (spec.key == "base" && !cfg.options.count("base"))  // the default base's stages too
+        for (const auto& s : split_stack(spec.def)) todo.push_back(s);
+      auto it = cfg.options.find(spec.key);
+      if (it == cfg.options.end() || !spec.local_only || !spec.local_only(it->second)) continue;
+      fail("sparse option '", spec.key, "' of ", name, ": '", it->second, "' names a file; "
+           "files are not accepted in requests (set them with the server's --sparse-opt / "
+           "--sparse-config)");
+    }
+  }
 }
 
 std::string methods_help() {

@@ -26,6 +26,12 @@ const MethodInfo& find_method(const std::string& name);
 std::string method_names();  // "full, streaming, ..."
 // Builds the method of `cfg` for `model`; unknown methods / options are errors.
 std::shared_ptr<const SparseMethod> make_method(const SparseConfig& cfg, const ModelConfig& model);
+// Throws spade::Error when an option of `cfg` has a value that names a file (OptionSpec::
+// local_only: blasst config=, lycheedecode roles=PATH): such values are for the operator
+// (command-line flags, --sparse-config), never for a request, which must not make the server
+// read files of its choosing. Checks every stage of the method or stack and of its base
+// (given or default); unknown methods throw as make_method does. Call it before make_method.
+void reject_local_only_options(const SparseConfig& cfg);
 // Every method with its options and defaults, for --help.
 std::string methods_help();
 

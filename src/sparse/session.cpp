@@ -61,6 +61,7 @@ SparseSession::SparseSession(std::shared_ptr<const SparseMethod> method, const M
                              KVPool& kv, SessionOptions opt)
     : method_(std::move(method)), cfg_(cfg), kv_(kv), opt_(opt) {
   SPADE_CHECK(method_, "SparseSession: no method");
+  method_->check_kv_layout(kv_.layout());
   ctx_.bind(cfg, kv_, &scratch_, "SparseSession");
   step_.n_layers = cfg.n_layers;
   step_.n_kv_heads = cfg.n_kv_heads;

@@ -72,7 +72,7 @@ TileCounts blasst_rows(float* S, int64_t ss, int64_t M, int64_t n, const int64_t
   SPADE_CHECK(p.tile > 0, "blasst: tile must be positive");
   SPADE_CHECK(!(p.log_lambda > 0.f), "blasst: lambda must be <= 1 (ln lambda = ", p.log_lambda,
               ")");
-  const int64_t tile = p.tile, nt = (n + tile - 1) / tile;
+  const int64_t tile = p.tile, nt = n / tile + (n % tile != 0);  // no overflow for any tile
   float* m = BlasstScratch::ensure(sc.m, size_t(M));
   float* l = BlasstScratch::ensure(sc.l, size_t(M));
   float* tm = BlasstScratch::ensure(sc.tm, size_t(M));
@@ -92,7 +92,7 @@ TileCounts blasst_rows(float* S, int64_t ss, int64_t M, int64_t n, const int64_t
   }
   TileCounts c;
   for (int64_t it = 0; it < nt; ++it) {
-    const int64_t j = ord[it], c0 = j * tile, c1 = std::min(n, c0 + tile);
+    const int64_t j = ord[it], c0 = j * tile, c1 = c0 + std::min(tile, n - c0);
     // Skip decision (Algorithm 1, lines 5-9) from the tile's row maxima.
     bool visible = false, skip = true;
     float g = -INFINITY;
@@ -173,10 +173,13 @@ void attention_blasst_decode(const KVPool& kv, int layer, const PageTable& pt, c
               "blasst decode: selection for ", sel.n_kv_heads, " heads / ", sel.length,
               " tokens, cache has ", Hkv, " heads / ", pt.capacity(kv.layout().page_size),
               " token slots");
+  SPADE_CHECK(tile > 0, "blasst decode: tile ", tile, " must be positive");
   int64_t max_n = 1;
   for (int h = 0; h < Hkv; ++h) max_n = std::max(max_n, sel.count(h));
   float* K = BlasstScratch::ensure(sc.k, size_t(max_n * D));
-  float* Vt = BlasstScratch::ensure(sc.v, size_t(tile * D));
+  // A tile never holds more than the selected rows: the V buffer is bounded by the selection,
+  // whatever `tile` is (so tile * D cannot overflow).
+  float* Vt = BlasstScratch::ensure(sc.v, size_t(std::min(tile, max_n) * D));
   float* S = BlasstScratch::ensure(sc.s, size_t(G * max_n));
   for (int h = 0; h < Hkv; ++h) {
     const int64_t n = sel.count(h);

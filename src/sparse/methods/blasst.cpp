@@ -161,25 +161,40 @@ std::vector<OptionSpec> blasst_own_options() {
   return {{"base", OptKind::String, "full",
            "selector the skipping runs inside: a method or a stack a+b (full, quest, "
            "quest+twilight, ...)"},
-          {"lambda", OptKind::Float, "auto", "fixed threshold lambda in [0, 1] (0 = exact)"},
-          {"a", OptKind::Float, "auto",
-           cat("decode lambda = a / L (BLASST eq. 3); auto: a decode config's a, else ",
-               kBlasstDefaultA, " (SmolLM2, 50% target)")},
-          {"prefill_a", OptKind::Float, "auto",
-           cat("prefill lambda = prefill_a / L; auto: a prefill config's a, else ",
-               kBlasstDefaultPrefillA, " (SmolLM2, 50% target); a when a is given")},
-          {"config", OptKind::String, "",
-           "calibration JSON(s) of `spade calibrate blasst`, comma list; each sets the a of "
-           "its phase"},
-          {"length", OptKind::String, "selected",
-           "L of a/L in decode: selected (keys the head attends) or context"},
-          {"tile", OptKind::Int, "64", "decode tile, selected keys per tile (BLASST: 64)"},
-          {"prefill_tile", OptKind::Int, "128", "prefill key tile (BLASST: 128)"},
-          {"q_block", OptKind::Int, "128", "prefill query rows per block (one query head)"},
-          {"order", OptKind::String, "sequential",
-           "tile order: sequential, reverse or sink_recent (BLASST 5.6 reordering)"},
-          {"prefill", OptKind::Int, "1", "skip tiles in prefill too (1) or prefill dense (0)"},
-          {"decode", OptKind::Int, "1", "skip tiles in decode (1) or decode exact (0)"}};
+          OptionSpec{"lambda", OptKind::Float, "auto",
+                     "fixed threshold lambda in [0, 1] (0 = exact)"}
+              .range(0, 1),
+          OptionSpec{"a", OptKind::Float, "auto",
+                     cat("decode lambda = a / L (BLASST eq. 3); auto: a decode config's a, "
+                         "else ", kBlasstDefaultA, " (SmolLM2, 50% target)")}
+              .range(0, INFINITY),
+          OptionSpec{"prefill_a", OptKind::Float, "auto",
+                     cat("prefill lambda = prefill_a / L; auto: a prefill config's a, else ",
+                         kBlasstDefaultPrefillA, " (SmolLM2, 50% target); a when a is given")}
+              .range(0, INFINITY),
+          OptionSpec{"config", OptKind::String, "",
+                     "calibration JSON(s) of `spade calibrate blasst`, comma list; each sets "
+                     "the a of its phase"}
+              .names_file(),
+          OptionSpec{"length", OptKind::String, "selected",
+                     "L of a/L in decode: selected (keys the head attends) or context"}
+              .one_of({"selected", "context"}),
+          OptionSpec{"tile", OptKind::Int, "64",
+                     "decode tile, selected keys per tile (BLASST: 64)"}
+              .range(1, kMaxTile),
+          OptionSpec{"prefill_tile", OptKind::Int, "128", "prefill key tile (BLASST: 128)"}
+              .range(1, kMaxTile),
+          OptionSpec{"q_block", OptKind::Int, "128",
+                     "prefill query rows per block (one query head)"}
+              .range(1, kMaxTile),
+          OptionSpec{"order", OptKind::String, "sequential",
+                     "tile order: sequential, reverse or sink_recent (BLASST 5.6 reordering)"}
+              .one_of({"sequential", "reverse", "sink_recent"}),
+          OptionSpec{"prefill", OptKind::Int, "1",
+                     "skip tiles in prefill too (1) or prefill dense (0)"}
+              .range(0, 1),
+          OptionSpec{"decode", OptKind::Int, "1", "skip tiles in decode (1) or decode exact (0)"}
+              .range(0, 1)};
 }
 
 std::vector<OptionSpec> blasst_options() {
@@ -199,6 +214,9 @@ std::vector<std::string> parse_list(const std::string& s) {
 
 std::unique_ptr<SparseMethod> make_blasst(const MethodOptions& o, const ModelConfig& cfg) {
   const std::string base_spec = o.str("base");
+  for (const auto& s : split_stack(base_spec))
+    SPADE_CHECK(s != "blasst", "blasst: blasst skips inside attention and must be the last "
+                "stage, once (base=", base_spec, " has a blasst stage)");
   auto base_opts = route_to_base("blasst", blasst_own_options(), base_spec, given_options(o));
   BlasstMethod::Params prm;
   const bool has_l = !o.is_auto("lambda"), has_a = !o.is_auto("a"),
@@ -206,8 +224,7 @@ std::unique_ptr<SparseMethod> make_blasst(const MethodOptions& o, const ModelCon
   SPADE_CHECK(!(has_l && (has_a || has_pa || has_c)),
               "blasst: lambda (fixed) excludes a, prefill_a and config");
   if (has_l) {
-    prm.lambda = o.number("lambda");
-    SPADE_CHECK(prm.lambda >= 0 && prm.lambda <= 1, "blasst: lambda must be in [0, 1]");
+    prm.lambda = o.number("lambda");  // [0, 1]: MethodOptions
   } else {
     // decode: a > a decode config > default; prefill: prefill_a > a prefill config > a > default.
     double ca = -1, cpa = -1;
@@ -221,10 +238,7 @@ std::unique_ptr<SparseMethod> make_blasst(const MethodOptions& o, const ModelCon
                                                                          : kBlasstDefaultPrefillA;
     SPADE_CHECK(prm.a >= 0 && prm.prefill_a >= 0, "blasst: a and prefill_a must be >= 0");
   }
-  const std::string len = o.str("length");
-  SPADE_CHECK(len == "selected" || len == "context", "blasst option 'length' must be selected or "
-              "context, got '", len, "'");
-  prm.length_selected = len == "selected";
+  prm.length_selected = o.str("length") == "selected";  // selected | context: MethodOptions
   prm.tile = o.integer("tile");
   prm.prefill_tile = o.integer("prefill_tile");
   prm.q_block = o.integer("q_block");

@@ -71,9 +71,12 @@ void LessIsMoreMethod::on_scores(StepContext& c, const Selection&, const float* 
 
 std::vector<OptionSpec> lessismore_options() {
   return {budget_option(),
-          {"recent_ratio", OptKind::Float, "0.25",
-           "share r of the budget for the most recent tokens (LessIsMore: 0.25)"},
-          {"sinks", OptKind::Int, "4", "attention-sink tokens inside the budget (LessIsMore: 4)"},
+          OptionSpec{"recent_ratio", OptKind::Float, "0.25",
+                     "share r of the budget for the most recent tokens (LessIsMore: 0.25)"}
+              .range(0, 1),
+          OptionSpec{"sinks", OptKind::Int, "4",
+                     "attention-sink tokens inside the budget (LessIsMore: 4)"}
+              .range(0, kMaxTokenCount),
           dense_layers_option(), selection_layers_option()};
 }
 

@@ -200,51 +200,78 @@ void LycheeClusterMethod::select(StepContext& c, Selection& out) const {
 
 // ---- options ----
 
+namespace {
+// k-means iterations per index build (appendix A: 10); more only costs time.
+constexpr int64_t kMaxKMeansIterations = 1000;
+}  // namespace
+
 std::vector<OptionSpec> lycheecluster_options() {
   OptionSpec budget = budget_option();
   budget.def = "1024";
   budget.help = "chunk tokens attended per KV head, sink and recent tokens not counted "
                 "unless budget_mode=total (LycheeCluster appendix A: 1024)";
+  using S = OptionSpec;
+  constexpr auto Int = OptKind::Int, Float = OptKind::Float, Str = OptKind::String;
   return {
       budget,
-      {"budget_mode", OptKind::String, "clusters",
-       "clusters: budget counts chunk tokens only (paper); total: it includes sink + recent"},
-      {"sink", OptKind::Int, "16", "attention-sink tokens always attended (appendix A: 16)"},
-      {"buffer", OptKind::Int, "128",
-       "lazy update: index the closed chunks once this many tokens wait (appendix A: 128)"},
-      {"dense_layers", OptKind::Int, "2", "leading full-attention layers (appendix A: 2)"},
-      {"chunking", OptKind::String, "structure",
-       "structure (table 4 delimiters) or fixed (section 5.4 ablation)"},
-      {"min_chunk", OptKind::Int, "8", "minimum chunk length (appendix A: 8)"},
-      {"max_chunk", OptKind::Int, "16", "maximum chunk length, forced split (appendix A: 16)"},
-      {"fixed_chunk", OptKind::Int, "16", "chunk length of chunking=fixed (section 5.4: 16)"},
-      {"tie", OptKind::String, "last",
-       "equal-level delimiters in the window: last (longest chunk) or first"},
-      {"pooling", OptKind::String, "mean", "chunk key pooling: mean (paper) or max (table 3 ablation)"},
-      {"bound", OptKind::String, "token",
-       "node bound space: token (raw member keys: bounds every token's q.k) or chunk "
-       "(paper-literal: normalized chunk keys)"},
-      {"chunks_per_fine", OptKind::Float, "2", "average chunks per fine cluster (appendix A/E: 2)"},
-      {"max_coarse", OptKind::Int, "64", "most coarse units (appendix A: 64)"},
-      {"coarse_units", OptKind::Int, "0", "coarse units; 0 = min(max_coarse, ceil(sqrt(#fine)))"},
-      {"kmeans_iters", OptKind::Int, "10", "spherical k-means iterations (appendix A: 10)"},
-      {"seeding", OptKind::String, "stride",
-       "k-means seeding: stride (evenly spaced points) or kmeans++ (fixed seed)"},
-      {"seed", OptKind::Int, "24301", "seed of seeding=kmeans++"},
-      {"center_dtype", OptKind::String, "f16", "stored node centers: f16 or f32"},
-      {"coarse_topk", OptKind::Int, "0",
-       "k_g coarse units searched; 0 = auto: the fewest top units holding coarse_cover x budget tokens"},
-      {"coarse_cover", OptKind::Float, "4", "auto k_g: token cover of the kept units / budget"},
-      {"group", OptKind::String, "max",
-       "GQA: node score over the group's query heads: max (upper bound for each) or sum"},
-      {"rank", OptKind::String, "bound",
-       "node ranking: bound (q.c + |q| r, Algorithm 1) or center (q.c only, ablation)"},
-      {"stability", OptKind::Int, "0", "1: appendix D counters (Jaccard, window hit rate)"},
-      {"stability_window", OptKind::Int, "32", "window hit rate history w (appendix D: 32)"},
+      S{"budget_mode", Str, "clusters",
+        "clusters: budget counts chunk tokens only (paper); total: it includes sink + recent"}
+          .one_of({"clusters", "total"}),
+      S{"sink", Int, "16", "attention-sink tokens always attended (appendix A: 16)"}
+          .range(0, kMaxTokenCount),
+      S{"buffer", Int, "128",
+        "lazy update: index the closed chunks once this many tokens wait (appendix A: 128)"}
+          .range(1, kMaxTokenCount),
+      dense_layers_count("2", "leading full-attention layers (appendix A: 2)"),
+      S{"chunking", Str, "structure",
+        "structure (table 4 delimiters) or fixed (section 5.4 ablation)"}
+          .one_of({"structure", "fixed"}),
+      S{"min_chunk", Int, "8", "minimum chunk length (appendix A: 8)"}.range(1, kMaxTile),
+      S{"max_chunk", Int, "16", "maximum chunk length, forced split (appendix A: 16)"}
+          .range(1, kMaxTile),
+      S{"fixed_chunk", Int, "16", "chunk length of chunking=fixed (section 5.4: 16)"}
+          .range(1, kMaxTile),
+      S{"tie", Str, "last", "equal-level delimiters in the window: last (longest chunk) or first"}
+          .one_of({"last", "first"}),
+      S{"pooling", Str, "mean", "chunk key pooling: mean (paper) or max (table 3 ablation)"}
+          .one_of({"mean", "max"}),
+      S{"bound", Str, "token",
+        "node bound space: token (raw member keys: bounds every token's q.k) or chunk "
+        "(paper-literal: normalized chunk keys)"}
+          .one_of({"token", "chunk"}),
+      S{"chunks_per_fine", Float, "2", "average chunks per fine cluster (appendix A/E: 2)"}
+          .range(1, kMaxTile),
+      S{"max_coarse", Int, "64", "most coarse units (appendix A: 64)"}.range(1, kMaxTile),
+      S{"coarse_units", Int, "0", "coarse units; 0 = min(max_coarse, ceil(sqrt(#fine)))"}
+          .range(0, kMaxTile),
+      S{"kmeans_iters", Int, "10", "spherical k-means iterations (appendix A: 10)"}
+          .range(0, kMaxKMeansIterations),
+      S{"seeding", Str, "stride",
+        "k-means seeding: stride (evenly spaced points) or kmeans++ (fixed seed)"}
+          .one_of({"stride", "kmeans++"}),
+      S{"seed", Int, "24301", "seed of seeding=kmeans++ (any 64-bit integer)"},
+      S{"center_dtype", Str, "f16", "stored node centers: f16 or f32"}.one_of({"f16", "f32"}),
+      S{"coarse_topk", Int, "0",
+        "k_g coarse units searched; 0 = auto: the fewest top units holding coarse_cover x "
+        "budget tokens"}
+          .range(0, kMaxTile),
+      S{"coarse_cover", Float, "4", "auto k_g: token cover of the kept units / budget"}
+          .range(0, kMaxTokenCount)
+          .open_lo(),
+      S{"group", Str, "max",
+        "GQA: node score over the group's query heads: max (upper bound for each) or sum"}
+          .one_of({"max", "sum"}),
+      S{"rank", Str, "bound",
+        "node ranking: bound (q.c + |q| r, Algorithm 1) or center (q.c only, ablation)"}
+          .one_of({"bound", "center"}),
+      S{"stability", Int, "0", "1: appendix D counters (Jaccard, window hit rate)"}.range(0, 1),
+      S{"stability_window", Int, "32", "window hit rate history w (appendix D: 32)"}
+          .range(1, kMaxTokenCount),
   };
 }
 
 namespace {
+// A String option whose value MethodOptions checked against its choices.
 std::string pick(const MethodOptions& o, const std::string& key,
                  std::initializer_list<const char*> valid) {
   const std::string v = o.str(key);
@@ -257,15 +284,13 @@ std::string pick(const MethodOptions& o, const std::string& key,
 }
 }  // namespace
 
-std::unique_ptr<SparseMethod> make_lycheecluster(const MethodOptions& o, const ModelConfig& cfg) {
+std::unique_ptr<SparseMethod> make_lycheecluster(const MethodOptions& o, const ModelConfig&) {
   LycheeClusterParams p;
   p.budget = o.integer("budget");
   p.budget_total = pick(o, "budget_mode", {"clusters", "total"}) == "total";
   p.sink = int(o.integer("sink"));
   p.buffer = int(o.integer("buffer"));
-  p.dense_layers = int(o.integer("dense_layers"));
-  SPADE_CHECK(p.dense_layers >= 0 && p.dense_layers <= cfg.n_layers,
-              "lycheecluster: dense_layers outside [0, ", cfg.n_layers, "]");
+  p.dense_layers = int(o.integer("dense_layers"));  // [0, n_layers]: MethodOptions
   p.chunker.fixed = pick(o, "chunking", {"structure", "fixed"}) == "fixed";
   p.chunker.min_tokens = int(o.integer("min_chunk"));
   p.chunker.max_tokens = int(o.integer("max_chunk"));

@@ -110,9 +110,8 @@ int64_t ld_select(const float* w, int64_t L, const LdRule& r, SelectScratch& sc,
 
 void ld_group_weights(const StepContext& c, int head, float* w) {
   const int D = c.D, G = c.G;
-  constexpr int kMaxD = 512;
-  SPADE_CHECK(D <= kMaxD, "lycheedecode: head_dim ", D, " above ", kMaxD);
-  float qbar[kMaxD];
+  SPADE_CHECK(D <= kLdMaxHeadDim, "lycheedecode: head_dim ", D, " above ", kLdMaxHeadDim);
+  float qbar[kLdMaxHeadDim];
   for (int d = 0; d < D; ++d) {
     double s = 0;
     for (int g = 0; g < G; ++g) s += c.q[int64_t(head * G + g) * D + d];
@@ -206,27 +205,52 @@ void LycheeDecodeMethod::select(StepContext& c, Selection& out) const {
   }
 }
 
+namespace {
+// A roles value names a file unless it is "auto" (the shipped table) or an inline pattern.
+bool roles_names_file(const std::string& v) {
+  if (v == "auto" || v.empty()) return false;
+  for (char c : v)
+    if (c != 'R' && c != 'S' && c != 'r' && c != 's' && c != '/') return true;
+  return false;
+}
+}  // namespace
+
 std::vector<OptionSpec> lycheedecode_options() {
+  using S = OptionSpec;
   return {
-      {"roles", OptKind::String, "auto",
-       "head roles: JSON file, inline R/S pattern 'RRR/SRS/...', or auto (configs/head_roles/ "
-       "file trained for this model)"},
-      {"mode", OptKind::String, "topk", "topk | topp | threshold | ratio (paper section 4.4.1)"},
-      {"budget", OptKind::Int, "4096",
-       "topk: tokens per sparse head (paper K=4096; 1024/2048 also reported)"},
-      {"p", OptKind::Float, "0.99", "topp: attention mass to reach (paper 0.99/0.995/0.999)"},
-      {"tau", OptKind::Float, "1e-4", "threshold: minimum weight (paper 1e-4/1e-5/1e-6)"},
-      {"ratio", OptKind::Float, "0.3",
-       "ratio: kept fraction of L (0.3 = 70% sparsity, the training budget)"},
-      {"block", OptKind::Int, "1",
-       "selection unit in tokens: 1 = tokens, 64 = blocks (the paper's kernel)"},
-      {"correction", OptKind::Int, "0",
-       "1: cache correction (dense K/V recompute of decoded tokens; run by the decode loop)"},
-      {"correction_every", OptKind::Int, "32", "decoded tokens between corrections (paper 32)"},
+      S{"roles", OptKind::String, "auto",
+        "head roles: JSON file, inline R/S pattern 'RRR/SRS/...', or auto (configs/head_roles/ "
+        "file trained for this model)"}
+          .names_file(roles_names_file),
+      S{"mode", OptKind::String, "topk", "topk | topp | threshold | ratio (paper section 4.4.1)"}
+          .one_of({"topk", "topp", "threshold", "ratio"}),
+      S{"budget", OptKind::Int, "4096",
+        "topk: tokens per sparse head (paper K=4096; 1024/2048 also reported)"}
+          .range(1, kMaxTokenCount),
+      S{"p", OptKind::Float, "0.99", "topp: attention mass to reach (paper 0.99/0.995/0.999)"}
+          .range(0, 1)
+          .open_lo(),
+      S{"tau", OptKind::Float, "1e-4", "threshold: minimum weight (paper 1e-4/1e-5/1e-6)"}
+          .range(0, 1)
+          .open_hi(),
+      S{"ratio", OptKind::Float, "0.3",
+        "ratio: kept fraction of L (0.3 = 70% sparsity, the training budget)"}
+          .range(0, 1)
+          .open_lo(),
+      S{"block", OptKind::Int, "1",
+        "selection unit in tokens: 1 = tokens, 64 = blocks (the paper's kernel)"}
+          .range(1, kMaxTile),
+      S{"correction", OptKind::Int, "0",
+        "1: cache correction (dense K/V recompute of decoded tokens; run by the decode loop)"}
+          .range(0, 1),
+      S{"correction_every", OptKind::Int, "32", "decoded tokens between corrections (paper 32)"}
+          .range(1, kMaxTile),
   };
 }
 
 std::unique_ptr<SparseMethod> make_lycheedecode(const MethodOptions& o, const ModelConfig& cfg) {
+  SPADE_CHECK(cfg.head_dim >= 1 && cfg.head_dim <= kLdMaxHeadDim, "lycheedecode: head_dim ",
+              cfg.head_dim, " outside [1, ", kLdMaxHeadDim, "]");
   LdRule r;
   r.mode = LdRule::parse_mode(o.str("mode"));
   r.budget = o.integer("budget");

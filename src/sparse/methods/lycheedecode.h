@@ -64,6 +64,8 @@ int64_t ld_select(const float* w, int64_t L, const LdRule& rule, SelectScratch& 
 // w[0..L) = softmax over every cached token of the group-averaged query of KV head `head`
 // (mean of its G query heads of ctx.q) times the keys of ctx.layer: a retrieval head's
 // selection weights (not its attention output, which uses each query head itself).
+// head_dim <= kLdMaxHeadDim (make_lycheedecode checks the model).
+constexpr int kLdMaxHeadDim = 512;
 void ld_group_weights(const StepContext& ctx, int head, float* w);
 
 class LycheeDecodeMethod final : public SparseMethod {

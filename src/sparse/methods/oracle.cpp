@@ -87,31 +87,28 @@ void OracleTopPMethod::select(StepContext& c, Selection& out) const {
 }
 
 std::vector<OptionSpec> oracle_topk_options() {
-  return {budget_option(),
-          {"dense_layers", OptKind::Int, "0", "leading full-attention layers (oracle: 0)"}};
+  return {budget_option(), dense_layers_count("0", "leading full-attention layers (oracle: 0)")};
 }
 
-std::unique_ptr<SparseMethod> make_oracle_topk(const MethodOptions& o, const ModelConfig& cfg) {
-  int dl = int(o.integer("dense_layers"));
-  SPADE_CHECK(dl >= 0 && dl <= cfg.n_layers, "oracle-topk: dense_layers outside [0, ", cfg.n_layers, "]");
-  return std::make_unique<OracleTopKMethod>(o.integer("budget"), dl);
+std::unique_ptr<SparseMethod> make_oracle_topk(const MethodOptions& o, const ModelConfig&) {
+  return std::make_unique<OracleTopKMethod>(o.integer("budget"), int(o.integer("dense_layers")));
 }
 
 std::vector<OptionSpec> oracle_topp_options() {
-  return {{"p", OptKind::Float, "0.95",
-           "attention mass each query head keeps (0.95: Twilight's Llama-3 threshold)"},
-          {"group", OptKind::String, "union",
-           "GQA: union of the query heads' sets (each reaches p) or mean (group mean reaches p)"},
-          {"dense_layers", OptKind::Int, "0", "leading full-attention layers (oracle: 0)"}};
+  return {OptionSpec{"p", OptKind::Float, "0.95",
+                     "attention mass each query head keeps (0.95: Twilight's Llama-3 threshold)"}
+              .range(0, 1)
+              .open_lo(),
+          OptionSpec{"group", OptKind::String, "union",
+                     "GQA: union of the query heads' sets (each reaches p) or mean (group mean "
+                     "reaches p)"}
+              .one_of({"union", "mean"}),
+          dense_layers_count("0", "leading full-attention layers (oracle: 0)")};
 }
 
-std::unique_ptr<SparseMethod> make_oracle_topp(const MethodOptions& o, const ModelConfig& cfg) {
-  const std::string g = o.str("group");
-  SPADE_CHECK(g == "union" || g == "mean", "oracle-topp option 'group' must be union or mean, got '",
-              g, "'");
-  int dl = int(o.integer("dense_layers"));
-  SPADE_CHECK(dl >= 0 && dl <= cfg.n_layers, "oracle-topp: dense_layers outside [0, ", cfg.n_layers, "]");
-  return std::make_unique<OracleTopPMethod>(o.number("p"), g == "union", dl);
+std::unique_ptr<SparseMethod> make_oracle_topp(const MethodOptions& o, const ModelConfig&) {
+  return std::make_unique<OracleTopPMethod>(o.number("p"), o.str("group") == "union",
+                                            int(o.integer("dense_layers")));
 }
 
 }  // namespace spade::sparse

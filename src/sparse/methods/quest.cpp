@@ -27,6 +27,12 @@ std::string QuestMethod::describe() const {
              " dense_layers=", dense_layers_, " group=", group_ == Group::Max ? "max" : "sum");
 }
 
+void QuestMethod::check_kv_layout(const KVLayout& lay) const {
+  SPADE_CHECK(lay.page_minmax, "quest needs the KV pool's per-page key min/max (page_minmax)");
+  SPADE_CHECK(lay.page_size > 0 && page_ % lay.page_size == 0, "quest: page_size ", page_,
+              " is not a multiple of the KV cache page size ", lay.page_size);
+}
+
 void QuestMethod::select(StepContext& c, Selection& out) const {
   const int64_t n_pages = (c.L + page_ - 1) / page_;
   const int64_t k_pages = budget_ / page_;
@@ -86,21 +92,21 @@ void QuestMethod::select(StepContext& c, Selection& out) const {
 
 std::vector<OptionSpec> quest_options() {
   return {budget_option(),
-          {"page_size", OptKind::Int, "16",
-           "tokens per Quest page, a multiple of the KV page size (Quest: 16)"},
-          {"dense_layers", OptKind::Int, "2", "leading full-attention layers (Quest: 2)"},
-          {"group", OptKind::String, "max",
-           "GQA aggregation of the group's page bounds: max (an upper bound) or sum"}};
+          OptionSpec{"page_size", OptKind::Int, "16",
+                     "tokens per Quest page, a multiple of the KV page size (Quest: 16)"}
+              .range(1, kMaxTile),
+          dense_layers_count("2", "leading full-attention layers (Quest: 2)"),
+          OptionSpec{"group", OptKind::String, "max",
+                     "GQA aggregation of the group's page bounds: max (an upper bound) or sum"}
+              .one_of({"max", "sum"})};
 }
 
-std::unique_ptr<SparseMethod> make_quest(const MethodOptions& o, const ModelConfig& cfg) {
-  const std::string g = o.str("group");
-  SPADE_CHECK(g == "max" || g == "sum", "quest option 'group' must be max or sum, got '", g, "'");
-  int dl = int(o.integer("dense_layers"));
-  SPADE_CHECK(dl >= 0 && dl <= cfg.n_layers, "quest: dense_layers outside [0, ", cfg.n_layers, "]");
-  return std::make_unique<QuestMethod>(o.integer("budget"), int(o.integer("page_size")), dl,
-                                       g == "max" ? QuestMethod::Group::Max
-                                                  : QuestMethod::Group::Sum);
+std::unique_ptr<SparseMethod> make_quest(const MethodOptions& o, const ModelConfig&) {
+  // (MethodOptions checked every value against quest_options()' ranges.)
+  return std::make_unique<QuestMethod>(o.integer("budget"), int(o.integer("page_size")),
+                                       int(o.integer("dense_layers")),
+                                       o.str("group") == "max" ? QuestMethod::Group::Max
+                                                               : QuestMethod::Group::Sum);
 }
 
 }  // namespace spade::sparse

@@ -27,6 +27,7 @@ class QuestMethod final : public SparseMethod {
   QuestMethod(int64_t budget, int page_size, int dense_layers, Group group);
   std::string name() const override { return "quest"; }
   std::string describe() const override;
+  void check_kv_layout(const KVLayout& layout) const override;
   void select(StepContext& ctx, Selection& out) const override;
 
  private:

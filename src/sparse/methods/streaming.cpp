@@ -28,14 +28,15 @@ void StreamingMethod::select(StepContext& c, Selection& out) const {
 
 std::vector<OptionSpec> streaming_options() {
   return {budget_option(),
-          {"sinks", OptKind::Int, "4", "attention-sink tokens kept at the start (StreamingLLM: 4)"},
-          {"dense_layers", OptKind::Int, "0", "leading full-attention layers (StreamingLLM: 0)"}};
+          OptionSpec{"sinks", OptKind::Int, "4",
+                     "attention-sink tokens kept at the start (StreamingLLM: 4)"}
+              .range(0, kMaxTokenCount - 1),
+          dense_layers_count("0", "leading full-attention layers (StreamingLLM: 0)")};
 }
 
-std::unique_ptr<SparseMethod> make_streaming(const MethodOptions& o, const ModelConfig& cfg) {
-  int dl = int(o.integer("dense_layers"));
-  SPADE_CHECK(dl >= 0 && dl <= cfg.n_layers, "streaming: dense_layers outside [0, ", cfg.n_layers, "]");
-  return std::make_unique<StreamingMethod>(o.integer("budget"), int(o.integer("sinks")), dl);
+std::unique_ptr<SparseMethod> make_streaming(const MethodOptions& o, const ModelConfig&) {
+  return std::make_unique<StreamingMethod>(o.integer("budget"), int(o.integer("sinks")),
+                                           int(o.integer("dense_layers")));
 }
 
 }  // namespace spade::sparse

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "sparse/methods/blasst.h"
+#include "sparse/methods/common.h"
 #include "sparse/registry.h"
 
 namespace spade::sparse {
@@ -115,6 +116,8 @@ std::vector<std::string> split_stack(const std::string& spec) {
     s = x == std::string::npos ? std::string() : s.substr(x, y - x + 1);
     SPADE_CHECK(!s.empty(), "empty stage in sparse method stack '", spec, "'");
     out.push_back(s);
+    SPADE_CHECK(out.size() <= size_t(kMaxStackStages), "sparse method stack '", spec,
+                "' has more than ", kMaxStackStages, " stages");
     if (b == std::string::npos) break;
     a = b + 1;
   }
@@ -158,7 +161,7 @@ std::shared_ptr<const SparseMethod> make_stack(const std::string& spec,
     opts["base"] = join_stack(st, st.size() - 1);
   }
   const MethodInfo& info = find_method(outer);
-  MethodOptions o(info.name, info.options(), opts);
+  MethodOptions o(info.name, info.options(), opts, cfg);
   return std::shared_ptr<const SparseMethod>(info.make(o, cfg));
 }
 
@@ -406,16 +409,27 @@ void TwilightMethod::prune(StepContext& c, Selection& sel) const {
 std::vector<OptionSpec> twilight_own_options() {
   return {{"base", OptKind::String, "quest",
            "base selector, a method or a stack a+b (Twilight: quest; full, lycheecluster, ...)"},
-          {"budget", OptKind::Int, "auto",
-           "base budget; auto = max(8192, L/4) (Twilight 5.1); shared with the base"},
-          {"p", OptKind::Float, "0.95",
-           "estimated attention mass kept per query head (Twilight: 0.95 Llama, 0.85 LongChat)"},
-          {"eps", OptKind::Float, "1e-6", "binary-search resolution on the weight threshold"},
-          {"head_combine", OptKind::String, "union",
-           "GQA: union of the query heads' top-p sets, or mean (top-p of the group mean)"},
-          {"keys", OptKind::String, "int4",
-           "keys for the estimate: int4 (the paper's INT4 K copy) or exact (fp32, for tests)"},
-          {"dense_layers", OptKind::Int, "2", "leading layers not pruned (Twilight: 2); shared"}};
+          OptionSpec{"budget", OptKind::Int, "auto",
+                     "base budget; auto = max(8192, L/4) (Twilight 5.1); shared with the base"}
+              .range(1, kMaxTokenCount),
+          OptionSpec{"p", OptKind::Float, "0.95",
+                     "estimated attention mass kept per query head (Twilight: 0.95 Llama, 0.85 "
+                     "LongChat)"}
+              .range(0, 1)
+              .open_lo(),
+          OptionSpec{"eps", OptKind::Float, "1e-6",
+                     "binary-search resolution on the weight threshold"}
+              .range(0, 1)
+              .open_lo(),
+          OptionSpec{"head_combine", OptKind::String, "union",
+                     "GQA: union of the query heads' top-p sets, or mean (top-p of the group "
+                     "mean)"}
+              .one_of({"union", "mean"}),
+          OptionSpec{"keys", OptKind::String, "int4",
+                     "keys for the estimate: int4 (the paper's INT4 K copy) or exact (fp32, for "
+                     "tests)"}
+              .one_of({"int4", "exact"}),
+          dense_layers_count("2", "leading layers not pruned (Twilight: 2); shared")};
 }
 
 std::vector<OptionSpec> twilight_options() {
@@ -432,16 +446,10 @@ std::unique_ptr<SparseMethod> make_twilight(const MethodOptions& o, const ModelC
   TwilightMethod::Params prm;
   prm.p = o.number("p");
   prm.eps = o.number("eps");
-  const std::string hc = o.str("head_combine"), keys = o.str("keys");
-  SPADE_CHECK(hc == "union" || hc == "mean", "twilight option 'head_combine' must be union or "
-              "mean, got '", hc, "'");
-  SPADE_CHECK(keys == "int4" || keys == "exact", "twilight option 'keys' must be int4 or exact, "
-              "got '", keys, "'");
+  const std::string hc = o.str("head_combine"), keys = o.str("keys");  // checked choices
   prm.combine = hc == "union" ? TwilightMethod::Combine::Union : TwilightMethod::Combine::Mean;
   prm.keys = keys == "int4" ? TwilightMethod::Keys::Int4 : TwilightMethod::Keys::Exact;
-  prm.dense_layers = int(o.integer("dense_layers"));
-  SPADE_CHECK(prm.dense_layers >= 0 && prm.dense_layers <= cfg.n_layers,
-              "twilight: dense_layers outside [0, ", cfg.n_layers, "]");
+  prm.dense_layers = int(o.integer("dense_layers"));  // [0, n_layers]: MethodOptions
   // budget=auto: only meaningful when some base stage has a budget.
   bool base_has_budget = false;
   for (const auto& s : stages) base_has_budget |= stage_keys(s).count("budget") > 0;

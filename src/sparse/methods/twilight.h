@@ -67,6 +67,7 @@ class ComposedMethod : public SparseMethod {
  public:
   explicit ComposedMethod(std::shared_ptr<const SparseMethod> base);
   const SparseMethod& base() const { return *base_; }
+  void check_kv_layout(const KVLayout& layout) const override { base_->check_kv_layout(layout); }
   void on_prefill(StepContext& ctx, int64_t p0, int64_t T) const override;
   void on_append(StepContext& ctx) const override;
   void select(StepContext& ctx, Selection& out) const override;
@@ -87,7 +88,9 @@ class ComposedMethod : public SparseMethod {
   std::shared_ptr<const SparseMethod> base_;
 };
 
-// Splits "quest+twilight" into {"quest", "twilight"}; throws on empty stages.
+// Splits "quest+twilight" into {"quest", "twilight"}; throws on empty stages and on more
+// than kMaxStackStages stages (a base, twilight and blasst are 3).
+constexpr int kMaxStackStages = 8;
 std::vector<std::string> split_stack(const std::string& spec);
 // Builds a method or stack from its spec and options: "quest" (a registered method), or
 // "a+b+c" = c over (b over a); every stage but the first must be a modifier (twilight,
