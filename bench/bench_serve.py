@@ -4,7 +4,7 @@ manner of `vllm bench serve`. Python stdlib only.
 
   python3 bench/bench_serve.py --url http://127.0.0.1:8080 --num-prompts 512 \
       --concurrency 64 --prompt-words 200 --max-tokens 256 [--request-rate 32] \
-      [--methods full,quest,tidal] [--no-stream] --out result.json
+      [--methods "full;quest:budget=64;tidal"] [--no-stream] --out result.json
 
 Requests go to /v1/completions with a text prompt of --prompt-words words (the same seeded
 text for every server, so the same tokenizer gives the same lengths), max_tokens and
@@ -165,7 +165,8 @@ def main():
     ap.add_argument("--prompt-words", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--methods", default="", help="comma list of spade sparse methods, spread round-robin")
+    ap.add_argument("--methods", default="", help="spade sparse method specs spread round-robin: "
+                    "\"full;quest:budget=64;twilight:base=quest,budget=128\" (or a comma list of names)")
     ap.add_argument("--no-stream", dest="stream", action="store_false")
     ap.add_argument("--procs", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--model-name", default="")
@@ -177,7 +178,9 @@ def main():
     args.procs = max(1, min(args.procs, args.concurrency, args.num_prompts))
 
     rng = random.Random(args.seed)
-    methods = [m for m in args.methods.split(",") if m]
+    # ";"-separated specs (options may hold commas: "twilight:base=quest,budget=128"); a list
+    # without ";" may use commas between plain method names.
+    methods = [m for m in (args.methods.split(";") if ";" in args.methods else args.methods.split(",")) if m]
     t = 0.0
     jobs = []
     for i in range(args.num_prompts):

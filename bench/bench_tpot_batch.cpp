@@ -7,6 +7,8 @@
 // steady state), the mean (lazy index updates and re-captures included) and the byte floor of
 // dense attention ((weights + B x KV bytes) / copy bandwidth measured in the same run).
 // LycheeCluster gets no token text here (random ids): fixed chunks of 16 tokens.
+// A mixed spec "full|quest:budget=1024" runs per-request methods in one batch: request b gets
+// the (b mod n)-th method (the first is the model's own, the others CudaModel::add_method).
 // Usage: bench_tpot_batch OUT.json --model llama3-8b --lengths 32768:8,65536:4
 //          --methods "full;quest:budget=1024;lycheecluster:budget=1024" [--steps 136] [--warm 8]
 // (lengths: context:batch pairs). Build: bench/run_gpu_tpot_batch.sh prebuild.
@@ -99,15 +101,23 @@ int main(int argc, char** argv) {
         opt.max_batch = B;
         opt.max_step_tokens = std::max(16, B);
         opt.max_logit_rows = B;
-        opt.sparse = cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);
+        const std::vector<std::string> mix = split(spec, '|');
+        SPADE_CHECK(!mix.empty(), "empty method spec");
+        opt.sparse = cuda_sparse_config(sparse::SparseConfig::parse_spec(mix[0]), c, 16);
+        opt.any_method = mix.size() > 1;
         CudaModel m(c, opt, 1234);
+        std::vector<int> ids = {0};
+        for (size_t i = 1; i < mix.size(); ++i) {
+          const sparse::SparseConfig sc = sparse::SparseConfig::parse_spec(mix[i]);
+          ids.push_back(m.add_method(sc.to_string(), cuda_sparse_config(sc, c, 16)));
+        }
         std::vector<PageTable> pts(static_cast<size_t>(B));
         std::vector<std::unique_ptr<sparse::MethodState>> states(static_cast<size_t>(B));
         std::vector<int32_t> toks(static_cast<size_t>(B), 1);
         std::vector<SeqInput> batch(static_cast<size_t>(B));
         for (int b = 0; b < B; ++b) {
           m.fill_kv_random(pts[size_t(b)], L, 99 + uint64_t(b));
-          states[size_t(b)] = m.new_request_state();
+          states[size_t(b)] = m.new_request_state(ids[size_t(b) % ids.size()]);
         }
         cuda::GpuSampling greedy;
         std::vector<float> dev_ms;

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Served throughput and latency of `spade serve --device cuda` against llama.cpp's llama-server
 # on the same GPU, model (SmolLM2-135M-Instruct Q4_1) and client (bench/bench_serve.py), plus
-# the engine's own step rate at the same batch sizes (bench_tpot_batch, smollm2-135m shapes).
+# the engine's own step rate at the same batch sizes (bench_tpot_batch, smollm2-135m shapes),
+# per-request methods (a mixed load, mixed_methods_check.py, and synthetic 8B full|quest steps)
+# and the GPU tests.
 #
 #   here:    bash bench/gpu_deps/make_deps.sh; bash ../shared/tools/llamacpp_src.sh .stage/llamacpp-src.tar.gz
 #            split -n 3 -d models/SmolLM2-135M-Instruct.Q4_1.gguf .stage/model.part   (carry limits)
 #   device (calls back to back, each within the 64 MiB a call carries):
 #            A: bash bench/run_gpu_serve.sh build   carry .deps-cuda .stage/llamacpp-src.tar.gz
+#               (starts llama-server's build in the background, builds spade, runs every GPU test)
 #            B: bash bench/run_gpu_serve.sh stage   carry .stage/model.part00
 #            C: bash bench/run_gpu_serve.sh stage   carry .stage/model.part01
 #            D: bash bench/run_gpu_serve.sh run     carry .stage/model.part02
+#            (E: bash bench/run_gpu_serve.sh peer: llama-server's runs alone, when D ran out of time)
 # Results: $OUT/serve_*.json, $OUT/engine_steps.json, $OUT/summary.txt (the table printed last).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -25,13 +29,15 @@ phase=${1:-run}
 
 if [ "$phase" = build ]; then
   t0=$(date +%s)
-  if [ ! -x $PEER/build-cuda/bin/llama-server ]; then
-    mkdir -p /root/peer && tar xzf .stage/llamacpp-src.tar.gz -C /root/peer
-    (cd $PEER && cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
-       -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-       -DLLAMA_OPENSSL=OFF -DGGML_CUDA_NCCL=OFF >/root/peer/cmake.log 2>&1 && \
-     cmake --build build-cuda -j8 --target llama-server >/root/peer/build.log 2>&1) &
-    peer_pid=$!
+  if [ ! -x $PEER/build-cuda/bin/llama-server ] && [ ! -f /root/peer/building ]; then
+    # In the background, detached: it outlives this call while the machine stays warm, and the
+    # run phase waits for it.
+    mkdir -p /root/peer && tar xzf .stage/llamacpp-src.tar.gz -C /root/peer && touch /root/peer/building
+    setsid nohup bash -c "cd $PEER && cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+       -DCMAKE_CUDA_ARCHITECTURES=90a -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+       -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_CUDA_NCCL=OFF >/root/peer/cmake.log 2>&1 && \
+       cmake --build build-cuda -j6 --target llama-server >/root/peer/build.log 2>&1; rm -f /root/peer/building" \
+       >/dev/null 2>&1 < /dev/null &
   fi
   gcc -O3 -c .deps-cuda/src/cblas_shim.c -o /tmp/cblas_shim.o && ar rcs .deps-cuda/lib/libopenblas.a /tmp/cblas_shim.o
   [ -d .deps-cuda/include/boost ] || tar xzf .deps-cuda/boost-headers.tar.gz -C .deps-cuda/include
@@ -40,13 +46,17 @@ if [ "$phase" = build ]; then
   [ -f $B/build.ninja ] || cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
       -DCMAKE_PREFIX_PATH=$ROOT/.deps-cuda -DBLA_VENDOR=OpenBLAS -DBLA_STATIC=ON $PKGCFG >"$OUT/cmake.log" 2>&1 \
       || { tail -30 "$OUT/cmake.log"; exit 1; }
-  cmake --build $B -j10 --target spade spade_gpu_tests -- -k 0 >"$OUT/build.log" 2>&1 || grep -E "error:" "$OUT/build.log" | head -10
-  g++ -std=c++20 -O2 -Isrc -I$CUDA_HOME/include -DSPADE_HAVE_CUDA=1 bench/bench_tpot_batch.cpp $B/libspade_lib.a \
+  cmake --build $B -j12 --target spade spade_gpu_tests -- -k 0 >"$OUT/build.log" 2>&1 || grep -E "error:" "$OUT/build.log" | head -10
+  g++ -std=c++20 -O2 -Isrc -Ibench -I$CUDA_HOME/include -DSPADE_HAVE_CUDA=1 bench/bench_tpot_batch.cpp $B/libspade_lib.a \
     $B/libspade_cuda.a -L$CUDA_LIB -lcudart -lcublasLt -lcublas .deps-cuda/lib/libpcre2-8.a \
     .deps-cuda/lib/libopenblas.a .deps-cuda/lib/libz.a -lpthread -o $B/bench_tpot_batch >>"$OUT/build.log" 2>&1 || tail -20 "$OUT/build.log"
   echo "spade build: $(( $(date +%s) - t0 )) s"
-  [ -n "${peer_pid:-}" ] && { wait $peer_pid; echo "llama.cpp build: rc=$? $(( $(date +%s) - t0 )) s"; tail -3 /root/peer/build.log; }
-  ls -la $B/spade $B/spade_gpu_tests $B/bench_tpot_batch $PEER/build-cuda/bin/llama-server 2>&1 | awk '{print $5, $NF}'
+  ls -la $B/spade $B/spade_gpu_tests $B/bench_tpot_batch 2>&1 | awk '{print $5, $NF}'
+  # Every GPU test (those that need the model file skip here; the run phase runs them).
+  timeout ${TEST_TIMEOUT:-330} ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:--CudaSmolLM2*:CudaMixedMethods.Every*}" \
+    > "$OUT/gpu_tests_all.log" 2>&1; echo "gpu tests rc=$? after $(( $(date +%s) - t0 )) s"
+  grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests ran|SKIPPED \]" "$OUT/gpu_tests_all.log" | sort | uniq -c | sort -rn | head -40
+  tail -2 /root/peer/build.log 2>/dev/null
   exit 0
 fi
 [ "$phase" = stage ] && { ls -la /root/stage; exit 0; }
@@ -59,16 +69,6 @@ DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 S="$OUT/summary.txt"; : > "$S"
-
-# 1. GPU tests of what this change touches.
-timeout 200 ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:-CudaOps.Sampling*:CudaScheduler*:CudaModel.SmolLM2*}" 2>&1 \
-  | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED)|FAILED|tests ran" | tail -8
-# 2. The engine's own decode step at the served batch sizes (random weights of SmolLM2's shapes).
-timeout 180 ./$B/bench_tpot_batch "$OUT/engine_steps.json" --model smollm2-135m \
-  --lengths "${ENGINE_LENGTHS:-320:1,320:64,320:256,3600:64}" --methods full --steps 200 --warm 10 --commit "$COMMIT" 2>&1 | tail -6
-# 3. Single stream, CLI.
-./$B/spade generate --model $M --device cuda --prompt "Once upon a time" -n 256 --ignore-eos --stats \
-  >/dev/null 2>"$OUT/generate_stats.txt"; grep -iE "decode|tok/s" "$OUT/generate_stats.txt" | head -3
 
 serve_runs() {  # $1 label prefix, $2 url
   local L=$1 U=$2
@@ -87,18 +87,48 @@ long_runs() {
 }
 wait_up() { for i in $(seq 1 240); do curl -sf "$1/health" >/dev/null 2>&1 && return 0; sleep 0.5; done; return 1; }
 
+if [ "$phase" = run ]; then
+# 1. GPU tests that need the model file.
+SPADE_MODEL=$M timeout 200 ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:-CudaSmolLM2*:CudaMixedMethods*:CudaModel.SmolLM2*:CudaScheduler*}" 2>&1 \
+  | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED)|FAILED|tests ran|mixed-methods|smollm2-methods" | tail -30
+# 2. The engine's own decode step at the served batch sizes (random weights of SmolLM2's shapes).
+timeout 180 ./$B/bench_tpot_batch "$OUT/engine_steps.json" --model smollm2-135m \
+  --lengths "${ENGINE_LENGTHS:-320:1,320:64,320:256,3600:64}" --methods full --steps 200 --warm 10 --commit "$COMMIT" 2>&1 | tail -6
+# Synthetic 8B at 32K, 16 requests: full, quest, and the two mixed per request in one batch.
+timeout 240 ./$B/bench_tpot_batch "$OUT/engine_steps_8b_mixed.json" --model llama3-8b --lengths 32768:16 \
+  --methods "full;quest:budget=1024;full|quest:budget=1024" --steps 64 --warm 6 --commit "$COMMIT" 2>&1 | tail -4
+# 3. Single stream, CLI.
+./$B/spade generate --model $M --device cuda --prompt "Once upon a time" -n 256 --ignore-eos --stats \
+  >/dev/null 2>"$OUT/generate_stats.txt"; grep -iE "decode|tok/s" "$OUT/generate_stats.txt" | head -3
+
+
 # 4. spade serve --device cuda.
 ./$B/spade serve --model $M --device cuda --port 18080 --max-batch 256 --max-queue 2048 --max-step-tokens 2048 \
   >"$OUT/spade_serve.log" 2>&1 &
 SP=$!
 wait_up http://127.0.0.1:18080 || { echo "spade serve did not start"; tail -20 "$OUT/spade_serve.log"; }
 serve_runs spade http://127.0.0.1:18080
+MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
+timeout 120 python3 bench/bench_serve.py --url http://127.0.0.1:18080 --num-prompts 252 --concurrency 63 --prompt-words 50 \
+  --max-tokens 256 --procs 8 --methods "$MIX" --label "spade c=63 mixed" --out "$OUT/serve_spade_c63_mixed.json" | tee -a "$S"
+timeout 120 python3 bench/bench_serve.py --url http://127.0.0.1:18080 --num-prompts 252 --concurrency 63 --prompt-words 50 \
+  --max-tokens 256 --procs 8 --label "spade c=63 full" --out "$OUT/serve_spade_c63_full.json" | tee -a "$S"
 long_runs spade http://127.0.0.1:18080
 curl -s http://127.0.0.1:18080/metrics > "$OUT/spade_metrics.txt"
 grep -E "^spade_engine_(busy|forward|sample|steps|device_sampled)" "$OUT/spade_metrics.txt" | head
 kill -TERM $SP; wait $SP
+# Per-request methods: greedy texts of a mixed load vs each method alone (deterministic server).
+./$B/spade serve --model $M --device cuda --port 18083 --max-batch 64 --deterministic >"$OUT/spade_serve_det.log" 2>&1 &
+SP=$!
+wait_up http://127.0.0.1:18083 && timeout 150 python3 bench/mixed_methods_check.py --url http://127.0.0.1:18083 \
+  --methods "$MIX" --per-method 6 --max-tokens 128 --label "mixed vs alone, --deterministic" \
+  --out "$OUT/mixed_check.json" | tee -a "$S"
+kill -TERM $SP; wait $SP
+
+fi  # run
 
 # 5. llama-server, same client.
+for i in $(seq 1 90); do [ -f /root/peer/building ] || break; sleep 2; done
 if [ -x $PEER/build-cuda/bin/llama-server ]; then
   $PEER/build-cuda/bin/llama-server -m $M -ngl 99 -fa on -np 256 -c $((256 * 640)) --cont-batching \
     --port 18081 >"$OUT/llama_server.log" 2>&1 &
@@ -115,3 +145,6 @@ else
 fi
 echo "== $DEV, commit $COMMIT"
 cat "$S"
+# At most 8 files come back: everything but the summary in one archive.
+(cd "$OUT" && tar czf results.tar.gz --exclude=summary.txt --exclude=results.tar.gz . 2>/dev/null && \
+  find . -type f ! -name summary.txt ! -name results.tar.gz -delete)

@@ -4,11 +4,14 @@
 // limits, logprobs, seeded sampling, shutdown, and KV pages all returned.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <thread>
 
 #include "engine/generator.h"
 #include "engine/scheduler.h"
+#include "sparse/registry.h"
+#include "sparse/session.h"
 #include "test_util.h"
 
 using namespace spade;
@@ -539,4 +542,125 @@ TEST(Scheduler, DeviceSamplingUnlessAStepNeedsHostLogits) {
   ASSERT_TRUE(sched.wait_idle(5s));
   EXPECT_EQ(sched.metrics().device_sampled_steps, uint64_t(runner.device_steps));
   EXPECT_EQ(f.kv.used_pages(), 0);
+}
+
+// A runner that runs per-request methods itself (runs_methods), as the GPU runner does with
+// its GpuMethods, here with the CPU methods: each request's state holds its SparseSession and
+// forward() hands it to CpuModel. Records the methods it was asked for and how many distinct
+// ones shared a step.
+class MethodRunner final : public StepModel {
+ public:
+  explicit MethodRunner(CpuModel& m) : m_(m) {}
+  struct State final : sparse::MethodState {
+    std::string key;
+    std::unique_ptr<sparse::SparseSession> session;
+  };
+  const ModelConfig& config() const override { return m_.config(); }
+  std::unique_ptr<sparse::MethodState> new_request_state(
+      const sparse::SparseConfig* method) override {
+    auto st = std::make_unique<State>();
+    st->key = method ? method->to_string() : "own";
+    if (method)
+      st->session = std::make_unique<sparse::SparseSession>(
+          sparse::make_method(*method, m_.config()), m_.config(), m_.kv());
+    asked.push_back(st->key);
+    return st;
+  }
+  bool runs_methods() const override { return true; }
+  const std::vector<float>& forward(const std::vector<SeqInput>& batch,
+                                    std::vector<int64_t>& row_of) override {
+    std::vector<SeqInput> b = batch;
+    std::vector<std::string> keys;
+    for (SeqInput& s : b) {
+      auto* st = dynamic_cast<State*>(s.device_state);
+      EXPECT_NE(st, nullptr) << "a sequence without its request state";
+      if (!st) continue;
+      if (st->session) s.attention = &st->session->attention();
+      if (std::find(keys.begin(), keys.end(), st->key) == keys.end()) keys.push_back(st->key);
+    }
+    most_methods_in_a_step = std::max(most_methods_in_a_step, int(keys.size()));
+    return m_.forward(b, row_of);
+  }
+  int page_size() const override { return m_.kv().layout().page_size; }
+  int64_t total_pages() const override { return m_.kv().n_pages(); }
+  int64_t free_pages() const override { return m_.kv().free_pages(); }
+  void release(PageTable& pt) override { m_.kv().release(pt); }
+  bool supports_attention_callbacks() const override { return false; }
+  std::string device() const override { return "method runner"; }
+
+  std::vector<std::string> asked;
+  int most_methods_in_a_step = 0;
+
+ private:
+  CpuModel& m_;
+};
+
+TEST(Scheduler, RunnerMethodsPerRequestShareSteps) {
+  Fixture f;
+  MethodRunner runner(f.model);
+  SchedulerOptions so;
+  so.max_batch = 4;
+  Scheduler sched(runner, f.text, so);
+  const std::vector<std::string> specs = {"", "streaming:budget=12", "quest:budget=16",
+                                          "tidal:budget=12"};
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestChannel>> chans;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    prompts.push_back(make_prompt(int(20 + 3 * i), 5 + int(i), f.cfg.vocab));
+    EngineRequest r = greedy(prompts.back(), 16);
+    if (!specs[i].empty())
+      r.device_method =
+          std::make_shared<const sparse::SparseConfig>(sparse::SparseConfig::parse_spec(specs[i]));
+    chans.push_back(sched.submit(std::move(r)));
+  }
+  std::vector<Result> got;
+  for (auto& c : chans) got.push_back(collect(*c));
+  ASSERT_TRUE(sched.wait_idle(5s));
+  EXPECT_GE(runner.most_methods_in_a_step, 3);  // they really shared steps
+  EXPECT_EQ(f.kv.used_pages(), 0);
+  // Each request's tokens are those of the same request alone with its method (CPU session).
+  for (size_t i = 0; i < specs.size(); ++i) {
+    ASSERT_EQ(got[i].reason, FinishReason::Length) << got[i].error;
+    KVPool kv(f.kv.layout(), 64);
+    CpuModel m(f.w, kv);
+    GenerateOptions go;
+    go.max_new_tokens = 16;
+    go.sampling.temperature = 0;
+    std::unique_ptr<sparse::SparseSession> s;
+    if (!specs[i].empty()) {
+      const sparse::SparseConfig sc = sparse::SparseConfig::parse_spec(specs[i]);
+      s = std::make_unique<sparse::SparseSession>(sparse::make_method(sc, f.cfg), f.cfg, kv);
+      go.attention = &s->attention();
+    }
+    PageTable pt;
+    std::vector<int32_t> alone;
+    generate(m, pt, prompts[i], go, [&](int32_t t) {
+      alone.push_back(t);
+      return true;
+    });
+    EXPECT_EQ(got[i].tokens, alone) << (specs[i].empty() ? "own" : specs[i]);
+  }
+  // The runner was asked for each request's method (null: its own).
+  std::vector<std::string> want = {"own"};
+  for (size_t i = 1; i < specs.size(); ++i)
+    want.push_back(sparse::SparseConfig::parse_spec(specs[i]).to_string());
+  std::vector<std::string> asked = runner.asked;
+  std::sort(asked.begin(), asked.end());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(asked, want);
+}
+
+TEST(Scheduler, RunnerMethodsNeedARunnerThatRunsThem) {
+  Fixture f;
+  Scheduler sched(f.model, f.text, SchedulerOptions{});
+  EngineRequest r = greedy(make_prompt(5, 1, f.cfg.vocab), 2);
+  r.device_method =
+      std::make_shared<const sparse::SparseConfig>(sparse::SparseConfig::parse_spec("quest"));
+  try {
+    sched.submit(std::move(r));
+    ADD_FAILURE() << "expected a 400";
+  } catch (const SubmitError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_NE(std::string(e.what()).find("runs no per-request methods"), std::string::npos);
+  }
 }

@@ -201,10 +201,23 @@ TEST(ServerRequest, SparseExtension) {
   EXPECT_EQ(o["flag"], "1");
   EXPECT_EQ(o["k"], "v");
   EXPECT_EQ(ok_completion(R"({"prompt": "x", "sparse": "streaming"})").sparse->method, "streaming");
+  {  // the CLI's string form, stacks included
+    const ApiRequest q = ok_completion(R"({"prompt": "x", "sparse": "quest+blasst:budget=256,a=2"})");
+    ASSERT_TRUE(q.sparse.has_value());
+    EXPECT_EQ(q.sparse->method, "quest+blasst");
+    std::map<std::string, std::string> o(q.sparse->options.begin(), q.sparse->options.end());
+    EXPECT_EQ(o.size(), 2u);
+    EXPECT_EQ(o["budget"], "256");
+    EXPECT_EQ(o["a"], "2");
+    EXPECT_EQ(ok_completion(R"({"prompt": "x", "sparse": {"method": "quest+twilight"}})").sparse->method,
+              "quest+twilight");
+  }
   EXPECT_FALSE(ok_completion(R"({"prompt": "x", "sparse": null})").sparse.has_value());
   for (const char* c : {R"({"prompt": "x", "sparse": 5})", R"({"prompt": "x", "sparse": {}})",
                         R"({"prompt": "x", "sparse": {"method": 1}})",
                         R"({"prompt": "x", "sparse": {"method": "a b"}})",
+                        R"({"prompt": "x", "sparse": "quest:budget"})",
+                        R"({"prompt": "x", "sparse": "a b:budget=2"})",
                         R"({"prompt": "x", "sparse": {"method": "q", "budget": {"x": 1}}})",
                         R"({"prompt": "x", "sparse": {"method": "q", "l": ["a"]}})",
                         R"({"prompt": "x", "sparse": {"method": "q", "options": 3}})"})

@@ -7,6 +7,7 @@
 
 #include "engine/scheduler.h"
 #include "server/sparse_adapter.h"
+#include "sparse/options.h"
 #include "test_util.h"
 
 using namespace spade;
@@ -110,37 +111,54 @@ TEST(ServerSparse, MixedMethodsShareABatch) {
   EXPECT_GT(m.methods["quest"].dense_rows, 0);
 }
 
-// A server whose runner has no attention callbacks (the GPU runner): only full attention
-// resolves, the error names the device, and the scheduler refuses a sparse request even if
-// one slipped through (400, not a crash in the runner).
+// A server whose runner has no attention callbacks but runs methods itself (the GPU runner):
+// requests resolve with no session; the server's own method (given or not) with no
+// device_method, any other to a device_method the runner adds per request, after the device's
+// own checks (DeviceCheck); recall is CPU-only. And the scheduler refuses a callback request
+// even if one slipped through (400, not a crash in the runner).
 TEST(ServerSparse, DenseOnlyRunnerRejectsSparseMethods) {
   ModelConfig cfg = test::tiny_config();
   ModelWeights w = test::random_model(cfg, 7);
-  SparseMethods gpu(cfg, nullptr, spec("full"), "NVIDIA H200");
+  SparseMethods gpu(cfg, nullptr, spec("full"), "NVIDIA H200",
+                    [](const sparse::SparseConfig& c) {
+                      SPADE_CHECK(c.method != "oracle-topk", "oracle-topk: not on this device");
+                    });
   EXPECT_FALSE(gpu.resolve(std::nullopt).maker);
+  EXPECT_FALSE(gpu.resolve(std::nullopt).device_method);
+  {
+    const ResolvedSparse r = gpu.resolve(spec("quest", {{"budget", "16"}}));
+    EXPECT_FALSE(r.maker);
+    ASSERT_TRUE(r.device_method);
+    EXPECT_EQ(r.device_method->method, "quest");
+    EXPECT_EQ(r.device_method->to_string(),
+              sparse::SparseConfig::parse_spec("quest:budget=16").to_string());
+    EXPECT_EQ(r.method, "quest");
+  }
   try {
-    gpu.resolve(spec("quest", {{"budget", "16"}}));
-    ADD_FAILURE() << "quest resolved on a dense-only runner";
+    gpu.resolve(spec("oracle-topk"));
+    ADD_FAILURE() << "the device check was not applied";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("NVIDIA H200"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not on this device"), std::string::npos) << e.what();
   }
   EXPECT_THROW(SparseMethods(cfg, nullptr, spec("full")), Error);  // no pool, no device
-  // A GPU server whose model runs one method for every request: that method resolves without
-  // a session (the model attends), the same spec given explicitly too; full attention and
-  // other methods or options do not (the model would not run them).
   SparseMethods tidal(cfg, nullptr, spec("tidal", {{"budget", "32"}}), "NVIDIA H200");
   EXPECT_FALSE(tidal.resolve(std::nullopt).maker);
+  EXPECT_FALSE(tidal.resolve(std::nullopt).device_method);
   EXPECT_EQ(tidal.resolve(std::nullopt).method, "tidal");
-  EXPECT_FALSE(tidal.resolve(spec("tidal", {{"budget", "32"}})).maker);
-  for (const SparseSpec& other : {spec("full"), spec("tidal", {{"budget", "64"}}), spec("quest")})
-    try {
-      tidal.resolve(other);
-      ADD_FAILURE() << other.method << " resolved on a tidal GPU server";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("runs every request with 'tidal' on NVIDIA H200"),
-                std::string::npos) << e.what();
-    }
-  EXPECT_THROW(tidal.resolve(spec("tidal", {{"budget", "32"}, {"recall", "1"}})), Error);
+  EXPECT_FALSE(tidal.resolve(spec("tidal", {{"budget", "32"}})).device_method);  // its own
+  for (const SparseSpec& other : {spec("full"), spec("tidal", {{"budget", "64"}}), spec("quest")}) {
+    const ResolvedSparse r = tidal.resolve(other);
+    EXPECT_FALSE(r.maker);
+    ASSERT_TRUE(r.device_method) << other.method;
+    EXPECT_EQ(r.device_method->method, other.method);
+  }
+  try {
+    tidal.resolve(spec("tidal", {{"budget", "32"}, {"recall", "1"}}));
+    ADD_FAILURE() << "recall resolved on a GPU server";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CPU-only"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(tidal.resolve(spec("quest", {{"budget", "-3"}})), Error);  // the option checks
 
   // The scheduler side, with a CPU runner that claims no callback support.
   KVPool kv(KVLayout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16}, 64);

@@ -161,6 +161,9 @@ int run(int argc, char** argv) {
     // The server's method runs inside the GPU model for every request.
     SPADE_CHECK(!sc.measure_recall, "--recall is CPU-only (spade serve --device cpu)");
     copt.sparse = cuda_sparse_config(sc, cfg, layout.page_size);
+    // Requests may name any GPU method: keep every method's per-page data (Quest's page
+    // min/max, the INT4 keys Twilight reads) on every append.
+    copt.any_method = true;
     gpu_model = std::make_unique<CudaModel>(*weights, copt);
     model = std::make_unique<CudaStepModel>(*gpu_model);
     kv_mib = double(pages) * layout.page_size * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * 2 / (1024.0 * 1024.0);
@@ -178,7 +181,15 @@ int run(int argc, char** argv) {
   fallback.method = sc.method;
   for (auto& [k, v] : sc.options) fallback.options.emplace_back(k, v);
   if (sc.measure_recall) fallback.options.emplace_back("recall", "1");
-  server::SparseMethods methods(cfg, kv.get(), fallback, kv ? std::string() : model->device());
+  server::SparseMethods::DeviceCheck device_check;
+#if defined(SPADE_HAVE_CUDA)
+  if (!kv)  // the checks and defaults the GPU model applies when it adds the method
+    device_check = [&cfg, P = layout.page_size](const sparse::SparseConfig& c) {
+      (void)cuda_sparse_config(c, cfg, P);
+    };
+#endif
+  server::SparseMethods methods(cfg, kv.get(), fallback, kv ? std::string() : model->device(),
+                                std::move(device_check));
 
   server::TokenizerText text(*tok);
   Scheduler sched(*model, text, so);

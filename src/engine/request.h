@@ -15,6 +15,7 @@
 
 #include "engine/sampler.h"
 #include "model/cpu_model.h"
+#include "sparse/options.h"
 
 namespace spade {
 
@@ -65,6 +66,9 @@ struct EngineRequest {
   int logprobs = -1;                 // < 0: off; k >= 0: sampled token's logprob + top k
   std::string method = "full";       // sparse method name (metrics label)
   AttentionMaker attention;          // empty: dense
+  // A method the runner itself runs for this request (StepModel::new_request_state; the GPU's
+  // per-request methods); null: the runner's own method.
+  std::shared_ptr<const sparse::SparseConfig> device_method;
 };
 
 enum class FinishReason { None, Stop, Length, Cancelled, Error };

@@ -26,7 +26,7 @@ struct Scheduler::Seq {
   // and its remaining layers of the step write zeros that nobody samples from.
   AttentionFn guarded;
   std::string error;
-  std::unique_ptr<sparse::MethodState> dev_state;  // the runner's own method's (GPU LycheeCluster)
+  std::unique_ptr<sparse::MethodState> dev_state;  // the runner's method state (GPU methods)
   std::string held;             // text not yet emitted: might be the start of a stop string
   uint64_t order = 0;           // admission priority (submission order)
   bool admitted_once = false;
@@ -64,6 +64,9 @@ std::shared_ptr<RequestChannel> Scheduler::submit(EngineRequest req) {
     throw SubmitError(400, "unsupported_sparse_method",
                       cat("sparse methods run on the CPU backend; this server runs on ", model_.device(),
                           " with full attention"));
+  if (req.device_method && !model_.runs_methods())
+    throw SubmitError(400, "unsupported_sparse_method",
+                      cat("this server's runner (", model_.device(), ") runs no per-request methods itself"));
   if (req.max_tokens < 1)
     throw SubmitError(400, "invalid_value", cat("max_tokens must be at least 1, got ", req.max_tokens));
   const int32_t vocab = model_.config().vocab;
@@ -237,7 +240,7 @@ bool Scheduler::admit_one(std::vector<std::unique_ptr<Seq>>& running) {
         std::fill(out, out + T * width, 0.f);
       };
     }
-    s->dev_state = model_.new_request_state();
+    s->dev_state = model_.new_request_state(s->req.device_method.get());
   } catch (const std::exception& e) {
     finish(*s, FinishReason::Error, cat("sparse method: ", e.what()));
     std::lock_guard<std::mutex> lk(mu_);

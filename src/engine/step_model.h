@@ -48,9 +48,17 @@ class StepModel {
     (void)batch, (void)rows;
     fail("this runner does not sample on the device");
   }
-  // Per-request state the runner's own method keeps (CudaModel::new_request_state:
-  // LycheeCluster on the GPU), passed as SeqInput::device_state; nullptr when none.
-  virtual std::unique_ptr<sparse::MethodState> new_request_state() { return nullptr; }
+  // The state of a request whose method the runner runs itself (the GPU's methods), passed as
+  // SeqInput::device_state on each of its steps: `method` null is the runner's own method,
+  // else a method for this request only (runners with runs_methods()). nullptr when the
+  // method keeps no state. Throws spade::Error for a method the runner cannot run.
+  virtual std::unique_ptr<sparse::MethodState> new_request_state(
+      const sparse::SparseConfig* method) {
+    SPADE_CHECK(!method, "this runner (", device(), ") runs no per-request methods itself");
+    return nullptr;
+  }
+  // Whether new_request_state takes per-request methods.
+  virtual bool runs_methods() const { return false; }
 };
 
 // CpuModel over its KVPool.

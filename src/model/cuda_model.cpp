@@ -34,10 +34,6 @@ namespace spade {
 using cuda::bf16;
 
 namespace {
-// The most splits of one (request, KV head) in sparse decode launches (dense retrieval heads at
-// batch 1 take ~128 at 128K; bench/results/sparse_max_split_ab_h100_20261127.json).
-constexpr int kSparseMaxSplit = 256;
-
 int fused_gemv_mask(const CudaModelOptions& opt) {
   const char* e = std::getenv("SPADE_FUSED_GEMV");
   return e && *e ? std::atoi(e) : opt.fused_gemv;
@@ -94,20 +90,33 @@ CudaModel::~CudaModel() {
   if (sampled_host_) cudaFreeHost(sampled_host_);
   if (rows_host_) cudaFreeHost(rows_host_);
   if (upd_host_) cudaFreeHost(upd_host_);
-  if (lc_slot_host_) cudaFreeHost(lc_slot_host_);
-  sparse_.reset();
-  attn_.reset();
+  methods_.clear();
   gemm_.reset();
   arena_.reset();
-  if (ev_fork_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_fork_));
-  if (ev_join_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_join_));
-  if (side_) cudaStreamDestroy(S_(side_));
   if (stream_) cudaStreamDestroy(S_(stream_));
 }
 
 size_t CudaModel::arena_bytes() const { return arena_ ? arena_->capacity() : 0; }
 
-bool CudaModel::decode_draws_chunks() const { return attn_ && attn_->draws_chunks(); }
+bool CudaModel::decode_draws_chunks() const {
+  for (const auto& m : methods_)
+    if (m && m->draws_chunks()) return true;
+  return false;
+}
+
+GpuMethodContext CudaModel::method_context() const {
+  GpuMethodContext x;
+  x.cfg = cfg_;
+  x.page_size = opt_.page_size;
+  x.max_batch = opt_.max_batch;
+  x.n_pages = n_pages_;
+  x.seq_pages_cap = seq_pages_cap_;
+  x.max_step_tokens = opt_.max_step_tokens;
+  x.deterministic = opt_.deterministic;
+  x.stream = stream_;
+  x.hooks = hooks_;
+  return x;
+}
 
 void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   const ModelConfig& c = cfg_;
@@ -137,86 +146,21 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
       size_t(max_rows_) * V * 4 + size_t(4 * S + 4 * max_rows_ + 64) * 4 + (32u << 20) +
       size_t(64) * opt_.max_batch * Hq * (D + 1) * 4 + size_t(n_pages_ + 8 * S + 64 * opt_.max_batch) * 4 * 6 +
       (1u << 20) * 8;
-  // Sparse decode buffers (see cuda_model.h).
+  // The per-page data some methods read (every method's with any_method), kept on every
+  // append: Quest's page key min/max, Twilight's INT4 keys; and the model's own method.
   const CudaSparse& sp = opt_.sparse;
-  size_t sp_bytes = 0;
   seq_pages_cap_ = std::min<int64_t>(n_pages_, (int64_t(c.max_context) + P - 1) / P + 1);
   upd_cap_ = S + opt_.max_batch;
-  int64_t sel_cap = 0;
-  if (sp.method == CudaSparse::Method::LycheeDecode) {
-    // Distinct retrieval-head patterns of the layers that are not all retrieval heads.
-    SPADE_CHECK(int64_t(sp.retrieval.size()) == NL, "lycheedecode: roles for ", sp.retrieval.size(),
-                " layers, the model has ", NL);
-    ld_patterns_.clear();
-    ld_pattern_of_.assign(size_t(NL), -1);
-    for (int64_t l = 0; l < NL; ++l) {
-      const auto& r = sp.retrieval[size_t(l)];
-      SPADE_CHECK(int64_t(r.size()) == Hkv, "lycheedecode: roles for ", r.size(), " KV heads");
-      if (std::all_of(r.begin(), r.end(), [](uint8_t x) { return x != 0; })) continue;
-      auto it = std::find(ld_patterns_.begin(), ld_patterns_.end(), r);
-      ld_pattern_of_[size_t(l)] = int(it - ld_patterns_.begin());
-      if (it == ld_patterns_.end()) ld_patterns_.push_back(r);
-    }
-    if (ld_patterns_.empty()) ld_patterns_.push_back(std::vector<uint8_t>(size_t(Hkv), 0));
+  const bool keep_meta = (opt_.any_method && P == 16) || sp.needs_quest_meta();
+  const bool keep_int4 = opt_.any_method || sp.needs_int4_keys();
+  size_t sp_bytes = 0;
+  if (keep_meta) sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D) * 2 + 256;
+  if (keep_int4) sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * P) * size_t(D / 2 + 4) + 512;
+  if (keep_meta || keep_int4) sp_bytes += size_t(2 * upd_cap_) * 4 + 256;
+  {
+    GpuMethodContext ctx = method_context();
+    sp_bytes += GpuMethod::arena_bytes(ctx, sp);
   }
-  const int64_t n_patterns = std::max<int64_t>(1, int64_t(ld_patterns_.size()));
-  if (sp.selects()) {
-    SPADE_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "--device cuda sparse decode: GQA group ",
-                Hq / Hkv, " > 16 is not supported");
-    const int64_t mb = opt_.max_batch;
-    const int64_t kp = sp.budget / 16;
-    if (sp.quest_base()) {
-      SPADE_CHECK(P == 16, "--device cuda: quest needs KV pages of 16 tokens (got ", P, ")");
-      sel_cap = mb * Hkv * std::max<int64_t>(1, std::min(kp, seq_pages_cap_));
-      sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D) * 2;  // metadata
-      sp_bytes += size_t(mb * Hkv * seq_pages_cap_) * 4;                   // scores
-      if (sp.method == CudaSparse::Method::Twilight) {
-        sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * P) * size_t(D / 2 + 4);  // INT4 K
-        sp_bytes += cuda::TwilightPruner::arena_bytes(int(mb), int(Hq), int(Hkv), int(kp * 16));
-        sp_bytes += cuda::SparseAttention::arena_bytes(int(mb), n_pages_, int(Hq), int(Hkv),
-                                                       int(D)) + (4u << 20);  // kept attention
-      }
-    } else if (sp.method == CudaSparse::Method::Tidal ||
-               sp.method == CudaSparse::Method::LycheeDecode) {
-      const int64_t k = std::min<int64_t>(sp.budget, c.max_context);
-      sel_cap = mb * Hkv * k;
-      sp_bytes += size_t(mb * Hkv) * size_t(seq_pages_cap_ * P) * 4 + size_t(mb * Hkv) * 4 +
-                  size_t(mb * Hkv * k) * 4 + 3 * 256;
-    } else if (sp.method == CudaSparse::Method::OracleTopK) {
-      const int64_t k = std::min<int64_t>(sp.budget, c.max_context);
-      sel_cap = mb * Hkv * k;
-      sp_bytes += size_t(mb * (Hq + Hkv)) * size_t(seq_pages_cap_ * P) * 4 +  // scores, W
-                  size_t(mb * Hkv) * 4 + size_t(mb * Hkv * k) * 4 + 4 * 256;
-    } else if (sp.method == CudaSparse::Method::LycheeCluster) {
-      sel_cap = std::max<int64_t>(1, lc_list_entries());
-      sp_bytes += lc_arena_bytes();
-    } else if (sp.method == CudaSparse::Method::LessIsMore) {
-      const int64_t k = std::min<int64_t>(sp.budget, c.max_context), nu = sp.lim_unified();
-      sel_cap = mb * k;
-      sp_bytes += size_t(mb * Hq) * size_t(seq_pages_cap_ * P) * 4 +   // per-head scores
-                  size_t(mb * Hq + mb) * 4 + size_t(mb * Hq * nu) * 4 +  // row counts, tops
-                  size_t(mb) * size_t(seq_pages_cap_ * P) * 4 + size_t(mb * nu) * 4 + 5 * 256;
-    } else {
-      sel_cap = mb * std::min<int64_t>(sp.budget, c.max_context);
-    }
-    sp_bytes += size_t(sel_cap + mb * Hkv + 1) * 4 + size_t(2 * upd_cap_) * 4;
-    // SparseAttention: metadata + work items (per pattern), split partials, counters.
-    sp_bytes += cuda::SparseAttention::arena_bytes(int(mb), n_pages_, int(Hq), int(Hkv), int(D),
-                                                   kSparseMaxSplit, int(n_patterns)) + (4u << 20);
-  }
-  if (sp.blasst_any()) sp_bytes += size_t(4) * NL * Hkv * 8 + 1024;
-  // Token top-k of selection layers over long rows (Tidal, LycheeDecode, oracle-topk).
-  // LessIsMore: its per-query-head rows of n_uni tokens.
-  const bool lim_topk = sp.method == CudaSparse::Method::LessIsMore;
-  const bool token_topk = sp.method == CudaSparse::Method::Tidal ||
-                          sp.method == CudaSparse::Method::LycheeDecode ||
-                          sp.method == CudaSparse::Method::OracleTopK || lim_topk;
-  const int topk_k = lim_topk ? int(std::max<int64_t>(1, sp.lim_unified()))
-                              : int(std::min<int64_t>(sp.budget, c.max_context));
-  const int topk_rows_n = int(opt_.max_batch * (lim_topk ? Hq : Hkv));
-  const bool long_topk = token_topk && cuda::topk_long_applies(seq_pages_cap_ * P, topk_k);
-  if (long_topk)
-    sp_bytes += cuda::topk_long_scratch_bytes(topk_rows_n, seq_pages_cap_ * P, topk_k) + 256;
   const size_t total = wb + small + kv_bytes + ws_bytes + sp_bytes;
   {
     size_t free_b = 0, total_b = 0;
@@ -237,16 +181,6 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   SPADE_CUDA(cudaEventCreate(&e1));
   ev0_ = e0;
   ev1_ = e1;
-  if (sp.scheduled() || sp.method == CudaSparse::Method::LycheeDecode) {
-    cudaStream_t side;
-    SPADE_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-    side_ = side;
-    cudaEvent_t ef, ej;
-    SPADE_CUDA(cudaEventCreateWithFlags(&ef, cudaEventDisableTiming));
-    SPADE_CUDA(cudaEventCreateWithFlags(&ej, cudaEventDisableTiming));
-    ev_fork_ = ef;
-    ev_join_ = ej;
-  }
   auto& A = *arena_;
   // --- Weights.
   embed_ = A.alloc_n<bf16>(size_t(V * H), "token embeddings");
@@ -343,75 +277,85 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   rows_dev_ = A.alloc_n<cuda::GpuSamplingRow>(size_t(opt_.max_batch), "sampling rows");
   SPADE_CUDA(cudaMallocHost(&rows_host_, sizeof(cuda::GpuSamplingRow) * size_t(opt_.max_batch)));
   gemm_ = std::make_unique<cuda::Gemm>(A);
-  cuda::AttnLimits lim;
-  lim.max_batch = opt_.max_batch;
-  lim.max_q_tokens = S;
-  lim.max_pages = n_pages_;
-  lim.max_split = 64;
-  attn_ = std::make_unique<cuda::AttentionWorkspace>(A, lim, int(Hq), int(Hkv), int(D), P);
-  // BLASST decode: the skip kernel keeps the static schedule, so plan its split counts.
-  attn_->set_blasst_decode(sp.blasst_any() && sp.blasst_decode);
-  if (opt_.deterministic) attn_->set_deterministic(true);
-  if (sp.blasst_any()) {
-    const size_t n = size_t(4) * NL * Hkv;
-    blasst_counts_ = A.alloc_n<unsigned long long>(n, "blasst tile counters");
-    SPADE_CUDA(cudaMemset(blasst_counts_, 0, n * 8));
+  if (keep_meta) {
+    const size_t me = size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D);
+    hooks_.quest_meta = A.alloc_n<bf16>(me, "quest page metadata");
+    SPADE_CUDA(cudaMemset(hooks_.quest_meta, 0, me * 2));
   }
-  if (sp.selects()) {
-    SPADE_CHECK(sp.dense_layers >= 0 && sp.dense_layers <= NL, "sparse dense_layers outside [0, ",
-                NL, "]");
-    sparse_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
-                                                      int(Hkv), int(D), P, kSparseMaxSplit,
-                                                      int(std::max<size_t>(1, ld_patterns_.size())));
-    if (sp.quest_base()) {
-      const size_t me = size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D);
-      quest_meta_ = A.alloc_n<bf16>(me, "quest page metadata");
-      SPADE_CUDA(cudaMemset(quest_meta_, 0, me * 2));
-      quest_scores_ = A.alloc_n<float>(size_t(opt_.max_batch * Hkv * seq_pages_cap_), "quest scores");
-    }
-    if (sp.method == CudaSparse::Method::Twilight) {
-      const size_t rows = size_t(NL) * size_t(n_pages_) * size_t(Hkv * P);
-      k_int4_ = A.alloc_n<uint8_t>(rows * size_t(D / 2), "twilight INT4 keys");
-      k_int4_sz_ = A.alloc_n<uint32_t>(rows, "twilight INT4 scale/zero");
-      twilight_ = std::make_unique<cuda::TwilightPruner>(A, opt_.max_batch, int(Hq), int(Hkv),
-                                                         int(D), P, int(sp.budget / 16 * 16),
-                                                         sp.twilight_p, sp.twilight_eps);
-      sparse_kept_ = std::make_unique<cuda::SparseAttention>(A, opt_.max_batch, n_pages_, int(Hq),
-                                                             int(Hkv), int(D), P);
-    }
-    if (sp.method == CudaSparse::Method::LessIsMore) {
-      const int64_t mb = opt_.max_batch, ld = seq_pages_cap_ * P, nu = sp.lim_unified();
-      sel_scores_ = A.alloc_n<float>(size_t(mb * Hq) * size_t(ld), "lessismore scores");
-      lim_row_n_ = A.alloc_n<int32_t>(size_t(mb * Hq + mb), "lessismore row counts");
-      lim_head_top_ = A.alloc_n<int32_t>(size_t(mb * Hq * nu), "lessismore head top-k");
-      lim_keys_ = A.alloc_n<float>(size_t(mb) * size_t(ld), "lessismore merge keys");
-      lim_merged_ = A.alloc_n<int32_t>(size_t(mb * nu), "lessismore merged top-k");
-    }
-    if (sp.method == CudaSparse::Method::OracleTopK) {
-      const int64_t mb = opt_.max_batch, ld = seq_pages_cap_ * P;
-      const int64_t k = std::min<int64_t>(sp.budget, c.max_context);
-      sel_scores_ = A.alloc_n<float>(size_t(mb * Hq) * size_t(ld), "oracle per-head scores");
-      oracle_w_ = A.alloc_n<float>(size_t(mb * Hkv) * size_t(ld), "oracle group weights");
-      tidal_rown_ = A.alloc_n<int32_t>(size_t(mb * Hkv), "oracle row lengths");
-      tidal_strided_ = A.alloc_n<int32_t>(size_t(mb * Hkv * k), "oracle top-k");
-    }
-    if (sp.method == CudaSparse::Method::Tidal || sp.method == CudaSparse::Method::LycheeDecode) {
-      const int64_t rows = int64_t(opt_.max_batch) * Hkv;
-      sel_scores_ = A.alloc_n<float>(size_t(rows) * size_t(seq_pages_cap_ * P), "tidal scores");
-      tidal_rown_ = A.alloc_n<int32_t>(size_t(rows), "tidal row lengths");
-      tidal_strided_ = A.alloc_n<int32_t>(
-          size_t(rows) * size_t(std::min<int64_t>(sp.budget, c.max_context)), "tidal top-k");
-    }
-    if (sp.method == CudaSparse::Method::LycheeCluster) lc_alloc();
-    if (long_topk)
-      topk_long_ = A.alloc_n<unsigned char>(
-          cuda::topk_long_scratch_bytes(topk_rows_n, seq_pages_cap_ * P, topk_k),
-          "long-row top-k scratch");
-    sel_off_ = A.alloc_n<int32_t>(size_t(opt_.max_batch * Hkv + 1), "selection offsets");
-    sel_idx_ = A.alloc_n<int32_t>(size_t(sel_cap), "selection entries");
-    upd_ = A.alloc_n<int32_t>(size_t(2 * upd_cap_), "quest metadata updates");
+  if (keep_int4) {
+    const size_t rows = size_t(NL) * size_t(n_pages_) * size_t(Hkv * P);
+    hooks_.k_int4 = A.alloc_n<uint8_t>(rows * size_t(D / 2), "INT4 keys");
+    hooks_.k_int4_sz = A.alloc_n<uint32_t>(rows, "INT4 key scale/zero");
+  }
+  if (keep_meta || keep_int4) {
+    upd_ = A.alloc_n<int32_t>(size_t(2 * upd_cap_), "page data updates");
     SPADE_CUDA(cudaMallocHost(&upd_host_, sizeof(int32_t) * size_t(2 * upd_cap_)));
   }
+  methods_.push_back(std::make_unique<GpuMethod>(method_context(), sp, &A));
+  method_keys_.emplace_back();
+}
+
+int CudaModel::methods_kept() const {
+  int n = 0;
+  for (const auto& m : methods_) n += m ? 1 : 0;
+  return n;
+}
+
+int CudaModel::add_method(const std::string& key, const CudaSparse& sp) {
+  for (size_t i = 0; i < methods_.size(); ++i)
+    if (methods_[i] && !method_keys_[i].empty() && method_keys_[i] == key) return int(i);
+  // A free id: an evicted one, a new one, or the least useful kept one nobody uses.
+  int id = -1;
+  for (size_t i = 1; i < methods_.size() && id < 0; ++i)
+    if (!methods_[i]) id = int(i);
+  if (id < 0 && methods_kept() >= std::max(1, opt_.max_methods)) {
+    for (size_t i = 1; i < methods_.size() && id < 0; ++i)
+      if (methods_[i] && *methods_[i]->live == 0) id = int(i);
+    SPADE_CHECK(id >= 0, "--device cuda: ", opt_.max_methods, " sparse method configurations "
+                "are in use by running requests; '", key, "' must wait until one finishes");
+    SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+    drop_graphs();  // their launches hold the evicted method's buffers
+    methods_[size_t(id)].reset();
+  }
+  auto m = std::make_unique<GpuMethod>(method_context(), sp, nullptr);
+  if (id < 0) {
+    id = int(methods_.size());
+    methods_.push_back(nullptr);
+    method_keys_.emplace_back();
+  }
+  methods_[size_t(id)] = std::move(m);
+  method_keys_[size_t(id)] = key;
+  return id;
+}
+
+std::unique_ptr<sparse::MethodState> CudaModel::new_request_state(int method) {
+  SPADE_CHECK(method >= 0 && size_t(method) < methods_.size() && methods_[size_t(method)],
+              "CudaModel: no method ", method);
+  GpuMethod& m = *methods_[size_t(method)];
+  std::unique_ptr<sparse::MethodState> own = m.new_request_state();
+  if (method == 0 && !own) return nullptr;
+  return std::make_unique<GpuRequestState>(method, m.live, std::move(own));
+}
+
+int CudaModel::method_of(const SeqInput& s) const {
+  if (!s.device_state) return 0;
+  const auto* g = dynamic_cast<const GpuRequestState*>(s.device_state);
+  SPADE_CHECK(g && g->method >= 0 && size_t(g->method) < methods_.size() &&
+                  methods_[size_t(g->method)] &&
+                  g->counter() == methods_[size_t(g->method)]->live.get(),
+              "CUDA forward: SeqInput::device_state is not a request state of this model");
+  return g->method;
+}
+
+std::vector<uint64_t> CudaModel::blasst_counts(bool prefill) const {
+  return methods_[0]->blasst_counts(prefill);
+}
+void CudaModel::reset_blasst_counts() { methods_[0]->reset_blasst_counts(); }
+bool CudaModel::blasst_prefill_active() const { return methods_[0]->blasst_prefill_active(); }
+void CudaModel::set_blasst(const CudaSparse& s) {
+  methods_[0]->set_blasst(s);
+  opt_.sparse = s;
+  drop_graphs();
 }
 
 void CudaModel::reserve(PageTable& pt, int64_t new_length) {
@@ -440,6 +384,8 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   SPADE_CHECK(!batch.empty() && int(batch.size()) <= opt_.max_batch, "CUDA forward: batch of ",
               batch.size(), " sequences (limit ", opt_.max_batch, ")");
   int64_t T = 0, R = 0;
+  method_of_seq_.resize(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) method_of_seq_[i] = method_of(batch[i]);
   for (const SeqInput& s : batch) {
     SPADE_CHECK(s.n_tokens > 0 && s.pages, "forward: empty sequence input");
     SPADE_CHECK(!s.attention, "CUDA forward: custom attention functions are CPU-only");
@@ -474,10 +420,23 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   int32_t* pos = tok_host_ + S;
   int32_t* page = tok_host_ + 2 * S;
   int32_t* rows = tok_host_ + 3 * S;
-  row_of.assign(batch.size(), 0);
-  std::vector<cuda::AttnSeq> aseq(batch.size());
-  int64_t t = 0, r = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
+  const size_t B = batch.size();
+  // Step order: the sequences grouped by method (stable; the batch order when all share one),
+  // so that each method's rows are contiguous; logit rows stay in batch order.
+  order_.resize(B);
+  for (size_t i = 0; i < B; ++i) order_[i] = int(i);
+  bool one_method = true;
+  for (size_t i = 1; i < B; ++i) one_method = one_method && method_of_seq_[i] == method_of_seq_[0];
+  if (!one_method)
+    std::stable_sort(order_.begin(), order_.end(),
+                     [&](int a, int b) { return method_of_seq_[size_t(a)] < method_of_seq_[size_t(b)]; });
+  tok_start_.resize(B);
+  aseq_.resize(B);
+  group_inputs_.resize(B);
+  groups_.clear();
+  int64_t t = 0;
+  for (size_t k = 0; k < B; ++k) {
+    const size_t i = size_t(order_[k]);
     const SeqInput& s = batch[i];
     const int64_t p0 = s.pages->length;
     for (int64_t j = 0; j < s.n_tokens; ++j) {
@@ -488,15 +447,27 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
       pos[t + j] = int32_t(p0 + j);
       page[t + j] = s.pages->pages[size_t((p0 + j) / P)];
     }
-    row_of[i] = r;
-    if (s.all_logits && !sample) {
-      for (int64_t j = 0; j < s.n_tokens; ++j) rows[r++] = int32_t(t + j);
-    } else {
-      rows[r++] = int32_t(t + s.n_tokens - 1);
-    }
-    aseq[i] = {s.pages->pages.data(), int(s.pages->pages.size()), int(p0 + s.n_tokens),
-               int(s.n_tokens)};
+    tok_start_[i] = t;
+    aseq_[k] = {s.pages->pages.data(), int(s.pages->pages.size()), int(p0 + s.n_tokens),
+                int(s.n_tokens)};
+    group_inputs_[k] = s;
+    const int id = method_of_seq_[i];
+    if (groups_.empty() || groups_.back().id != id)
+      groups_.push_back({methods_[size_t(id)].get(), id, int(k), 0, t});
+    ++groups_.back().n;
     t += s.n_tokens;
+  }
+  row_of.assign(B, 0);
+  int64_t r = 0;
+  for (size_t i = 0; i < B; ++i) {
+    const SeqInput& s = batch[i];
+    row_of[i] = r;
+    const int64_t t0 = tok_start_[i];
+    if (s.all_logits && !sample) {
+      for (int64_t j = 0; j < s.n_tokens; ++j) rows[r++] = int32_t(t0 + j);
+    } else {
+      rows[r++] = int32_t(t0 + s.n_tokens - 1);
+    }
   }
   T_ = int(T);
   R_ = int(R);
@@ -505,16 +476,11 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   SPADE_CUDA(cudaMemcpyAsync(tok_in_ + S, pos, sizeof(int32_t) * size_t(T), cudaMemcpyHostToDevice, st));
   SPADE_CUDA(cudaMemcpyAsync(tok_in_ + 2 * S, page, sizeof(int32_t) * size_t(T), cudaMemcpyHostToDevice, st));
   SPADE_CUDA(cudaMemcpyAsync(tok_in_ + 3 * S, rows, sizeof(int32_t) * size_t(R), cudaMemcpyHostToDevice, st));
-  attn_->plan(aseq, st);  // uploads and waits, so the pinned inputs above are consumed too
-  // Sparse decode: metadata updates of the pages this step writes (Quest), and the plan of
-  // the attention over selections when every sequence decodes one token.
-  const CudaSparse& sp = opt_.sparse;
+  // Quest page metadata of the pages this step writes: inside the KV append when every
+  // sequence adds one token, else recomputed per layer for the listed pages.
   upd_n_ = 0;
-  meta_in_append_ = sp.quest_base();
-  for (const SeqInput& s : batch) meta_in_append_ = meta_in_append_ && s.n_tokens == 1;
-  sparse_step_ = false;
-  lc_sync_.clear();
-  if (sp.quest_base() && !meta_in_append_) {  // the pages quest_update_meta recomputes
+  meta_in_append_ = hooks_.quest_meta != nullptr && T == int64_t(B);
+  if (hooks_.quest_meta && !meta_in_append_) {
     for (const SeqInput& s : batch) {
       const int64_t p0 = s.pages->length, p1 = p0 + s.n_tokens;
       for (int64_t pg = p0 / P; pg * P < p1; ++pg) {
@@ -528,60 +494,12 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
     SPADE_CUDA(cudaMemcpyAsync(upd_ + upd_cap_, upd_host_ + upd_cap_,
                                sizeof(int32_t) * size_t(upd_n_), cudaMemcpyHostToDevice, st));
   }
-  if (sp.selects() && T == int64_t(batch.size()) &&
-      sp.dense_layers < c.n_layers) {
-    const bool quest = sp.quest_base();
-    const bool twilight = sp.method == CudaSparse::Method::Twilight;
-    const bool per_head = lists_per_req() > 1;  // lists per KV head
-    const int Hkv = c.n_kv_heads;
-    const int64_t kp = sp.budget / 16;
-    // Host planning vectors are members: cleared, never reallocated once warm.
-    std::vector<cuda::SparseSeq>& sseq = plan_seqs_;
-    std::vector<int>& max_entries = plan_max_entries_;
-    std::vector<int>& kept_max = plan_kept_max_;
-    sseq.resize(batch.size());
-    max_entries.clear();
-    kept_max.clear();
-    // Twilight prunes even when Quest keeps every page (as the CPU method does).
-    bool any_sparse = sp.force_lists || twilight;
-    const bool lc = sp.method == CudaSparse::Method::LycheeCluster;
-    int max_np = 0;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const PageTable& pt = *batch[i].pages;
-      const int64_t L = pt.length + 1;
-      const int np = int((L + P - 1) / P);
-      sseq[i] = {pt.pages.data(), np, int(L)};
-      max_np = std::max(max_np, np);
-      if (lc) {
-        // lc_prepare, below
-      } else if (quest) {
-        any_sparse |= kp < np;
-        for (int h = 0; h < Hkv; ++h) max_entries.push_back(int(std::min<int64_t>(kp, np)));
-        for (int h = 0; h < Hkv; ++h) kept_max.push_back(int(std::min<int64_t>(kp * 16, L)));
-      } else {
-        any_sparse |= sp.budget < L;
-        for (int h = 0; h < (per_head ? Hkv : 1); ++h)
-          max_entries.push_back(int(std::min<int64_t>(sp.budget, L)));
-      }
-    }
-    if (lc) lc_prepare(batch, any_sparse, max_entries);
-    // Every list covering the whole context: the dense kernel (the CPU's set_dense).
-    if (any_sparse) {
-      if (sp.method == CudaSparse::Method::LycheeDecode)
-        sparse_->plan_patterns(sseq, cuda::SelGran::Token, Hkv, max_entries, ld_patterns_, st);
-      else
-        sparse_->plan(sseq, quest ? cuda::SelGran::Chunk16 : cuda::SelGran::Token,
-                      per_head ? Hkv : 1, max_entries, nullptr, st);
-      // Kept lists: upper bounds only (the real lengths are read on the GPU).
-      if (twilight) sparse_kept_->plan(sseq, cuda::SelGran::Token, Hkv, kept_max, nullptr, st);
-      sparse_step_ = true;
-      step_B_ = int(batch.size());
-      // Rounded up (within the score buffer's stride) so that the Quest launches, and a graph
-      // keyed by them, change only every 1024 tokens.
-      step_max_pages_ = int(std::min<int64_t>(seq_pages_cap_, (max_np + 63) / 64 * 64));
-    }
+  // Each method plans its rows: dense attention, and its selections when they decode.
+  for (const Group& g : groups_) {
+    g.m->trace = g.id == 0 ? quest_trace : nullptr;
+    g.m->plan(group_inputs_.data() + g.b0, aseq_.data() + g.b0, g.n);
   }
-  if (upd_n_ > 0 || sparse_step_) SPADE_CUDA(cudaStreamSynchronize(st));  // pinned inputs consumed
+  SPADE_CUDA(cudaStreamSynchronize(st));  // the pinned inputs above are consumed
   for (const SeqInput& s : batch) s.pages->length += s.n_tokens;
 }
 
@@ -601,19 +519,10 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   const size_t layer_kv = size_t(n_pages_) * size_t(Hkv) * opt_.page_size * D;
   const float scale = 1.f / std::sqrt(float(D));
   cuda::embedding(static_cast<const bf16*>(embed_), tok_in_, x_, T, H, V, st);
-  const CudaSparse& spc = opt_.sparse;
-  const bool quest = spc.quest_base();
-  const bool twilight = spc.method == CudaSparse::Method::Twilight;
   const size_t layer_rows = size_t(n_pages_) * size_t(Hkv) * opt_.page_size;
-  const int k_pages = int(spc.budget / 16);
   const size_t layer_meta = size_t(n_pages_) * size_t(Hkv) * 2 * D;
-  if (sparse_step_ && spc.method == CudaSparse::Method::Streaming)
-    cuda::streaming_lists(sparse_->dev_kv_len(), step_B_, int(spc.budget), spc.sinks, sel_off_,
-                          sel_idx_, st);
-  const bool lychee = spc.method == CudaSparse::Method::LycheeDecode;
-  if (sparse_step_ && (spc.method == CudaSparse::Method::Tidal ||
-                       spc.method == CudaSparse::Method::OracleTopK))
-    cuda::row_lengths(sparse_->dev_kv_len(), step_B_, Hkv, tidal_rown_, st);
+  const size_t row_elems = size_t(Hq) * D;  // one token's q / attention output
+  for (const Group& g : groups_) g.m->begin_step();
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
     bf16* kc = static_cast<bf16*>(k_cache_) + l * layer_kv;
@@ -631,12 +540,12 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     a.k_cache = kc;
     a.v_cache = vc;
     a.T = T, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.P = opt_.page_size, a.eps = c.rms_eps;
-    uint8_t* codes = twilight ? k_int4_ + l * layer_rows * size_t(D / 2) : nullptr;
-    uint32_t* szs = twilight ? k_int4_sz_ + l * layer_rows : nullptr;
-    a.k_int4 = codes;  // Twilight: the INT4 copy of the appended keys
-    a.k_int4_sz = szs;
-    bf16* meta = quest ? static_cast<bf16*>(quest_meta_) + l * layer_meta : nullptr;
-    a.quest_meta = meta_in_append_ ? meta : nullptr;  // decode: min / max with the new key
+    // Per-page data of the methods: the INT4 copy of the appended keys (Twilight), and the
+    // page key min / max with the new key (Quest, decode steps).
+    a.k_int4 = hooks_.k_int4 ? hooks_.k_int4 + l * layer_rows * size_t(D / 2) : nullptr;
+    a.k_int4_sz = hooks_.k_int4_sz ? hooks_.k_int4_sz + l * layer_rows : nullptr;
+    bf16* meta = hooks_.quest_meta ? static_cast<bf16*>(hooks_.quest_meta) + l * layer_meta : nullptr;
+    a.quest_meta = meta_in_append_ ? meta : nullptr;
     if ((fused_gemv_ & CudaModelOptions::kFuseQkvPost) && gemm_->uses_gemv(T) &&
         cuda::gemv_qkv_post_supported(xn, L.wqkv, a, T, H)) {
       cuda::gemv_qkv_post(xn, L.wqkv, a, T, H, st);  // decode: one launch, same values
@@ -644,44 +553,13 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
       gemm_->run_f32(xn, L.wqkv, qkv_, T, NQKV, H, 0.f, st);
       cuda::qkv_post(a, st);
     }
-    join_selection();  // the previous layer's selection, before anything reads it
-    if (quest && upd_n_ > 0 && !meta_in_append_)  // several tokens per sequence: recompute
+    for (const Group& g : groups_) g.m->join();  // the previous layer's selections
+    if (meta && upd_n_ > 0 && !meta_in_append_)  // several tokens per sequence: recompute
       cuda::quest_update_meta(kc, meta, upd_, upd_ + upd_cap_, upd_n_, Hkv, opt_.page_size, D, st);
-    if (sparse_step_ && lychee) {
-      ld_layer(int(l), q, kc, vc, att, scale);
-    } else if (sparse_step_ && spc.method == CudaSparse::Method::LycheeCluster) {
-      if (int(l) >= spc.dense_layers) lc_layer(int(l), q, kc, vc, att, scale);
-      else attn_->run(q, kc, vc, att, scale, st, blasst_skip(int(l)));
-    } else if (sparse_step_ && scored_layer(int(l), q, kc, vc, att, scale)) {
-      // a Tidal / LessIsMore selection layer or an oracle-topk layer (cuda_model_sparse.cpp)
-    } else if (sparse_step_ && int(l) >= spc.dense_layers) {
-      if (quest) {
-        // The top-k writes the CSR lists itself (QuestArgs::csr_off): no compaction launch.
-        cuda::QuestArgs qa{q, meta, sparse_->dev_page_table(), sparse_->dev_page_off(),
-                           sparse_->dev_kv_len(), quest_scores_, sel_idx_, step_B_, Hq, Hkv,
-                           D, step_max_pages_, k_pages};
-        qa.fast = spc.quest_fast;
-        qa.csr_off = sel_off_;
-        cuda::quest_select(qa, st);
-        if (quest_trace) trace_quest(int(l));
-      }
-      if (twilight) {
-        cuda::TwilightStep ts;
-        ts.q = q, ts.codes = codes, ts.sz = szs;
-        ts.page_table = sparse_->dev_page_table(), ts.page_off = sparse_->dev_page_off();
-        ts.kv_len = sparse_->dev_kv_len();
-        ts.base_off = sel_off_, ts.base_idx = sel_idx_, ts.gran = cuda::SelGran::Chunk16;
-        ts.B = step_B_, ts.scale = scale;
-        twilight_->run(ts, st);
-        if (quest_trace) trace_twilight(int(l));
-        sparse_kept_->run(q, kc, vc, twilight_->kept_strided_off(), twilight_->kept_strided_idx(),
-                          att, scale, st, 0, nullptr, 0, sel_skip(int(l)), twilight_->kept_count());
-      } else {
-        sparse_->run(q, kc, vc, sel_off_, sel_idx_, att, scale, st, 0, nullptr, 0, sel_skip(int(l)));
-      }
-    } else {
-      attn_->run(q, kc, vc, att, scale, st, blasst_skip(int(l)));
-    }
+    // Attention: each method over its own rows.
+    for (const Group& g : groups_)
+      g.m->attend(int(l), q + size_t(g.t0) * row_elems, kc, vc, att + size_t(g.t0) * row_elems,
+                  scale);
     gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, 1.f, st);
     cuda::rmsnorm(x_, nullptr, L.ffn_norm, c.rms_eps, xn, T, H, st);
     if ((fused_gemv_ & CudaModelOptions::kFuseSwiglu) && gemm_->uses_gemv(T) &&
@@ -693,7 +571,7 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     }
     gemm_->run_f32(h, L.wdown, x_, T, H, F, 1.f, st);
   }
-  join_selection();
+  for (const Group& g : groups_) g.m->join();
   cuda::rmsnorm(x_, tok_in_ + 3 * S, final_norm_, c.rms_eps, xn, R, H, st);
   gemm_->run_f32(xn, static_cast<const bf16*>(lm_head_), logits_, R, V, H, 0.f, st);
   if (sample && rows_mode_)
@@ -701,6 +579,21 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   else if (sample)
     cuda::sample(logits_, R, V, *sp, 0, sampled_, st,
                  reinterpret_cast<const uint64_t*>(tok_in_ + step_off_));
+}
+
+void CudaModel::graph_key(bool sample) {
+  // Batch size and whether the step samples, the page-data updates, and per method group its
+  // id, rows and launch shapes (GpuMethod::append_graph_key).
+  std::vector<int>& k = graph_key_;
+  k.clear();
+  k.push_back(T_ * 4 + (sample ? 1 : 0) + (sample && rows_mode_ ? 2 : 0));
+  k.push_back(upd_n_);
+  k.push_back(meta_in_append_ ? 1 : 0);
+  for (const Group& g : groups_) {
+    k.push_back(g.id);
+    k.push_back(g.n);
+    g.m->append_graph_key(k);
+  }
 }
 
 void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) {
@@ -717,7 +610,8 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
   // metadata updates) from device buffers at fixed addresses that prepare() refilled. Traced
   // steps (tests) copy to the host between layers and run eagerly.
   // LycheeCluster steps that build or update an index run eagerly (host-driven launches).
-  const bool graphable = opt_.cuda_graphs && attn_->decode() && !quest_trace && lc_sync_.empty();
+  bool graphable = opt_.cuda_graphs && !quest_trace && T_ == int(order_.size());
+  for (const Group& g : groups_) graphable = graphable && g.m->graphable();
   if (graphable) {
     graph_key(sample);
     const std::vector<int>& key = graph_key_;
@@ -734,9 +628,9 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
       }
       // First use: run eagerly (plans GEMM algorithms outside any capture), then capture. The
       // replay below redoes this step, so the eager run does not count BLASST tiles.
-      count_blasst_ = false;
+      for (const Group& g : groups_) g.m->count_blasst = false;
       enqueue(sample, sp, step);
-      count_blasst_ = true;
+      for (const Group& g : groups_) g.m->count_blasst = true;
       SPADE_CUDA(cudaStreamSynchronize(st));
       cudaGraph_t g;
       SPADE_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));

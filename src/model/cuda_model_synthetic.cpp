@@ -64,7 +64,7 @@ void CudaModel::fill_kv_random(PageTable& pt, int64_t length, uint64_t seed) {
   // Quest: the pages' key min / max, and Twilight: their INT4 key copy, as a prefill would
   // leave them (decode steps then update the last page in qkv_post, which needs its earlier
   // rows' metadata; Twilight's estimate reads the INT4 copy of every selected page).
-  if ((quest_meta_ || k_int4_) && upd_host_) {
+  if ((hooks_.quest_meta || hooks_.k_int4) && upd_host_) {
     const int P = opt_.page_size, D = cfg_.head_dim, Hkv = cfg_.n_kv_heads;
     const size_t layer_meta = size_t(n_pages_) * size_t(Hkv) * 2 * D;
     const size_t layer_rows = size_t(n_pages_) * size_t(Hkv) * size_t(P);
@@ -79,12 +79,12 @@ void CudaModel::fill_kv_random(PageTable& pt, int64_t length, uint64_t seed) {
                                  cudaMemcpyHostToDevice, S_(stream_)));
       for (int l = 0; l < cfg_.n_layers; ++l) {
         const bf16* kc = static_cast<const bf16*>(k_cache_) + l * layer_elems;
-        if (quest_meta_)
-          cuda::quest_update_meta(kc, static_cast<bf16*>(quest_meta_) + l * layer_meta, upd_,
+        if (hooks_.quest_meta)
+          cuda::quest_update_meta(kc, static_cast<bf16*>(hooks_.quest_meta) + l * layer_meta, upd_,
                                   upd_ + upd_cap_, n, Hkv, P, D, S_(stream_));
-        if (k_int4_)
-          cuda::int4_quantize_pages(kc, k_int4_ + l * layer_rows * size_t(D / 2),
-                                    k_int4_sz_ + l * layer_rows, upd_, upd_ + upd_cap_, n, Hkv, P,
+        if (hooks_.k_int4)
+          cuda::int4_quantize_pages(kc, hooks_.k_int4 + l * layer_rows * size_t(D / 2),
+                                    hooks_.k_int4_sz + l * layer_rows, upd_, upd_ + upd_cap_, n, Hkv, P,
                                     D, S_(stream_));
       }
       SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));  // upd_host_ is reused

@@ -1,7 +1,8 @@
 // CudaModel as the scheduler's StepModel (CUDA builds): the device KV pool's pages are
-// accounted on the host by CudaModel; attention is the model's own (CudaModelOptions::sparse:
-// one method for every request, the server's --sparse; per-request methods run on the CPU
-// runner).
+// accounted on the host by CudaModel; attention is the model's methods': its own
+// (CudaModelOptions::sparse, the server's --sparse) or one added for a request
+// (new_request_state with a method: CudaModel::add_method, keyed by the method's canonical
+// spec).
 #pragma once
 #if defined(SPADE_HAVE_CUDA)
 #include "backend/cuda/cuda_common.h"
@@ -24,9 +25,13 @@ class CudaStepModel final : public StepModel {
   void release(PageTable& pt) override { m_.release(pt); }
   bool supports_attention_callbacks() const override { return false; }
   std::string device() const override { return cuda::device_summary(); }
-  std::unique_ptr<sparse::MethodState> new_request_state() override {
-    return m_.new_request_state();
+  std::unique_ptr<sparse::MethodState> new_request_state(
+      const sparse::SparseConfig* method) override {
+    if (!method) return m_.new_request_state(0);
+    const CudaSparse gs = cuda_sparse_config(*method, m_.config(), m_.page_size());
+    return m_.new_request_state(m_.add_method(method->to_string(), gs));
   }
+  bool runs_methods() const override { return true; }
   bool samples_on_device() const override { return true; }
   const std::vector<int32_t>& forward_sample(const std::vector<SeqInput>& batch,
                                              const std::vector<RowSampling>& rows) override {

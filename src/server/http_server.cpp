@@ -285,6 +285,7 @@ void HttpServer::Impl::generate(HttpExchange& ex, ApiKind kind) {
     ResolvedSparse sp = sparse.resolve(a.sparse);
     er.method = sp.method;
     er.attention = std::move(sp.maker);
+    er.device_method = std::move(sp.device_method);
   } catch (const std::exception& e) {
     return send_error(ex, api_error(400, e.what(), "invalid_value", "sparse"));
   }

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "sparse/options.h"
 
 namespace spade::server {
 
@@ -272,13 +273,23 @@ std::optional<SparseSpec> parse_sparse(const json& obj) {
     if (name.empty() || name.size() > 64)
       bad("sparse", "'sparse.method' must be a non-empty method name");
     for (char c : name)
-      if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'))
+      if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '+'))
         bad("sparse", cat("'sparse.method' has an invalid character in \"", name, "\""));
   };
   SparseSpec spec;
-  if (v->is_string()) {
-    spec.method = v->get<std::string>();
+  if (v->is_string()) {  // "quest", or the CLI's form "quest:budget=256,dense_layers=2"
+    const std::string text = v->get<std::string>();
+    if (text.size() > 4096) bad("sparse", "'sparse' is too long");
+    sparse::SparseConfig sc;
+    try {
+      sc = sparse::SparseConfig::parse_spec(text);
+    } catch (const std::exception& e) {
+      bad("sparse", cat("'sparse': ", e.what()));
+    }
+    spec.method = sc.method;
     check_name(spec.method);
+    for (const auto& [k, val] : sc.options) spec.options.emplace_back(k, val);
+    if (spec.options.size() > 64) bad("sparse", "'sparse' has too many options");
     return spec;
   }
   if (!v->is_object())

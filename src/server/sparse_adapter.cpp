@@ -32,8 +32,12 @@ class SessionAttention : public SeqAttention {
 }  // namespace
 
 SparseMethods::SparseMethods(const ModelConfig& cfg, KVPool* kv, SparseSpec fallback,
-                             std::string device)
-    : cfg_(cfg), kv_(kv), fallback_(std::move(fallback)), device_(std::move(device)) {
+                             std::string device, DeviceCheck device_check)
+    : cfg_(cfg),
+      kv_(kv),
+      fallback_(std::move(fallback)),
+      device_(std::move(device)),
+      device_check_(std::move(device_check)) {
   SPADE_CHECK(kv_ || !device_.empty(), "SparseMethods: no KV pool for sparse sessions");
   resolve(std::nullopt);  // a bad default fails at start-up (and sets device_key_)
 }
@@ -71,13 +75,14 @@ ResolvedSparse SparseMethods::resolve(const std::optional<SparseSpec>& given) {
   }
   r.description = m->describe();
   if (!device_.empty()) {
-    // The GPU model runs the server's method for every request: only that one resolves.
+    // The GPU model runs the method itself: the server's own (no device_method), or one it
+    // adds for this request.
     if (!given) device_key_ = key;
     SPADE_CHECK(!cfg.measure_recall, "sparse option 'recall' is CPU-only (spade serve --device cpu)");
-    SPADE_CHECK(key == device_key_, "sparse method '", cfg.to_string(), "' is not available: this "
-                "server runs every request with '", fallback_.method, "' on ", device_,
-                " (other methods, per request: spade serve --device cpu)");
-    return r;  // no session: the model attends
+    if (key == device_key_) return r;
+    if (device_check_) device_check_(cfg);
+    r.device_method = std::make_shared<const sparse::SparseConfig>(cfg);
+    return r;
   }
   if (spec.method == "full" && cfg.options.empty() && !cfg.measure_recall) return r;  // dense path
   const ModelConfig& mc = cfg_;

@@ -4,6 +4,7 @@
 // SparseSession for the sequence when it is admitted. Methods are built once per distinct
 // configuration and shared (they hold only configuration).
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -23,18 +24,20 @@ struct ResolvedSparse {
   std::string method;      // metrics label
   std::string description; // method with effective parameters
   AttentionMaker maker;    // empty: dense attention (the "full" method without options)
+  // GPU: the method the model runs for this request (null: the server's own method).
+  std::shared_ptr<const sparse::SparseConfig> device_method;
 };
 
 class SparseMethods {
  public:
   // `fallback`: the server's default (from flags) for requests without `sparse`.
-  // `kv`: the CPU pool sparse sessions read. A server on the GPU passes nullptr and its
-  // device name in `device`: the GPU model runs ONE method for every request (`fallback`,
-  // CudaModelOptions::sparse; full attention by default), so only that method resolves (with
-  // no session: the model does it) and anything else is an error naming the device and the
-  // method it runs.
+  // `kv`: the CPU pool sparse sessions read. A server on the GPU passes nullptr, its device
+  // name in `device`, and `device_check` (throws for a method the GPU model cannot run): the
+  // model runs each request's method itself (ResolvedSparse::device_method; null for the
+  // server's own method), so requests resolve with no session.
+  using DeviceCheck = std::function<void(const sparse::SparseConfig&)>;
   SparseMethods(const ModelConfig& cfg, KVPool* kv, SparseSpec fallback,
-                std::string device = {});
+                std::string device = {}, DeviceCheck device_check = {});
   // Throws spade::Error naming the method / option when the spec is invalid.
   ResolvedSparse resolve(const std::optional<SparseSpec>& spec);
   const SparseSpec& fallback() const { return fallback_; }
@@ -45,6 +48,7 @@ class SparseMethods {
   SparseSpec fallback_;
   std::string device_;       // non-empty: the model runs fallback_ itself (GPU)
   std::string device_key_;  // fallback_'s resolved configuration
+  DeviceCheck device_check_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<const sparse::SparseMethod>> cache_;
 };

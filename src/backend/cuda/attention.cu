@@ -511,6 +511,20 @@ void AttentionWorkspace::set_decode_kernel(int v) {
   decode_kernel_ = v;
 }
 
+size_t AttentionWorkspace::arena_bytes(const AttnLimits& lim, int Hq, int Hkv, int D) {
+  // The constructor's allocations below, each rounded up to the arena's 256 bytes.
+  const int64_t max_items = std::max<int64_t>(
+      int64_t(lim.max_batch) * lim.max_split,
+      lim.max_q_tokens * (Hq / std::max(1, Hkv)) / 16 + lim.max_batch);
+  const size_t meta = align_up(size_t(lim.max_pages), 4) + 2 * align_up(size_t(lim.max_batch), 4) +
+                      align_up(size_t(lim.max_batch + 1), 4) + size_t(4 * max_items);
+  const size_t split_rows = size_t(lim.max_batch) * size_t(Hq);
+  return align_up(meta * 4, 256) + align_up(size_t(lim.max_split) * split_rows * size_t(D) * 4, 256) +
+         align_up(size_t(lim.max_split) * split_rows * 4, 256) +
+         align_up(size_t(lim.max_batch) * size_t(Hkv) * 4, 256) +
+         align_up(size_t(lim.max_batch) * size_t(Hkv) * kTicketStride * 4, 256);
+}
+
 AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim, int Hq,
                                        int Hkv, int D, int P)
     : Hq_(Hq), Hkv_(Hkv), D_(D), P_(P), lim_(lim) {
@@ -569,7 +583,7 @@ AttentionWorkspace::~AttentionWorkspace() {
 }
 
 void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
-                              int force_split) {
+                              int force_split, bool wait) {
   const int B = int(batch.size());
   SPADE_CHECK(B > 0 && B <= lim_.max_batch, "attention plan: batch of ", B, " (limit ",
               lim_.max_batch, ")");
@@ -630,7 +644,7 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
   SPADE_CUDA(cudaMemcpyAsync(meta_dev_, h, sizeof(int32_t) * size_t(off_items_ + 4 * n),
                              cudaMemcpyHostToDevice, s));
   // The pinned staging buffer is reused by the next plan(): make sure this copy is done.
-  SPADE_CUDA(cudaStreamSynchronize(s));
+  if (wait) SPADE_CUDA(cudaStreamSynchronize(s));
   B_ = B;
   variant_ = decode ? resolve_variant(B, max_kv) : 0;
   n_items_ = n;

@@ -79,7 +79,12 @@ class AttentionWorkspace {
   // Host-side planning for one step: copies metadata into pinned memory and one async
   // upload on `s`. `force_split` > 0 fixes the split count (CUDA graphs, benchmarks);
   // splits are used only when every sequence has q_len == 1 (pure decode).
-  void plan(const std::vector<AttnSeq>& batch, cudaStream_t s, int force_split = 0);
+  // wait = false: returns without waiting for the upload; the caller synchronizes `s` before
+  // the next plan() of this workspace (its pinned staging buffer is reused).
+  void plan(const std::vector<AttnSeq>& batch, cudaStream_t s, int force_split = 0,
+            bool wait = true);
+  // Arena bytes the constructor takes with these arguments (alignment included).
+  static size_t arena_bytes(const AttnLimits& lim, int Hq, int Hkv, int D);
   // out[T, Hq, D] = attention(q[T, Hq, D]) over this layer's cache (k, v: [page][Hkv][P][D]).
   // With skip.active(): BLASST skipping (decode: v3 kernel, its cp.async twin when a TMA
   // variant is selected; prefill: the wgmma or the generic kernel); the v2 decode kernel

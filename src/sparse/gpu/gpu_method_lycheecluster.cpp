@@ -1,4 +1,4 @@
-// LycheeCluster in CudaModel (cuda_model.h; the CPU method: sparse/methods/lycheecluster.h;
+// LycheeCluster as a GpuMethod (gpu_method.h; the CPU method: sparse/methods/lycheecluster.h;
 // the index kernels: backend/cuda/cluster_index.h, docs/cuda_lycheecluster.md).
 //
 // Per request: a host state (LcRequestState) with the token text, the streaming chunk
@@ -24,7 +24,7 @@
 #include "backend/cuda/cluster_index.h"
 #include "backend/cuda/sparse_attention.h"
 #include "core/error.h"
-#include "model/cuda_model.h"
+#include "sparse/gpu/gpu_method.h"
 
 namespace spade {
 
@@ -93,30 +93,29 @@ LcShape lc_shape(const CudaSparse& sp, const ModelConfig& c, int64_t seq_tokens,
 
 }  // namespace
 
-size_t CudaModel::lc_arena_bytes() const {
-  const LcShape s = lc_shape(opt_.sparse, cfg_, seq_pages_cap_ * opt_.page_size, opt_.max_batch,
-                             opt_.page_size);
+size_t GpuMethod::lc_arena_bytes(const GpuMethodContext& ctx, const CudaSparse& sp) {
+  const LcShape s = lc_shape(sp, ctx.cfg, ctx.seq_pages_cap * ctx.page_size, ctx.max_batch,
+                             ctx.page_size);
   if (s.n_sparse == 0) return 0;
-  const size_t mb = size_t(opt_.max_batch), Hkv = size_t(cfg_.n_kv_heads);
+  const size_t mb = size_t(ctx.max_batch), Hkv = size_t(ctx.cfg.n_kv_heads);
   return cuda::LcIndexGpu::arena_bytes(s.index) + mb * Hkv * size_t(s.cap) * 4 + mb * Hkv * 4 +
          size_t(s.n_sparse) * mb * 4 + 3 * 256;
 }
 
-int64_t CudaModel::lc_list_entries() const {
-  const LcShape s = lc_shape(opt_.sparse, cfg_, seq_pages_cap_ * opt_.page_size, opt_.max_batch,
-                             opt_.page_size);
-  return int64_t(opt_.max_batch) * cfg_.n_kv_heads * s.cap;
+int64_t GpuMethod::lc_list_entries(const GpuMethodContext& ctx, const CudaSparse& sp) {
+  const LcShape s = lc_shape(sp, ctx.cfg, ctx.seq_pages_cap * ctx.page_size, ctx.max_batch,
+                             ctx.page_size);
+  return int64_t(ctx.max_batch) * ctx.cfg.n_kv_heads * s.cap;
 }
 
-void CudaModel::lc_alloc() {
-  const LcShape s = lc_shape(opt_.sparse, cfg_, seq_pages_cap_ * opt_.page_size, opt_.max_batch,
-                             opt_.page_size);
+void GpuMethod::lc_alloc(cuda::DeviceArena& A) {
+  const LcShape s = lc_shape(sp_, ctx_.cfg, ctx_.seq_pages_cap * ctx_.page_size, ctx_.max_batch,
+                             ctx_.page_size);
   lc_slots_ = std::make_shared<CudaLcSlots>();
-  lc_slots_->total = opt_.max_batch;
-  for (int i = opt_.max_batch - 1; i >= 0; --i) lc_slots_->free.push_back(i);
+  lc_slots_->total = ctx_.max_batch;
+  for (int i = ctx_.max_batch - 1; i >= 0; --i) lc_slots_->free.push_back(i);
   if (s.n_sparse == 0) return;
-  auto& A = *arena_;
-  const size_t mb = size_t(opt_.max_batch), Hkv = size_t(cfg_.n_kv_heads);
+  const size_t mb = size_t(ctx_.max_batch), Hkv = size_t(ctx_.cfg.n_kv_heads);
   lc_cap_ = s.cap;
   lc_ = std::make_unique<cuda::LcIndexGpu>(A, s.index);
   lc_lists_ = A.alloc_n<int32_t>(mb * Hkv * size_t(s.cap), "lycheecluster lists");
@@ -130,8 +129,8 @@ void CudaModel::lc_alloc() {
   SPADE_CUDA(cudaMallocHost(&lc_slot_host_, sizeof(int32_t) * size_t(s.n_sparse) * mb));
 }
 
-std::unique_ptr<sparse::MethodState> CudaModel::new_request_state() {
-  if (opt_.sparse.method != CudaSparse::Method::LycheeCluster) return nullptr;
+std::unique_ptr<sparse::MethodState> GpuMethod::new_request_state() {
+  if (sp_.method != CudaSparse::Method::LycheeCluster) return nullptr;
   std::lock_guard<std::mutex> g(lc_slots_->mu);
   SPADE_CHECK(!lc_slots_->free.empty(), "lycheecluster on the GPU: all ", lc_slots_->total,
               " request slots (max_batch) are in use; destroy the state of a finished request "
@@ -141,16 +140,24 @@ std::unique_ptr<sparse::MethodState> CudaModel::new_request_state() {
   return std::make_unique<LcRequestState>(lc_slots_, slot);
 }
 
-void CudaModel::lc_prepare(const std::vector<SeqInput>& batch, bool& any_sparse,
+namespace {
+// The LycheeCluster state inside a request's GpuRequestState (null when it has none).
+LcRequestState* lc_state(sparse::MethodState* s) {
+  auto* g = dynamic_cast<GpuRequestState*>(s);
+  return g ? dynamic_cast<LcRequestState*>(g->own.get()) : nullptr;
+}
+}  // namespace
+
+void GpuMethod::lc_prepare(const SeqInput* batch, int n, bool& any_sparse,
                            std::vector<int>& max_entries) {
-  const sparse::LycheeClusterParams& p = opt_.sparse.lc;
-  const int P = opt_.page_size, Hkv = cfg_.n_kv_heads, mb = opt_.max_batch;
-  const int n_sparse = cfg_.n_layers - p.dense_layers;
-  cudaStream_t st = S_(stream_);
+  const sparse::LycheeClusterParams& p = sp_.lc;
+  const int P = ctx_.page_size, Hkv = ctx_.cfg.n_kv_heads, mb = ctx_.max_batch;
+  const int n_sparse = ctx_.cfg.n_layers - p.dense_layers;
+  cudaStream_t st = S_(ctx_.stream);
   // Checks and chunking first (a repeated extend with the same L does nothing), so a bad batch
   // throws before any request's state records a build or update that would not run.
-  for (size_t i = 0; i < batch.size(); ++i) {
-    auto* rs = dynamic_cast<LcRequestState*>(batch[i].device_state);
+  for (int i = 0; i < n; ++i) {
+    auto* rs = lc_state(batch[i].device_state);
     SPADE_CHECK(rs && rs->slots_ == lc_slots_, "lycheecluster on the GPU: every sequence needs "
                 "its request state from this model's new_request_state() in SeqInput::device_state");
     const int64_t L = batch[i].pages->length + 1;
@@ -165,8 +172,8 @@ void CudaModel::lc_prepare(const std::vector<SeqInput>& batch, bool& any_sparse,
     }
   }
   int64_t page_off = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    auto* rs = static_cast<LcRequestState*>(batch[i].device_state);
+  for (int i = 0; i < n; ++i) {
+    auto* rs = lc_state(batch[i].device_state);
     if (rs->fresh) {
       for (int j = 0; j < n_sparse; ++j) lc_->reset(rs->slot * n_sparse + j, st);
       rs->fresh = false;
@@ -196,13 +203,13 @@ void CudaModel::lc_prepare(const std::vector<SeqInput>& batch, bool& any_sparse,
                              cudaMemcpyHostToDevice, st));
 }
 
-void CudaModel::lc_layer(int l, const void* q, const void* kc_, const void* vc_, void* att,
+void GpuMethod::lc_layer(int l, const void* q, const void* kc_, const void* vc_, void* att,
                          float scale) {
-  const sparse::LycheeClusterParams& p = opt_.sparse.lc;
-  const int Hkv = cfg_.n_kv_heads, n_sparse = cfg_.n_layers - p.dense_layers;
+  const sparse::LycheeClusterParams& p = sp_.lc;
+  const int Hkv = ctx_.cfg.n_kv_heads, n_sparse = ctx_.cfg.n_layers - p.dense_layers;
   const int j = l - p.dense_layers;
   const cuda::bf16* kc = static_cast<const cuda::bf16*>(kc_);
-  cudaStream_t st = S_(stream_);
+  cudaStream_t st = S_(ctx_.stream);
   if (!lc_sync_.empty()) {
     lc_ins_.clear();
     for (const LcSync& s : lc_sync_) {
@@ -215,15 +222,15 @@ void CudaModel::lc_layer(int l, const void* q, const void* kc_, const void* vc_,
   }
   cuda::LcSearchArgs a;
   a.q = static_cast<const cuda::bf16*>(q);
-  a.slot = lc_slot_dev_ + int64_t(j) * opt_.max_batch;
+  a.slot = lc_slot_dev_ + int64_t(j) * ctx_.max_batch;
   a.kv_len = sparse_->dev_kv_len();
-  a.B = step_B_, a.Hq = cfg_.n_heads;
+  a.B = step_B_, a.Hq = ctx_.cfg.n_heads;
   a.budget = p.budget, a.budget_total = p.budget_total;
   a.coarse_topk = p.search.coarse_topk, a.coarse_cover = p.search.coarse_cover;
   a.sink = p.sink, a.cap = lc_cap_;
   a.lists = lc_lists_, a.counts = lc_counts_;
   lc_->search(a, st);
-  if (quest_trace) {  // the trace reads CSR lists
+  if (trace) {  // the trace reads CSR lists
     cuda::LcIndexGpu::compact(lc_lists_, lc_counts_, step_B_ * Hkv, lc_cap_, sel_off_, sel_idx_, st);
     trace_quest(l);
   }

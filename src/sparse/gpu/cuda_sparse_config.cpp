@@ -3,7 +3,7 @@
 #if defined(SPADE_HAVE_CUDA)
 #include "core/error.h"
 #include "model/cuda_methods.h"
-#include "model/cuda_model.h"
+#include "sparse/gpu/cuda_sparse.h"
 #include "backend/cuda/sparse_attention.h"
 #include "sparse/methods/blasst.h"
 #include "sparse/methods/lessismore.h"

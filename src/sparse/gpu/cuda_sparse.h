@@ -1,0 +1,91 @@
+// The GPU form of a sparse method: its parameters as the GPU kernels take them (CudaSparse),
+// parsed from a sparse::SparseConfig through the CPU method's option table and checks
+// (cuda_sparse_config). GpuMethod (gpu_method.h) runs one.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "sparse/layer_schedule.h"
+#include "sparse/methods/lycheecluster.h"
+#include "sparse/options.h"
+#include "sparse/registry.h"
+
+namespace spade {
+
+// Sparse decode on the GPU (issue 9): the methods with a GPU selector, with the CPU method's
+// parameters. Prefill stays dense; decode steps (every sequence q_len == 1) attend over the
+// selection in layers >= dense_layers. Quest: per-page key min/max kept on every append for
+// every layer, page scores + radix top-k + attention over the selected pages (the CPU's
+// QuestMethod with group=max and page_size == KV page size == 16). Streaming: sinks + the
+// recent window, one list shared by the KV heads (StreamingMethod). BLASST (over full
+// attention): tile skipping inside the dense kernels (backend/cuda/attention.h BlasstSkip)
+// with the CPU method's lambda (fixed, or a / L per sequence); decode tiles are each warp's
+// 16-token chunks, prefill tiles 64 packed rows x 128 keys (wgmma prefill, head_dim 128) or
+// 32 packed rows x 64 keys (the generic prefill kernel, head_dim 64; describe() says which).
+// BLASST decode default a on the GPU (lambda = a / L): SmolLM2-135M-Instruct calibrated for
+// 50% sparsity with the GPU kernels (configs/blasst_smollm2_gpu_decode_s50.json).
+constexpr double kBlasstDefaultGpuDecodeA = 4.128;
+
+struct CudaSparse {
+  enum class Method {
+    None, Streaming, Quest, Tidal, LessIsMore, LycheeDecode, OracleTopK, Blasst, Twilight,
+    LycheeCluster
+  };
+  Method method = Method::None;
+  int64_t budget = 0;
+  int sinks = 0;         // streaming, lessismore
+  int64_t recent = 0;    // lessismore: the recency window (round(budget * recent_ratio))
+  int dense_layers = 0;  // leading full-attention layers
+  int quest_fast = 0;    // 1: tensor-core page scores (fp32 rounding; near-tie selections)
+  bool force_lists = false;  // tests: attend over lists even when they cover the whole context
+  // blasst: lambda >= 0 fixed (0 = never skip), else a / L (decode a, prefill prefill_a)
+  double blasst_lambda = -1, blasst_a = 0, blasst_prefill_a = 0;
+  bool blasst_decode = true, blasst_prefill = true;
+  // BLASST over a selection (`--sparse quest+blasst`, blasst:base=M): `method` is the base's,
+  // and its attention launches also skip: over the lists (SparseAttention's SelSkip, lambda =
+  // a / the selection's tokens when blasst_len_selected, else a / the context) and in its dense
+  // launches (dense layers, the dense fallback, prefill when blasst_prefill). Launches that
+  // emit scores (Tidal / LessIsMore selection layers, LycheeDecode retrieval heads) do not skip.
+  bool blasst_sel = false, blasst_len_selected = true;
+  bool blasst_any() const { return method == Method::Blasst || blasst_sel; }
+  int head_dim = 0;  // set by cuda_sparse_config (describe: prefill skipping needs 128)
+  // tidal, lessismore: layer roles (dense / select / reuse); dense_layers mirrors schedule's
+  sparse::LayerSchedule schedule;
+  bool scheduled() const { return method == Method::Tidal || method == Method::LessIsMore; }
+  // lessismore: merged tokens besides the sinks and the recency window.
+  int64_t lim_unified() const { return budget - recent - sinks; }
+  // lycheedecode: retrieval[layer][h] = 1 for retrieval heads (the rest are sparse heads),
+  // mode topk with block 1 (budget = tokens per sparse head), roles in identity order.
+  std::vector<std::vector<uint8_t>> retrieval;
+  std::string roles_source;
+  std::string describe() const;
+  // Attends over selection lists (streaming, quest); BLASST skips inside the dense kernels.
+  bool selects() const {
+    return method == Method::Streaming || quest_base() || scheduled() ||
+           method == Method::LycheeDecode || method == Method::OracleTopK ||
+           method == Method::LycheeCluster;
+  }
+  // lycheecluster: the CPU method's parameters (budget, budget_mode, sink, buffer,
+  // dense_layers, chunking, index and search options; the GPU supports the defaults' bound
+  // space, pooling, seeding, center dtype, grouping and ranking). budget and dense_layers
+  // above mirror lc.budget and lc.dense_layers.
+  sparse::LycheeClusterParams lc;
+  // twilight (base quest, budget = the Quest budget): top-p mass and bisection resolution
+  double twilight_p = 0.95, twilight_eps = 1e-6;
+  // Quest selects (quest itself, or twilight's base).
+  bool quest_base() const { return method == Method::Quest || method == Method::Twilight; }
+  // Per-page data the model keeps on every KV append for this method (gpu_method.h
+  // GpuPageHooks): Quest's key min/max per page, Twilight's INT4 copy of the keys.
+  bool needs_quest_meta() const { return quest_base(); }
+  bool needs_int4_keys() const { return method == Method::Twilight; }
+};
+// The GPU form of a sparse::SparseConfig, through the same option table and checks as the
+// CPU method (sparse/registry.h). "full" -> Method::None; methods without a GPU path and
+// unsupported options (quest group=sum, page_size != 16) throw spade::Error. Extra option
+// "gpu_scores=exact|fast" is read by the GPU only (fast: tensor-core Quest scores).
+CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg, const ModelConfig& model,
+                              int kv_page_size);
+
+}  // namespace spade
