@@ -5,8 +5,12 @@ requests' methods?
 Against one `spade serve` (best with --deterministic), sends `--per-method` requests for each
 method of `--methods` (";"-separated specs, the CLI's string form, e.g. "quest:budget=64"):
   mixed: all of them at once (every method in the same steps);
-  alone: each method's requests at once, one method after the other (as on a one-method
-         server: the same kernels, only that method in flight).
+  alone: for each method, the same requests at once again, but every request of another method
+         runs full attention instead: the batch keeps its size and prompts (GEMM shapes, the
+         method's own rows), only the other methods are gone. Equal texts mean a request's
+         output does not depend on which methods the other requests use. (A one-method server
+         differs from both in batch sizes, and the GEMMs' and split-K attention's rounding
+         depends on those.)
 Greedy, ignore_eos, max_tokens each. Reports per method how many texts are equal, the first
 differing character of the others, and the server's KV pages in use after each phase (from
 /metrics; 0 = every page returned). JSON to --out.
@@ -75,7 +79,8 @@ def main():
     pages_after_mixed = pages_in_use(u.hostname, u.port)
     alone = {}
     for m in methods:
-        alone.update(run([j for j in jobs if j[0] == m]))
+        got = run([(jm if jm == m else "full", i if jm == m else (jm, i), p) for jm, i, p in jobs])
+        alone.update({k: v for k, v in got.items() if k[0] == m and not isinstance(k[1], tuple)})
     pages_after_alone = pages_in_use(u.hostname, u.port)
     per = {}
     for m in methods:

@@ -127,9 +127,36 @@ kill -TERM $SP; wait $SP
 
 fi  # run
 
+# The per-request-method part of run alone (tests that need the model, served loads).
+if [ "$phase" = mixed ]; then
+  MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
+  SPADE_MODEL=$M timeout 120 ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:-CudaMixedMethods*}" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED)|FAILED|tests ran|mixed-methods|Failure|exception" | tail -30
+  ./$B/spade serve --model $M --device cuda --port 18080 --max-batch 256 --max-queue 2048 --max-step-tokens 2048 \
+    >"$OUT/spade_serve.log" 2>&1 &
+  SP=$!
+  wait_up http://127.0.0.1:18080 || { echo "spade serve did not start"; tail -20 "$OUT/spade_serve.log"; }
+  for lab in mixed full; do
+    [ $lab = mixed ] && MM="$MIX" || MM=""
+    timeout 100 python3 bench/bench_serve.py --url http://127.0.0.1:18080 --num-prompts 252 --concurrency 63 --prompt-words 50 \
+      --max-tokens 256 --procs 8 --methods "$MM" --label "spade c=63 $lab" --out "$OUT/serve_spade_c63_$lab.json" | tee -a "$S"
+  done
+  timeout 100 python3 bench/bench_serve.py --url http://127.0.0.1:18080 --num-prompts 768 --concurrency 256 --prompt-words 50 \
+    --max-tokens 256 --procs 12 --label "spade c=256" --out "$OUT/serve_spade_c256.json" | tee -a "$S"
+  kill -TERM $SP; wait $SP
+  ./$B/spade serve --model $M --device cuda --port 18083 --max-batch 64 --deterministic >"$OUT/spade_serve_det.log" 2>&1 &
+  SP=$!
+  wait_up http://127.0.0.1:18083 && timeout 120 python3 bench/mixed_methods_check.py --url http://127.0.0.1:18083 \
+    --methods "$MIX" --per-method 6 --max-tokens 128 --label "mixed vs the others full, --deterministic" \
+    --out "$OUT/mixed_check.json" | tee -a "$S"
+  kill -TERM $SP; wait $SP
+fi
+
 # 5. llama-server, same client.
 for i in $(seq 1 90); do [ -f /root/peer/building ] || break; sleep 2; done
-if [ -x $PEER/build-cuda/bin/llama-server ]; then
+if [ "$phase" = mixed ]; then
+  :
+elif [ -x $PEER/build-cuda/bin/llama-server ]; then
   $PEER/build-cuda/bin/llama-server -m $M -ngl 99 -fa on -np 256 -c $((256 * 640)) --cont-batching \
     --port 18081 >"$OUT/llama_server.log" 2>&1 &
   LP=$!

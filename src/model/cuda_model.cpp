@@ -80,12 +80,14 @@ CudaModel::CudaModel(const ModelConfig& c, const CudaModelOptions& opt, uint64_t
 void CudaModel::drop_graphs() {
   for (auto& [k, g] : graphs_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g));
   graphs_.clear();
+  graph_class_last_.clear();
 }
 
 CudaModel::~CudaModel() {
   drop_graphs();
   if (ev0_) cudaEventDestroy(static_cast<cudaEvent_t>(ev0_));
   if (ev1_) cudaEventDestroy(static_cast<cudaEvent_t>(ev1_));
+  if (ev_lanes_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_lanes_));
   if (tok_host_) cudaFreeHost(tok_host_);
   if (sampled_host_) cudaFreeHost(sampled_host_);
   if (rows_host_) cudaFreeHost(rows_host_);
@@ -181,6 +183,9 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   SPADE_CUDA(cudaEventCreate(&e1));
   ev0_ = e0;
   ev1_ = e1;
+  cudaEvent_t el;
+  SPADE_CUDA(cudaEventCreateWithFlags(&el, cudaEventDisableTiming));
+  ev_lanes_ = el;
   auto& A = *arena_;
   // --- Weights.
   embed_ = A.alloc_n<bf16>(size_t(V * H), "token embeddings");
@@ -556,10 +561,17 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     for (const Group& g : groups_) g.m->join();  // the previous layer's selections
     if (meta && upd_n_ > 0 && !meta_in_append_)  // several tokens per sequence: recompute
       cuda::quest_update_meta(kc, meta, upd_, upd_ + upd_cap_, upd_n_, Hkv, opt_.page_size, D, st);
-    // Attention: each method over its own rows.
-    for (const Group& g : groups_)
-      g.m->attend(int(l), q + size_t(g.t0) * row_elems, kc, vc, att + size_t(g.t0) * row_elems,
-                  scale);
+    // Attention: each method over its own rows; several methods side by side, each on its
+    // own stream (parallel branches of a captured graph), joined before the o-projection.
+    if (groups_.size() == 1) {
+      groups_[0].m->attend(int(l), q, kc, vc, att, scale);
+    } else {
+      SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_lanes_), st));
+      for (const Group& g : groups_)
+        g.m->attend_on_lane(ev_lanes_, int(l), q + size_t(g.t0) * row_elems, kc, vc,
+                            att + size_t(g.t0) * row_elems, scale);
+      for (const Group& g : groups_) g.m->join_lane();
+    }
     gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, 1.f, st);
     cuda::rmsnorm(x_, nullptr, L.ffn_norm, c.rms_eps, xn, T, H, st);
     if ((fused_gemv_ & CudaModelOptions::kFuseSwiglu) && gemm_->uses_gemv(T) &&
@@ -579,6 +591,14 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   else if (sample)
     cuda::sample(logits_, R, V, *sp, 0, sampled_, st,
                  reinterpret_cast<const uint64_t*>(tok_in_ + step_off_));
+}
+
+void CudaModel::graph_class(bool sample) {
+  // What a graph update cannot change: the batch size, sampling, and the methods (in order).
+  std::vector<int>& k = graph_class_;
+  k.clear();
+  k.push_back(T_ * 4 + (sample ? 1 : 0) + (sample && rows_mode_ ? 2 : 0));
+  for (const Group& g : groups_) k.push_back(g.id);
 }
 
 void CudaModel::graph_key(bool sample) {
@@ -626,27 +646,52 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
         cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(it->second));
         graphs_.erase(it);
       }
-      // First use: run eagerly (plans GEMM algorithms outside any capture), then capture. The
-      // replay below redoes this step, so the eager run does not count BLASST tiles.
-      for (const Group& g : groups_) g.m->count_blasst = false;
-      enqueue(sample, sp, step);
-      for (const Group& g : groups_) g.m->count_blasst = true;
-      SPADE_CUDA(cudaStreamSynchronize(st));
+      // First use of this batch size or of a method: run eagerly (plans GEMM algorithms and
+      // other first-use host work outside any capture), then capture. The replay below redoes
+      // this step, so the eager run does not count BLASST tiles. Once warm, capture directly.
+      bool warm = eager_T_.count(T_) > 0;
+      for (const Group& g : groups_) warm = warm && g.m->warm;
+      if (!warm) {
+        for (const Group& g : groups_) g.m->count_blasst = false;
+        enqueue(sample, sp, step);
+        for (const Group& g : groups_) g.m->count_blasst = true, g.m->warm = true;
+        eager_T_.insert(T_);
+        SPADE_CUDA(cudaStreamSynchronize(st));
+      }
       cudaGraph_t g;
       SPADE_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
       enqueue(sample, sp, step);
       SPADE_CUDA(cudaStreamEndCapture(st, &g));
-      cudaGraphExec_t ge;
-      SPADE_CUDA(cudaGraphInstantiate(&ge, g, 0));
+      // A graph of the same methods and batch size whose launch shapes changed (a method's rows,
+      // split counts, work items): update it in place, which costs far less than instantiating
+      // (a server's batch composition changes every few steps); else instantiate.
+      graph_class(sample);
+      cudaGraphExec_t ge = nullptr;
+      if (auto c = graph_class_last_.find(graph_class_); c != graph_class_last_.end()) {
+        auto old = graphs_.find(c->second);
+        if (old != graphs_.end()) {
+          cudaGraphExecUpdateResultInfo info;
+          if (cudaGraphExecUpdate(static_cast<cudaGraphExec_t>(old->second), g, &info) == cudaSuccess) {
+            ge = static_cast<cudaGraphExec_t>(old->second);
+            graphs_.erase(old);
+          } else {
+            (void)cudaGetLastError();  // not updatable (another topology): instantiate
+          }
+        }
+      }
+      if (!ge) SPADE_CUDA(cudaGraphInstantiate(&ge, g, 0));
       SPADE_CUDA(cudaGraphDestroy(g));
       graphs_[key] = ge;
+      graph_class_last_[graph_class_] = key;
       if (sample && !rows_mode_) graph_sampling_ = *sp;
-      // The eager run already did this step's work (the KV append is idempotent: the
+      // An eager run already did this step's work (the KV append is idempotent: the
       // replay below rewrites the same slots with the same values).
     }
     SPADE_CUDA(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graphs_[key]), st));
   } else {
     enqueue(sample, sp, step);
+    for (const Group& g : groups_) g.m->warm = true;
+    eager_T_.insert(T_);
   }
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev1_), st));
 }

@@ -15,6 +15,7 @@
 #if defined(SPADE_HAVE_CUDA)
 #include <cstdint>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <utility>
@@ -190,6 +191,7 @@ class CudaModel {
   void* stream_ = nullptr;  // cudaStream_t
   void* ev0_ = nullptr;
   void* ev1_ = nullptr;
+  void* ev_lanes_ = nullptr;  // this layer's q and K/V are ready: the methods' streams start
   std::vector<Layer> layers_;
   void* embed_ = nullptr;    // bf16 [V, H]
   void* lm_head_ = nullptr;  // bf16 [V, H] (aliases embed_ when tied)
@@ -226,6 +228,11 @@ class CudaModel {
   std::map<std::vector<int>, void*> graphs_;
   std::vector<int> graph_key_;  // scratch
   void graph_key(bool sample);  // this step's launch shape into graph_key_
+  // Graphs that cudaGraphExecUpdate may turn into one another: batch size, sampling, methods.
+  std::vector<int> graph_class_;
+  void graph_class(bool sample);
+  std::map<std::vector<int>, std::vector<int>> graph_class_last_;  // class -> its latest key
+  std::set<int> eager_T_;  // batch token counts that ran eagerly (GEMMs planned)
   cuda::GpuSampling graph_sampling_;             // parameters baked into sampling graphs
   int64_t step_off_ = 0;                         // int32 offset of the uint64 step counter
 };

@@ -193,7 +193,7 @@ TEST(CudaMixedMethods, UnusedMethodsAreEvictedAndBusyOnesAreNot) {
   CudaModelOptions opt;
   opt.max_tokens = 2048;
   opt.max_batch = 4;
-  opt.max_methods = 2;
+  opt.max_methods = 3;  // the model's own + two
   opt.any_method = true;
   CudaModel gpu(w, opt);
   auto add = [&](const std::string& spec) {
@@ -203,14 +203,17 @@ TEST(CudaMixedMethods, UnusedMethodsAreEvictedAndBusyOnesAreNot) {
   const int a = add("quest:budget=64");
   auto sa = gpu.new_request_state(a);  // in use
   EXPECT_EQ(gpu.methods_kept(), 2);    // the model's own + quest
-  const int b = add("streaming:budget=64");  // evicts nothing in use: quest stays
+  const int b = add("streaming:budget=64");
   EXPECT_NE(a, b);
-  EXPECT_EQ(add("quest:budget=64"), a);
+  EXPECT_EQ(gpu.methods_kept(), 3);
+  EXPECT_EQ(add("quest:budget=64"), a);  // the same key: the same method
   auto sb = gpu.new_request_state(b);
   expect_error([&] { add("tidal:budget=64"); }, "in use by running requests");
   sb.reset();
-  const int t = add("tidal:budget=64");  // streaming was unused: its id is reused
+  const int t = add("tidal:budget=64");  // streaming is unused now: its id is reused
   EXPECT_EQ(t, b);
+  EXPECT_EQ(gpu.methods_kept(), 3);
+  EXPECT_EQ(add("quest:budget=64"), a);  // quest, in use, was kept
   // A request runs on the added method (a decode step of two methods in one batch).
   auto st = gpu.new_request_state(t);
   std::vector<int32_t> p(300);

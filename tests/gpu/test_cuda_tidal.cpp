@@ -241,7 +241,7 @@ TEST(CudaTidal, OptionsMapOrFailClearly) {
   EXPECT_EQ(t.budget, 256);
   EXPECT_FALSE(t.schedule.selection_layers.empty());
   expect_cuda_config_error("tidal:dense_layers=1,selection_layers=3",
-                           "no selection layer comes before", c);
+                           "no selection layer at or above dense_layers=1 comes before", c);
 }
 
 }  // namespace

@@ -660,8 +660,10 @@ void SparseAttention::run(const bf16* q, const bf16* k_cache, const bf16* v_cach
   SPADE_CHECK(!dense_scores || scores_ld > 0, "sparse attention: scores need a row stride");
   SPADE_CHECK(!(skip.active() && dense_scores), "sparse attention: BLASST skipping and dense-head "
               "score emission do not run together");
-  SPADE_CHECK(skip.log_lambda <= 0.f || !skip.active(), "sparse attention: ln lambda ",
-              skip.log_lambda, " must be <= 0");
+  // A fixed threshold is ln(lambda) <= 0; with per_length it is ln(a), any value (the kernel
+  // caps ln(a) - ln(length) at 0).
+  SPADE_CHECK(skip.log_lambda <= 0.f || !skip.active() || skip.per_length,
+              "sparse attention: ln lambda ", skip.log_lambda, " must be <= 0");
   SpArgs a{};
   a.scores_out = dense_scores;
   a.scores_ld = scores_ld;

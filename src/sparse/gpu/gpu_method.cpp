@@ -160,6 +160,15 @@ GpuMethod::GpuMethod(const GpuMethodContext& ctx, const CudaSparse& sp, cuda::De
     SPADE_CHECK(ctx_.hooks.k_int4, "--device cuda: this model keeps no INT4 key copy, so '",
                 sp_.describe(), "' cannot run on it (build the model with the method, or with "
                 "CudaModelOptions::any_method)");
+  run_ = ctx_.stream;
+  {
+    cudaStream_t lane;
+    SPADE_CUDA(cudaStreamCreateWithFlags(&lane, cudaStreamNonBlocking));
+    lane_ = lane;
+    cudaEvent_t ev;
+    SPADE_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    ev_lane_ = ev;
+  }
   if (!arena) {
     own_arena_ = std::make_unique<cuda::DeviceArena>(arena_bytes(ctx_, sp_));
     arena = own_arena_.get();
@@ -170,6 +179,9 @@ GpuMethod::GpuMethod(const GpuMethodContext& ctx, const CudaSparse& sp, cuda::De
 GpuMethod::~GpuMethod() {
   if (ctx_.stream) cudaStreamSynchronize(S_(ctx_.stream));
   if (side_) cudaStreamSynchronize(S_(side_));
+  if (lane_) cudaStreamSynchronize(S_(lane_));
+  if (ev_lane_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_lane_));
+  if (lane_) cudaStreamDestroy(S_(lane_));
   if (lc_slot_host_) cudaFreeHost(lc_slot_host_);
   if (ev_fork_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_fork_));
   if (ev_join_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_join_));
@@ -318,7 +330,7 @@ void GpuMethod::plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n) {
 
 void GpuMethod::begin_step() {
   if (!sparse_step_) return;
-  cudaStream_t st = S_(ctx_.stream);
+  cudaStream_t st = S_(run_);
   if (sp_.method == CudaSparse::Method::Streaming)
     cuda::streaming_lists(sparse_->dev_kv_len(), step_B_, int(sp_.budget), sp_.sinks, sel_off_,
                           sel_idx_, st);
@@ -333,7 +345,7 @@ void GpuMethod::attend(int l, const void* q_, const void* kc_, const void* vc_, 
   const bf16* kc = static_cast<const bf16*>(kc_);
   const bf16* vc = static_cast<const bf16*>(vc_);
   bf16* att = static_cast<bf16*>(att_);
-  cudaStream_t st = S_(ctx_.stream);
+  cudaStream_t st = S_(run_);
   const CudaSparse& spc = sp_;
   const int Hq = ctx_.cfg.n_heads, Hkv = ctx_.cfg.n_kv_heads, D = ctx_.cfg.head_dim;
   const bool quest = spc.quest_base();
@@ -379,6 +391,19 @@ void GpuMethod::attend(int l, const void* q_, const void* kc_, const void* vc_, 
   } else {
     attn_->run(q, kc, vc, att, scale, st, blasst_skip(l));
   }
+}
+
+void GpuMethod::attend_on_lane(void* ready, int layer, const void* q, const void* kc,
+                               const void* vc, void* att, float scale) {
+  SPADE_CUDA(cudaStreamWaitEvent(S_(lane_), static_cast<cudaEvent_t>(ready), 0));
+  run_ = lane_;
+  attend(layer, q, kc, vc, att, scale);
+  run_ = ctx_.stream;
+  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_lane_), S_(lane_)));
+}
+
+void GpuMethod::join_lane() {
+  SPADE_CUDA(cudaStreamWaitEvent(S_(ctx_.stream), static_cast<cudaEvent_t>(ev_lane_), 0));
 }
 
 bool GpuMethod::decode() const { return attn_->decode(); }

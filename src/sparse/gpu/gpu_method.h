@@ -107,12 +107,20 @@ class GpuMethod {
   // Attention of layer `layer` over its rows: q, att point at its first row (bf16 [rows, Hq,
   // D]); kc, vc at the layer's cache.
   void attend(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
+  // attend() on the method's own stream, after `ready` (an event recorded on the model's
+  // stream), so that the methods of one step run side by side; the model's stream then waits
+  // for it with join_lane(). Inside a captured graph they are parallel branches.
+  void attend_on_lane(void* ready, int layer, const void* q, const void* kc, const void* vc,
+                      void* att, float scale);
+  void join_lane();
   void join();
   // Whether this step's launches may be captured (decode, no host-driven index sync).
   bool decode() const;
   bool graphable() const { return decode() && lc_sync_.empty(); }
   void append_graph_key(std::vector<int>& k) const;
   bool draws_chunks() const;
+  // Whether a step of this method ran outside a graph capture (first-use host work done).
+  bool warm = false;
 
   // Tests: selections of this method's steps, in its own row order.
   GpuSelectionTrace* trace = nullptr;
@@ -179,6 +187,9 @@ class GpuMethod {
   float* oracle_w_ = nullptr;  // oracle-topk: true group weights
   void* topk_long_ = nullptr;  // two-stage top-k scratch, when rows outgrow topk_rows
   unsigned long long* blasst_counts_ = nullptr;
+  void* run_ = nullptr;   // cudaStream_t its launches go to: the model's, or lane_ (attend_on_lane)
+  void* lane_ = nullptr;  // its own stream, for steps shared with other methods
+  void* ev_lane_ = nullptr;
   void* side_ = nullptr;  // cudaStream_t: selections only later layers read
   void* ev_fork_ = nullptr;
   void* ev_join_ = nullptr;

@@ -209,7 +209,7 @@ void GpuMethod::lc_layer(int l, const void* q, const void* kc_, const void* vc_,
   const int Hkv = ctx_.cfg.n_kv_heads, n_sparse = ctx_.cfg.n_layers - p.dense_layers;
   const int j = l - p.dense_layers;
   const cuda::bf16* kc = static_cast<const cuda::bf16*>(kc_);
-  cudaStream_t st = S_(ctx_.stream);
+  cudaStream_t st = S_(run_);
   if (!lc_sync_.empty()) {
     lc_ins_.clear();
     for (const LcSync& s : lc_sync_) {

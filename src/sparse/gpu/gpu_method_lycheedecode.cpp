@@ -27,7 +27,7 @@ void GpuMethod::ld_layer(int layer, const void* q_, const void* kc_, const void*
   const bf16* kc = static_cast<const bf16*>(kc_);
   const bf16* vc = static_cast<const bf16*>(vc_);
   bf16* att = static_cast<bf16*>(att_);
-  cudaStream_t st = static_cast<cudaStream_t>(ctx_.stream);
+  cudaStream_t st = static_cast<cudaStream_t>(run_);
   const CudaSparse& sp = sp_;
   const int Hkv = ctx_.cfg.n_kv_heads;
   const int k = int(std::min<int64_t>(sp.budget, ctx_.cfg.max_context));

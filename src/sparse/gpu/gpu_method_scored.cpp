@@ -25,7 +25,7 @@ bool GpuMethod::scored_layer(int l, const void* q_, const void* kc_, const void*
   const bf16* kc = static_cast<const bf16*>(kc_);
   const bf16* vc = static_cast<const bf16*>(vc_);
   bf16* att = static_cast<bf16*>(att_);
-  cudaStream_t st = S_(ctx_.stream);
+  cudaStream_t st = S_(run_);
   const CudaSparse& spc = sp_;
   const int Hq = ctx_.cfg.n_heads, Hkv = ctx_.cfg.n_kv_heads;
   const bool tidal = spc.method == CudaSparse::Method::Tidal;
@@ -86,8 +86,8 @@ void GpuMethod::select_topk(const float* scores, const int32_t* n, int rows, int
 }
 
 void* GpuMethod::fork_selection() {
-  if (!side_ || trace) return ctx_.stream;  // traced steps stay in order on one stream
-  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_fork_), S_(ctx_.stream)));
+  if (!side_ || trace) return run_;  // traced steps stay in order on one stream
+  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_fork_), S_(run_)));
   SPADE_CUDA(cudaStreamWaitEvent(S_(side_), static_cast<cudaEvent_t>(ev_fork_), 0));
   sel_pending_ = true;
   return side_;
@@ -96,7 +96,7 @@ void* GpuMethod::fork_selection() {
 void GpuMethod::join() {
   if (!sel_pending_) return;
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_join_), S_(side_)));
-  SPADE_CUDA(cudaStreamWaitEvent(S_(ctx_.stream), static_cast<cudaEvent_t>(ev_join_), 0));
+  SPADE_CUDA(cudaStreamWaitEvent(S_(run_), static_cast<cudaEvent_t>(ev_join_), 0));
   sel_pending_ = false;
 }
 
@@ -114,12 +114,12 @@ void GpuMethod::trace_quest(int layer) {
   const int rows = step_B_ * lists_per_req();
   std::vector<int32_t> off(size_t(rows) + 1);
   SPADE_CUDA(cudaMemcpyAsync(off.data(), sel_off_, sizeof(int32_t) * off.size(),
-                             cudaMemcpyDeviceToHost, S_(ctx_.stream)));
-  SPADE_CUDA(cudaStreamSynchronize(S_(ctx_.stream)));
+                             cudaMemcpyDeviceToHost, S_(run_)));
+  SPADE_CUDA(cudaStreamSynchronize(S_(run_)));
   std::vector<int32_t> idx(size_t(off.back()));
   SPADE_CUDA(cudaMemcpyAsync(idx.data(), sel_idx_, sizeof(int32_t) * idx.size(),
-                             cudaMemcpyDeviceToHost, S_(ctx_.stream)));
-  SPADE_CUDA(cudaStreamSynchronize(S_(ctx_.stream)));
+                             cudaMemcpyDeviceToHost, S_(run_)));
+  SPADE_CUDA(cudaStreamSynchronize(S_(run_)));
   auto& t = trace->sel;
   if (t.size() <= size_t(layer)) t.resize(size_t(layer) + 1);
   t[size_t(layer)].assign(size_t(rows), {});
@@ -135,8 +135,8 @@ void GpuMethod::trace_scores(int layer) {
   const int64_t ld = ctx_.seq_pages_cap * ctx_.page_size;
   std::vector<int32_t> len(static_cast<size_t>(step_B_));
   SPADE_CUDA(cudaMemcpyAsync(len.data(), sparse_->dev_kv_len(), sizeof(int32_t) * len.size(),
-                             cudaMemcpyDeviceToHost, S_(ctx_.stream)));
-  SPADE_CUDA(cudaStreamSynchronize(S_(ctx_.stream)));
+                             cudaMemcpyDeviceToHost, S_(run_)));
+  SPADE_CUDA(cudaStreamSynchronize(S_(run_)));
   auto& t = trace->scores;
   if (t.size() <= size_t(layer)) t.resize(size_t(layer) + 1);
   t[size_t(layer)].assign(size_t(rows), {});
@@ -154,7 +154,7 @@ void GpuMethod::trace_twilight(int layer) {
   const size_t ms = size_t(twilight_->max_slots());
   std::vector<int32_t> cnt(static_cast<size_t>(lists)), kept(size_t(lists) * ms);
   std::vector<float> lg(size_t(lists) * G * ms);
-  SPADE_CUDA(cudaStreamSynchronize(S_(ctx_.stream)));
+  SPADE_CUDA(cudaStreamSynchronize(S_(run_)));
   SPADE_CUDA(cudaMemcpy(cnt.data(), twilight_->kept_count(), 4 * cnt.size(), cudaMemcpyDeviceToHost));
   SPADE_CUDA(cudaMemcpy(kept.data(), twilight_->kept_strided_idx(), 4 * kept.size(), cudaMemcpyDeviceToHost));
   SPADE_CUDA(cudaMemcpy(lg.data(), twilight_->logits(), 4 * lg.size(), cudaMemcpyDeviceToHost));
