@@ -132,17 +132,25 @@ if [ "$phase" = mixed ]; then
   MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
   SPADE_MODEL=$M timeout 120 ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:-CudaMixedMethods*}" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED)|FAILED|tests ran|mixed-methods|Failure|exception" | tail -30
+  # The steady-state step of the nine methods in one batch vs full (no server, no recaptures).
+  timeout 120 ./$B/bench_tpot_batch "$OUT/engine_steps_mixed.json" --model smollm2-135m --lengths 320:63 \
+    --methods "full;${MIX//;/|}" --steps 200 --warm 10 --commit "$COMMIT" 2>&1 | tail -3
   ./$B/spade serve --model $M --device cuda --port 18080 --max-batch 256 --max-queue 2048 --max-step-tokens 2048 \
     >"$OUT/spade_serve.log" 2>&1 &
   SP=$!
   wait_up http://127.0.0.1:18080 || { echo "spade serve did not start"; tail -20 "$OUT/spade_serve.log"; }
+  for c in 64 256; do
+    timeout 100 python3 bench/bench_serve.py --url http://127.0.0.1:18080 --num-prompts $((c * 3)) --concurrency $c \
+      --prompt-words 50 --max-tokens 256 --procs $((c == 256 ? 12 : 8)) --label "spade c=$c" --out "$OUT/serve_spade_c$c.json" | tee -a "$S"
+  done
+  timeout 100 python3 bench/bench_serve.py --url http://127.0.0.1:18080 --num-prompts 192 --concurrency 64 --no-stream \
+    --prompt-words 50 --max-tokens 256 --procs 8 --label "spade c=64 no-stream" --out "$OUT/serve_spade_c64_nostream.json" | tee -a "$S"
   for lab in mixed full; do
     [ $lab = mixed ] && MM="$MIX" || MM=""
     timeout 100 python3 bench/bench_serve.py --url http://127.0.0.1:18080 --num-prompts 252 --concurrency 63 --prompt-words 50 \
       --max-tokens 256 --procs 8 --methods "$MM" --label "spade c=63 $lab" --out "$OUT/serve_spade_c63_$lab.json" | tee -a "$S"
   done
-  timeout 100 python3 bench/bench_serve.py --url http://127.0.0.1:18080 --num-prompts 768 --concurrency 256 --prompt-words 50 \
-    --max-tokens 256 --procs 12 --label "spade c=256" --out "$OUT/serve_spade_c256.json" | tee -a "$S"
+  curl -s http://127.0.0.1:18080/metrics > "$OUT/spade_metrics.txt"
   kill -TERM $SP; wait $SP
   ./$B/spade serve --model $M --device cuda --port 18083 --max-batch 64 --deterministic >"$OUT/spade_serve_det.log" 2>&1 &
   SP=$!

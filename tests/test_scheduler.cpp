@@ -664,3 +664,41 @@ TEST(Scheduler, RunnerMethodsNeedARunnerThatRunsThem) {
     EXPECT_NE(std::string(e.what()).find("runs no per-request methods"), std::string::npos);
   }
 }
+
+// Steps of >= Scheduler::kParallelDeliverRows requests deliver their tokens on the thread
+// pool: every request still gets exactly its own tokens, text, logprobs and end.
+TEST(Scheduler, LargeBatchDeliversEveryRequestInParallel) {
+  Fixture f(1024);
+  SchedulerOptions so;
+  so.max_batch = 64;
+  Scheduler sched(f.model, f.text, so);
+  const int n = 48;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestChannel>> chans;
+  for (int i = 0; i < n; ++i) {
+    prompts.push_back(make_prompt(4 + i % 7, 100 + i, f.cfg.vocab));
+    EngineRequest r = greedy(prompts.back(), 6 + i % 5);
+    if (i % 3 == 1) r.logprobs = 2;
+    if (i % 3 == 2) r.sampling.temperature = 0.8f, r.sampling.seed = uint64_t(i);
+    chans.push_back(sched.submit(std::move(r)));
+  }
+  std::vector<Result> got;
+  for (auto& c : chans) got.push_back(collect(*c));
+  ASSERT_TRUE(sched.wait_idle(5s));
+  EXPECT_GE(sched.metrics().batch_size.sum / double(sched.metrics().batch_size.count), 32.0);
+  EXPECT_EQ(f.kv.used_pages(), 0);
+  for (int i = 0; i < n; ++i) {
+    const Result& r = got[size_t(i)];
+    ASSERT_EQ(r.reason, FinishReason::Length) << i << ": " << r.error;
+    ASSERT_EQ(r.tokens.size(), size_t(6 + i % 5)) << i;
+    if (i % 3 != 2) expect_greedy(f.w, prompts[size_t(i)], r.tokens);
+    if (i % 3 == 1) EXPECT_EQ(r.logprobs.size(), r.tokens.size()) << i;
+  }
+  // A seeded sampled request alone gives the same tokens as inside the large batch.
+  for (int i : {2, 5, 47}) {
+    if (i % 3 != 2) continue;
+    EngineRequest r = greedy(prompts[size_t(i)], 6 + i % 5);
+    r.sampling.temperature = 0.8f, r.sampling.seed = uint64_t(i);
+    EXPECT_EQ(collect(*sched.submit(std::move(r))).tokens, got[size_t(i)].tokens) << i;
+  }
+}

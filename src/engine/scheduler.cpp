@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/thread_pool.h"
+
 namespace spade {
 
 using clock_type = std::chrono::steady_clock;
@@ -406,15 +408,34 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     }
     if (batch_[i].n_tokens == 1) s.dense_rows += rows_per_pos * s.pt.length;
     if (s.pt.length < int64_t(s.tokens.size())) continue;  // prefill continues next step
-    if (tokens) {
-      on_token(s, (*tokens)[i], nullptr);
-    } else {
-      const float* row = logits->data() + row_of_[i] * cfg.vocab;
-      const int32_t tok = s.sampler.sample(row, cfg.vocab, s.tokens);
-      on_token(s, tok, row);
-    }
-    ++sampled;
+    deliver_.push_back(i);
   }
+  // Each request's token: host sampling (when the step has logits), detokenization, stop
+  // strings, logprobs and the hand-off to its consumer are independent per request, so a
+  // large batch spreads them over the thread pool (at 256 requests they cost about half of
+  // a SmolLM2 step on one thread); finishing (pages back to the pool) stays on this thread.
+  sampled = int64_t(deliver_.size());
+  finish_.assign(deliver_.size(), FinishReason::None);
+  auto deliver = [&](int64_t a, int64_t b) {
+    for (int64_t k = a; k < b; ++k) {
+      const size_t i = deliver_[size_t(k)];
+      Seq& s = *batch_seqs_[i];
+      if (tokens) {
+        finish_[size_t(k)] = on_token(s, (*tokens)[i], nullptr);
+      } else {
+        const float* row = logits->data() + row_of_[i] * cfg.vocab;
+        const int32_t tok = s.sampler.sample(row, cfg.vocab, s.tokens);
+        finish_[size_t(k)] = on_token(s, tok, row);
+      }
+    }
+  };
+  if (sampled >= kParallelDeliverRows)
+    ThreadPool::global().parallel_for(sampled, kParallelDeliverRows / 2, deliver);
+  else
+    deliver(0, sampled);
+  for (size_t k = 0; k < deliver_.size(); ++k)
+    if (finish_[k] != FinishReason::None) finish(*batch_seqs_[deliver_[k]], finish_[k]);
+  deliver_.clear();
   // Finished sequences leave the batch (their pages were released in finish()).
   running.erase(std::remove_if(running.begin(), running.end(),
                                [](const std::unique_ptr<Seq>& r) { return r->ch->finished(); }),
@@ -444,7 +465,7 @@ static size_t held_suffix(const std::string& text, const std::vector<std::string
   return best;
 }
 
-void Scheduler::on_token(Seq& s, int32_t tok, const float* logits) {
+FinishReason Scheduler::on_token(Seq& s, int32_t tok, const float* logits) {
   const auto now = clock_type::now();
   const bool first = s.generated == 0;
   s.tokens.push_back(tok);
@@ -467,23 +488,25 @@ void Scheduler::on_token(Seq& s, int32_t tok, const float* logits) {
     lp.logprob = logits[tok] - lse;
     const size_t k = size_t(std::min(s.req.logprobs, V));
     if (k > 0) {
-      // Min-heap of the k best (logit, -id) pairs.
-      top_.clear();
+      // Min-heap of the k best (logit, -id) pairs (per thread: requests are delivered in
+      // parallel).
+      thread_local std::vector<std::pair<float, int32_t>> top;
+      top.clear();
       auto worse = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
         return a.first > b.first || (a.first == b.first && a.second < b.second);
       };
       for (int32_t i = 0; i < V; ++i) {
-        if (top_.size() < k) {
-          top_.push_back({logits[i], i});
-          std::push_heap(top_.begin(), top_.end(), worse);
-        } else if (logits[i] > top_.front().first) {
-          std::pop_heap(top_.begin(), top_.end(), worse);
-          top_.back() = {logits[i], i};
-          std::push_heap(top_.begin(), top_.end(), worse);
+        if (top.size() < k) {
+          top.push_back({logits[i], i});
+          std::push_heap(top.begin(), top.end(), worse);
+        } else if (logits[i] > top.front().first) {
+          std::pop_heap(top.begin(), top.end(), worse);
+          top.back() = {logits[i], i};
+          std::push_heap(top.begin(), top.end(), worse);
         }
       }
-      std::sort_heap(top_.begin(), top_.end(), worse);
-      for (const auto& [l, id] : top_) lp.top.push_back({id, l - lse});
+      std::sort_heap(top.begin(), top.end(), worse);
+      for (const auto& [l, id] : top) lp.top.push_back({id, l - lse});
     }
   }
 
@@ -514,7 +537,7 @@ void Scheduler::on_token(Seq& s, int32_t tok, const float* logits) {
     s.held.clear();
   }
   s.ch->emit(out, tok, s.req.logprobs >= 0 ? &lp : nullptr);
-  if (fr != FinishReason::None) finish(s, fr);
+  return fr;  // the caller finishes it (pages go back on the engine thread)
 }
 
 }  // namespace spade

@@ -89,7 +89,13 @@ class Scheduler {
   void finish(Seq& s, FinishReason r, const std::string& error = {});
   bool admit_one(std::vector<std::unique_ptr<Seq>>& running);
   void preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index);
-  void on_token(Seq& s, int32_t tok, const float* logits);
+  // Records the request's new token and hands its text to the consumer; returns how the
+  // request ends with it (None: it goes on). Safe to run for different requests at once.
+  FinishReason on_token(Seq& s, int32_t tok, const float* logits);
+  // Steps with at least this many new tokens deliver them on the thread pool.
+  static constexpr int64_t kParallelDeliverRows = 32;
+  std::vector<size_t> deliver_;        // this step's rows that sample a token
+  std::vector<FinishReason> finish_;   // ... and how each request ends
   void publish_gauges(const std::vector<std::unique_ptr<Seq>>& running);
 
   std::unique_ptr<StepModel> owned_;  // the CpuModel adapter of the CpuModel constructor
@@ -114,7 +120,6 @@ class Scheduler {
   std::vector<SeqInput> batch_;
   std::vector<Seq*> batch_seqs_;
   std::vector<int64_t> row_of_;
-  std::vector<std::pair<float, int32_t>> top_;
   std::vector<StepModel::RowSampling> rows_;
   std::thread thread_;
 };
