@@ -337,9 +337,7 @@ std::unique_ptr<sparse::MethodState> CudaModel::new_request_state(int method) {
   SPADE_CHECK(method >= 0 && size_t(method) < methods_.size() && methods_[size_t(method)],
               "CudaModel: no method ", method);
   GpuMethod& m = *methods_[size_t(method)];
-  std::unique_ptr<sparse::MethodState> own = m.new_request_state();
-  if (method == 0 && !own) return nullptr;
-  return std::make_unique<GpuRequestState>(method, m.live, std::move(own));
+  return std::make_unique<GpuRequestState>(method, m.live, m.new_request_state());
 }
 
 int CudaModel::method_of(const SeqInput& s) const {

@@ -86,7 +86,11 @@ class CudaModel {
   // its chunk boundaries and its index slots. Pass it as SeqInput::device_state on every
   // forward of that request; destroy it once the request is released. At most max_batch
   // states exist at once (a clear error past that).
-  std::unique_ptr<sparse::MethodState> new_request_state() { return new_request_state(0); }
+  // The model's own method's per-request state where it keeps one (LycheeCluster), else
+  // nullptr (CLI and tests; a scheduler takes new_request_state(0), which also counts rows).
+  std::unique_ptr<sparse::MethodState> new_request_state() {
+    return sparse().method == CudaSparse::Method::LycheeCluster ? new_request_state(0) : nullptr;
+  }
   // Per-request methods: the id of a method for SeqInput::device_state's requests (0: the
   // model's own; the same `key` gives the same id while the method is kept). Sequences of
   // different methods share one step: the dense layers run once over the batch, each method
@@ -95,8 +99,8 @@ class CudaModel {
   // cannot run (e.g. Quest without its page metadata: CudaModelOptions::any_method).
   int add_method(const std::string& key, const CudaSparse& sp);
   // The state of a request of method `method`: pass it as SeqInput::device_state on every
-  // forward of that request and destroy it once the request is released. nullptr for method
-  // 0 when it keeps no per-request state (as before per-request methods).
+  // forward of that request and destroy it once the request is released. It also counts the
+  // request's decode rows (MethodState::attended_rows).
   std::unique_ptr<sparse::MethodState> new_request_state(int method);
   int methods_kept() const;
   void release(PageTable& pt);

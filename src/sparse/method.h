@@ -36,6 +36,10 @@ struct MethodState {
   virtual void append_token_text(std::string_view piece) { (void)piece; }
   // Whether append_token_text is used (callers skip decoding token text otherwise).
   virtual bool wants_token_text() const { return false; }
+  // (layer, KV head, token) rows the request's attention read in its decode steps so far, the
+  // unit the scheduler's density counts in; -1 when the state does not count them (the CPU
+  // methods count through their SparseSession instead).
+  virtual int64_t attended_rows() const { return -1; }
 };
 
 // Grow-only scratch for selection code (no allocation once warm).

@@ -180,6 +180,20 @@ TEST(CudaMixedMethods, EveryMethodInOneBatchMatchesItsOneMethodModel) {
     }
   }
   EXPECT_GT(gpu.graphs_captured(), graphs_before);  // mixed decode steps replay graphs
+  // Each request's decode rows (the density the server reports): full reads every token of
+  // every layer; streaming and quest read their budget past their dense layers.
+  for (size_t k = 0; k < M; ++k) {
+    const sparse::SparseConfig sc = sparse::SparseConfig::parse_spec(specs()[k]);
+    if (sc.method != "full" && sc.method != "streaming" && sc.method != "quest") continue;
+    const CudaSparse cs = cuda_sparse_config(sc, c, 16);
+    int64_t want = 0;
+    for (int step = 0; step < N; ++step) {
+      const int64_t L = int64_t(prompt.size()) + step + 1;
+      const int64_t b = sc.method == "full" ? L : std::min<int64_t>(cs.budget / 16 * 16, L);
+      want += int64_t(c.n_kv_heads) * (int64_t(cs.dense_layers) * L + int64_t(c.n_layers - cs.dense_layers) * b);
+    }
+    EXPECT_EQ(st[k]->attended_rows(), want) << specs()[k];
+  }
   for (size_t k = 0; k < M; ++k)
     std::printf("[ mixed-methods ] %-30s worst logits rel err %.3g, argmax equal %d/%d\n",
                 specs()[k].c_str(), worst[k], argmax_equal[k], N - 1);
@@ -228,6 +242,12 @@ TEST(CudaMixedMethods, UnusedMethodsAreEvictedAndBusyOnesAreNot) {
   const std::vector<float> lg = gpu.forward(
       {{&p0, &x, 1, false, nullptr, sa.get()}, {&p1, &x, 1, false, nullptr, st.get()}}, r);
   EXPECT_EQ(lg.size(), size_t(2 * c.vocab));
+  {  // the decode rows each request's state counted: quest's budget past its dense layers
+    const CudaSparse qs = cuda_sparse_config(sparse::SparseConfig::parse_spec("quest:budget=64"), c, 16);
+    const int64_t L = 301;
+    EXPECT_EQ(sa->attended_rows(),
+              int64_t(c.n_kv_heads) * (qs.dense_layers * L + (c.n_layers - qs.dense_layers) * 64));
+  }
   gpu.release(p0);
   gpu.release(p1);
   // A state of another model is refused before anything is written.

@@ -276,7 +276,10 @@ void GpuMethod::plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n) {
   lc_sync_.clear();
   bool decode = true;
   for (int i = 0; i < n; ++i) decode = decode && seqs[i].n_tokens == 1;
-  if (!sp.selects() || !decode || sp.dense_layers >= c.n_layers) return;
+  if (!sp.selects() || !decode || sp.dense_layers >= c.n_layers) {
+    if (decode) count_rows(seqs, n);
+    return;
+  }
   const bool quest = sp.quest_base();
   const bool twilight = sp.method == CudaSparse::Method::Twilight;
   const bool per_head = lists_per_req() > 1;  // lists per KV head
@@ -313,7 +316,10 @@ void GpuMethod::plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n) {
   }
   if (lc) lc_prepare(seqs, n, any_sparse, max_entries);
   // Every list covering the whole context: the dense kernel (the CPU's set_dense).
-  if (!any_sparse) return;
+  if (!any_sparse) {
+    count_rows(seqs, n);
+    return;
+  }
   if (sp.method == CudaSparse::Method::LycheeDecode)
     sparse_->plan_patterns(sseq, cuda::SelGran::Token, Hkv, max_entries, ld_patterns_, st);
   else
@@ -326,6 +332,42 @@ void GpuMethod::plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n) {
   // Rounded up (within the score buffer's stride) so that the Quest launches, and a graph
   // keyed by them, change only every 1024 tokens.
   step_max_pages_ = int(std::min<int64_t>(ctx_.seq_pages_cap, (max_np + 63) / 64 * 64));
+  count_rows(seqs, n);
+}
+
+void GpuMethod::count_rows(const SeqInput* seqs, int n) {
+  const ModelConfig& c = ctx_.cfg;
+  const int NL = c.n_layers, Hkv = c.n_kv_heads;
+  const CudaSparse& sp = sp_;
+  using Role = sparse::LayerSchedule::Role;
+  for (int i = 0; i < n; ++i) {
+    auto* g = dynamic_cast<GpuRequestState*>(seqs[i].device_state);
+    if (!g) continue;
+    const int64_t L = seqs[i].pages->length + 1;
+    if (!sparse_step_) {
+      g->attended += int64_t(NL) * Hkv * L;
+      continue;
+    }
+    const int64_t b = std::min<int64_t>(sp.budget, L);
+    const int64_t quest_tokens = std::min<int64_t>(sp.budget / 16 * 16, L);
+    int64_t rows = 0;
+    for (int l = 0; l < NL; ++l) {
+      if (l < sp.dense_layers) {
+        rows += int64_t(Hkv) * L;
+      } else if (sp.scheduled()) {
+        rows += int64_t(Hkv) * (sp.schedule.role(l) == Role::Reuse ? b : L);
+      } else if (sp.method == CudaSparse::Method::LycheeDecode) {
+        for (int h = 0; h < Hkv; ++h) rows += sp.retrieval[size_t(l)][size_t(h)] ? L : b;
+      } else if (sp.quest_base()) {
+        rows += int64_t(Hkv) * quest_tokens;
+      } else if (sp.method == CudaSparse::Method::LycheeCluster) {
+        rows += int64_t(Hkv) * std::min<int64_t>(lc_cap_, L);
+      } else {  // streaming, oracle-topk
+        rows += int64_t(Hkv) * b;
+      }
+    }
+    g->attended += rows;
+  }
 }
 
 void GpuMethod::begin_step() {

@@ -148,6 +148,7 @@ class GpuMethod {
                     float scale);
   void ld_layer(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
   void lc_prepare(const SeqInput* seqs, int n, bool& any_sparse, std::vector<int>& max_entries);
+  void count_rows(const SeqInput* seqs, int n);  // each request's decode rows of this step
   void lc_layer(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
   static size_t lc_arena_bytes(const GpuMethodContext& ctx, const CudaSparse& sp);
   static int64_t lc_list_entries(const GpuMethodContext& ctx, const CudaSparse& sp);
@@ -234,6 +235,12 @@ class GpuRequestState final : public sparse::MethodState {
   bool wants_token_text() const override { return own && own->wants_token_text(); }
   // The method's live counter it holds (tells one model's methods from another's).
   const std::atomic<int>* counter() const { return live_.get(); }
+  // Decode rows its method's lists held (GpuMethod::plan): exact where the host sizes the
+  // lists (streaming, tidal, lessismore, lycheedecode, oracle-topk, dense layers; quest counts
+  // whole 16-token pages), an upper bound where the device prunes or skips further
+  // (twilight, lycheecluster, blasst).
+  int64_t attended_rows() const override { return attended; }
+  int64_t attended = 0;
 
   const int method;
   const std::unique_ptr<sparse::MethodState> own;
