@@ -30,7 +30,9 @@ static void check_request(const ParseResult& r) {
     return;
   }
   const ApiRequest& a = *r.request;
-  require(!a.max_tokens || (*a.max_tokens >= 1 && *a.max_tokens <= kMaxTokensLimit));
+  require(!a.max_tokens || (*a.max_tokens >= (a.echo ? 0 : 1) && *a.max_tokens <= kMaxTokensLimit));
+  require(a.n >= 1 && a.n <= kMaxChoices);
+  require(a.prompt_logprobs >= -1 && a.prompt_logprobs <= kMaxLogprobs);
   require(a.temperature >= 0 && a.temperature <= 2);
   require(a.top_p > 0 && a.top_p <= 1);
   require(a.logprobs >= -1 && a.logprobs <= kMaxLogprobs);

@@ -141,11 +141,16 @@ TEST(ServerRequest, WrongTypesAndRanges) {
       R"({"prompt": "x", "seed": "abc"})",         R"({"prompt": "x", "seed": 1.5})",
       R"({"prompt": "x", "stop": 5})",             R"({"prompt": "x", "stop": [""]})",
       R"({"prompt": "x", "stop": [1]})",           R"({"prompt": "x", "stream": "yes"})",
-      R"({"prompt": "x", "stream_options": 1})",   R"({"prompt": "x", "n": 2})",
-      R"({"prompt": "x", "best_of": 3})",          R"({"prompt": "x", "presence_penalty": 0.5})",
+      R"({"prompt": "x", "stream_options": 1})",   R"({"prompt": "x", "n": 0})",
+      R"({"prompt": "x", "n": 17})",               R"({"prompt": "x", "n": -1})",
+      R"({"prompt": "x", "n": 1.5})",              R"({"prompt": "x", "n": "2"})",
+      R"({"prompt": "x", "best_of": 3})",          R"({"prompt": "x", "n": 2, "best_of": 3})",          R"({"prompt": "x", "presence_penalty": 0.5})",
       R"({"prompt": "x", "frequency_penalty": 9})", R"({"prompt": "x", "logit_bias": {"1": 5}})",
       R"({"prompt": "x", "logprobs": 21})",        R"({"prompt": "x", "logprobs": true})",
-      R"({"prompt": "x", "echo": true, "logprobs": 1})", R"({"prompt": "x", "suffix": "s"})",
+      R"({"prompt": "x", "max_tokens": 0, "logprobs": 1})", R"({"prompt": "x", "suffix": "s"})",
+      R"({"prompt": "x", "echo": "yes"})",         R"({"prompt": "x", "echo": false, "max_tokens": 0})",
+      R"({"prompt": "x", "prompt_logprobs": 21})", R"({"prompt": "x", "prompt_logprobs": -1})",
+      R"({"prompt": "x", "prompt_logprobs": true})",
       R"({"prompt": "x", "model": 5})",            R"({"prompt": "x", "ignore_eos": 1})",
       R"({"prompt": "x", "stop_token_ids": [-5]})", R"({"prompt": "x", "stop_token_ids": 3})",
   };
@@ -157,6 +162,31 @@ TEST(ServerRequest, WrongTypesAndRanges) {
   for (int i = 0; i < 17; ++i) many += std::string(i ? "," : "") + "\"s" + std::to_string(i) + "\"";
   bad_completion(many + "]}");
   bad_completion(R"({"prompt": "x", "stop": [")" + std::string(300, 'a') + "\"]}");
+}
+
+TEST(ServerRequest, ChoicesEchoAndPromptLogprobs) {
+  EXPECT_EQ(ok_completion(R"({"prompt": "x"})").n, 1);
+  EXPECT_EQ(ok_completion(R"({"prompt": "x", "n": 3})").n, 3);
+  EXPECT_EQ(ok_completion(R"({"prompt": "x", "n": 16, "best_of": 16})").n, 16);
+  EXPECT_EQ(ok_chat(R"({"messages": [{"role": "user", "content": "x"}], "n": 2})").n, 2);
+  EXPECT_EQ(bad_completion(R"({"prompt": "x", "n": 0})").param, "n");
+  EXPECT_EQ(bad_chat(R"({"messages": [{"role": "user", "content": "x"}], "n": 17})").param, "n");
+  // lm-eval-harness's loglikelihood request: the prompt's scores, nothing generated.
+  ApiRequest r = ok_completion(R"({"prompt": [[1, 2, 3]], "echo": true, "logprobs": 5, "max_tokens": 0})");
+  EXPECT_TRUE(r.echo);
+  EXPECT_EQ(r.logprobs, 5);
+  EXPECT_EQ(*r.max_tokens, 0);
+  EXPECT_EQ(r.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  r = ok_completion(R"({"prompt": "x", "echo": true, "logprobs": 0, "max_tokens": 4, "prompt_logprobs": 2})");
+  EXPECT_EQ(*r.max_tokens, 4);
+  EXPECT_EQ(r.prompt_logprobs, 2);
+  EXPECT_EQ(ok_completion(R"({"prompt": "x"})").prompt_logprobs, -1);
+  EXPECT_EQ(bad_completion(R"({"prompt": "x", "max_tokens": 0})").param, "max_tokens");
+  // echo and prompt_logprobs belong to /v1/completions.
+  EXPECT_EQ(bad_chat(R"({"messages": [{"role": "user", "content": "x"}], "echo": true})").param, "echo");
+  EXPECT_EQ(bad_chat(R"({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1})").param,
+            "prompt_logprobs");
+  ok_chat(R"({"messages": [{"role": "user", "content": "x"}], "echo": false})");
 }
 
 TEST(ServerRequest, MalformedBodies) {
@@ -275,6 +305,22 @@ TEST(ServerResponse, ChunksAndBodiesAreOpenAIShaped) {
   j = nlohmann::json::parse(usage_chunk(m, 3, 4).substr(6));
   EXPECT_TRUE(j["choices"].empty());
   EXPECT_EQ(j["usage"]["total_tokens"], 7);
+  // usage.sparse: full by default, density null without decode steps
+  EXPECT_EQ(j["usage"]["sparse"]["method"], "full");
+  EXPECT_TRUE(j["usage"]["sparse"]["options"].empty());
+  EXPECT_TRUE(j["usage"]["sparse"]["density"].is_null());
+  {
+    ResponseMeta q = m;
+    q.sparse_method = "quest";
+    q.sparse_options = {{"budget", "256"}};
+    q.sparse_description = "quest budget=256 page=16";
+    q.density = 0.25;
+    auto u = nlohmann::json::parse(usage_chunk(q, 3, 4).substr(6))["usage"]["sparse"];
+    EXPECT_EQ(u["method"], "quest");
+    EXPECT_EQ(u["options"]["budget"], "256");
+    EXPECT_EQ(u["description"], "quest budget=256 page=16");
+    EXPECT_DOUBLE_EQ(u["density"].get<double>(), 0.25);
+  }
   j = nlohmann::json::parse(full_response(m, "ok", {}, FinishReason::Stop, 3, 1));
   EXPECT_EQ(j["object"], "chat.completion");
   EXPECT_EQ(j["choices"][0]["message"]["content"], "ok");
@@ -295,4 +341,75 @@ TEST(ServerResponse, ChunksAndBodiesAreOpenAIShaped) {
   // Invalid UTF-8 from a partial token never breaks the JSON.
   j = nlohmann::json::parse(full_response(m, "\xe2\x82", {}, FinishReason::Stop, 1, 1));
   EXPECT_TRUE(j["choices"][0]["text"].is_string());
+}
+
+TEST(ServerResponse, ChoicesEchoedLogprobsAndPromptLogprobs) {
+  // Pieces: id -> "<id>".
+  struct IdText : TokenText {
+    std::unique_ptr<TextStream> stream(int32_t) const override { return nullptr; }
+    std::string piece(int32_t id) const override { return "<" + std::to_string(id) + ">"; }
+  } text;
+  ResponseMeta m;
+  m.kind = ApiKind::Completion;
+  m.id = "cmpl-1";
+  m.model = "tiny";
+  m.logprobs = 1;
+  m.text = &text;
+  PromptScores ps;
+  ps.ids = {5, 6, 7};
+  ps.offsets = {0, 3, 6};
+  ps.echo_top = 1;
+  ps.prompt_top = 2;
+  TokenLogprob s1, s2, g;
+  s1.id = 6, s1.logprob = -1.5f, s1.rank = 3, s1.top = {{9, -0.25f}, {8, -1.f}};
+  s2.id = 7, s2.logprob = -0.5f, s2.rank = 1, s2.top = {{7, -0.5f}, {4, -2.f}};
+  g.id = 2, g.logprob = -0.75f, g.top = {{2, -0.75f}};
+  ps.scores = {s1, s2};
+  std::vector<TokenLogprob> gen{g};
+  std::vector<ChoiceOut> cs(2);
+  for (int i = 0; i < 2; ++i) {
+    cs[size_t(i)].index = i;
+    cs[size_t(i)].text = "<5><6><7><2>";
+    cs[size_t(i)].logprobs = &gen;
+    cs[size_t(i)].text_offset = 9;
+    cs[size_t(i)].prompt = &ps;
+    cs[size_t(i)].finish_reason = "length";
+  }
+  auto j = nlohmann::json::parse(full_response(m, cs, 3, 2));
+  ASSERT_EQ(j["choices"].size(), 2u);
+  EXPECT_EQ(j["choices"][1]["index"], 1);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 3);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 2);
+  EXPECT_EQ(j["usage"]["total_tokens"], 5);
+  const auto& lp = j["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], nlohmann::json({"<5>", "<6>", "<7>", "<2>"}));
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  EXPECT_DOUBLE_EQ(lp["token_logprobs"][1].get<double>(), -1.5);
+  EXPECT_DOUBLE_EQ(lp["token_logprobs"][3].get<double>(), -0.75);
+  EXPECT_EQ(lp["top_logprobs"][1].size(), 1u);  // echo_top = 1 of the two computed
+  EXPECT_DOUBLE_EQ(lp["top_logprobs"][1]["<9>"].get<double>(), -0.25);
+  EXPECT_EQ(lp["text_offset"], nlohmann::json({0, 3, 6, 9}));
+  const auto& pl = j["choices"][0]["prompt_logprobs"];
+  ASSERT_EQ(pl.size(), 3u);
+  EXPECT_TRUE(pl[0].is_null());
+  EXPECT_EQ(pl[1].size(), 3u);  // the prompt token and the top 2
+  EXPECT_DOUBLE_EQ(pl[1]["6"]["logprob"].get<double>(), -1.5);
+  EXPECT_EQ(pl[1]["6"]["rank"], 3);
+  EXPECT_EQ(pl[1]["6"]["decoded_token"], "<6>");
+  EXPECT_EQ(pl[1]["9"]["rank"], 1);
+  EXPECT_EQ(pl[2].size(), 2u);  // the prompt token is the best: listed once
+  EXPECT_EQ(pl[2]["7"]["rank"], 1);
+  // A stream chunk carries its choice's index; the opening one the prompt's scores.
+  ChoiceOut o;
+  o.index = 2;
+  o.text = "<5><6><7>";
+  o.prompt = &ps;
+  j = nlohmann::json::parse(stream_chunk(m, o).substr(6));
+  EXPECT_EQ(j["choices"][0]["index"], 2);
+  EXPECT_EQ(j["choices"][0]["logprobs"]["tokens"].size(), 3u);
+  EXPECT_EQ(j["choices"][0]["prompt_logprobs"].size(), 3u);
+  // Without prompt scores: no prompt_logprobs field.
+  j = nlohmann::json::parse(full_response(m, "abc", {}, FinishReason::Stop, 1, 1));
+  EXPECT_FALSE(j["choices"][0].contains("prompt_logprobs"));
 }

@@ -67,6 +67,9 @@ GET /v1/models, /health, /metrics (Prometheus), POST /tokenize, /detokenize.
   --header-timeout S      seconds a connection has to send a request's header (default 10;
                           408 and close after it); its body then has 30 s
   --shutdown-timeout S    seconds to let running requests finish on SIGTERM (default 30)
+  --quiet                 no per-request log line on stderr (one per finished
+                          completion / chat request: id, path, status, finish reason,
+                          prompt and completion tokens, latency)
 )";
 
 std::atomic<int> g_signals{0}, g_last_signal{0};
@@ -90,7 +93,7 @@ int run(int argc, char** argv) {
           "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device",
           "--max-connections", "--header-timeout",
           "--shutdown-timeout"},
-         {"--help", "--deterministic"});
+         {"--help", "--deterministic", "--quiet"});
   if (a.has("--help")) {
     std::fputs(kHelp, stdout);
     return 0;
@@ -158,6 +161,9 @@ int run(int argc, char** argv) {
     copt.deterministic = a.has("--deterministic");
     so.max_step_tokens = std::max<int64_t>(so.max_step_tokens, so.max_batch);
     copt.max_step_tokens = so.max_step_tokens;
+    // CudaModel's default logit rows; the scheduler cuts prompt-scoring chunks to fit them.
+    copt.max_logit_rows = std::max<int64_t>(so.max_batch, 64);
+    so.max_logit_rows = copt.max_logit_rows;
     // The server's method runs inside the GPU model for every request.
     SPADE_CHECK(!sc.measure_recall, "--recall is CPU-only (spade serve --device cpu)");
     copt.sparse = cuda_sparse_config(sc, cfg, layout.page_size);
@@ -208,6 +214,7 @@ int run(int argc, char** argv) {
   opt.header_timeout_seconds = a.number("--header-timeout", 10);
   SPADE_CHECK(opt.header_timeout_seconds > 0 && opt.header_timeout_seconds <= 3600,
               "--header-timeout must be in (0, 3600] seconds");
+  opt.log_requests = !a.has("--quiet");
   opt.default_completion_tokens = a.integer("--default-max-tokens", 16);
   SPADE_CHECK(opt.default_completion_tokens >= 1, "--default-max-tokens must be positive");
   const double shutdown_timeout = a.number("--shutdown-timeout", 30);

@@ -59,11 +59,15 @@ using AttentionMaker = std::function<std::unique_ptr<SeqAttention>()>;
 
 struct EngineRequest {
   std::vector<int32_t> prompt;       // at least one token
-  int64_t max_tokens = 16;           // >= 1
+  int64_t max_tokens = 16;           // >= 1; 0: prefill only (finishes as Length, no token)
   SamplingParams sampling;
   std::vector<std::string> stop;     // stop strings (not part of the output)
   std::vector<int32_t> stop_ids;     // stop tokens (EOS); their text is never output
   int logprobs = -1;                 // < 0: off; k >= 0: sampled token's logprob + top k
+  // < 0: off; k >= 0: score the prompt: for every prompt token i >= 1, its logprob given
+  // tokens < i, its rank and the top k (RequestDelta::prompt_logprobs). Prefill chunks of
+  // such a request ask for all logits (host logits: no device sampling in those steps).
+  int prompt_logprobs = -1;
   std::string method = "full";       // sparse method name (metrics label)
   AttentionMaker attention;          // empty: dense
   // A method the runner itself runs for this request (StepModel::new_request_state; the GPU's
@@ -78,6 +82,7 @@ struct TokenLogprob {
   int32_t id = 0;
   float logprob = 0.f;
   std::vector<std::pair<int32_t, float>> top;  // best first
+  int64_t rank = 0;  // prompt logprobs: 1 + tokens with a higher logit; else 0 (not computed)
 };
 
 // What the engine has produced since the consumer last looked.
@@ -85,10 +90,16 @@ struct RequestDelta {
   std::string text;
   std::vector<int32_t> tokens;
   std::vector<TokenLogprob> logprobs;  // one per token when logprobs were asked for
+  // EngineRequest::prompt_logprobs: prompt tokens 1 .. P-1 in order, all in the one delta
+  // that ends the prefill (before any generated token); none for a one-token prompt.
+  std::vector<TokenLogprob> prompt_logprobs;
   bool finished = false;
   FinishReason reason = FinishReason::None;
   std::string error;                   // with FinishReason::Error
   int64_t prompt_tokens = 0, completion_tokens = 0;
+  // With `finished`: the request's attention density over its decode steps (rows its method
+  // read / rows full attention would read); < 0 when it had no decode step.
+  double density = -1;
 };
 
 // Shared between the engine loop (producer) and the submitter (consumer).
@@ -107,8 +118,9 @@ class RequestChannel {
 
   // Producer side (engine thread).
   void emit(const std::string& text, int32_t token, const TokenLogprob* lp);
+  void emit_prompt_logprobs(std::vector<TokenLogprob>&& lps);
   void finish(FinishReason r, int64_t prompt_tokens, int64_t completion_tokens,
-              const std::string& error = {});
+              const std::string& error = {}, double density = -1);
 
   const clock::time_point created = clock::now();
 

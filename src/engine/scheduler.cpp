@@ -35,8 +35,45 @@ struct Scheduler::Seq {
   bool prompt_counted = false;
   int64_t dense_rows = 0;       // decode rows full attention would read
   int64_t attended_rows = 0;    // ... and what the method read (finished attention objects)
+  bool rows_counted = false;    // attended_rows counted by a method (CPU session or runner state)
   clock_type::time_point t_first{}, t_last{};
+  int64_t plp_next = 1;                // prompt logprobs: next prompt position to score
+  std::vector<TokenLogprob> plp;       // ... scored so far (emitted when the prompt is done)
 };
+
+// Log-softmax of `logits` at `tok`, the rank of `tok` (1 + ids with a larger logit) and the
+// `k` best ids, best first (ties: lower id first).
+static void score_token(const float* logits, int32_t V, int32_t tok, int k, TokenLogprob& lp) {
+  float mx = logits[0];
+  for (int32_t i = 1; i < V; ++i) mx = std::max(mx, logits[i]);
+  double sum = 0;
+  for (int32_t i = 0; i < V; ++i) sum += std::exp(double(logits[i] - mx));
+  const float lse = mx + float(std::log(sum));
+  lp.id = tok;
+  lp.logprob = logits[tok] - lse;
+  lp.rank = 1;
+  for (int32_t i = 0; i < V; ++i) lp.rank += logits[i] > logits[tok];
+  lp.top.clear();
+  const size_t n = size_t(std::min(k, V));
+  if (n == 0) return;
+  thread_local std::vector<std::pair<float, int32_t>> top;  // requests score in parallel
+  top.clear();
+  auto worse = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  for (int32_t i = 0; i < V; ++i) {
+    if (top.size() < n) {
+      top.push_back({logits[i], i});
+      std::push_heap(top.begin(), top.end(), worse);
+    } else if (logits[i] > top.front().first) {
+      std::pop_heap(top.begin(), top.end(), worse);
+      top.back() = {logits[i], i};
+      std::push_heap(top.begin(), top.end(), worse);
+    }
+  }
+  std::sort_heap(top.begin(), top.end(), worse);
+  for (const auto& [l, id] : top) lp.top.push_back({id, l - lse});
+}
 
 Scheduler::Scheduler(CpuModel& model, const TokenText& text, const SchedulerOptions& opt)
     : Scheduler(std::make_unique<CpuStepModel>(model), nullptr, text, opt) {}
@@ -69,8 +106,8 @@ std::shared_ptr<RequestChannel> Scheduler::submit(EngineRequest req) {
   if (req.device_method && !model_.runs_methods())
     throw SubmitError(400, "unsupported_sparse_method",
                       cat("this server's runner (", model_.device(), ") runs no per-request methods itself"));
-  if (req.max_tokens < 1)
-    throw SubmitError(400, "invalid_value", cat("max_tokens must be at least 1, got ", req.max_tokens));
+  if (req.max_tokens < 0)
+    throw SubmitError(400, "invalid_value", cat("max_tokens must be at least 0, got ", req.max_tokens));
   const int32_t vocab = model_.config().vocab;
   for (int32_t t : req.prompt)
     if (t < 0 || t >= vocab)
@@ -149,13 +186,11 @@ void Scheduler::finish(Seq& s, FinishReason r, const std::string& error) {
     model_.release(s.pt);
     hold_admission_ = false;  // pages came back: admission may resume after a preemption
   }
+  count_rows(s);
   s.dev_state.reset();
-  if (s.attn) {
-    const int64_t a = s.attn->attended();
-    s.attended_rows += a >= 0 ? a : 0;
-    s.attn.reset();
-  }
+  s.attn.reset();
   const auto now = clock_type::now();
+  const int64_t attended = s.rows_counted ? s.attended_rows : s.dense_rows;  // dense: all rows
   {
     // Metrics first, so that whoever sees the request end also sees it counted.
     std::lock_guard<std::mutex> lk(mu_);
@@ -171,11 +206,21 @@ void Scheduler::finish(Seq& s, FinishReason r, const std::string& error) {
       MethodCounters& m = metrics_.methods[s.req.method];
       ++m.requests;
       m.dense_rows += s.dense_rows;
-      m.attended_rows += s.req.attention ? s.attended_rows : s.dense_rows;  // dense path: all rows
+      m.attended_rows += attended;
     }
     metrics_.kv_pages_used = model_.used_pages();
   }
-  s.ch->finish(r, s.n_prompt, s.generated, error);
+  s.ch->finish(r, s.n_prompt, s.generated, error,
+               s.dense_rows > 0 ? double(attended) / double(s.dense_rows) : -1.0);
+}
+
+void Scheduler::count_rows(Seq& s) {
+  // What the request's method read, before its state goes (finish, preemption).
+  const int64_t a = s.attn ? s.attn->attended() : s.dev_state ? s.dev_state->attended_rows() : -1;
+  if (a >= 0) {
+    s.attended_rows += a;
+    s.rows_counted = true;
+  }
 }
 
 void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index) {
@@ -186,12 +231,9 @@ void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index
   // this sequence and preempt it again at the next page boundary.
   hold_admission_ = true;
   model_.release(s->pt);
+  count_rows(*s);
   s->dev_state.reset();  // recomputed from scratch on readmission, like the cache
-  if (s->attn) {
-    const int64_t a = s->attn->attended();
-    s->attended_rows += a >= 0 ? a : 0;
-    s->attn.reset();
-  }
+  s->attn.reset();
   std::lock_guard<std::mutex> lk(mu_);
   ++metrics_.preemptions;
   metrics_.recomputed_tokens += uint64_t(lost);
@@ -325,12 +367,16 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     batch_.clear();
     batch_seqs_.clear();
     int64_t budget = opt_.max_step_tokens, pages_needed = 0;
+    // Rows beyond one per sequence that prompt-scoring chunks may take.
+    int64_t spare_rows = opt_.max_logit_rows > 0 ? opt_.max_logit_rows - int64_t(running.size()) : budget;
     for (int pass = 0; pass < 2; ++pass) {
       for (auto& r : running) {
         const int64_t feed = int64_t(r->tokens.size()) - r->pt.length;
         const bool decoding = feed == 1 && r->pt.length >= r->n_prompt;
         if ((pass == 0) != decoding || budget <= 0 || feed <= 0) continue;
-        const int64_t n = std::min(feed, budget);
+        const bool scoring = r->req.prompt_logprobs >= 0 && r->plp_next < r->n_prompt;
+        const int64_t n = std::min({feed, budget, scoring ? 1 + std::max<int64_t>(0, spare_rows) : feed});
+        if (scoring) spare_rows -= n - 1;
         budget -= n;
         SeqInput in;
         in.pages = &r->pt;
@@ -338,6 +384,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
         in.n_tokens = n;
         in.attention = r->attn ? &r->guarded : nullptr;
         in.device_state = r->dev_state.get();
+        in.all_logits = scoring;
         batch_.push_back(in);
         batch_seqs_.push_back(r.get());
         pages_needed += std::max<int64_t>(
@@ -364,7 +411,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   bool on_device = model_.samples_on_device();
   for (size_t i = 0; i < batch_.size() && on_device; ++i) {
     const EngineRequest& q = batch_seqs_[i]->req;
-    on_device = q.logprobs < 0 && q.sampling.repetition_penalty == 1.f;
+    on_device = q.logprobs < 0 && q.sampling.repetition_penalty == 1.f && !batch_[i].all_logits;
   }
   const std::vector<float>* logits = nullptr;
   const std::vector<int32_t>* tokens = nullptr;
@@ -407,7 +454,31 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
       metrics_.prompt_tokens += uint64_t(s.n_prompt);
     }
     if (batch_[i].n_tokens == 1) s.dense_rows += rows_per_pos * s.pt.length;
+    if (batch_[i].all_logits && logits) {
+      // Prompt logprobs: row j of the chunk at p0 scores the token at p0 + j + 1.
+      const int64_t p0 = batch_[i].tokens - s.tokens.data();
+      const int64_t q0 = std::max(s.plp_next, p0 + 1);
+      const int64_t end = std::min(s.n_prompt, p0 + batch_[i].n_tokens + 1);
+      if (q0 < end) {
+        const size_t at = s.plp.size();
+        s.plp.resize(at + size_t(end - q0));
+        ThreadPool::global().parallel_for(end - q0, 16, [&](int64_t a, int64_t b) {
+          for (int64_t j = a; j < b; ++j)
+            score_token(logits->data() + (row_of_[i] + q0 + j - p0 - 1) * cfg.vocab, cfg.vocab,
+                        s.tokens[size_t(q0 + j)], s.req.prompt_logprobs, s.plp[at + size_t(j)]);
+        });
+        s.plp_next = end;
+      }
+      if (s.plp_next >= s.n_prompt && !s.plp.empty()) {
+        s.ch->emit_prompt_logprobs(std::move(s.plp));
+        s.plp.clear();
+      }
+    }
     if (s.pt.length < int64_t(s.tokens.size())) continue;  // prefill continues next step
+    if (s.req.max_tokens == 0) {  // prefill only (prompt scoring): nothing to sample
+      finish(s, FinishReason::Length);
+      continue;
+    }
     deliver_.push_back(i);
   }
   // Each request's token: host sampling (when the step has logits), detokenization, stop
@@ -423,7 +494,8 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
       if (tokens) {
         finish_[size_t(k)] = on_token(s, (*tokens)[i], nullptr);
       } else {
-        const float* row = logits->data() + row_of_[i] * cfg.vocab;
+        const int64_t last = batch_[i].all_logits ? batch_[i].n_tokens - 1 : 0;  // prompt logprobs
+        const float* row = logits->data() + (row_of_[i] + last) * cfg.vocab;
         const int32_t tok = s.sampler.sample(row, cfg.vocab, s.tokens);
         finish_[size_t(k)] = on_token(s, tok, row);
       }
@@ -478,36 +550,8 @@ FinishReason Scheduler::on_token(Seq& s, int32_t tok, const float* logits) {
   }
   TokenLogprob lp;
   if (s.req.logprobs >= 0) {
-    const int32_t V = model_.config().vocab;
-    float mx = logits[0];
-    for (int32_t i = 1; i < V; ++i) mx = std::max(mx, logits[i]);
-    double sum = 0;
-    for (int32_t i = 0; i < V; ++i) sum += std::exp(double(logits[i] - mx));
-    const float lse = mx + float(std::log(sum));
-    lp.id = tok;
-    lp.logprob = logits[tok] - lse;
-    const size_t k = size_t(std::min(s.req.logprobs, V));
-    if (k > 0) {
-      // Min-heap of the k best (logit, -id) pairs (per thread: requests are delivered in
-      // parallel).
-      thread_local std::vector<std::pair<float, int32_t>> top;
-      top.clear();
-      auto worse = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
-        return a.first > b.first || (a.first == b.first && a.second < b.second);
-      };
-      for (int32_t i = 0; i < V; ++i) {
-        if (top.size() < k) {
-          top.push_back({logits[i], i});
-          std::push_heap(top.begin(), top.end(), worse);
-        } else if (logits[i] > top.front().first) {
-          std::pop_heap(top.begin(), top.end(), worse);
-          top.back() = {logits[i], i};
-          std::push_heap(top.begin(), top.end(), worse);
-        }
-      }
-      std::sort_heap(top.begin(), top.end(), worse);
-      for (const auto& [l, id] : top) lp.top.push_back({id, l - lse});
-    }
+    score_token(logits, model_.config().vocab, tok, s.req.logprobs, lp);
+    lp.rank = 0;  // sampled tokens report no rank
   }
 
   const bool stop_tok =

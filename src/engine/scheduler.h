@@ -40,6 +40,9 @@ struct SchedulerOptions {
   int max_batch = 16;              // sequences in one step
   int max_queue = 64;              // waiting requests beyond which submit() rejects (429)
   int64_t max_step_tokens = 512;   // tokens in one forward call (>= max_batch)
+  // Logit rows one forward call may return (the runner's limit; CudaModel's max_logit_rows):
+  // prompt-scoring prefill chunks (all logits) are cut to fit. 0: no limit (CpuModel).
+  int64_t max_logit_rows = 0;
 };
 
 // Why submit() refused a request: HTTP-like status (400, 429, 503) and a message.
@@ -92,6 +95,7 @@ class Scheduler {
   // Records the request's new token and hands its text to the consumer; returns how the
   // request ends with it (None: it goes on). Safe to run for different requests at once.
   FinishReason on_token(Seq& s, int32_t tok, const float* logits);
+  void count_rows(Seq& s);  // adds what its method read to attended_rows (finish, preemption)
   // Steps with at least this many new tokens deliver them on the thread pool.
   static constexpr int64_t kParallelDeliverRows = 32;
   std::vector<size_t> deliver_;        // this step's rows that sample a token

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -94,50 +95,173 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-// One streamed response: pulls deltas from the channel and writes SSE events until the
-// request finishes or the client goes away.
-struct StreamState {
+// One choice of a generation request (an engine request of its own): what has come back.
+struct Choice {
   std::shared_ptr<RequestChannel> ch;
+  PromptScores prompt;         // echoed / scored prompt (when asked for)
+  std::string text;            // whole responses: the generated text
+  std::vector<TokenLogprob> lps;
+  bool first_pending = true;   // streams: the chunk that opens the choice is not sent yet
+  size_t offset = 0;           // streams: text sent so far (for text_offset)
+  bool done = false;
+  RequestDelta last;           // the final delta (reason, usage, error)
+};
+
+// usage.sparse's density: the mean over the choices that had decode steps (< 0: none had).
+double mean_density(const std::vector<Choice>& cs) {
+  double sum = 0;
+  int n = 0;
+  for (const Choice& c : cs)
+    if (c.last.density >= 0) sum += c.last.density, ++n;
+  return n ? sum / n : -1.0;
+}
+
+// A generation request's log line on stderr when it ends (ServerOptions::log_requests).
+struct RequestLog {
+  bool enabled = true;
+  std::string id, path, sparse;
+  int status = 0;
+  std::string finish = "-";
+  int64_t prompt_tokens = 0, completion_tokens = 0, n = 1;
+  bool stream = false;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+
+  ~RequestLog() {
+    if (!enabled) return;
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    // One fprintf: stdio locks the stream for the call, so lines of concurrent requests do not mix.
+    std::fprintf(stderr,
+                 "[spade] request id=%s method=POST path=%s status=%d finish=%s prompt_tokens=%lld "
+                 "completion_tokens=%lld latency_ms=%.1f n=%lld stream=%s sparse=%s\n",
+                 id.c_str(), path.c_str(), status, finish.c_str(), (long long)prompt_tokens,
+                 (long long)completion_tokens, ms, (long long)n, stream ? "true" : "false",
+                 sparse.empty() ? "-" : sparse.c_str());
+  }
+  void finished(const std::vector<Choice>& cs) {
+    finish.clear();
+    completion_tokens = 0;
+    for (const Choice& c : cs) {
+      if (!finish.empty()) finish += ',';
+      finish += c.done ? finish_reason_name(c.last.reason) : "none";
+      completion_tokens += c.last.completion_tokens;
+      prompt_tokens = std::max(prompt_tokens, c.last.prompt_tokens);
+    }
+  }
+};
+
+// One streamed response: pulls deltas from the choices' channels and writes SSE events until
+// every choice finished, one failed, or the client went away.
+struct StreamState {
+  std::vector<Choice>* choices = nullptr;
   ResponseMeta meta;
   bool include_usage = false;
-  std::string echo;
-  size_t offset = 0;
-  RequestDelta delta;
+  bool echo = false;           // the prompt text opens each choice
+  std::string echo_text;
+  bool scores = false;         // the opening chunk carries prompt scores: wait for them
+  RequestLog* log = nullptr;
+
+  bool open(HttpExchange& ex, Choice& c, int index) {
+    ChoiceOut o;
+    o.index = index;
+    if (echo) o.text = echo_text;
+    if (scores) o.prompt = &c.prompt;
+    o.text_offset = echo_text.size();
+    c.first_pending = false;
+    c.offset = echo ? echo_text.size() : 0;
+    if (o.text.empty() && !o.prompt) return true;
+    return ex.write_chunk(stream_chunk(meta, o));
+  }
 
   void run(HttpExchange& ex) {
+    std::vector<Choice>& cs = *choices;
+    const int n = int(cs.size());
     if (!ex.begin_stream(200, "text/event-stream", {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}}))
-      return fail();
-    if (meta.kind == ApiKind::Chat && !ex.write_chunk(stream_chunk(meta, "", {}, nullptr, true, 0)))
-      return fail();
-    if (!echo.empty()) {
-      if (!ex.write_chunk(stream_chunk(meta, echo, {}, nullptr, false, 0))) return fail();
-      offset += echo.size();
-    }
-    for (;;) {
-      if (ex.peer_gone()) return fail();
-      if (!ch->wait_take(delta, kPoll)) continue;
-      if (!delta.text.empty() || !delta.logprobs.empty()) {
-        if (!ex.write_chunk(stream_chunk(meta, delta.text, delta.logprobs, nullptr, false, offset)))
-          return fail();
-        offset += delta.text.size();
+      return fail(cs);
+    for (int i = 0; i < n; ++i) {
+      if (meta.kind == ApiKind::Chat) {
+        ChoiceOut o;
+        o.index = i;
+        o.role_header = true;
+        if (!ex.write_chunk(stream_chunk(meta, o))) return fail(cs);
       }
-      if (delta.finished) break;
+      if (!scores && !open(ex, cs[size_t(i)], i)) return fail(cs);
+    }
+    RequestDelta delta;
+    int left = n;
+    const FinishReason* failed = nullptr;
+    Choice* failed_choice = nullptr;
+    while (left > 0 && !failed) {
+      if (ex.peer_gone()) return fail(cs);
+      // One choice: wait on its channel. Several: wait briefly on the first unfinished one
+      // and only look at the others, so that none waits behind another.
+      bool waited = false;
+      for (int i = 0; i < n && !failed; ++i) {
+        Choice& c = cs[size_t(i)];
+        if (c.done) continue;
+        const auto timeout = waited ? std::chrono::milliseconds(0) : n == 1 ? kPoll : 5ms;
+        waited = true;
+        if (!c.ch->wait_take(delta, timeout)) continue;
+        for (auto& l : delta.prompt_logprobs) c.prompt.scores.push_back(std::move(l));
+        if (c.first_pending &&
+            (c.prompt.scores.size() + 1 >= c.prompt.ids.size() || !delta.tokens.empty() || delta.finished) &&
+            !open(ex, c, i))
+          return fail(cs);
+        if (!delta.text.empty() || !delta.logprobs.empty()) {
+          ChoiceOut o;
+          o.index = i;
+          o.text = delta.text;
+          o.logprobs = &delta.logprobs;
+          o.text_offset = c.offset;
+          if (!ex.write_chunk(stream_chunk(meta, o))) return fail(cs);
+          c.offset += delta.text.size();
+        }
+        if (!delta.finished) continue;
+        c.done = true;
+        --left;
+        c.last.reason = delta.reason;
+        c.last.error = delta.error;
+        c.last.prompt_tokens = delta.prompt_tokens;
+        c.last.completion_tokens = delta.completion_tokens;
+        c.last.density = delta.density;
+        if (delta.reason == FinishReason::Error || delta.reason == FinishReason::Cancelled) {
+          failed = &c.last.reason;
+          failed_choice = &c;
+          break;
+        }
+        ChoiceOut o;
+        o.index = i;
+        o.text_offset = c.offset;
+        o.finish_reason = api_finish_reason(delta.reason);
+        if (!ex.write_chunk(stream_chunk(meta, o))) return fail(cs);
+      }
     }
     std::string tail;
-    if (delta.reason == FinishReason::Error || delta.reason == FinishReason::Cancelled) {
-      tail = stream_error(delta.reason == FinishReason::Error
-                              ? api_error(500, delta.error.empty() ? "generation failed" : delta.error)
-                              : api_error(503, delta.error.empty() ? "the request was cancelled"
-                                                                   : delta.error));
-    } else {
-      tail = stream_chunk(meta, "", {}, api_finish_reason(delta.reason), false, offset);
-      if (include_usage) tail += usage_chunk(meta, delta.prompt_tokens, delta.completion_tokens);
+    if (log) log->finished(cs);
+    if (failed) {
+      for (Choice& c : cs) c.ch->cancel();  // the others are not wanted any more
+      const std::string& err = failed_choice->last.error;
+      tail = stream_error(*failed == FinishReason::Error
+                              ? api_error(500, err.empty() ? "generation failed" : err)
+                              : api_error(503, err.empty() ? "the request was cancelled" : err));
+      if (log) log->status = *failed == FinishReason::Error ? 500 : 503;
+    } else if (include_usage) {
+      meta.density = mean_density(cs);
+      tail = usage_chunk(meta, log ? log->prompt_tokens : cs[0].last.prompt_tokens,
+                         log ? log->completion_tokens : cs[0].last.completion_tokens);
     }
     tail += stream_done();
-    if (!ex.write_chunk(tail)) return fail();
+    if (!ex.write_chunk(tail)) return fail(cs);
     ex.end_stream();
   }
-  void fail() { ch->cancel(); }
+  void fail(std::vector<Choice>& cs) {
+    for (Choice& c : cs) c.ch->cancel();
+    if (log) {
+      log->finished(cs);
+      log->status = 499;
+      log->finish = "client_gone";
+    }
+  }
 };
 
 // Longest text a single token decodes to: a prompt of B bytes has at least B / this many
@@ -226,13 +350,31 @@ std::vector<int32_t> HttpServer::Impl::chat_tokens(const std::vector<ApiMessage>
 
 void HttpServer::Impl::generate(HttpExchange& ex, ApiKind kind) {
   const HttpRequest& req = ex.request();
-  if (draining.load()) return send_error(ex, api_error(503, "the server is shutting down", "server_shutting_down"));
+  RequestLog log;
+  log.enabled = opt.log_requests;
+  log.path = req.path;
+  log.id = new_id(kind == ApiKind::Chat ? "chatcmpl-" : "cmpl-");
+  auto reject = [&](const ApiError& e) {
+    log.status = e.status;
+    log.finish = e.code.empty() ? "error" : e.code;
+    send_error(ex, e);
+  };
+  if (draining.load()) return reject(api_error(503, "the server is shutting down", "server_shutting_down"));
   ParseResult pr = kind == ApiKind::Chat ? parse_chat_request(req.body) : parse_completion_request(req.body);
-  if (!pr.ok()) return send_error(ex, pr.error);
+  if (!pr.ok()) return reject(pr.error);
   ApiRequest& a = *pr.request;
+  log.n = a.n;
+  log.stream = a.stream;
+  if (!a.model.empty() && a.model != opt.model_id) {
+    ApiError e = api_error(404, cat("The model '", a.model, "' does not exist: this server serves '",
+                                    opt.model_id, "' (GET /v1/models)"),
+                           "model_not_found", "model");
+    e.type = "invalid_request_error";  // OpenAI's shape for an unknown model
+    return reject(e);
+  }
   if (auto e = check_text_size(kind == ApiKind::Chat ? message_bytes(a.messages) : a.prompt.size(),
                                kind == ApiKind::Chat ? "messages" : "prompt"))
-    return send_error(ex, *e);
+    return reject(*e);
   const int32_t vocab = std::min<int32_t>(tok.vocab_size(), cfg.vocab);
 
   EngineRequest er;
@@ -244,22 +386,23 @@ void HttpServer::Impl::generate(HttpExchange& ex, ApiKind kind) {
       er.prompt = std::move(a.prompt_ids);
       for (int32_t id : er.prompt)
         if (id >= vocab)
-          return send_error(ex, api_error(400, cat("prompt token id ", id, " is outside the vocabulary [0, ",
-                                                    vocab, ")"), "invalid_value", "prompt"));
+          return reject(api_error(400, cat("prompt token id ", id, " is outside the vocabulary [0, ",
+                                           vocab, ")"), "invalid_value", "prompt"));
       if (a.echo) echo = tok.decode(er.prompt);
     } else {
       er.prompt = tok.encode(a.prompt, true, true);
       if (a.echo) echo = a.prompt;
     }
   } catch (const std::exception& e) {
-    return send_error(ex, api_error(400, cat(kind == ApiKind::Chat ? "cannot apply the chat template: "
-                                                                    : "cannot tokenize the prompt: ",
-                                              e.what()),
-                                     "invalid_value", kind == ApiKind::Chat ? "messages" : "prompt"));
+    return reject(api_error(400, cat(kind == ApiKind::Chat ? "cannot apply the chat template: "
+                                                           : "cannot tokenize the prompt: ",
+                                     e.what()),
+                            "invalid_value", kind == ApiKind::Chat ? "messages" : "prompt"));
   }
   if (er.prompt.empty())
-    return send_error(ex, api_error(400, "the prompt is empty (no tokens)", "invalid_value", "prompt"));
+    return reject(api_error(400, "the prompt is empty (no tokens)", "invalid_value", "prompt"));
   const int64_t P = int64_t(er.prompt.size()), ctx = sched.max_context();
+  log.prompt_tokens = P;
   if (a.max_tokens) {
     er.max_tokens = *a.max_tokens;
   } else {
@@ -271,42 +414,79 @@ void HttpServer::Impl::generate(HttpExchange& ex, ApiKind kind) {
   er.sampling.top_k = a.top_k > 0 ? int(std::min<int64_t>(a.top_k, vocab)) : 0;
   er.sampling.min_p = float(a.min_p);
   er.sampling.repetition_penalty = float(a.repetition_penalty);
-  er.sampling.seed = a.seed ? *a.seed : splitmix(salt ^ (counter.fetch_add(1) << 1));
   er.stop = std::move(a.stop);
   if (!a.ignore_eos) er.stop_ids = tok.eos_ids();
   for (int32_t id : a.stop_token_ids) {
     if (id >= vocab)
-      return send_error(ex, api_error(400, cat("stop token id ", id, " is outside the vocabulary"),
-                                       "invalid_value", "stop_token_ids"));
+      return reject(api_error(400, cat("stop token id ", id, " is outside the vocabulary"),
+                              "invalid_value", "stop_token_ids"));
     er.stop_ids.push_back(id);
   }
   er.logprobs = a.logprobs;
+  // The prompt's scores: echoed with logprobs (OpenAI's loglikelihood requests) and / or the
+  // prompt_logprobs extension; the engine computes the larger top k once.
+  const int echo_top = a.echo && a.logprobs >= 0 ? a.logprobs : -1;
+  er.prompt_logprobs = std::max(echo_top, a.prompt_logprobs);
+  const bool scored = er.prompt_logprobs >= 0;
+  std::string sparse_description;
   try {
     ResolvedSparse sp = sparse.resolve(a.sparse);
+    sparse_description = sp.description;
     er.method = sp.method;
     er.attention = std::move(sp.maker);
     er.device_method = std::move(sp.device_method);
   } catch (const std::exception& e) {
-    return send_error(ex, api_error(400, e.what(), "invalid_value", "sparse"));
+    return reject(api_error(400, e.what(), "invalid_value", "sparse"));
+  }
+  log.sparse = er.method;
+
+  PromptScores base;
+  if (scored) {
+    base.ids = er.prompt;
+    base.echo_top = echo_top;
+    base.prompt_top = a.prompt_logprobs;
+    // text_offset of each prompt token in the echoed text, decoded as it was: token ids with
+    // their special tokens (decode()), a text prompt without the ones encode() added.
+    base.offsets.resize(base.ids.size());
+    StreamDecoder dec(tok, /*skip_special=*/kind != ApiKind::Completion || !a.prompt_is_ids);
+    size_t at = 0;
+    for (size_t i = 0; i < base.ids.size(); ++i) {
+      base.offsets[i] = std::min(at, echo.size());
+      at += dec.push(base.ids[i]).size();
+    }
   }
 
-  std::shared_ptr<RequestChannel> ch;
-  try {
-    ch = sched.submit(std::move(er));
-  } catch (const SubmitError& e) {
-    HttpResponse r = error_response(api_error(e.status, e.what(), e.code));
-    if (e.status == 429 || e.status == 503) r.headers.emplace_back("Retry-After", "1");
-    return ex.respond(r);
+  // n choices: n engine requests, each an independent sample (seed + i when a seed is given).
+  std::vector<Choice> cs(size_t(a.n));
+  for (size_t i = 0; i < cs.size(); ++i) {
+    EngineRequest ri;
+    if (i + 1 < cs.size()) ri = er;
+    else ri = std::move(er);
+    ri.sampling.seed = a.seed ? *a.seed + i : splitmix(salt ^ (counter.fetch_add(1) << 1));
+    try {
+      cs[i].ch = sched.submit(std::move(ri));
+    } catch (const SubmitError& e) {
+      for (size_t j = 0; j < i; ++j) cs[j].ch->cancel();
+      HttpResponse r = error_response(api_error(e.status, e.what(), e.code));
+      if (e.status == 429 || e.status == 503) r.headers.emplace_back("Retry-After", "1");
+      log.status = e.status;
+      log.finish = e.code;
+      return ex.respond(r);
+    }
+    if (scored) cs[i].prompt = base;
   }
 
   ResponseMeta meta;
   meta.kind = kind;
-  meta.id = new_id(kind == ApiKind::Chat ? "chatcmpl-" : "cmpl-");
+  meta.id = log.id;
   meta.created = std::chrono::duration_cast<std::chrono::seconds>(
                      std::chrono::system_clock::now().time_since_epoch()).count();
   meta.model = opt.model_id;
   meta.logprobs = a.logprobs;
   meta.text = &text;
+  meta.sparse_method = log.sparse;
+  meta.sparse_options = a.sparse ? a.sparse->options : sparse.fallback().options;
+  meta.sparse_description = std::move(sparse_description);
 
   ++active;
   struct Done {
@@ -314,34 +494,68 @@ void HttpServer::Impl::generate(HttpExchange& ex, ApiKind kind) {
     ~Done() { --n; }
   } done{active};
   if (a.stream) {
+    log.status = 200;
     StreamState st;
-    st.ch = ch;
+    st.choices = &cs;
     st.meta = meta;
     st.include_usage = a.include_usage;
-    st.echo = std::move(echo);
+    st.echo = a.echo;
+    st.echo_text = std::move(echo);
+    st.scores = scored;
+    st.log = &log;
     st.run(ex);
     return;
   }
-  std::string out = std::move(echo);
-  std::vector<TokenLogprob> lps;
   RequestDelta d;
-  for (;;) {
-    if (ch->wait_take(d, kPoll)) {
-      out += d.text;
-      for (auto& l : d.logprobs) lps.push_back(std::move(l));
-      if (d.finished) break;
+  for (Choice& c : cs) {
+    while (!c.done) {
+      if (c.ch->wait_take(d, kPoll)) {
+        c.text += d.text;
+        for (auto& l : d.logprobs) c.lps.push_back(std::move(l));
+        for (auto& l : d.prompt_logprobs) c.prompt.scores.push_back(std::move(l));
+        if (d.finished) {
+          c.done = true;
+          c.last.reason = d.reason;
+          c.last.error = d.error;
+          c.last.prompt_tokens = d.prompt_tokens;
+          c.last.completion_tokens = d.completion_tokens;
+          c.last.density = d.density;
+          break;
+        }
+      }
+      if (ex.peer_gone()) {
+        for (Choice& o : cs) o.ch->cancel();  // the client left: nothing will be read
+        log.finished(cs);
+        log.status = 499;
+        log.finish = "client_gone";
+        return;
+      }
     }
-    if (ex.peer_gone()) {
-      ch->cancel();  // the client left: nothing will be read
-      return;
+    if (c.last.reason == FinishReason::Error || c.last.reason == FinishReason::Cancelled) {
+      for (Choice& o : cs) o.ch->cancel();
+      log.finished(cs);
+      const ApiError e = c.last.reason == FinishReason::Error
+                             ? api_error(500, c.last.error.empty() ? "generation failed" : c.last.error)
+                             : api_error(503, c.last.error.empty() ? "the request was cancelled" : c.last.error,
+                                         "server_shutting_down");
+      log.status = e.status;
+      return send_error(ex, e);
     }
   }
-  if (d.reason == FinishReason::Error)
-    return send_error(ex, api_error(500, d.error.empty() ? "generation failed" : d.error));
-  if (d.reason == FinishReason::Cancelled)
-    return send_error(ex, api_error(503, d.error.empty() ? "the request was cancelled" : d.error,
-                                    "server_shutting_down"));
-  ex.respond(json_response(full_response(meta, out, lps, d.reason, d.prompt_tokens, d.completion_tokens)));
+  log.finished(cs);
+  log.status = 200;
+  meta.density = mean_density(cs);
+  std::vector<ChoiceOut> outs(cs.size());
+  for (size_t i = 0; i < cs.size(); ++i) {
+    ChoiceOut& o = outs[i];
+    o.index = int(i);
+    o.text = echo + cs[i].text;
+    o.logprobs = &cs[i].lps;
+    o.text_offset = echo.size();
+    o.prompt = scored ? &cs[i].prompt : nullptr;
+    o.finish_reason = api_finish_reason(cs[i].last.reason);
+  }
+  ex.respond(json_response(full_response(meta, outs, log.prompt_tokens, log.completion_tokens)));
 }
 
 void HttpServer::Impl::tokenize(HttpExchange& ex) {

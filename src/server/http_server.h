@@ -32,6 +32,7 @@ struct ServerOptions {
   double keep_alive_seconds = 5;           // idle connection between requests
   double header_timeout_seconds = 10;      // a new connection's request header: else 408
   double io_timeout_seconds = 30;          // a request body; one stalled response write
+  bool log_requests = true;                // one stderr line per generation request (--quiet: off)
 };
 
 class HttpServer {

@@ -237,10 +237,10 @@ std::vector<ApiMessage> parse_messages(const json& obj) {
 }
 
 void reject_unsupported(const json& obj) {
-  for (const char* key : {"n", "best_of"}) {
-    auto v = get_int(obj, key, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max());
-    if (v && *v != 1) bad(key, cat("only '", key, "' = 1 is supported"), "unsupported_value");
-  }
+  const int64_t n = get_int(obj, "n", 1, kMaxChoices).value_or(1);
+  auto best_of = get_int(obj, "best_of", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max());
+  if (best_of && *best_of != 1 && *best_of != n)
+    bad("best_of", "only 'best_of' = 1 (or equal to 'n') is supported", "unsupported_value");
   for (const char* key : {"presence_penalty", "frequency_penalty"}) {
     double v = get_number(obj, key, 0, -2, 2);
     if (v != 0) bad(key, cat("'", key, "' is not supported (use 'repetition_penalty')"), "unsupported_value");
@@ -348,6 +348,7 @@ void parse_common(const json& obj, ApiRequest& r) {
   r.model = get_string(obj, "model", "");
   if (r.model.size() > 256) bad("model", "'model' is too long");
   reject_unsupported(obj);
+  r.n = get_int(obj, "n", 1, kMaxChoices).value_or(1);
   r.temperature = get_number(obj, "temperature", 1.0, 0.0, 2.0);
   r.top_p = get_number(obj, "top_p", 1.0, 0.0, 1.0);
   if (r.top_p <= 0.0) bad("top_p", "'top_p' must be greater than 0");
@@ -443,12 +444,12 @@ ParseResult parse_completion_request(std::string_view body) {
       bad("prompt", cat("'prompt' must be a string, an array of token ids, or a one-element "
                         "array of either, got ", type_name(*p)));
     }
-    r.max_tokens = get_int(obj, "max_tokens", 1, kMaxTokensLimit);
     r.echo = get_bool(obj, "echo", false);
+    r.max_tokens = get_int(obj, "max_tokens", 0, kMaxTokensLimit);
+    if (r.max_tokens && *r.max_tokens == 0 && !r.echo)
+      bad("max_tokens", "'max_tokens' must be at least 1 (0 only with 'echo': true, to score the prompt)");
     if (auto lp = get_int(obj, "logprobs", 0, kMaxLogprobs)) r.logprobs = int(*lp);
-    if (r.echo && r.logprobs >= 0)
-      bad("echo", "'echo' together with 'logprobs' (prompt logprobs) is not supported",
-          "unsupported_value");
+    if (auto lp = get_int(obj, "prompt_logprobs", 0, kMaxLogprobs)) r.prompt_logprobs = int(*lp);
     return r;
   });
 }
@@ -463,6 +464,10 @@ ParseResult parse_chat_request(std::string_view body) {
     r.add_generation_prompt = get_bool(obj, "add_generation_prompt", true);
     r.max_tokens = get_int(obj, "max_completion_tokens", 1, kMaxTokensLimit);
     if (!r.max_tokens) r.max_tokens = get_int(obj, "max_tokens", 1, kMaxTokensLimit);
+    if (get_bool(obj, "echo", false))
+      bad("echo", "'echo' is supported on /v1/completions only", "unsupported_value");
+    if (field(obj, "prompt_logprobs"))
+      bad("prompt_logprobs", "'prompt_logprobs' is supported on /v1/completions only", "unsupported_value");
     if (get_bool(obj, "logprobs", false))
       r.logprobs = int(get_int(obj, "top_logprobs", 0, kMaxLogprobs).value_or(0));
     else if (get_int(obj, "top_logprobs", 0, kMaxLogprobs).value_or(0) > 0)

@@ -45,12 +45,14 @@ struct ApiRequest {
   std::string prompt;
   std::vector<int32_t> prompt_ids;
   bool prompt_is_ids = false;
-  bool echo = false;
+  bool echo = false;                  // the prompt opens the text (and, with logprobs, the logprobs)
+  int prompt_logprobs = -1;           // vLLM's extension: < 0 off; else top k per prompt token
   // Chat.
   std::vector<ApiMessage> messages;
   bool add_generation_prompt = true;
   // Sampling and stopping.
-  std::optional<int64_t> max_tokens;  // absent: the endpoint's default
+  std::optional<int64_t> max_tokens;  // absent: the endpoint's default; 0 only with echo
+  int64_t n = 1;                      // choices: independent samples, 1 .. kMaxChoices
   double temperature = 1.0;
   double top_p = 1.0;
   int64_t top_k = 0;                  // <= 0: off
@@ -77,6 +79,7 @@ struct ParseResult {
 constexpr int kMaxStopStrings = 16;
 constexpr size_t kMaxStopBytes = 256;
 constexpr int kMaxLogprobs = 20;
+constexpr int64_t kMaxChoices = 16;  // 'n'
 constexpr int kMaxJsonDepth = 64;
 constexpr int64_t kMaxTokensLimit = int64_t(1) << 30;
 

@@ -6,7 +6,8 @@
 Runs against the tiny stories260k model (tests/fixtures/models/stories260k-hf) and, when
 models/SmolLM2-135M-Instruct.Q4_1.gguf is present, a couple of checks with its real chat
 template and UTF-8 output. Covers: completions and chat, streaming chunk format, stop
-strings, per-request sparse methods, logprobs, tokenize/detokenize, a negative suite of
+strings, per-request sparse methods, logprobs, n choices, echo / prompt logprobs with
+max_tokens 0, the 404 for an unknown model, the request log, tokenize/detokenize, a negative suite of
 malformed requests, API keys, client disconnects, a concurrent load test (KV pages all
 returned, checked through /metrics) and graceful shutdown on SIGTERM.
 """
@@ -27,6 +28,7 @@ from spade_client import Server, Stream, stream_all, wait_idle, repo_root  # noq
 ROOT = repo_root()
 STORIES = os.path.join(ROOT, "tests/fixtures/models/stories260k-hf")
 SMOLLM = os.path.join(ROOT, "models/SmolLM2-135M-Instruct.Q4_1.gguf")
+MODEL = "stories260k-hf"  # the name the server answers to (/v1/models; other names: 404)
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside "
          "in the park with her friends. ")
 
@@ -66,7 +68,7 @@ def health_models(srv):
 
 @test
 def completion(srv):
-    req = {"model": "x", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+    req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
     s, b, _ = srv.post("/v1/completions", req)
     check(s == 200, b)
     check(b["object"] == "text_completion" and b["id"].startswith("cmpl-"), b)
@@ -113,7 +115,7 @@ def completion_stream(srv):
 
 @test
 def chat(srv):
-    req = {"model": "x", "messages": [{"role": "system", "content": "Tell a story."},
+    req = {"model": MODEL, "messages": [{"role": "system", "content": "Tell a story."},
                                       {"role": "user", "content": "A girl and a dog"}],
            "max_tokens": 20, "temperature": 0}
     s, b, _ = srv.post("/v1/chat/completions", req)
@@ -152,10 +154,32 @@ def stop_strings(srv):
 def sparse_per_request(srv):
     before = srv.metrics()
     prompt = STORY * 3
-    for sp in ({"method": "streaming", "budget": 16}, {"method": "quest", "budget": 32}, "full"):
+    for sp in ({"method": "streaming", "budget": 16}, {"method": "quest", "budget": 32}, "full",
+               "streaming:budget=16"):
         s, b, _ = srv.post("/v1/completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0,
                                                "sparse": sp})
         check(s == 200 and b["usage"]["completion_tokens"] == 40, (sp, b))
+        # usage.sparse: the method, its options as given, its description, the density reached
+        u = b["usage"]["sparse"]
+        name = sp if isinstance(sp, str) and ":" not in sp else (sp["method"] if isinstance(sp, dict) else "streaming")
+        check(u["method"] == name, (sp, u))
+        if isinstance(sp, dict):
+            check(u["options"] == {"budget": str(sp["budget"])}, (sp, u))
+        check(name in u["description"], (sp, u))
+        if name == "full":
+            check(u["density"] == 1.0, u)
+        else:
+            check(0 < u["density"] < 0.9, (sp, u))
+    # the string form gives the same answer as the object
+    bodies = [srv.post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "sparse": sp})[1]
+              for sp in ({"method": "streaming", "budget": 16}, "streaming:budget=16")]
+    check(bodies[0]["choices"][0]["text"] == bodies[1]["choices"][0]["text"], bodies)
+    check(bodies[0]["usage"]["sparse"]["density"] == bodies[1]["usage"]["sparse"]["density"], bodies)
+    _, _, _, usage = stream_all(srv, "/v1/completions", {
+        "prompt": prompt, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+        "sparse": "streaming:budget=16"})
+    check(usage["sparse"]["method"] == "streaming" and usage["sparse"]["options"] == {"budget": "16"}, usage)
+    check(0 < usage["sparse"]["density"] < 0.9, usage)
     m = srv.metrics()
     for name in ("streaming", "quest", "full"):
         k = 'spade_sparse_requests_total{method="%s"}' % name
@@ -207,6 +231,189 @@ def logprobs(srv):
     check(len(c) == 4 and all(len(t["top_logprobs"]) == 2 and "bytes" in t for t in c), c)
 
 
+# ---------------------------------------------------------------- n, echo, prompt logprobs, model
+
+@test
+def n_choices(srv):
+    req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.5, "seed": 7,
+           "n": 3, "ignore_eos": True}
+    s, b, _ = srv.post("/v1/completions", req)
+    check(s == 200, b)
+    chs = b["choices"]
+    check([c["index"] for c in chs] == [0, 1, 2], chs)
+    check(all(c["finish_reason"] == "length" and c["text"] for c in chs), chs)
+    s, t, _ = srv.post("/tokenize", {"prompt": "Once upon a time"})
+    u = b["usage"]
+    check(u["prompt_tokens"] == t["count"], u)  # the prompt counted once
+    check(u["completion_tokens"] == 36 and u["total_tokens"] == t["count"] + 36, u)
+    # Independent samples: choice i is the request with seed + i.
+    texts = [c["text"] for c in chs]
+    check(len(set(texts)) > 1, "three seeded samples at temperature 1.5 all equal: %r" % texts)
+    for i in range(3):
+        s, single, _ = srv.post("/v1/completions", dict(req, n=1, seed=7 + i))
+        check(single["choices"][0]["text"] == texts[i], (i, single["choices"][0]["text"], texts[i]))
+    # Streaming: every chunk names its choice; the per-choice texts equal the whole response.
+    _, events, _, usage = stream_all(srv, "/v1/completions",
+                                     dict(req, stream=True, stream_options={"include_usage": True}))
+    check(events[-1] == "[DONE]", events[-1])
+    per, finish = {}, {}
+    for ev in events[:-1]:
+        for c in ev["choices"]:
+            per[c["index"]] = per.get(c["index"], "") + c["text"]
+            if c["finish_reason"]:
+                check(c["index"] not in finish, "two finish_reasons for choice %d" % c["index"])
+                finish[c["index"]] = c["finish_reason"]
+    check(per == {i: texts[i] for i in range(3)}, (per, texts))
+    check(finish == {0: "length", 1: "length", 2: "length"}, finish)
+    check(usage == u, (usage, u))
+    # Chat, greedy: n equal choices, streamed with a role chunk each.
+    creq = {"messages": [{"role": "user", "content": "A girl and a dog"}], "max_tokens": 8,
+            "temperature": 0, "n": 3}
+    s, c, _ = srv.post("/v1/chat/completions", creq)
+    check(s == 200 and len(c["choices"]) == 3, c)
+    contents = [x["message"]["content"] for x in c["choices"]]
+    check(len(set(contents)) == 1, contents)
+    _, events, _, _ = stream_all(srv, "/v1/chat/completions", dict(creq, stream=True))
+    roles = [x["index"] for ev in events[:-1] for x in ev["choices"] if x["delta"].get("role")]
+    check(sorted(roles) == [0, 1, 2], roles)
+    per = {}
+    for ev in events[:-1]:
+        for x in ev["choices"]:
+            per[x["index"]] = per.get(x["index"], "") + (x["delta"].get("content") or "")
+    check(per == {0: contents[0], 1: contents[0], 2: contents[0]}, per)
+    # Out of range: 400 naming n.
+    for n in (0, 17, -1):
+        s, e, _ = srv.post("/v1/completions", dict(req, n=n))
+        check_error(s, e, 400, "n")
+    s, e, _ = srv.post("/v1/chat/completions", dict(creq, n=0))
+    check_error(s, e, 400, "n")
+
+
+@test
+def echo_logprobs(srv):
+    """What lm-eval-harness's loglikelihood requests send: echo + logprobs + max_tokens 0."""
+    s, t, _ = srv.post("/tokenize", {"prompt": STORY})
+    ids = t["tokens"]
+    P = len(ids)
+    s, d, _ = srv.post("/detokenize", {"tokens": ids})  # token ids echo as they decode
+    for prompt, want_text in ((ids, d["prompt"]), ([ids], d["prompt"]), (STORY, STORY)):
+        s, b, _ = srv.post("/v1/completions", {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 2,
+                                               "max_tokens": 0, "temperature": 0})
+        check(s == 200, b)
+        ch = b["choices"][0]
+        check(ch["finish_reason"] == "length", ch)
+        check(ch["text"] == want_text, (ch["text"], want_text))
+        lp = ch["logprobs"]
+        for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            check(len(lp[k]) == P, "%s has %d entries, want %d (the prompt's tokens)" % (k, len(lp[k]), P))
+        check(lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None, lp["token_logprobs"][:2])
+        check(all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"][1:]), lp["token_logprobs"])
+        check(all(len(x) == 2 for x in lp["top_logprobs"][1:]), lp["top_logprobs"][:3])
+        # The best alternative is at least as likely as the prompt's token.
+        check(all(max(alt.values()) >= l - 1e-5 for alt, l in zip(lp["top_logprobs"][1:], lp["token_logprobs"][1:])),
+              "top_logprobs below the token's own")
+        check(lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] < len(ch["text"]),
+              lp["text_offset"])
+        # Each token (after the first word) sits at its text_offset in the echoed text.
+        text, off = ch["text"], lp["text_offset"]
+        check(all(text[off[i]:off[i] + len(lp["tokens"][i])] == lp["tokens"][i] for i in range(2, P)),
+              [(lp["tokens"][i], text[off[i]:off[i] + len(lp["tokens"][i])]) for i in range(P)][:6])
+        check(b["usage"]["prompt_tokens"] == P and b["usage"]["completion_tokens"] == 0, b["usage"])
+        # A well-trained story model finds its own story likely.
+        check(sum(lp["token_logprobs"][1:]) / (P - 1) > -3.0, "mean prompt logprob %f" %
+              (sum(lp["token_logprobs"][1:]) / (P - 1)))
+    scores = lp["token_logprobs"]
+    # echo with max_tokens > 0: the prompt, then the completion, in text and logprobs alike.
+    s, g, _ = srv.post("/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 1})
+    s, b, _ = srv.post("/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 1,
+                                           "echo": True})
+    ch = b["choices"][0]
+    check(ch["text"] == d["prompt"] + g["choices"][0]["text"], (ch["text"], g["choices"][0]["text"]))
+    lp = ch["logprobs"]
+    check(len(lp["tokens"]) == P + 6 and lp["token_logprobs"][0] is None, len(lp["tokens"]))
+    check(lp["tokens"][P:] == g["choices"][0]["logprobs"]["tokens"], lp["tokens"][P:])
+    check(all(abs(a - b_) < 1e-4 for a, b_ in zip(lp["token_logprobs"][1:P], scores[1:])), "prompt scores differ")
+    check(lp["text_offset"][P] == len(ch["text"]) - len(g["choices"][0]["text"]), lp["text_offset"][P - 1:])
+    # Streamed: the echoed prompt with its scores first, then the completion.
+    text, events, finish, _ = stream_all(srv, "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 0,
+                                                                  "max_tokens": 0, "stream": True})
+    first = events[0]["choices"][0]
+    check(first["logprobs"]["token_logprobs"][0] is None and len(first["logprobs"]["tokens"]) == P, first)
+    check(text == d["prompt"] and finish == "length", (text, finish))
+    # Without echo, max_tokens 0 stays a 400.
+    s, e, _ = srv.post("/v1/completions", {"prompt": ids, "logprobs": 1, "max_tokens": 0})
+    check_error(s, e, 400, "max_tokens")
+
+
+@test
+def prompt_logprobs(srv):
+    s, t, _ = srv.post("/tokenize", {"prompt": "Once upon a time, there was a little girl"})
+    ids = t["tokens"]
+    s, b, _ = srv.post("/v1/completions", {"prompt": ids, "prompt_logprobs": 3, "max_tokens": 4, "temperature": 0})
+    check(s == 200, b)
+    ch = b["choices"][0]
+    pl = ch["prompt_logprobs"]
+    check(len(pl) == len(ids) and pl[0] is None, pl[:2])
+    s, e, _ = srv.post("/v1/completions", {"prompt": ids, "echo": True, "logprobs": 3, "max_tokens": 0})
+    echoed = e["choices"][0]["logprobs"]
+    for i in range(1, len(ids)):
+        entry = pl[i]
+        own = entry[str(ids[i])]
+        check(abs(own["logprob"] - echoed["token_logprobs"][i]) < 1e-4, (i, own, echoed["token_logprobs"][i]))
+        check(own["rank"] >= 1 and isinstance(own["decoded_token"], str), own)
+        # The prompt's token and the top 3 (ranks 1-3), the token listed once.
+        check(len(entry) == (3 if own["rank"] <= 3 else 4), entry)
+        check(sorted(v["rank"] for v in entry.values())[:3] == [1, 2, 3], entry)
+    check(ch["logprobs"] is None and b["usage"]["completion_tokens"] == 4, ch)
+    # Chat has no prompt_logprobs.
+    s, e, _ = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1})
+    check_error(s, e, 400, "prompt_logprobs")
+
+
+@test
+def unknown_model(srv):
+    for path, body in (("/v1/completions", {"model": "gpt-4", "prompt": "Once"}),
+                       ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})):
+        s, b, _ = srv.post(path, body)
+        check(s == 404, (s, b))
+        check(b == {"error": {"message": b["error"]["message"], "type": "invalid_request_error", "param": "model",
+                              "code": "model_not_found"}}, b)
+        check("gpt-4" in b["error"]["message"] and MODEL in b["error"]["message"], b)
+    s, b, _ = srv.post("/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 2})
+    check(s == 200, b)
+    s, b, _ = srv.post("/v1/completions", {"prompt": "Once", "max_tokens": 2})  # no model: the served one
+    check(s == 200 and b["model"] == MODEL, b)
+
+
+@test
+def request_log(srv, args):
+    """One stderr line per finished generation request; --quiet turns them off."""
+    s, b, _ = srv.post("/v1/completions", {"prompt": "Once", "max_tokens": 3, "temperature": 0, "n": 2})
+    rid = b["id"]
+    s, e, _ = srv.post("/v1/completions", {"prompt": "Once", "model": "nope"})
+    deadline = time.time() + 5
+    lines = []
+    while time.time() < deadline:
+        lines = [l for l in srv.log if "[spade] request " in l]
+        if any("id=%s " % rid in l for l in lines) and any("status=404" in l for l in lines):
+            break
+        time.sleep(0.05)
+    mine = [l for l in lines if "id=%s " % rid in l]
+    check(len(mine) == 1, "log lines for %s: %r" % (rid, mine))
+    f = dict(kv.split("=", 1) for kv in mine[0].split()[2:])
+    check(f["method"] == "POST" and f["path"] == "/v1/completions" and f["status"] == "200", f)
+    check(f["finish"] == "length,length" and f["prompt_tokens"] == str(b["usage"]["prompt_tokens"]), f)
+    check(f["completion_tokens"] == "6" and float(f["latency_ms"]) >= 0 and f["n"] == "2", f)
+    check(any("status=404" in l and "finish=model_not_found" in l for l in lines), lines[-3:])
+    quiet = Server(args.spade, STORIES, ["--quiet", "--max-batch", "2"], tokenizer=args.tokenizer)
+    try:
+        s, b, _ = quiet.post("/v1/completions", {"prompt": "Once", "max_tokens": 2})
+        check(s == 200, b)
+    finally:
+        quiet.stop()
+    check(not any("[spade] request " in l for l in quiet.log), "--quiet still logs requests")
+
+
 @test
 def tokenize_roundtrip(srv):
     s, b, _ = srv.post("/tokenize", {"prompt": "Once upon a time"})
@@ -231,7 +438,9 @@ def malformed_requests(srv):
         (b'{"prompt": "x", "max_tokens": 123456789012345678901234567890}', 400),
         (b'{"prompt": "x", "max_tokens": 100000}', 400),  # beyond the context
         (b'{"prompt": "x", "temperature": 1e308}', 400), (b'{"prompt": "x", "top_p": -1}', 400),
-        (b'{"prompt": "x", "n": 3}', 400), (b'{"prompt": "x", "stop": [1, 2]}', 400),
+        (b'{"prompt": "x", "n": 0}', 400), (b'{"prompt": "x", "n": 17}', 400),
+        (b'{"prompt": "x", "max_tokens": 0}', 400),  # 0 only with echo
+        (b'{"prompt": "x", "prompt_logprobs": 21}', 400), (b'{"prompt": "x", "stop": [1, 2]}', 400),
         (b'{"prompt": "x", "stream": "true"}', 400), (b'{"prompt": [1, 2, 999999]}', 400),
         (b'{"prompt": [-3]}', 400), (b'{"prompt": ["a", "b"]}', 400), (b'{"prompt": []}', 400),
         (b'{"prompt": "x", "sparse": 7}', 400), (b'{"prompt": "x", "logprobs": 99}', 400),
@@ -243,7 +452,8 @@ def malformed_requests(srv):
     for body, want in bad:
         s, b, _ = srv.post("/v1/completions", body)
         check_error(s, b, want)
-    chat_bad = [b'{"messages": "hi"}', b'{"messages": []}', b'{"messages": [{"role": "user"}], "n": 2}',
+    chat_bad = [b'{"messages": "hi"}', b'{"messages": []}', b'{"messages": [{"role": "user"}], "n": 0}',
+                b'{"messages": [{"role": "user", "content": "x"}], "echo": true}',
                 b'{"messages": [{"role": "user", "content": 5}]}', b'{"prompt": "x"}',
                 b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}']
     for body in chat_bad:

@@ -277,7 +277,7 @@ void GpuMethod::plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n) {
   bool decode = true;
   for (int i = 0; i < n; ++i) decode = decode && seqs[i].n_tokens == 1;
   if (!sp.selects() || !decode || sp.dense_layers >= c.n_layers) {
-    if (decode) count_rows(seqs, n);
+    count_rows(seqs, n);
     return;
   }
   const bool quest = sp.quest_base();
@@ -342,7 +342,7 @@ void GpuMethod::count_rows(const SeqInput* seqs, int n) {
   using Role = sparse::LayerSchedule::Role;
   for (int i = 0; i < n; ++i) {
     auto* g = dynamic_cast<GpuRequestState*>(seqs[i].device_state);
-    if (!g) continue;
+    if (!g || seqs[i].n_tokens != 1) continue;  // decode rows only (a prefill chunk is dense)
     const int64_t L = seqs[i].pages->length + 1;
     if (!sparse_step_) {
       g->attended += int64_t(NL) * Hkv * L;

@@ -148,7 +148,8 @@ class GpuMethod {
                     float scale);
   void ld_layer(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
   void lc_prepare(const SeqInput* seqs, int n, bool& any_sparse, std::vector<int>& max_entries);
-  void count_rows(const SeqInput* seqs, int n);  // each request's decode rows of this step
+  // Each decoding request's rows of this step (dense attention when the step's lists are off).
+  void count_rows(const SeqInput* seqs, int n);
   void lc_layer(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
   static size_t lc_arena_bytes(const GpuMethodContext& ctx, const CudaSparse& sp);
   static int64_t lc_list_entries(const GpuMethodContext& ctx, const CudaSparse& sp);
