@@ -12,12 +12,8 @@
 #include "args.h"
 #include "command.h"
 #include "core/thread_pool.h"
+#include "engine/runner.h"
 #include "engine/scheduler.h"
-#include "engine/step_model.h"
-#include "model/cpu_model.h"
-#if defined(SPADE_HAVE_CUDA)
-#include "model/cuda_step_model.h"
-#endif
 #include "model/loader.h"
 #include "server/http_server.h"
 #include "server/sparse_adapter.h"
@@ -145,57 +141,28 @@ int run(int argc, char** argv) {
   }
   if (a.has("--budget")) sc.set("budget", a.str("--budget"));
   if (a.has("--sparse-opt")) sc.set_options(a.str("--sparse-opt"));
-  std::unique_ptr<KVPool> kv;
-  std::unique_ptr<CpuModel> cpu_model;
-  std::unique_ptr<StepModel> model;
-#if defined(SPADE_HAVE_CUDA)
-  std::unique_ptr<CudaModel> gpu_model;
-#endif
-  double kv_mib = 0;
-  if (device == "cuda") {
-#if defined(SPADE_HAVE_CUDA)
-    CudaModelOptions copt;
-    copt.kv_pages = pages;
-    copt.page_size = layout.page_size;
-    copt.max_batch = so.max_batch;
-    copt.deterministic = a.has("--deterministic");
-    so.max_step_tokens = std::max<int64_t>(so.max_step_tokens, so.max_batch);
-    copt.max_step_tokens = so.max_step_tokens;
-    // CudaModel's default logit rows; the scheduler cuts prompt-scoring chunks to fit them.
-    copt.max_logit_rows = std::max<int64_t>(so.max_batch, 64);
-    so.max_logit_rows = copt.max_logit_rows;
-    // The server's method runs inside the GPU model for every request.
-    SPADE_CHECK(!sc.measure_recall, "--recall is CPU-only (spade serve --device cpu)");
-    copt.sparse = cuda_sparse_config(sc, cfg, layout.page_size);
-    // Requests may name any GPU method: keep every method's per-page data (Quest's page
-    // min/max, the INT4 keys Twilight reads) on every append.
-    copt.any_method = true;
-    gpu_model = std::make_unique<CudaModel>(*weights, copt);
-    model = std::make_unique<CudaStepModel>(*gpu_model);
-    kv_mib = double(pages) * layout.page_size * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * 2 / (1024.0 * 1024.0);
-#else
-    fail("--device cuda: this build has no CUDA backend");
-#endif
-  } else {
-    kv = std::make_unique<KVPool>(layout, pages);
-    cpu_model = std::make_unique<CpuModel>(*weights, *kv);
-    model = std::make_unique<CpuStepModel>(*cpu_model);
-    kv_mib = double(kv->bytes()) / (1024.0 * 1024.0);
-  }
+  RunnerOptions ro;
+  ro.device = device;
+  ro.kv_pages = pages;
+  ro.page_size = layout.page_size;
+  ro.max_batch = so.max_batch;
+  ro.max_step_tokens = so.max_step_tokens;
+  ro.deterministic = a.has("--deterministic");
+  ro.sparse = sc;
+  Runner runner = make_runner(*weights, ro);
+  StepModel* model = runner.model.get();
+  so.max_step_tokens = runner.max_step_tokens;
+  so.max_logit_rows = runner.max_logit_rows;  // the scheduler cuts prompt-scoring chunks to fit
+  const double kv_mib = runner.kv_mib;
 
   server::SparseSpec fallback;
   fallback.method = sc.method;
   for (auto& [k, v] : sc.options) fallback.options.emplace_back(k, v);
   if (sc.measure_recall) fallback.options.emplace_back("recall", "1");
-  server::SparseMethods::DeviceCheck device_check;
-#if defined(SPADE_HAVE_CUDA)
-  if (!kv)  // the checks and defaults the GPU model applies when it adds the method
-    device_check = [&cfg, P = layout.page_size](const sparse::SparseConfig& c) {
-      (void)cuda_sparse_config(c, cfg, P);
-    };
-#endif
-  server::SparseMethods methods(cfg, kv.get(), fallback, kv ? std::string() : model->device(),
-                                std::move(device_check));
+  // A host pool: CPU sparse sessions per request; none: the runner runs each request's method.
+  server::SparseMethods methods(cfg, runner.host_pool, fallback,
+                                runner.host_pool ? std::string() : model->device(),
+                                runner.check_method);
 
   server::TokenizerText text(*tok);
   Scheduler sched(*model, text, so);

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "model/cpu_model.h"
 #include "sparse/method.h"
+#include "sparse/options.h"
 
 namespace spade {
 

@@ -1,0 +1,40 @@
+#include "engine/runner.h"
+
+#include "core/error.h"
+#include "model/cpu_model.h"
+
+namespace spade {
+
+namespace {
+struct CpuParts {
+  std::unique_ptr<KVPool> kv;
+  std::unique_ptr<CpuModel> model;
+};
+}  // namespace
+
+Runner make_runner(const ModelWeights& w, const RunnerOptions& opt) {
+  SPADE_CHECK(opt.kv_pages >= 1, "runner: the KV cache needs at least one page");
+  SPADE_CHECK(opt.page_size >= 1, "runner: page size must be positive");
+  if (opt.device == "cuda") {
+#if defined(SPADE_HAVE_CUDA)
+    return make_cuda_runner(w, opt);
+#else
+    fail("--device cuda: this build has no CUDA backend");
+#endif
+  }
+  SPADE_CHECK(opt.device == "cpu", "--device must be cpu or cuda, got '", opt.device, "'");
+  const ModelConfig& c = w.config;
+  auto parts = std::make_shared<CpuParts>();
+  parts->kv = std::make_unique<KVPool>(KVLayout{c.n_layers, c.n_kv_heads, c.head_dim, opt.page_size},
+                                       opt.kv_pages);
+  parts->model = std::make_unique<CpuModel>(w, *parts->kv);
+  Runner r;
+  r.model = std::make_unique<CpuStepModel>(*parts->model);
+  r.host_pool = parts->kv.get();
+  r.kv_mib = double(parts->kv->bytes()) / (1024.0 * 1024.0);
+  r.max_step_tokens = opt.max_step_tokens;
+  r.owned = std::move(parts);
+  return r;
+}
+
+}  // namespace spade

@@ -1,0 +1,48 @@
+// One factory for the scheduler's model runner: `device` picks CpuModel over a host KV pool
+// or CudaModel (CUDA builds), so front ends build a runner without branching on the device.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "engine/step_model.h"
+#include "kv/kv_pool.h"
+#include "model/weights.h"
+#include "sparse/options.h"
+
+namespace spade {
+
+struct RunnerOptions {
+  std::string device = "cpu";  // "cpu" or "cuda"
+  int64_t kv_pages = 0;        // pages of page_size tokens (> 0)
+  int page_size = 16;
+  int max_batch = 32;          // sequences per step
+  int64_t max_step_tokens = 2048;
+  int64_t max_logit_rows = 0;  // cuda: logit rows per step (0: max(max_batch, 64))
+  bool deterministic = false;  // cuda: decode attention with the static schedule only
+  sparse::SparseConfig sparse;  // the runner's own method (cuda: inside the model)
+  bool per_request_methods = true;  // cuda: methods added per request (keeps their page data)
+};
+
+struct Runner {
+  std::shared_ptr<void> owned;    // the model and pool behind `model` (destroyed last)
+  std::unique_ptr<StepModel> model;
+  // The host pool sparse sessions read (cpu), or null: the runner attends itself (cuda).
+  KVPool* host_pool = nullptr;
+  double kv_mib = 0;              // the KV cache's size
+  int64_t max_logit_rows = 0;     // what one step may ask for (0: no limit)
+  int64_t max_step_tokens = 0;    // tokens per step the runner takes (>= the options')
+  // cuda: throws for a method the runner cannot add for a request (the checks it applies).
+  std::function<void(const sparse::SparseConfig&)> check_method;
+};
+
+// Throws spade::Error for an unknown device, a build without it, or options it cannot run
+// (its own method, GPU memory).
+Runner make_runner(const ModelWeights& weights, const RunnerOptions& opt);
+
+#if defined(SPADE_HAVE_CUDA)
+Runner make_cuda_runner(const ModelWeights& weights, const RunnerOptions& opt);  // model/cuda_runner.cpp
+#endif
+
+}  // namespace spade
