@@ -403,7 +403,8 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   SPADE_CHECK(R <= max_rows_, "CUDA forward: ", R, " logit rows (limit ", max_rows_, ")");
   // Reserve pages first; undo on failure.
   {
-    std::vector<size_t> before;
+    std::vector<size_t>& before = pages_before_;  // kept: no allocation once warm
+    before.clear();
     try {
       for (const SeqInput& s : batch) {
         before.push_back(s.pages->pages.size());
@@ -430,9 +431,12 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   for (size_t i = 0; i < B; ++i) order_[i] = int(i);
   bool one_method = true;
   for (size_t i = 1; i < B; ++i) one_method = one_method && method_of_seq_[i] == method_of_seq_[0];
-  if (!one_method)
-    std::stable_sort(order_.begin(), order_.end(),
-                     [&](int a, int b) { return method_of_seq_[size_t(a)] < method_of_seq_[size_t(b)]; });
+  if (!one_method) {  // a counting sort by method id (stable; the vectors are kept)
+    method_count_.assign(methods_.size() + 1, 0);
+    for (size_t i = 0; i < B; ++i) ++method_count_[size_t(method_of_seq_[i]) + 1];
+    for (size_t m = 1; m < method_count_.size(); ++m) method_count_[m] += method_count_[m - 1];
+    for (size_t i = 0; i < B; ++i) order_[size_t(method_count_[size_t(method_of_seq_[i])]++)] = int(i);
+  }
   tok_start_.resize(B);
   aseq_.resize(B);
   group_inputs_.resize(B);

@@ -174,6 +174,8 @@ class CudaModel {
   std::vector<Group> groups_;
   std::vector<int> order_, method_of_seq_;   // step order -> batch index; batch index -> method
   std::vector<int64_t> tok_start_;           // batch index -> first token row
+  std::vector<int> method_count_;            // the counting sort's buckets
+  std::vector<size_t> pages_before_;         // reserve(): each sequence's pages before the step
   std::vector<SeqInput> group_inputs_;       // the step's SeqInputs in step order
   std::vector<cuda::AttnSeq> aseq_;
   GpuPageHooks hooks_;                       // per-page data kept on every append

@@ -270,7 +270,8 @@ void GpuMethod::plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n) {
   const ModelConfig& c = ctx_.cfg;
   const int P = ctx_.page_size;
   cudaStream_t st = S_(ctx_.stream);
-  attn_->plan(std::vector<cuda::AttnSeq>(aseq, aseq + n), st, 0, /*wait=*/false);
+  plan_aseq_.assign(aseq, aseq + n);  // kept: no allocation once warm
+  attn_->plan(plan_aseq_, st, 0, /*wait=*/false);
   const CudaSparse& sp = sp_;
   sparse_step_ = false;
   lc_sync_.clear();

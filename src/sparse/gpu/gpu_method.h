@@ -214,6 +214,7 @@ class GpuMethod {
   std::vector<cuda::LcInsert> lc_ins_;
   // This step.
   std::vector<cuda::SparseSeq> plan_seqs_;
+  std::vector<cuda::AttnSeq> plan_aseq_;
   std::vector<int> plan_max_entries_, plan_kept_max_;
   bool sparse_step_ = false;
   int step_B_ = 0;
