@@ -676,10 +676,12 @@ TEST(BlasstOptions, LambdaSourcesAndConfigFile) {
     std::ofstream f(pre);
     f << R"({"method": "blasst", "a": 700, "phase": "prefill"})";
   }
-  auto both = as_blasst(*make("blasst:config=" + path + "," + pre, cfg));
+  const auto both_method = make("blasst:config=" + path + "," + pre, cfg);  // keeps it alive
+  auto both = as_blasst(*both_method);
   EXPECT_NEAR(both->log_lambda(3000), std::log(1.5 / 3000), 1e-6);
   EXPECT_NEAR(both->log_lambda(3000, true), std::log(700.0 / 3000), 1e-6);
-  auto a2 = as_blasst(*make("blasst:a=2", cfg));
+  const auto a2_method = make("blasst:a=2", cfg);
+  auto a2 = as_blasst(*a2_method);
   EXPECT_NEAR(a2->log_lambda(4000, true), std::log(2.0 / 4000), 1e-6);
   EXPECT_NEAR(as_blasst(*make("blasst:a=2,prefill_a=300", cfg))->log_lambda(3000, true),
               std::log(0.1), 1e-6);

@@ -14,18 +14,34 @@
 #include "sparse/session.h"
 #include "test_util.h"
 
-// Counts operator new calls made by the current thread while counting is on.
+// Counts operator new calls made by the current thread while counting is on. The whole
+// replaceable family (plain, array, nothrow, sized) goes through malloc / free, so that no
+// allocation made by one form is released by another (AddressSanitizer's
+// alloc-dealloc-mismatch); the aligned forms keep the library's own pair.
 namespace {
 thread_local bool g_count_allocs = false;
 std::atomic<int64_t> g_allocs{0};
+void* counted_alloc(std::size_t n) noexcept {
+  if (g_count_allocs) g_allocs.fetch_add(1);
+  return std::malloc(n ? n : 1);
+}
 }  // namespace
 void* operator new(std::size_t n) {
-  if (g_count_allocs) g_allocs.fetch_add(1);
-  if (void* p = std::malloc(n ? n : 1)) return p;
+  if (void* p = counted_alloc(n)) return p;
   throw std::bad_alloc();
 }
+void* operator new[](std::size_t n) {
+  if (void* p = counted_alloc(n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return counted_alloc(n); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return counted_alloc(n); }
 void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 using namespace spade;
 using namespace spade::sparse;
