@@ -54,8 +54,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
-  SPADE_CHECK(a.positional().empty(), "unexpected argument '", a.positional().front(),
-              "': chat reads messages from stdin");
+  a.no_positionals();
+  (void)sampling_from_args(a, 0.7);  // flags checked before the model loads
   nlohmann::json extra = nlohmann::json::object();
   if (a.has("--thinking")) {
     const std::string t = a.str("--thinking");

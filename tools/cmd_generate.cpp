@@ -29,19 +29,19 @@ namespace {
 
 const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --prompt-file F) [options]
 
-  --model PATH          GGUF file or Hugging Face model directory
-  --prompt TEXT         prompt text
+  -m, --model PATH      GGUF file or Hugging Face model directory
+  -p, --prompt TEXT     prompt text
   --prompt-file F       read the prompt from a file
   --chat                wrap the prompt as a user message with the model's chat template
   --system TEXT         system message (with --chat)
   -n, --max-tokens N    tokens to generate (default 128)
-  --temperature T       0 = greedy (default 0)
+  --temperature, --temp T   0 = greedy (default 0; at most 100)
   --top-k K             (default 0 = off)      --top-p P   (default 1 = off)
   --min-p P             (default 0 = off)      --repeat-penalty R (default 1 = off)
   --seed S              RNG seed (default 0)
   --no-bos              do not add the BOS token
   --ignore-eos          keep generating after end-of-sequence tokens
-  --threads N           CPU threads (default: all cores)
+  -t, --threads N       CPU threads (default: all cores)
   --page-size N         KV cache page size in tokens (default 16)
   --prefill-chunk N     prompt tokens per forward pass (default 1024)
   --stats               print token counts and speeds to stderr; with a sparse method also
@@ -211,6 +211,8 @@ int run(int argc, char** argv) {
     std::fputs(help_text().c_str(), stdout);
     return 0;
   }
+  a.no_positionals();
+  (void)sampling_from_args(a, 0);  // flags checked before the model loads
   // Sparse configuration: JSON file, then flags.
   sparse::SparseConfig scfg;
   if (a.has("--sparse-config")) scfg.merge_json_file(a.str("--sparse-config"));

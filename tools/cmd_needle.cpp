@@ -84,6 +84,7 @@ int run(int argc, char** argv) {
     std::fputs(sparse::methods_help().c_str(), stdout);
     return 0;
   }
+  a.no_positionals();
   for (const char* req : {"--model", "--haystack-file", "--needle", "--question"})
     SPADE_CHECK(a.has(req), req, " is required (see --help)");
   if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));

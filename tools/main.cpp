@@ -6,6 +6,7 @@
 
 #include "command.h"
 #include "core/error.h"
+#include "spade_version.h"  // generated: SPADE_VERSION, SPADE_COMMIT
 
 namespace spade::cli {
 std::map<std::string, Command>& commands() {
@@ -22,6 +23,10 @@ static void usage() {
 }
 
 int main(int argc, char** argv) {
+  if (argc >= 2 && (!std::strcmp(argv[1], "--version") || !std::strcmp(argv[1], "version"))) {
+    std::printf("spade %s (commit %s)\n", SPADE_VERSION, SPADE_COMMIT);
+    return 0;
+  }
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage();
     return argc < 2 ? 2 : 0;

@@ -1,6 +1,7 @@
 // The sampling flags shared by `spade generate` and `spade chat`:
 // --temperature --top-k --top-p --min-p --repeat-penalty --seed.
 #pragma once
+#include <cmath>
 #include <cstdint>
 
 #include "args.h"
@@ -16,6 +17,16 @@ inline SamplingParams sampling_from_args(const Args& a, double default_temperatu
   s.min_p = float(a.number("--min-p", 0));
   s.repetition_penalty = float(a.number("--repeat-penalty", 1));
   s.seed = uint64_t(a.integer("--seed", 0));
+  // Ranges, as the server checks them: a value outside is an error, never clamped.
+  SPADE_CHECK(std::isfinite(s.temperature) && s.temperature >= 0.f && s.temperature <= 100.f,
+              "--temperature must be in [0, 100], got ", a.str("--temperature"));
+  SPADE_CHECK(s.top_k >= 0, "--top-k must be >= 0 (0: off), got ", a.str("--top-k"));
+  SPADE_CHECK(std::isfinite(s.top_p) && s.top_p > 0.f && s.top_p <= 1.f,
+              "--top-p must be in (0, 1], got ", a.str("--top-p"));
+  SPADE_CHECK(std::isfinite(s.min_p) && s.min_p >= 0.f && s.min_p <= 1.f,
+              "--min-p must be in [0, 1], got ", a.str("--min-p"));
+  SPADE_CHECK(std::isfinite(s.repetition_penalty) && s.repetition_penalty > 0.f,
+              "--repeat-penalty must be > 0, got ", a.str("--repeat-penalty"));
   return s;
 }
 

@@ -1,0 +1,78 @@
+// tools/args.h: the CLI's option parser (unknown options are errors, short or long; the
+// aliases llama.cpp users type) and tools/sampling_args.h's ranges.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "../tools/args.h"
+#include "../tools/sampling_args.h"
+
+namespace spade::cli {
+namespace {
+
+struct Argv {
+  explicit Argv(std::vector<std::string> a) : s(std::move(a)) {
+    s.insert(s.begin(), "spade-cmd");
+    for (auto& x : s) p.push_back(x.data());
+  }
+  int argc() { return int(p.size()); }
+  char** argv() { return p.data(); }
+  std::vector<std::string> s;
+  std::vector<char*> p;
+};
+
+Args parse(std::vector<std::string> a) {
+  Argv v(std::move(a));
+  return Args(v.argc(), v.argv(),
+              {"--model", "--prompt", "-n", "--max-tokens", "--temperature", "--top-p", "--threads",
+               "--top-k", "--min-p", "--repeat-penalty", "--seed"},
+              {"--help", "--stats"});
+}
+
+std::string error_of(std::vector<std::string> a) {
+  try {
+    Args x = parse(std::move(a));
+    x.no_positionals();
+    sampling_from_args(x, 0);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(CliArgs, ShortAliasesOfLongOptions) {
+  Args a = parse({"-m", "M.gguf", "-p", "Hi", "-n", "4", "-t", "2", "--temp", "0.5"});
+  EXPECT_EQ(a.str("--model"), "M.gguf");
+  EXPECT_EQ(a.str("--prompt"), "Hi");
+  EXPECT_EQ(a.integer("-n", 0), 4);
+  EXPECT_EQ(a.integer("--threads", 0), 2);
+  EXPECT_DOUBLE_EQ(a.number("--temperature", 0), 0.5);
+  Args b = parse({"--temp=0.25", "--model=x"});
+  EXPECT_DOUBLE_EQ(b.number("--temperature", 0), 0.25);
+  EXPECT_EQ(b.str("--model"), "x");
+  a.no_positionals();
+}
+
+TEST(CliArgs, UnknownOptionsAndStrayWordsAreErrors) {
+  EXPECT_NE(error_of({"-Z"}).find("unknown option '-Z'"), std::string::npos) << error_of({"-Z"});
+  EXPECT_NE(error_of({"-c", "2048"}).find("unknown option '-c'"), std::string::npos);
+  EXPECT_NE(error_of({"--ctx"}).find("unknown option '--ctx'"), std::string::npos);
+  EXPECT_NE(error_of({"-m", "M", "stray"}).find("unexpected argument 'stray'"), std::string::npos);
+  EXPECT_EQ(error_of({"-m", "M", "--", "-5"}).find("unknown option"), std::string::npos);
+}
+
+TEST(CliArgs, SamplingRangesAreChecked) {
+  EXPECT_NE(error_of({"--top-p", "2"}).find("--top-p must be in (0, 1]"), std::string::npos);
+  EXPECT_NE(error_of({"--top-p", "0"}).find("--top-p"), std::string::npos);
+  EXPECT_NE(error_of({"--temperature", "-1"}).find("--temperature must be in [0, 100]"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--temperature", "nan"}).find("--temperature"), std::string::npos);
+  EXPECT_NE(error_of({"--top-k", "-3"}).find("--top-k"), std::string::npos);
+  EXPECT_NE(error_of({"--min-p", "1.5"}).find("--min-p"), std::string::npos);
+  EXPECT_NE(error_of({"--repeat-penalty", "0"}).find("--repeat-penalty"), std::string::npos);
+  EXPECT_EQ(error_of({"--top-p", "0.9", "--temperature", "0.7", "--top-k", "40"}), "");
+}
+
+}  // namespace
+}  // namespace spade::cli
