@@ -469,12 +469,32 @@ TEST(Scheduler, MethodFailingMidStepFailsOnlyThatRequest) {
   EXPECT_EQ(f.kv.used_pages(), 0);
 }
 
+// The StepModel plumbing of a test runner over a CpuModel and its pool; the runners below
+// override what they observe or change.
+class CpuBackedRunner : public StepModel {
+ public:
+  explicit CpuBackedRunner(CpuModel& m) : m_(m) {}
+  const ModelConfig& config() const override { return m_.config(); }
+  const std::vector<float>& forward(const std::vector<SeqInput>& batch,
+                                    std::vector<int64_t>& row_of) override {
+    return m_.forward(batch, row_of);
+  }
+  int page_size() const override { return m_.kv().layout().page_size; }
+  int64_t total_pages() const override { return m_.kv().n_pages(); }
+  int64_t free_pages() const override { return m_.kv().free_pages(); }
+  void release(PageTable& pt) override { m_.kv().release(pt); }
+  bool supports_attention_callbacks() const override { return true; }
+  std::string device() const override { return "test runner"; }
+
+ protected:
+  CpuModel& m_;
+};
+
 // A runner that "samples on the device" (greedy over the CPU model's logits), recording what
 // the scheduler asked of it: the path a CUDA server takes, checked without a GPU.
-class DeviceSamplingRunner final : public StepModel {
+class DeviceSamplingRunner final : public CpuBackedRunner {
  public:
-  explicit DeviceSamplingRunner(CpuModel& m) : m_(m) {}
-  const ModelConfig& config() const override { return m_.config(); }
+  explicit DeviceSamplingRunner(CpuModel& m) : CpuBackedRunner(m) {}
   const std::vector<float>& forward(const std::vector<SeqInput>& batch,
                                     std::vector<int64_t>& row_of) override {
     ++host_steps;
@@ -494,18 +514,11 @@ class DeviceSamplingRunner final : public StepModel {
     }
     return out_;
   }
-  int page_size() const override { return m_.kv().layout().page_size; }
-  int64_t total_pages() const override { return m_.kv().n_pages(); }
-  int64_t free_pages() const override { return m_.kv().free_pages(); }
-  void release(PageTable& pt) override { m_.kv().release(pt); }
-  bool supports_attention_callbacks() const override { return true; }
-  std::string device() const override { return "fake device"; }
 
   int host_steps = 0, device_steps = 0;
   std::vector<std::pair<uint64_t, uint64_t>> draws;  // (seed, draw) of every row
 
  private:
-  CpuModel& m_;
   std::vector<int64_t> row_of_;
   std::vector<int32_t> out_;
 };
@@ -550,9 +563,9 @@ TEST(Scheduler, DeviceSamplingUnlessAStepNeedsHostLogits) {
 // its GpuMethods, here with the CPU methods: each request's state holds its SparseSession and
 // forward() hands it to CpuModel. Records the methods it was asked for and how many distinct
 // ones shared a step.
-class MethodRunner final : public StepModel {
+class MethodRunner final : public CpuBackedRunner {
  public:
-  explicit MethodRunner(CpuModel& m) : m_(m) {}
+  explicit MethodRunner(CpuModel& m) : CpuBackedRunner(m) {}
   struct State final : sparse::MethodState {
     std::string key;
     std::unique_ptr<sparse::SparseSession> session;
@@ -562,7 +575,6 @@ class MethodRunner final : public StepModel {
       return session ? int64_t(session->totals().tokens_sum * double(rows_per_token) + 0.5) : -1;
     }
   };
-  const ModelConfig& config() const override { return m_.config(); }
   std::unique_ptr<sparse::MethodState> new_request_state(
       const sparse::SparseConfig* method) override {
     auto st = std::make_unique<State>();
@@ -589,10 +601,6 @@ class MethodRunner final : public StepModel {
     most_methods_in_a_step = std::max(most_methods_in_a_step, int(keys.size()));
     return m_.forward(b, row_of);
   }
-  int page_size() const override { return m_.kv().layout().page_size; }
-  int64_t total_pages() const override { return m_.kv().n_pages(); }
-  int64_t free_pages() const override { return m_.kv().free_pages(); }
-  void release(PageTable& pt) override { m_.kv().release(pt); }
   bool supports_attention_callbacks() const override { return false; }
   std::string device() const override { return "method runner"; }
 
@@ -600,7 +608,6 @@ class MethodRunner final : public StepModel {
   int most_methods_in_a_step = 0;
 
  private:
-  CpuModel& m_;
 };
 
 TEST(Scheduler, RunnerMethodsPerRequestShareSteps) {
@@ -933,10 +940,9 @@ TEST(Scheduler, PromptScoringStepsTakeHostLogits) {
 }
 
 // A CPU runner that records the most logit rows one forward call returned.
-class RowCountingRunner final : public StepModel {
+class RowCountingRunner final : public CpuBackedRunner {
  public:
-  explicit RowCountingRunner(CpuModel& m) : m_(m) {}
-  const ModelConfig& config() const override { return m_.config(); }
+  explicit RowCountingRunner(CpuModel& m) : CpuBackedRunner(m) {}
   const std::vector<float>& forward(const std::vector<SeqInput>& batch,
                                     std::vector<int64_t>& row_of) override {
     const auto& logits = m_.forward(batch, row_of);
@@ -944,17 +950,8 @@ class RowCountingRunner final : public StepModel {
     for (const SeqInput& s : batch) scoring_steps += s.all_logits;
     return logits;
   }
-  int page_size() const override { return m_.kv().layout().page_size; }
-  int64_t total_pages() const override { return m_.kv().n_pages(); }
-  int64_t free_pages() const override { return m_.kv().free_pages(); }
-  void release(PageTable& pt) override { m_.kv().release(pt); }
-  bool supports_attention_callbacks() const override { return true; }
-  std::string device() const override { return "row counter"; }
 
   int64_t max_rows = 0, scoring_steps = 0;
-
- private:
-  CpuModel& m_;
 };
 
 // A runner with a logit-row limit (CudaModel's max_logit_rows): prompt-scoring chunks are

@@ -3,13 +3,17 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <iterator>
 #include <map>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "../test_util.h"
 #include "gpu_util.h"
 #include "model/config.h"
 #include "model/cpu_model.h"
@@ -212,6 +216,24 @@ inline double traced_decode_compare(CpuModel& cpu, sparse::SparseSession& s0,
     EXPECT_LT(e, tol) << "decode step " << s;
   }
   return worst;
+}
+
+// The real-model GPU tests' inputs: SmolLM2-135M-Instruct (SPADE_MODEL or the file `make run`
+// fetches) and a ~1300-token prompt, the three texts of python/prompts/ in a row.
+inline std::string smollm2_model_file() {
+  if (const char* p = std::getenv("SPADE_MODEL")) return p;
+  return source_dir() + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+inline std::string smollm2_prompt_text() {
+  std::string text;
+  for (const char* f : {"kjv_genesis1.txt", "story_lighthouse.txt", "technical_kv_cache.txt"}) {
+    std::ifstream in(source_dir() + "/python/prompts/" + f);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text += ss.str() + "\n\n";
+  }
+  return text + "Summarize the three texts above in one sentence each.\n";
 }
 
 }  // namespace spade::test

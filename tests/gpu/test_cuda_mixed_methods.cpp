@@ -34,22 +34,6 @@ constexpr double kTolDense = 5e-2, kTolSelect = 0.1;
 constexpr float kMargin = 0.15f;
 constexpr int N = 16;
 
-std::string model_file() {
-  if (const char* p = std::getenv("SPADE_MODEL")) return p;
-  return source_dir() + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
-std::string prompt_text() {
-  std::string text;
-  for (const char* f : {"kjv_genesis1.txt", "story_lighthouse.txt", "technical_kv_cache.txt"}) {
-    std::ifstream in(source_dir() + "/python/prompts/" + f);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    text += ss.str() + "\n\n";
-  }
-  return text + "Summarize the three texts above in one sentence each.\n";
-}
-
 const std::vector<std::string>& specs() {
   static const std::vector<std::string> s = {
       "full",
@@ -117,13 +101,13 @@ Reference one_method(const ModelWeights& w, const Tokenizer& tok,
 
 TEST(CudaMixedMethods, EveryMethodInOneBatchMatchesItsOneMethodModel) {
   SKIP_WITHOUT_GPU();
-  const std::string path = model_file();
+  const std::string path = smollm2_model_file();
   if (!std::ifstream(path).good()) GTEST_SKIP() << "model not found: " << path;
   auto w = load_model(path);
   round_weights_bf16(*w);
   auto tok = Tokenizer::load(path);
   const ModelConfig& c = w->config;
-  const std::vector<int32_t> prompt = tok->encode(prompt_text(), true, false);
+  const std::vector<int32_t> prompt = tok->encode(smollm2_prompt_text(), true, false);
   ASSERT_GT(prompt.size(), 1000u);
   const size_t M = specs().size();
   std::vector<Reference> ref;

@@ -44,22 +44,6 @@ constexpr double kTolDense = 5e-2, kTolSelect = 0.1;
 constexpr float kMargin = 0.15f;
 constexpr int N = 24;
 
-std::string model_file() {
-  if (const char* p = std::getenv("SPADE_MODEL")) return p;
-  return source_dir() + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
-std::string prompt_text() {
-  std::string text;
-  for (const char* f : {"kjv_genesis1.txt", "story_lighthouse.txt", "technical_kv_cache.txt"}) {
-    std::ifstream in(source_dir() + "/python/prompts/" + f);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    text += ss.str() + "\n\n";
-  }
-  return text + "Summarize the three texts above in one sentence each.\n";
-}
-
 struct Outcome {
   int equal = 0;            // free-run greedy tokens equal before the first divergence
   float div_margin = 0.f;   // CPU top-2 margin at the divergence
@@ -178,12 +162,12 @@ Outcome run_method(const ModelWeights& w, const Tokenizer& tok, const std::vecto
 
 TEST(CudaSmolLM2Methods, EveryGpuMethodAgreesWithTheCpuOnRealInputs) {
   SKIP_WITHOUT_GPU();
-  const std::string path = model_file();
+  const std::string path = smollm2_model_file();
   if (!std::ifstream(path).good()) GTEST_SKIP() << "model not found: " << path;
   auto w = load_model(path);
   round_weights_bf16(*w);
   auto tok = Tokenizer::load(path);
-  const std::vector<int32_t> prompt = tok->encode(prompt_text(), true, false);
+  const std::vector<int32_t> prompt = tok->encode(smollm2_prompt_text(), true, false);
   ASSERT_GT(prompt.size(), 1000u);
   for (const std::string spec :
        {"full", "streaming:budget=256", "quest:budget=256", "tidal:budget=128",
