@@ -63,7 +63,8 @@ class StepModel {
 };
 
 // CpuModel over its KVPool.
-class CpuStepModel final : public StepModel {
+// Tests derive from it to observe or change what the scheduler asks of a runner.
+class CpuStepModel : public StepModel {
  public:
   explicit CpuStepModel(CpuModel& m) : m_(m) {}
   const ModelConfig& config() const override { return m_.config(); }
@@ -78,7 +79,7 @@ class CpuStepModel final : public StepModel {
   bool supports_attention_callbacks() const override { return true; }
   std::string device() const override { return "cpu"; }
 
- private:
+ protected:
   CpuModel& m_;
 };
 
