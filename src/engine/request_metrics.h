@@ -47,9 +47,12 @@ struct EngineMetrics {
   uint64_t steps = 0;               // forward calls
   uint64_t preemptions = 0;
   double busy_seconds = 0;          // time spent in steps: planning, forward, sampling, output
-  double forward_seconds = 0;       // ... of which in the runner's forward (device sampling included)
-  double sample_seconds = 0;        // ... of which sampling on the host, logprobs, text and stop strings
+  double forward_seconds = 0;       // ... of which waiting on the runner's forward (device sampling
+                                    //     included; not the delivery overlapped with it)
+  double sample_seconds = 0;        // ... of which sampling on the host, logprobs, text and stop
+                                    //     strings (the overlapped delivery too)
   uint64_t device_sampled_steps = 0;  // steps whose tokens were sampled by the runner (GPU)
+  uint64_t overlapped_steps = 0;  // device steps that delivered the previous step's tokens meanwhile
 
   int64_t running = 0, waiting = 0;
   int64_t kv_pages_used = 0, kv_pages_total = 0;

@@ -36,6 +36,10 @@ struct Scheduler::Seq {
   int64_t dense_rows = 0;       // decode rows full attention would read
   int64_t attended_rows = 0;    // ... and what the method read (finished attention objects)
   bool rows_counted = false;    // attended_rows counted by a method (CPU session or runner state)
+  int64_t emitted = 0;          // tokens handed to the consumer (generated, once delivered)
+  FinishReason ending = FinishReason::None;  // its last accepted token ends it: no more steps
+  bool in_flight = false;       // in the device step now running (overlapped output)
+  bool stop_hit = false;        // ... and a stop string ended it meanwhile: finish after the step
   clock_type::time_point t_first{}, t_last{};
   int64_t plp_next = 1;                // prompt logprobs: next prompt position to score
   std::vector<TokenLogprob> plp;       // ... scored so far (emitted when the prompt is done)
@@ -317,6 +321,10 @@ void Scheduler::loop() {
     }
     for (auto& s : dropped) finish(*s, FinishReason::Cancelled);
     dropped.clear();
+    if (!pending_.empty() &&
+        std::any_of(running.begin(), running.end(),
+                    [](const std::unique_ptr<Seq>& r) { return r->ch->cancelled(); }))
+      flush_pending(running, false);  // what was sampled before the cancel reaches the client
     for (size_t i = 0; i < running.size();) {
       if (running[i]->ch->cancelled()) {
         finish(*running[i], FinishReason::Cancelled);
@@ -332,7 +340,8 @@ void Scheduler::loop() {
     if (!running.empty()) step(running);
     publish_gauges(running);
   }
-  // Shutdown: cancel whatever is left.
+  // Shutdown: deliver what was sampled, cancel whatever is left.
+  flush_pending(running, false);
   for (auto& s : running) finish(*s, FinishReason::Cancelled, "the server is shutting down");
   running.clear();
   std::deque<std::unique_ptr<Seq>> rest;
@@ -357,9 +366,22 @@ void Scheduler::publish_gauges(const std::vector<std::unique_ptr<Seq>>& running)
   if (idle) idle_cv_.notify_all();
 }
 
+// Whether a request's next step may sample on the device: no host logits needed.
+static bool device_samplable(const EngineRequest& q, bool scoring) {
+  return q.logprobs < 0 && q.sampling.repetition_penalty == 1.f && !scoring;
+}
+
 void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   const auto t0 = clock_type::now();
   const ModelConfig& cfg = model_.config();
+  // A step with host logits delivers in order and at once: deliver what is pending first.
+  if (!pending_.empty()) {
+    bool overlap = model_.samples_on_device();
+    for (const auto& r : running)
+      overlap = overlap && (r->ending != FinishReason::None ||
+                            device_samplable(r->req, r->req.prompt_logprobs >= 0 && r->plp_next < r->n_prompt));
+    if (!overlap) flush_pending(running, true);
+  }
   // Plan: decode tokens first (one per sequence whose input is all cached but its last
   // sampled token), then prefill chunks in priority order with the rest of the budget.
   // If the pool cannot hold the plan, preempt the lowest-priority sequence and re-plan.
@@ -371,6 +393,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     int64_t spare_rows = opt_.max_logit_rows > 0 ? opt_.max_logit_rows - int64_t(running.size()) : budget;
     for (int pass = 0; pass < 2; ++pass) {
       for (auto& r : running) {
+        if (r->ending != FinishReason::None) continue;  // its last token ends it
         const int64_t feed = int64_t(r->tokens.size()) - r->pt.length;
         const bool decoding = feed == 1 && r->pt.length >= r->n_prompt;
         if ((pass == 0) != decoding || budget <= 0 || feed <= 0) continue;
@@ -392,9 +415,16 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
       }
     }
     if (pages_needed <= model_.free_pages() || running.size() <= 1) break;
+    if (!pending_.empty()) {  // requests that end with their pending token give pages back
+      flush_pending(running, true);
+      continue;
+    }
     preempt(running, running.size() - 1);
   }
-  if (batch_.empty()) return;
+  if (batch_.empty()) {  // every running request ends with its pending token
+    flush_pending(running, true);
+    return;
+  }
   for (size_t i = 0; i < batch_.size(); ++i) {
     Seq* s = batch_seqs_[i];
     try {
@@ -409,28 +439,41 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
 
   // Device sampling when the runner has it and no request of the step needs host logits.
   bool on_device = model_.samples_on_device();
-  for (size_t i = 0; i < batch_.size() && on_device; ++i) {
-    const EngineRequest& q = batch_seqs_[i]->req;
-    on_device = q.logprobs < 0 && q.sampling.repetition_penalty == 1.f && !batch_[i].all_logits;
-  }
+  for (size_t i = 0; i < batch_.size() && on_device; ++i)
+    on_device = device_samplable(batch_seqs_[i]->req, batch_[i].all_logits);
   const std::vector<float>* logits = nullptr;
   const std::vector<int32_t>* tokens = nullptr;
   const auto t_fwd = clock_type::now();
+  double deliver_s = 0;
+  bool overlapped = false;
   try {
     if (on_device) {
       rows_.resize(batch_.size());
       for (size_t i = 0; i < batch_.size(); ++i) {
-        const Seq& s = *batch_seqs_[i];
+        Seq& s = *batch_seqs_[i];
         const SamplingParams& p = s.req.sampling;
         rows_[i] = {p.temperature, p.top_k, p.top_p, p.min_p, p.seed, uint64_t(s.generated)};
+        s.in_flight = true;
       }
-      tokens = &model_.forward_sample(batch_, rows_);
+      model_.forward_sample_launch(batch_, rows_);
+      // The previous step's tokens reach their consumers while this step runs.
+      if (!pending_.empty()) {
+        const auto td = clock_type::now();
+        overlapped = true;
+        deliver_pending();
+        deliver_s = seconds(clock_type::now() - td);
+      }
+      tokens = &model_.forward_sample_wait();
     } else {
       logits = &model_.forward(batch_, row_of_);
     }
   } catch (const std::exception& e) {
+    if (!pending_.empty()) deliver_pending();
     const std::string msg = cat("engine error: ", e.what());
-    for (Seq* s : batch_seqs_) finish(*s, FinishReason::Error, msg);
+    for (Seq* s : batch_seqs_) {
+      s->in_flight = false;
+      if (!s->ch->finished()) finish(*s, s->stop_hit ? FinishReason::Stop : FinishReason::Error, msg);
+    }
     running.erase(std::remove_if(running.begin(), running.end(),
                                  [](const std::unique_ptr<Seq>& r) { return r->ch->finished(); }),
                   running.end());
@@ -441,7 +484,13 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   const int64_t rows_per_pos = int64_t(cfg.n_layers) * cfg.n_kv_heads;
   for (size_t i = 0; i < batch_seqs_.size(); ++i) {
     Seq& s = *batch_seqs_[i];
+    s.in_flight = false;
     step_tokens += batch_[i].n_tokens;
+    if (s.ch->finished()) continue;  // ended while the step ran (defensive: none do today)
+    if (s.stop_hit) {  // a stop string ended it during the step: this token is dropped
+      finish(s, FinishReason::Stop);
+      continue;
+    }
     if (!s.error.empty()) {
       // Its own method failed: this request ends with that error (its pages go back); the
       // other sequences of the step are unaffected.
@@ -479,35 +528,41 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
       finish(s, FinishReason::Length);
       continue;
     }
-    deliver_.push_back(i);
+    if (tokens) {  // accepted now (the next step feeds it), delivered during the next step
+      const int32_t tok = (*tokens)[i];
+      s.ending = accept(s, tok);
+      pending_.push_back({&s, tok});
+      ++sampled;
+    } else {
+      deliver_.push_back(i);
+    }
   }
-  // Each request's token: host sampling (when the step has logits), detokenization, stop
-  // strings, logprobs and the hand-off to its consumer are independent per request, so a
-  // large batch spreads them over the thread pool (at 256 requests they cost about half of
-  // a SmolLM2 step on one thread); finishing (pages back to the pool) stays on this thread.
-  sampled = int64_t(deliver_.size());
-  finish_.assign(deliver_.size(), FinishReason::None);
-  auto deliver = [&](int64_t a, int64_t b) {
-    for (int64_t k = a; k < b; ++k) {
-      const size_t i = deliver_[size_t(k)];
-      Seq& s = *batch_seqs_[i];
-      if (tokens) {
-        finish_[size_t(k)] = on_token(s, (*tokens)[i], nullptr);
-      } else {
+  // Host logits: each request's token (host sampling, detokenization, stop strings, logprobs,
+  // the hand-off to its consumer) is independent per request, so a large batch spreads them
+  // over the thread pool; finishing (pages back to the pool) stays on this thread.
+  if (!deliver_.empty()) {
+    sampled = int64_t(deliver_.size());
+    finish_.assign(deliver_.size(), FinishReason::None);
+    auto deliver = [&](int64_t a, int64_t b) {
+      for (int64_t k = a; k < b; ++k) {
+        const size_t i = deliver_[size_t(k)];
+        Seq& s = *batch_seqs_[i];
         const int64_t last = batch_[i].all_logits ? batch_[i].n_tokens - 1 : 0;  // prompt logprobs
         const float* row = logits->data() + (row_of_[i] + last) * cfg.vocab;
         const int32_t tok = s.sampler.sample(row, cfg.vocab, s.tokens);
         finish_[size_t(k)] = on_token(s, tok, row);
       }
-    }
-  };
-  if (sampled >= kParallelDeliverRows)
-    ThreadPool::global().parallel_for(sampled, kParallelDeliverRows / 2, deliver);
-  else
-    deliver(0, sampled);
-  for (size_t k = 0; k < deliver_.size(); ++k)
-    if (finish_[k] != FinishReason::None) finish(*batch_seqs_[deliver_[k]], finish_[k]);
-  deliver_.clear();
+    };
+    const auto td = clock_type::now();
+    if (sampled >= kParallelDeliverRows)
+      ThreadPool::global().parallel_for(sampled, kParallelDeliverRows / 2, deliver);
+    else
+      deliver(0, sampled);
+    for (size_t k = 0; k < deliver_.size(); ++k)
+      if (finish_[k] != FinishReason::None) finish(*batch_seqs_[deliver_[k]], finish_[k]);
+    deliver_.clear();
+    deliver_s += seconds(clock_type::now() - td);
+  }
   // Finished sequences leave the batch (their pages were released in finish()).
   running.erase(std::remove_if(running.begin(), running.end(),
                                [](const std::unique_ptr<Seq>& r) { return r->ch->finished(); }),
@@ -515,13 +570,51 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   const auto t_end = clock_type::now();
   std::lock_guard<std::mutex> lk(mu_);
   ++metrics_.steps;
-  metrics_.forward_seconds += seconds(t_sample - t_fwd);
-  metrics_.sample_seconds += seconds(t_end - t_sample);
+  metrics_.forward_seconds += seconds(t_sample - t_fwd) - (overlapped ? deliver_s : 0.0);
+  metrics_.sample_seconds += deliver_s;
+  if (overlapped) ++metrics_.overlapped_steps;
   if (tokens) ++metrics_.device_sampled_steps;
   metrics_.generation_tokens += uint64_t(sampled);
   metrics_.batch_size.observe(double(batch_.size()));
   metrics_.step_tokens.observe(double(step_tokens));
   metrics_.busy_seconds += seconds(t_end - t0);
+}
+
+void Scheduler::deliver_pending() {
+  const int64_t n = int64_t(pending_.size());
+  finish_.assign(pending_.size(), FinishReason::None);
+  auto deliver = [&](int64_t a, int64_t b) {
+    for (int64_t k = a; k < b; ++k) {
+      const Pending& p = pending_[size_t(k)];
+      finish_[size_t(k)] = emit_token(*p.s, p.tok, p.s->ending, nullptr);
+    }
+  };
+  if (n >= kParallelDeliverRows)
+    ThreadPool::global().parallel_for(n, kParallelDeliverRows / 2, deliver);
+  else
+    deliver(0, n);
+  for (size_t k = 0; k < pending_.size(); ++k) {
+    if (finish_[k] == FinishReason::None) continue;
+    Seq& s = *pending_[k].s;
+    if (s.in_flight) s.stop_hit = true;  // the step now running computes its next token
+    else finish(s, finish_[k]);
+  }
+  pending_.clear();
+}
+
+void Scheduler::flush_pending(std::vector<std::unique_ptr<Seq>>& running, bool in_step) {
+  if (pending_.empty()) return;
+  {
+    const auto td = clock_type::now();
+    deliver_pending();
+    const double dt = seconds(clock_type::now() - td);
+    std::lock_guard<std::mutex> lk(mu_);
+    metrics_.sample_seconds += dt;
+    if (!in_step) metrics_.busy_seconds += dt;  // step() counts its own time
+  }
+  running.erase(std::remove_if(running.begin(), running.end(),
+                               [](const std::unique_ptr<Seq>& r) { return r->ch->finished(); }),
+                running.end());
 }
 
 // Longest suffix of `text` that is a proper prefix of one of `stops`.
@@ -537,28 +630,35 @@ static size_t held_suffix(const std::string& text, const std::vector<std::string
   return best;
 }
 
-FinishReason Scheduler::on_token(Seq& s, int32_t tok, const float* logits) {
-  const auto now = clock_type::now();
-  const bool first = s.generated == 0;
+FinishReason Scheduler::accept(Seq& s, int32_t tok) {
   s.tokens.push_back(tok);
   ++s.generated;
+  if (std::find(s.req.stop_ids.begin(), s.req.stop_ids.end(), tok) != s.req.stop_ids.end())
+    return FinishReason::Stop;
+  return s.generated >= s.req.max_tokens ? FinishReason::Length : FinishReason::None;
+}
+
+FinishReason Scheduler::on_token(Seq& s, int32_t tok, const float* logits) {
+  const FinishReason end = accept(s, tok);
+  TokenLogprob lp;
+  if (s.req.logprobs >= 0) {
+    score_token(logits, model_.config().vocab, tok, s.req.logprobs, lp);
+    lp.rank = 0;  // sampled tokens report no rank
+  }
+  return emit_token(s, tok, end, s.req.logprobs >= 0 ? &lp : nullptr);
+}
+
+FinishReason Scheduler::emit_token(Seq& s, int32_t tok, FinishReason end, const TokenLogprob* lp) {
+  const auto now = clock_type::now();
+  const bool first = s.emitted++ == 0;
   s.t_last = now;
   if (first) {
     s.t_first = now;
     std::lock_guard<std::mutex> lk(mu_);
     metrics_.ttft.observe(seconds(now - s.ch->created));
   }
-  TokenLogprob lp;
-  if (s.req.logprobs >= 0) {
-    score_token(logits, model_.config().vocab, tok, s.req.logprobs, lp);
-    lp.rank = 0;  // sampled tokens report no rank
-  }
-
-  const bool stop_tok =
-      std::find(s.req.stop_ids.begin(), s.req.stop_ids.end(), tok) != s.req.stop_ids.end();
-  FinishReason fr = FinishReason::None;
-  if (stop_tok) fr = FinishReason::Stop;
-  else if (s.generated >= s.req.max_tokens) fr = FinishReason::Length;
+  const bool stop_tok = end == FinishReason::Stop;  // accept(): a stop id, not part of the text
+  FinishReason fr = end;
   if (!stop_tok) s.held += s.text->push(tok);
   if (fr != FinishReason::None) s.held += s.text->flush();
 
@@ -580,7 +680,7 @@ FinishReason Scheduler::on_token(Seq& s, int32_t tok, const float* logits) {
     out.swap(s.held);
     s.held.clear();
   }
-  s.ch->emit(out, tok, s.req.logprobs >= 0 ? &lp : nullptr);
+  s.ch->emit(out, tok, lp);
   return fr;  // the caller finishes it (pages go back on the engine thread)
 }
 

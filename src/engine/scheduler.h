@@ -92,14 +92,32 @@ class Scheduler {
   void finish(Seq& s, FinishReason r, const std::string& error = {});
   bool admit_one(std::vector<std::unique_ptr<Seq>>& running);
   void preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index);
-  // Records the request's new token and hands its text to the consumer; returns how the
-  // request ends with it (None: it goes on). Safe to run for different requests at once.
+  // A request's new token: accept() records it (engine thread; returns Stop for a stop id,
+  // Length at max_tokens, else None); emit_token() hands its text to the consumer (stop
+  // strings, logprobs) and returns how the request ends with it. on_token does both (steps
+  // with host logits). Each is safe to run for different requests at once.
+  FinishReason accept(Seq& s, int32_t tok);
+  FinishReason emit_token(Seq& s, int32_t tok, FinishReason end, const TokenLogprob* lp);
   FinishReason on_token(Seq& s, int32_t tok, const float* logits);
   void count_rows(Seq& s);  // adds what its method read to attended_rows (finish, preemption)
   // Steps with at least this many new tokens deliver them on the thread pool.
   static constexpr int64_t kParallelDeliverRows = 32;
   std::vector<size_t> deliver_;        // this step's rows that sample a token
   std::vector<FinishReason> finish_;   // ... and how each request ends
+  // Overlapped output: tokens a device-sampled step returned are accepted at once (the next
+  // step feeds them) and delivered while the next step runs on the device. A request whose
+  // stop string shows up then ends after that step, its in-flight token dropped.
+  struct Pending {
+    Seq* s;
+    int32_t tok;
+  };
+  std::vector<Pending> pending_;
+  // Delivers pending_ (thread pool for large batches); finishes the requests that ended,
+  // except those in the step in flight (Seq::stop_hit: finished once it returns).
+  void deliver_pending();
+  // deliver_pending with no step in flight, then drops finished requests from `running`.
+  // in_step: called inside step() (whose time the metrics count already).
+  void flush_pending(std::vector<std::unique_ptr<Seq>>& running, bool in_step);
   void publish_gauges(const std::vector<std::unique_ptr<Seq>>& running);
 
   std::unique_ptr<StepModel> owned_;  // the CpuModel adapter of the CpuModel constructor

@@ -49,6 +49,20 @@ class StepModel {
     (void)batch, (void)rows;
     fail("this runner does not sample on the device");
   }
+  // forward_sample in two halves, so that the scheduler delivers the previous step's tokens
+  // while the device runs this one: launch enqueues the step (its page tables advanced, its
+  // inputs consumed: the batch may change once it returns) and wait returns its tokens. No
+  // other call on the runner in between. By default launch runs the whole forward_sample.
+  virtual void forward_sample_launch(const std::vector<SeqInput>& batch,
+                                     const std::vector<RowSampling>& rows) {
+    launched_ = &forward_sample(batch, rows);
+  }
+  virtual const std::vector<int32_t>& forward_sample_wait() {
+    SPADE_CHECK(launched_, "forward_sample_wait without a launched step");
+    const std::vector<int32_t>* t = launched_;
+    launched_ = nullptr;
+    return *t;
+  }
   // The state of a request whose method the runner runs itself (the GPU's methods), passed as
   // SeqInput::device_state on each of its steps: `method` null is the runner's own method,
   // else a method for this request only (runners with runs_methods()). nullptr when the
@@ -60,6 +74,9 @@ class StepModel {
   }
   // Whether new_request_state takes per-request methods.
   virtual bool runs_methods() const { return false; }
+
+ private:
+  const std::vector<int32_t>* launched_ = nullptr;  // the default forward_sample_launch's tokens
 };
 
 // CpuModel over its KVPool.

@@ -727,12 +727,17 @@ std::vector<int32_t> CudaModel::forward_sample(const std::vector<SeqInput>& batc
 
 const std::vector<int32_t>& CudaModel::forward_sample_rows(
     const std::vector<SeqInput>& batch, const std::vector<cuda::GpuSamplingRow>& rows) {
+  forward_sample_rows_launch(batch, rows);
+  return forward_sample_rows_wait();
+}
+
+void CudaModel::forward_sample_rows_launch(const std::vector<SeqInput>& batch,
+                                           const std::vector<cuda::GpuSamplingRow>& rows) {
   SPADE_CHECK(rows.size() == batch.size(), "forward_sample_rows: ", rows.size(),
               " parameter rows for ", batch.size(), " sequences");
   for (const SeqInput& s : batch)
     SPADE_CHECK(!s.all_logits, "forward_sample_rows: all_logits is not supported");
-  std::vector<int64_t> row_of;
-  prepare(batch, row_of, true);
+  prepare(batch, row_of_scratch_, true);
   std::copy(rows.begin(), rows.end(), rows_host_);
   SPADE_CUDA(cudaMemcpyAsync(rows_dev_, rows_host_, sizeof(cuda::GpuSamplingRow) * rows.size(),
                              cudaMemcpyHostToDevice, S_(stream_)));
@@ -741,6 +746,9 @@ const std::vector<int32_t>& CudaModel::forward_sample_rows(
   rows_mode_ = false;
   SPADE_CUDA(cudaMemcpyAsync(sampled_host_, sampled_, sizeof(int32_t) * size_t(R_),
                              cudaMemcpyDeviceToHost, S_(stream_)));
+}
+
+const std::vector<int32_t>& CudaModel::forward_sample_rows_wait() {
   SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
   SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
                                   static_cast<cudaEvent_t>(ev1_)));

@@ -121,6 +121,13 @@ class CudaModel {
   // the same graphs whatever the parameters. Returns one token per sequence.
   const std::vector<int32_t>& forward_sample_rows(const std::vector<SeqInput>& batch,
                                                   const std::vector<cuda::GpuSamplingRow>& rows);
+  // forward_sample_rows in two halves, so that the host works while the GPU runs the step:
+  // launch returns once the step is enqueued (page tables advanced, inputs consumed); wait
+  // blocks until its tokens are on the host and returns them. No other call on the model in
+  // between.
+  void forward_sample_rows_launch(const std::vector<SeqInput>& batch,
+                                  const std::vector<cuda::GpuSamplingRow>& rows);
+  const std::vector<int32_t>& forward_sample_rows_wait();
 
   // Benchmarks: gives `pt` pages for `length` tokens whose K/V hold random bf16 values (as
   // if a prompt of that length had been prefilled), without running the prefill.
@@ -223,6 +230,7 @@ class CudaModel {
   cuda::GpuSamplingRow* rows_host_ = nullptr;  // pinned mirror
   bool rows_mode_ = false;                     // this step samples with rows_dev_
   std::vector<int32_t> sampled_rows_;
+  std::vector<int64_t> row_of_scratch_;           // forward_sample_rows: row of each sequence (unused)
   int64_t max_rows_ = 0;
   std::vector<int32_t> free_;
   int64_t n_pages_ = 0;

@@ -35,16 +35,25 @@ class CudaStepModel final : public StepModel {
   bool samples_on_device() const override { return true; }
   const std::vector<int32_t>& forward_sample(const std::vector<SeqInput>& batch,
                                              const std::vector<RowSampling>& rows) override {
+    return m_.forward_sample_rows(batch, convert(rows));
+  }
+  void forward_sample_launch(const std::vector<SeqInput>& batch,
+                             const std::vector<RowSampling>& rows) override {
+    m_.forward_sample_rows_launch(batch, convert(rows));
+  }
+  const std::vector<int32_t>& forward_sample_wait() override { return m_.forward_sample_rows_wait(); }
+
+ private:
+  const std::vector<cuda::GpuSamplingRow>& convert(const std::vector<RowSampling>& rows) {
     rows_.resize(rows.size());
     for (size_t i = 0; i < rows.size(); ++i) {
       const RowSampling& r = rows[i];
       rows_[i].p = cuda::GpuSampling{r.temperature, r.top_k, r.top_p, r.min_p, r.seed};
       rows_[i].draw = r.draw;
     }
-    return m_.forward_sample_rows(batch, rows_);
+    return rows_;
   }
 
- private:
   CudaModel& m_;
   std::vector<cuda::GpuSamplingRow> rows_;
 };

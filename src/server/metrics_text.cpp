@@ -100,6 +100,9 @@ std::string prometheus_text(const EngineMetrics& m, const HttpCounts& http,
            m.sample_seconds);
   o.metric("spade_engine_device_sampled_steps_total", "counter",
            "Steps whose tokens the runner sampled on the device.", double(m.device_sampled_steps));
+  o.metric("spade_engine_overlapped_steps_total", "counter",
+           "Device steps during which the previous step's tokens were delivered.",
+           double(m.overlapped_steps));
 
   o.metric("spade_requests_running", "gauge", "Sequences in the running batch.", double(m.running));
   o.metric("spade_requests_waiting", "gauge", "Requests waiting for admission.", double(m.waiting));
