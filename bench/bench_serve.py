@@ -156,6 +156,22 @@ def worker(wid, jobs, args, start_at, q):
     q.put(out)
 
 
+def run_pool(jobs, args):
+    """Runs `jobs` over args.procs client processes; returns every request's record."""
+    shares = [jobs[w::args.procs] for w in range(args.procs)]
+    q = mp.Queue()
+    start_at = time.time() + 0.5
+    procs = [mp.Process(target=worker, args=(w, shares[w], args, start_at, q)) for w in range(args.procs)]
+    for p in procs:
+        p.start()
+    results = []
+    for _ in procs:
+        results.extend(q.get())
+    for p in procs:
+        p.join()
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", required=True)
@@ -172,6 +188,8 @@ def main():
     ap.add_argument("--model-name", default="")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="requests run first at the same concurrency, not measured (other prompts)")
     ap.add_argument("--label", default="", help="what is being measured (server, build, GPU)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -188,17 +206,16 @@ def main():
             t += rng.expovariate(args.request_rate)
         jobs.append({"i": i, "at": t, "prompt": prompt_text(i, args.prompt_words, args.seed),
                      "sparse": methods[i % len(methods)] if methods else None})
-    shares = [jobs[w::args.procs] for w in range(args.procs)]
-    q = mp.Queue()
-    start_at = time.time() + 0.5
-    procs = [mp.Process(target=worker, args=(w, shares[w], args, start_at, q)) for w in range(args.procs)]
-    for p in procs:
-        p.start()
-    results = []
-    for _ in procs:
-        results.extend(q.get())
-    for p in procs:
-        p.join()
+    if args.warmup > 0:
+        # Unmeasured: the same load shape with other prompts (the server's first batches of
+        # each size, its graph captures and allocations), then the measured run.
+        warm = [{"i": i, "at": 0.0, "prompt": prompt_text(i, args.prompt_words, args.seed + 7919),
+                 "sparse": methods[i % len(methods)] if methods else None} for i in range(args.warmup)]
+        bad = [r for r in run_pool(warm, args) if r.get("status") != 200 or r.get("error")]
+        if bad:
+            print("warm-up: %d of %d requests failed (%s)" % (len(bad), len(warm), bad[0].get("error") or bad[0].get("status")),
+                  file=sys.stderr)
+    results = run_pool(jobs, args)
 
     ok = [r for r in results if r.get("status") == 200 and not r.get("error")]
     failed = [r for r in results if r not in ok]

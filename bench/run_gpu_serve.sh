@@ -70,20 +70,26 @@ COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 S="$OUT/summary.txt"; : > "$S"
 
-serve_runs() {  # $1 label prefix, $2 url
+serve_runs() {  # $1 label prefix, $2 url. Each load runs a warm-up of its own shape first (unmeasured).
   local L=$1 U=$2
   timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 16 --concurrency 1 --prompt-words 50 --max-tokens 256 \
-    --procs 1 --label "$L c=1" --out "$OUT/serve_${L}_c1.json" | tee -a "$S"
-  timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 256 --concurrency 64 --prompt-words 50 --max-tokens 256 \
-    --procs 8 --label "$L c=64" --out "$OUT/serve_${L}_c64.json" | tee -a "$S"
-  timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 256 --concurrency 64 --prompt-words 50 --max-tokens 256 \
-    --procs 8 --no-stream --label "$L c=64 no-stream" --out "$OUT/serve_${L}_c64_nostream.json" | tee -a "$S"
-  timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 768 --concurrency 256 --prompt-words 50 --max-tokens 256 \
-    --procs 12 --label "$L c=256" --out "$OUT/serve_${L}_c256.json" | tee -a "$S"
+    --procs 1 --warmup 2 --label "$L c=1" --out "$OUT/serve_${L}_c1.json" | tee -a "$S"
+  timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 512 --concurrency 64 --prompt-words 50 --max-tokens 256 \
+    --procs 8 --warmup 64 --label "$L c=64" --out "$OUT/serve_${L}_c64.json" | tee -a "$S"
+  metrics_snap "$U" "$L c=64"
+  timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 512 --concurrency 64 --prompt-words 50 --max-tokens 256 \
+    --procs 8 --no-stream --warmup 64 --label "$L c=64 no-stream" --out "$OUT/serve_${L}_c64_nostream.json" | tee -a "$S"
+  timeout 150 python3 bench/bench_serve.py --url $U --num-prompts 1536 --concurrency 256 --prompt-words 50 --max-tokens 256 \
+    --procs 12 --warmup 256 --label "$L c=256" --out "$OUT/serve_${L}_c256.json" | tee -a "$S"
+  metrics_snap "$U" "$L c=256"
+}
+# The engine's counters (steps, busy / forward / delivery seconds, overlapped steps) after a load.
+metrics_snap() {
+  { echo "## $2"; curl -s "$1/metrics" | grep -E "^spade_engine_|^spade_generation_tokens_total"; } >> "$OUT/metrics_by_load.txt" 2>/dev/null
 }
 long_runs() {
   timeout 120 python3 bench/bench_serve.py --url $2 --num-prompts 96 --concurrency 64 --prompt-words 2700 --max-tokens 128 \
-    --procs 8 --label "$1 c=64 long" --out "$OUT/serve_$1_c64_long.json" | tee -a "$S"
+    --procs 8 --warmup 16 --label "$1 c=64 long" --out "$OUT/serve_$1_c64_long.json" | tee -a "$S"
 }
 wait_up() { for i in $(seq 1 240); do curl -sf "$1/health" >/dev/null 2>&1 && return 0; sleep 0.5; done; return 1; }
 
@@ -94,6 +100,10 @@ SPADE_MODEL=$M timeout 200 ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:-
 # 2. The engine's own decode step at the served batch sizes (random weights of SmolLM2's shapes).
 timeout 180 ./$B/bench_tpot_batch "$OUT/engine_steps.json" --model smollm2-135m \
   --lengths "${ENGINE_LENGTHS:-320:1,320:64,320:256,3600:64}" --methods full --steps 200 --warm 10 --commit "$COMMIT" 2>&1 | tail -6
+# The nine methods of the mixed load, each alone and all in one batch, at the mixed load's shape.
+MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
+timeout 150 ./$B/bench_tpot_batch "$OUT/engine_steps_mixed.json" --model smollm2-135m --lengths 320:63 \
+  --methods "$MIX;${MIX//;/|}" --steps 200 --warm 10 --commit "$COMMIT" 2>&1 | tail -12
 # Synthetic 8B at 32K, 16 requests: full, quest, and the two mixed per request in one batch.
 timeout 240 ./$B/bench_tpot_batch "$OUT/engine_steps_8b_mixed.json" --model llama3-8b --lengths 32768:16 \
   --methods "full;quest:budget=1024;full|quest:budget=1024" --steps 64 --warm 6 --commit "$COMMIT" 2>&1 | tail -4
@@ -108,14 +118,13 @@ timeout 240 ./$B/bench_tpot_batch "$OUT/engine_steps_8b_mixed.json" --model llam
 SP=$!
 wait_up http://127.0.0.1:18080 || { echo "spade serve did not start"; tail -20 "$OUT/spade_serve.log"; }
 serve_runs spade http://127.0.0.1:18080
-MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
 timeout 120 python3 bench/bench_serve.py --url http://127.0.0.1:18080 --num-prompts 252 --concurrency 63 --prompt-words 50 \
-  --max-tokens 256 --procs 8 --methods "$MIX" --label "spade c=63 mixed" --out "$OUT/serve_spade_c63_mixed.json" | tee -a "$S"
+  --max-tokens 256 --procs 8 --warmup 63 --methods "$MIX" --label "spade c=63 mixed" --out "$OUT/serve_spade_c63_mixed.json" | tee -a "$S"
 timeout 120 python3 bench/bench_serve.py --url http://127.0.0.1:18080 --num-prompts 252 --concurrency 63 --prompt-words 50 \
-  --max-tokens 256 --procs 8 --label "spade c=63 full" --out "$OUT/serve_spade_c63_full.json" | tee -a "$S"
+  --max-tokens 256 --procs 8 --warmup 63 --label "spade c=63 full" --out "$OUT/serve_spade_c63_full.json" | tee -a "$S"
 long_runs spade http://127.0.0.1:18080
 curl -s http://127.0.0.1:18080/metrics > "$OUT/spade_metrics.txt"
-grep -E "^spade_engine_(busy|forward|sample|steps|device_sampled)" "$OUT/spade_metrics.txt" | head
+cat "$OUT/metrics_by_load.txt"
 kill -TERM $SP; wait $SP
 # Per-request methods: greedy texts of a mixed load vs each method alone (deterministic server).
 ./$B/spade serve --model $M --device cuda --port 18083 --max-batch 64 --deterministic >"$OUT/spade_serve_det.log" 2>&1 &
