@@ -136,6 +136,34 @@ kill -TERM $SP; wait $SP
 
 fi  # run
 
+# Each method of the mixed load served alone, then the mixed load, short and long prompts, with
+# the engine's counters (graph replays, captures, eager steps) after each load.
+if [ "$phase" = methods ]; then
+  MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
+  ./$B/spade serve --model $M --device cuda --port 18080 --max-batch 256 --max-queue 2048 --max-step-tokens 2048 \
+    >"$OUT/spade_serve.log" 2>&1 &
+  SP=$!
+  wait_up http://127.0.0.1:18080 || { echo "spade serve did not start"; tail -20 "$OUT/spade_serve.log"; }
+  U=http://127.0.0.1:18080
+  IFS=';' read -ra ONE <<< "$MIX"
+  for m in "${ONE[@]}"; do
+    timeout 60 python3 bench/bench_serve.py --url $U --num-prompts 126 --concurrency 63 --prompt-words 50 --max-tokens 256 \
+      --procs 8 --warmup 63 --methods "$m" --label "spade c=63 $m" --out "$OUT/serve_alone_${m%%:*}.json" | tee -a "$S"
+    metrics_snap $U "alone $m"
+  done
+  timeout 90 python3 bench/bench_serve.py --url $U --num-prompts 252 --concurrency 63 --prompt-words 50 --max-tokens 256 \
+    --procs 8 --warmup 63 --methods "$MIX" --label "spade c=63 mixed" --out "$OUT/serve_mixed_short.json" | tee -a "$S"
+  metrics_snap $U "mixed short"
+  for lab in mixed full; do
+    [ $lab = mixed ] && MM="$MIX" || MM=""
+    timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 126 --concurrency 63 --prompt-words 2700 --max-tokens 128 \
+      --procs 8 --warmup 63 --methods "$MM" --label "spade c=63 long $lab" --out "$OUT/serve_long_$lab.json" | tee -a "$S"
+    metrics_snap $U "long $lab"
+  done
+  kill -TERM $SP; wait $SP
+  cat "$OUT/metrics_by_load.txt"
+fi
+
 # The per-request-method part of run alone (tests that need the model, served loads).
 if [ "$phase" = mixed ]; then
   MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"

@@ -70,6 +70,12 @@ class AsyncRunner final : public CpuStepModel {
     flight_pages_.clear();
     return out_;
   }
+  StepCounters step_counters() const override {
+    StepCounters c;
+    c.replays = uint64_t(device_steps.load());
+    c.eager = uint64_t(host_steps.load());
+    return c;
+  }
   void release(PageTable& pt) override {
     for (int32_t p : pt.pages)
       EXPECT_EQ(flight_pages_.count(p), 0u) << "page " << p << " released while its step runs";
@@ -181,6 +187,10 @@ TEST(SchedulerOverlap, ManyRequestsWithStopsAndLengths) {
   EXPECT_EQ(m.kv_pages_used, 0);
   EXPECT_GT(m.overlapped_steps, 0u);
   EXPECT_EQ(m.finished_stop + m.finished_length, 48u);
+  // The runner's own counters come through the scheduler's metrics.
+  EXPECT_EQ(m.graph_replays, uint64_t(runner.device_steps.load()));
+  EXPECT_EQ(m.eager_steps, 0u);
+  EXPECT_EQ(m.steps, m.graph_replays);
   EXPECT_LE(m.forward_seconds + m.sample_seconds, m.busy_seconds * 1.0001 + 1e-6);
 }
 

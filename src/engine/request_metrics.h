@@ -52,6 +52,9 @@ struct EngineMetrics {
   double sample_seconds = 0;        // ... of which sampling on the host, logprobs, text and stop
                                     //     strings (the overlapped delivery too)
   uint64_t device_sampled_steps = 0;  // steps whose tokens were sampled by the runner (GPU)
+  // The runner's steps by how they ran (StepModel::step_counters; 0 for the CPU runner).
+  uint64_t graph_replays = 0, graph_captures = 0, graph_updates = 0, graph_instantiations = 0,
+           eager_steps = 0;
   uint64_t overlapped_steps = 0;  // device steps that delivered the previous step's tokens meanwhile
 
   int64_t running = 0, waiting = 0;

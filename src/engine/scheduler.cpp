@@ -181,8 +181,15 @@ void Scheduler::shutdown() {
 }
 
 EngineMetrics Scheduler::metrics() const {
+  const StepModel::StepCounters c = model_.step_counters();
   std::lock_guard<std::mutex> lk(mu_);
-  return metrics_;
+  EngineMetrics m = metrics_;
+  m.graph_replays = c.replays;
+  m.graph_captures = c.captures;
+  m.graph_updates = c.updates;
+  m.graph_instantiations = c.instantiations;
+  m.eager_steps = c.eager;
+  return m;
 }
 
 void Scheduler::finish(Seq& s, FinishReason r, const std::string& error) {

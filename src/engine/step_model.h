@@ -74,6 +74,13 @@ class StepModel {
   }
   // Whether new_request_state takes per-request methods.
   virtual bool runs_methods() const { return false; }
+  // How the runner's steps ran (CUDA graphs): replays of a captured graph, captures (each then
+  // instantiated or updated in place), and steps run eagerly (launch by launch). Safe to read
+  // from any thread while steps run.
+  struct StepCounters {
+    uint64_t replays = 0, captures = 0, updates = 0, instantiations = 0, eager = 0;
+  };
+  virtual StepCounters step_counters() const { return {}; }
 
  private:
   const std::vector<int32_t>* launched_ = nullptr;  // the default forward_sample_launch's tokens

@@ -681,6 +681,9 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
           }
         }
       }
+      ++graph_counters_.captures;
+      if (ge) ++graph_counters_.updates;
+      else ++graph_counters_.instantiations;
       if (!ge) SPADE_CUDA(cudaGraphInstantiate(&ge, g, 0));
       SPADE_CUDA(cudaGraphDestroy(g));
       graphs_[key] = ge;
@@ -690,7 +693,9 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
       // replay below rewrites the same slots with the same values).
     }
     SPADE_CUDA(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graphs_[key]), st));
+    ++graph_counters_.replays;
   } else {
+    ++graph_counters_.eager;
     enqueue(sample, sp, step);
     for (const Group& g : groups_) g.m->warm = true;
     eager_T_.insert(T_);

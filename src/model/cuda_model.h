@@ -13,6 +13,7 @@
 // per request (add_method) takes one arena of its own when it is added.
 #pragma once
 #if defined(SPADE_HAVE_CUDA)
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <set>
@@ -139,6 +140,11 @@ class CudaModel {
   // Time of the last forward*() on the device (ms, CUDA events around the step).
   float last_step_ms() const { return last_ms_; }
   int graphs_captured() const { return int(graphs_.size()); }
+  // Steps by how they ran since construction (any thread may read them).
+  struct GraphCounters {
+    std::atomic<uint64_t> replays{0}, captures{0}, updates{0}, instantiations{0}, eager{0};
+  };
+  const GraphCounters& graph_counters() const { return graph_counters_; }
   // Whether the last step's decode attention drew its chunks (the DYN schedule: fastest for
   // long steps with splits, not bit-reproducible; never with CudaModelOptions::deterministic).
   bool decode_draws_chunks() const;
@@ -238,6 +244,7 @@ class CudaModel {
   int T_ = 0, R_ = 0;
   std::vector<float> logits_host_;
   float last_ms_ = 0.f;
+  GraphCounters graph_counters_;
   // Captured steps by launch shape (graph_key) -> cudaGraphExec_t.
   std::map<std::vector<int>, void*> graphs_;
   std::vector<int> graph_key_;  // scratch

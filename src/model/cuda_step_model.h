@@ -32,6 +32,11 @@ class CudaStepModel final : public StepModel {
     return m_.new_request_state(m_.add_method(method->to_string(), gs));
   }
   bool runs_methods() const override { return true; }
+  StepCounters step_counters() const override {
+    const CudaModel::GraphCounters& g = m_.graph_counters();
+    return {g.replays.load(), g.captures.load(), g.updates.load(), g.instantiations.load(),
+            g.eager.load()};
+  }
   bool samples_on_device() const override { return true; }
   const std::vector<int32_t>& forward_sample(const std::vector<SeqInput>& batch,
                                              const std::vector<RowSampling>& rows) override {

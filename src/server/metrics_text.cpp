@@ -103,6 +103,15 @@ std::string prometheus_text(const EngineMetrics& m, const HttpCounts& http,
   o.metric("spade_engine_overlapped_steps_total", "counter",
            "Device steps during which the previous step's tokens were delivered.",
            double(m.overlapped_steps));
+  o.head("spade_engine_runner_steps_total", "counter",
+         "The runner's steps by how they ran: CUDA graph replays, captures (then updated in place or "
+         "instantiated), and eager launches.");
+  o.sample("spade_engine_runner_steps_total", "how=\"graph_replay\"", double(m.graph_replays));
+  o.sample("spade_engine_runner_steps_total", "how=\"eager\"", double(m.eager_steps));
+  o.metric("spade_engine_graph_captures_total", "counter",
+           "CUDA graphs captured for a new step shape.", double(m.graph_captures));
+  o.metric("spade_engine_graph_updates_total", "counter",
+           "Captured graphs applied to an instantiated graph of the same topology.", double(m.graph_updates));
 
   o.metric("spade_requests_running", "gauge", "Sequences in the running batch.", double(m.running));
   o.metric("spade_requests_waiting", "gauge", "Requests waiting for admission.", double(m.waiting));
