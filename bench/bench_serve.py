@@ -182,7 +182,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--methods", default="", help="spade sparse method specs spread round-robin: "
-                    "\"full;quest:budget=64;twilight:base=quest,budget=128\" (or a comma list of names)")
+                    "\"full;quest:budget=64;twilight:base=quest,budget=128\" (or a comma list of names without options)")
     ap.add_argument("--no-stream", dest="stream", action="store_false")
     ap.add_argument("--procs", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--model-name", default="")
@@ -198,7 +198,9 @@ def main():
     rng = random.Random(args.seed)
     # ";"-separated specs (options may hold commas: "twilight:base=quest,budget=128"); a list
     # without ";" may use commas between plain method names.
-    methods = [m for m in (args.methods.split(";") if ";" in args.methods else args.methods.split(",")) if m]
+    # One spec with options ("twilight:base=quest,budget=128") is one method, commas included.
+    plain_list = ";" not in args.methods and ":" not in args.methods
+    methods = [m for m in (args.methods.split(",") if plain_list else args.methods.split(";")) if m]
     t = 0.0
     jobs = []
     for i in range(args.num_prompts):
