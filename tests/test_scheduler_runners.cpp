@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <thread>
 
 #include "engine/generator.h"
@@ -232,3 +233,79 @@ TEST(Scheduler, LargeBatchDeliversEveryRequestInParallel) {
 }
 
 }  // namespace
+
+// SchedulerOptions::isolate_prefill (--deterministic servers): a step holds decode tokens only,
+// or one request's prefill chunk, and a prompt's chunks start at multiples of max_step_tokens,
+// whatever else is running; outputs stay greedy and every request finishes.
+class StepRecorder final : public CpuStepModel {
+ public:
+  explicit StepRecorder(CpuModel& m) : CpuStepModel(m) {}
+  struct Row {
+    const PageTable* pt;
+    int64_t p0, n;
+    std::vector<int32_t> tokens;
+  };
+  const std::vector<float>& forward(const std::vector<SeqInput>& batch,
+                                    std::vector<int64_t>& row_of) override {
+    std::vector<Row> step;
+    for (const SeqInput& s : batch)
+      step.push_back({s.pages, s.pages->length, s.n_tokens,
+                      std::vector<int32_t>(s.tokens, s.tokens + s.n_tokens)});
+    steps.push_back(step);
+    return m_.forward(batch, row_of);
+  }
+  std::vector<std::vector<Row>> steps;
+};
+
+TEST(Scheduler, IsolatedPrefillNeverSharesAStep) {
+  Fixture f;
+  StepRecorder runner(f.model);
+  SchedulerOptions so;
+  so.max_batch = 8;
+  so.max_step_tokens = 16;
+  so.isolate_prefill = true;
+  Scheduler sched(runner, f.text, so);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestChannel>> chans;
+  for (int i = 0; i < 6; ++i) {
+    prompts.push_back(make_prompt(5 + 9 * i, i + 3, f.cfg.vocab));  // 5 .. 50 tokens
+    chans.push_back(sched.submit(greedy(prompts.back(), 10)));
+  }
+  for (size_t i = 0; i < chans.size(); ++i) {
+    const Result r = collect(*chans[i]);
+    EXPECT_EQ(r.reason, FinishReason::Length);
+    EXPECT_EQ(r.tokens.size(), 10u);
+    expect_greedy(f.w, prompts[i], r.tokens);
+  }
+  ASSERT_TRUE(sched.wait_idle(5s));
+  EXPECT_EQ(f.kv.used_pages(), 0);
+  // Which prompt each page table holds: the one its first chunk starts with.
+  std::map<const PageTable*, int64_t> prompt_len;
+  int prefill_steps = 0, decode_steps = 0;
+  for (const auto& st : runner.steps) {
+    ASSERT_FALSE(st.empty());
+    int prefill_rows = 0;
+    for (const auto& r : st) {
+      if (r.p0 == 0)
+        for (const auto& p : prompts)
+          if (p.size() >= r.tokens.size() && std::equal(r.tokens.begin(), r.tokens.end(), p.begin()))
+            prompt_len[r.pt] = int64_t(p.size());
+      ASSERT_TRUE(prompt_len.count(r.pt)) << "a row of an unknown request";
+      if (r.p0 < prompt_len[r.pt]) {
+        ++prefill_rows;
+        EXPECT_EQ(r.p0 % so.max_step_tokens, 0) << "a chunk off the max_step_tokens grid";
+      } else {
+        EXPECT_EQ(r.n, 1);
+      }
+    }
+    if (prefill_rows > 0) {
+      EXPECT_EQ(st.size(), 1u) << "a prefill chunk shares a step";
+      ++prefill_steps;
+    } else {
+      ++decode_steps;
+    }
+  }
+  // 5, 14, 23, 32, 41, 50 tokens in chunks of 16: 1 + 1 + 2 + 2 + 3 + 4 chunks.
+  EXPECT_EQ(prefill_steps, 13);
+  EXPECT_GE(decode_steps, 10);
+}

@@ -47,13 +47,13 @@ GET /v1/models, /health, /metrics (Prometheus), POST /tokenize, /detokenize.
   --sparse-opt k=v,...    more options of the default method
   --sparse-config FILE    default method from a JSON file
   --device cpu|cuda       where the model runs (default cpu). cuda (CUDA builds): bf16
-                          weights and the KV cache on the GPU; every request runs the
-                          server's --sparse method (full, streaming, quest, tidal, lessismore,
-                          lycheedecode, twilight, blasst);
-                          a request asking for another method gets a 400
-  --deterministic         with --device cuda: decode attention with the static schedule only
-                          (bit-identical reruns; default: long steps with splits draw their
-                          chunks, faster, last bits may vary; env SPADE_DETERMINISTIC=1)
+                          weights and the KV cache on the GPU; each request runs its own
+                          method (its "sparse" field, else --sparse) if the method has a
+                          GPU path (docs/sparse.md lists them), side by side in one batch
+  --deterministic         with --device cuda: bit-identical reruns, and a request's output
+                          does not depend on the other requests of the load (static attention
+                          schedule with fixed splits, batch-invariant projections, prefill
+                          chunks in steps of their own); slower, prefill most of all
   --threads N             CPU threads for the model (default: all cores)
   --http-threads N        HTTP worker threads for requests that tokenize or generate
                           (default max-batch + max-queue + 8); idle or slow connections
@@ -148,6 +148,7 @@ int run(int argc, char** argv) {
   ro.max_batch = so.max_batch;
   ro.max_step_tokens = so.max_step_tokens;
   ro.deterministic = a.has("--deterministic");
+  so.isolate_prefill = ro.deterministic;  // batch invariance: no step mixes prefill and decode
   ro.sparse = sc;
   Runner runner = make_runner(*weights, ro);
   StepModel* model = runner.model.get();

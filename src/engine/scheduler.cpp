@@ -392,10 +392,23 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   // Plan: decode tokens first (one per sequence whose input is all cached but its last
   // sampled token), then prefill chunks in priority order with the rest of the budget.
   // If the pool cannot hold the plan, preempt the lowest-priority sequence and re-plan.
+  int only_pass = -1;  // isolate_prefill: pass 0 = decode rows only, 1 = one prefill chunk
   for (;;) {
     batch_.clear();
     batch_seqs_.clear();
     int64_t budget = opt_.max_step_tokens, pages_needed = 0;
+    if (opt_.isolate_prefill) {
+      bool any_decode = false, any_prefill = false;
+      for (const auto& r : running) {
+        if (r->ending != FinishReason::None) continue;
+        const int64_t feed = int64_t(r->tokens.size()) - r->pt.length;
+        const bool decoding = feed == 1 && r->pt.length >= r->n_prompt;
+        any_decode = any_decode || decoding;
+        any_prefill = any_prefill || (feed > 0 && !decoding);
+      }
+      only_pass = any_decode && (!any_prefill || !last_step_decoded_) ? 0 : 1;
+    }
+    bool prefill_taken = false;
     // Rows beyond one per sequence that prompt-scoring chunks may take.
     int64_t spare_rows = opt_.max_logit_rows > 0 ? opt_.max_logit_rows - int64_t(running.size()) : budget;
     for (int pass = 0; pass < 2; ++pass) {
@@ -404,6 +417,8 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
         const int64_t feed = int64_t(r->tokens.size()) - r->pt.length;
         const bool decoding = feed == 1 && r->pt.length >= r->n_prompt;
         if ((pass == 0) != decoding || budget <= 0 || feed <= 0) continue;
+        if (only_pass >= 0 && (pass != only_pass || (pass == 1 && prefill_taken))) continue;
+        prefill_taken = pass == 1;
         const bool scoring = r->req.prompt_logprobs >= 0 && r->plp_next < r->n_prompt;
         const int64_t n = std::min({feed, budget, scoring ? 1 + std::max<int64_t>(0, spare_rows) : feed});
         if (scoring) spare_rows -= n - 1;
@@ -428,6 +443,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     }
     preempt(running, running.size() - 1);
   }
+  if (!batch_.empty()) last_step_decoded_ = only_pass == 0;
   if (batch_.empty()) {  // every running request ends with its pending token
     flush_pending(running, true);
     return;

@@ -43,6 +43,11 @@ struct SchedulerOptions {
   // Logit rows one forward call may return (the runner's limit; CudaModel's max_logit_rows):
   // prompt-scoring prefill chunks (all logits) are cut to fit. 0: no limit (CpuModel).
   int64_t max_logit_rows = 0;
+  // A step is either decode tokens only or one request's prefill chunk, never a mix (taking
+  // turns while both wait), and a prompt's chunks start at multiples of max_step_tokens: what
+  // a request computes then does not depend on the other requests (with a batch-invariant
+  // runner, CudaModelOptions::deterministic). Costs prefill throughput.
+  bool isolate_prefill = false;
 };
 
 // Why submit() refused a request: HTTP-like status (400, 429, 503) and a message.
@@ -136,6 +141,7 @@ class Scheduler {
   bool stop_ = false;
   uint64_t next_order_ = 0;
   bool hold_admission_ = false;     // engine thread only: set by a preemption
+  bool last_step_decoded_ = false;  // engine thread only: isolate_prefill's turn taking
   EngineMetrics metrics_;
 
   // Engine-thread workspaces (grow-only).

@@ -282,6 +282,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   rows_dev_ = A.alloc_n<cuda::GpuSamplingRow>(size_t(opt_.max_batch), "sampling rows");
   SPADE_CUDA(cudaMallocHost(&rows_host_, sizeof(cuda::GpuSamplingRow) * size_t(opt_.max_batch)));
   gemm_ = std::make_unique<cuda::Gemm>(A);
+  gemm_->set_batch_invariant(opt_.deterministic);
   if (keep_meta) {
     const size_t me = size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D);
     hooks_.quest_meta = A.alloc_n<bf16>(me, "quest page metadata");

@@ -57,9 +57,15 @@ struct CudaModelOptions {
   // Off, only the data `sparse` reads is kept.
   bool any_method = false;
   int max_methods = 16;          // methods add_method() keeps at once (unused ones are evicted)
-  // Decode attention with the static chunk schedule only: the same inputs give the same bits on
-  // every run (AttentionWorkspace::set_deterministic; env SPADE_DETERMINISTIC=1 does the same).
-  // Off, long decode steps with splits let warps draw their chunks (faster, last bits vary).
+  // Deterministic and batch-invariant: the same inputs give the same bits on every run, and a
+  // sequence's bits do not depend on the other sequences of its steps: decode attention with the
+  // static chunk schedule, one kernel variant and fixed split counts (AttentionWorkspace::
+  // set_deterministic, SparseAttention::set_deterministic), every projection through the decode
+  // GEMV in groups of rows (Gemm::set_batch_invariant). Decode and prefill must not share a step
+  // (a step's attention kernel depends on whether every row decodes; SchedulerOptions::
+  // isolate_prefill). Slower: weights stream once per 8 rows, prefill chunks most of all.
+  // Off, long decode steps with splits let warps draw their chunks (faster, last bits vary;
+  // env SPADE_DETERMINISTIC=1 keeps the static schedule only).
   bool deterministic = false;
 };
 

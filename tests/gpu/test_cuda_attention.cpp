@@ -194,17 +194,19 @@ TEST(CudaAttention, AutoDrawsChunksOnlyWherePlanned) {
   plan(8, 17000);
   EXPECT_EQ(std::string(cuda::AttentionWorkspace::decode_kernel_name(ws.decode_variant() + 1)), "v3d_w4s3");
   const int ns_drawn = ws.n_split();
-  ws.set_deterministic(true);
+  ws.set_deterministic(true);  // the static variant and a split count fixed for every batch
+  for (int B : {1, 8}) {
+    plan(B, 17000);
+    EXPECT_EQ(std::string(cuda::AttentionWorkspace::decode_kernel_name(ws.decode_variant() + 1)), "v3_w4s3");
+    EXPECT_FALSE(ws.draws_chunks());
+    EXPECT_EQ(ws.n_split(), cuda::AttentionWorkspace::kInvariantSplit);
+  }
+  ws.set_deterministic(false);
+  ws.set_blasst_decode(true);  // BLASST plans the static schedule: the drawn one's split / 2
   plan(8, 17000);
-  EXPECT_EQ(std::string(cuda::AttentionWorkspace::decode_kernel_name(ws.decode_variant() + 1)), "v3_w4s3");
   EXPECT_FALSE(ws.draws_chunks());
   const int ns_static = ws.n_split();
   if (ns_static < 8 && 8 * Hkv <= slots4) EXPECT_EQ(ns_drawn, 2 * ns_static);
-  ws.set_deterministic(false);
-  ws.set_blasst_decode(true);
-  plan(8, 17000);
-  EXPECT_FALSE(ws.draws_chunks());
-  EXPECT_EQ(ws.n_split(), ns_static);
   ws.set_blasst_decode(false);
   plan(1, 8192);  // 512 chunks: too few per warp
   EXPECT_FALSE(ws.draws_chunks());

@@ -616,7 +616,12 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
   }
   h[off_q_off_ + B] = qo;
   int ns = 1;
-  if (decode) ns = force_split > 0 ? std::min(force_split, lim_.max_split) : choose_split(B, max_kv);
+  // Deterministic: a fixed split count (each sequence's splits cut its own length), so that a
+  // sequence's bits do not depend on the rest of the batch.
+  if (decode)
+    ns = force_split > 0      ? std::min(force_split, lim_.max_split)
+         : deterministic_ ? std::min(kInvariantSplit, lim_.max_split)
+                          : choose_split(B, max_kv);
   int n = 0;
   int32_t* it = h + off_items_;
   if (decode && G <= 16) {
@@ -646,7 +651,9 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
   // The pinned staging buffer is reused by the next plan(): make sure this copy is done.
   if (wait) SPADE_CUDA(cudaStreamSynchronize(s));
   B_ = B;
-  variant_ = decode ? resolve_variant(B, max_kv) : 0;
+  // Deterministic with the auto kernel: one static variant whatever the batch (the warps of a
+  // CTA, hence each split's summation order, are fixed).
+  variant_ = !decode ? 0 : deterministic_ && decode_kernel_ == 1 ? 1 : resolve_variant(B, max_kv);
   n_items_ = n;
   n_split_ = ns;
   total_q_ = total_q;

@@ -114,10 +114,15 @@ class AttentionWorkspace {
   // waves when each warp keeps >= 8 chunks (else as 0). Takes effect at the next plan().
   void set_split_policy(int p) { split_policy_ = p; }
   // Deterministic: every decode runs a static chunk schedule, so the same inputs give the same
-  // bits on every run. Off (the default; env SPADE_DETERMINISTIC=1 turns it on), auto may pick
+  // bits on every run; and (auto kernel) one static variant with kInvariantSplit splits per
+  // (sequence, KV head), each cutting the sequence's own length, so a sequence's bits do not
+  // depend on the rest of its batch either (batch invariance; a plan() with force_split keeps
+  // its count). Off (the default; env SPADE_DETERMINISTIC=1 turns it on), auto may pick
   // the DYN variants, whose warps draw chunks from a counter (faster at long contexts with
-  // splits; the summation order, hence the last bits, varies between runs). Takes effect at
-  // the next plan() (auto's choice) and run() (explicitly chosen DYN variants).
+  // splits; the summation order, hence the last bits, varies between runs), and sizes the
+  // splits to the batch. Takes effect at the next plan() (auto's choice) and run() (explicitly
+  // chosen DYN variants).
+  static constexpr int kInvariantSplit = 16;
   void set_deterministic(bool d) { deterministic_ = d; }
   bool deterministic() const { return deterministic_; }
   // Decode steps will run with BLASST skipping (BlasstSkip): plan the static schedule, whose

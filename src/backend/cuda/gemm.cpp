@@ -1,5 +1,7 @@
 #include "backend/cuda/gemm.h"
 
+#include <algorithm>
+
 #include <cstdlib>
 
 namespace spade::cuda {
@@ -62,6 +64,13 @@ void Gemm::run(const bf16* x, const bf16* W, void* y, int M, int N, int K, bool 
 
 void Gemm::run_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,
                    cudaStream_t s) {
+  if (batch_invariant_) {
+    SPADE_CHECK(M == 0 || gemv_supported(x, W, 1, K), "batch-invariant GEMM: operands the decode "
+                "GEMV does not take (K = ", K, ", 16-byte aligned rows needed)");
+    for (int m0 = 0; m0 < M; m0 += kGemvMaxM)
+      gemv_f32(x + int64_t(m0) * K, W, y + int64_t(m0) * N, std::min(kGemvMaxM, M - m0), N, K, beta, s);
+    return;
+  }
   if (M >= 1 && M <= small_m_ && gemv_supported(x, W, M, K)) return gemv_f32(x, W, y, M, N, K, beta, s);
   run(x, W, y, M, N, K, false, beta, s);
 }

@@ -53,6 +53,14 @@ class Gemm {
   int small_m() const { return small_m_; }
   // Whether run_f32 with M rows takes the decode GEMV (M <= small_m(), operands permitting).
   bool uses_gemv(int M) const { return M >= 1 && M <= small_m_; }
+  // Batch-invariant: run_f32 computes every row with the decode GEMV (groups of kGemvMaxM
+  // rows), whose per-row arithmetic (lane chunks, pass order, butterfly) does not depend on M,
+  // so a row's bits do not depend on the other rows of the call -- cuBLASLt's choice of
+  // kernel, tile and split-K varies with M. Costs a weight pass per kGemvMaxM rows (prefill
+  // chunks get slow). Throws for operands the GEMV does not take. (CudaModelOptions::
+  // deterministic.)
+  void set_batch_invariant(bool b) { batch_invariant_ = b; }
+  bool batch_invariant() const { return batch_invariant_; }
   // H100 (bench/bench_gemv.cu): the GEMV is 1.05-1.18x faster than cuBLASLt at M = 1 and
   // 1.00-1.09x at M = 2 on Llama-3.1-8B shapes, slower from M = 4 (x re-read per token).
   static constexpr int kDefaultSmallM = 2;
@@ -71,6 +79,7 @@ class Gemm {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   int small_m_ = kDefaultSmallM;
+  bool batch_invariant_ = false;
   std::map<std::tuple<int, int, int, bool, bool>, Plan> plans_;
 };
 

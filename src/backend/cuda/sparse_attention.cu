@@ -625,7 +625,8 @@ void SparseAttention::plan_patterns(const std::vector<SparseSeq>& batch, SelGran
     for (int b = 0; b < B; ++b)
       for (int h = 0; h < Hkv_; ++h) {
         const int c = nch_[size_t(b) * Hkv_ + h];
-        int ns = force_split > 0 ? force_split : int(std::max<int64_t>(1, (c + target - 1) / target));
+        const int64_t per = deterministic_ ? kInvariantChunks : target;
+        int ns = force_split > 0 ? force_split : int(std::max<int64_t>(1, (c + per - 1) / per));
         ns = std::min(ns, max_split_);
         max_split_used_ = std::max(max_split_used_, ns);
         const bool dn = pat[size_t(h)] != 0;
@@ -641,7 +642,8 @@ void SparseAttention::plan_patterns(const std::vector<SparseSeq>& batch, SelGran
       }
     pattern_count_.push_back(n_items - pattern_first_.back());
     SPADE_CHECK(pattern_count_.back() <= part_items_, "sparse attention: ", pattern_count_.back(),
-                " work items > the ", part_items_, " split partial slots (force_split too large)");
+                " work items > the ", part_items_, " split partial slots (force_split too large",
+                deterministic_ ? ", or a deterministic batch too large for its fixed splits" : "", ")");
   }
   n_items_ = pattern_count_[0];
   SPADE_CUDA(cudaMemcpyAsync(meta_dev_, meta_host_, sizeof(int32_t) * size_t(tot_pages),

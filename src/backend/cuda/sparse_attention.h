@@ -71,6 +71,13 @@ class SparseAttention {
                      const std::vector<int>& max_entries,
                      const std::vector<std::vector<uint8_t>>& patterns, cudaStream_t s,
                      int force_split = 0);
+  // Deterministic (batch-invariant): a (request, head)'s split count depends on its own list
+  // bound only (one split per kInvariantChunks chunks of 16 entries), not on the batch's
+  // balance, so its bits do not depend on the rest of the batch. Takes effect at the next
+  // plan(); a force_split keeps its count. (CudaModelOptions::deterministic.)
+  static constexpr int kInvariantChunks = 64;
+  void set_deterministic(bool d) { deterministic_ = d; }
+  bool deterministic() const { return deterministic_; }
   // out[B, Hq, D] = attention of q[B, Hq, D] over the selected rows of this layer's cache
   // (k, v: [page][Hkv][P][D] bf16). dense_scores (optional): the dense heads also write their
   // group-mean scores dense_scores[(b * Hkv + h) * scores_ld + j] = mean over the G query heads
@@ -112,6 +119,7 @@ class SparseAttention {
   int* counters_ = nullptr;
   int64_t off_pt_ = 0, off_po_ = 0, off_len_ = 0, off_items_ = 0;
   int B_ = 0, n_items_ = 0, max_split_used_ = 0, lists_per_req_ = 1;
+  bool deterministic_ = false;
   int64_t part_items_ = 0;  // split partial slots
   SelGran gran_ = SelGran::Token;
   unsigned long long* trace_ = nullptr;
