@@ -14,7 +14,7 @@
 // repetitions). Every launch of every repetition starts its chains at new slots (a launch
 // index that never repeats), so no hop finds its slot in L2 from an earlier launch.
 // With and without programmatic dependent launch (pdl.cuh: the attribute + griddepcontrol at
-// the top of the kernel). One JSON line per point to OUT.
+// the top of the kernel). One JSON line per point to OUT (with $COMMIT, "unknown" without it).
 // Build: nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc
 //   bench/bench_latency_floor.cu <libspade_cuda.a> -o bench_latency_floor
 #include <algorithm>
@@ -92,6 +92,8 @@ int main(int argc, char** argv) {
   try {
     FILE* out = argc > 1 ? std::fopen(argv[1], "w") : stdout;
     if (!out) return 1;
+    const char* commit = std::getenv("COMMIT");  // recorded in every row
+    if (!commit || !*commit) commit = "unknown";
     std::printf("%s; PDL %s\n", device_summary().c_str(), pdl_enabled() ? "on" : "off (SPADE_PDL=0)");
     uint32_t *ring = nullptr, *sink = nullptr;
     SPADE_CUDA(cudaMalloc(&ring, size_t(1) << 30));
@@ -127,8 +129,9 @@ int main(int argc, char** argv) {
         SPADE_CUDA(cudaGraphExecDestroy(ge));
         std::fprintf(out,
                      "{\"kernel\":\"%s\",\"ctas\":%d,\"hops\":%d,\"pdl\":%d,\"launches\":%d,"
-                     "\"us_per_launch_stream\":%.3f,\"us_per_launch_graph\":%.3f}\n",
-                     hops ? "chase" : "empty", G, hops, int(pdl_enabled()), n, stream_us, graph_us);
+                     "\"us_per_launch_stream\":%.3f,\"us_per_launch_graph\":%.3f,\"commit\":\"%s\"}\n",
+                     hops ? "chase" : "empty", G, hops, int(pdl_enabled()), n, stream_us, graph_us,
+                     commit);
         std::printf("%-6s G %3d hops %d: stream %.2f us, graph %.2f us per launch\n",
                     hops ? "chase" : "empty", G, hops, stream_us, graph_us);
       }

@@ -25,6 +25,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -33,6 +34,22 @@ import urllib.parse
 WORDS = ("the of and to in a is that for it as was with be by on not he I this are or his from at "
          "which but have an they you were her she there one all we can their has been if more when "
          "will would who so no time story river light garden morning winter city music house").split()
+
+
+def default_commit():
+    """The commit every results file records: $COMMIT (the device scripts' convention), else
+    `git rev-parse --short HEAD` of this checkout (+ "-dirty" with local changes), else "unknown"."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        c = subprocess.check_output(["git", "-C", root, "rev-parse", "--short", "HEAD"], text=True,
+                                    stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.call(["git", "-C", root, "diff", "--quiet", "HEAD"],
+                                stderr=subprocess.DEVNULL) != 0
+        return c + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001
+        return "unknown"
 
 
 def prompt_text(i, words, seed):
@@ -191,6 +208,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=0,
                     help="requests run first at the same concurrency, not measured (other prompts)")
     ap.add_argument("--label", default="", help="what is being measured (server, build, GPU)")
+    ap.add_argument("--commit", default=None, help="commit to record (default: $COMMIT, else git HEAD)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     args.procs = max(1, min(args.procs, args.concurrency, args.num_prompts))
@@ -240,7 +258,8 @@ def main():
     res = {
         "label": args.label,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "config": {k: (v if v != float("inf") else "inf") for k, v in vars(args).items() if k != "out"},
+        "commit": args.commit or default_commit(),
+        "config": {k: (v if v != float("inf") else "inf") for k, v in vars(args).items() if k not in ("out", "commit")},
         "completed": len(ok), "failed": len(failed),
         "errors": sorted({(r.get("status"), (r.get("error") or "")[:120]) for r in failed})[:5],
         "duration_s": dur,

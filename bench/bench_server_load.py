@@ -55,6 +55,8 @@ def cpu_name():
 
 
 def git_commit():
+    if os.environ.get("COMMIT"):  # the device scripts' convention (no .git on the device)
+        return os.environ["COMMIT"]
     try:
         c = subprocess.check_output(["git", "-C", ROOT, "rev-parse", "HEAD"], text=True).strip()
         dirty = subprocess.call(["git", "-C", ROOT, "diff", "--quiet", "HEAD"]) != 0

@@ -53,8 +53,10 @@ runs=(
 )
 out="$root/bench/results/tokenizer_${name}.json"
 mkdir -p "$(dirname "$out")"
+commit=${COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 {
-  echo "{\"machine\": \"$(nproc) cores, $(uname -m), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\","
+  echo "{\"date\": \"$(date -u +%F)\", \"commit\": \"$commit\", \"command\": \"bash bench/bench_tokenizer.sh $build $name\","
+  echo " \"machine\": \"$(nproc) cores, $(uname -m), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\","
   echo " \"text\": \"10,000,000 bytes: Python 3.11 stdlib sources + Debian license texts, ~4 KB documents\","
   echo " \"results\": ["
   first=1

@@ -6,10 +6,13 @@
 // The KV cache holds random values (fill_kv_random) instead of a real prefill: decode time
 // does not depend on the values. Steps run through CUDA graphs; time = CUDA events around
 // each step (median of 32 after 8 warm-up), plus host wall time per token.
-// Build: see bench/run_gpu.sh.  Usage: bench_tpot OUT.json [model ...]
+// Build: see bench/run_gpu.sh.  Usage: [COMMIT=<hash>] bench_tpot OUT.json [model ...]
+// (the JSON records $COMMIT, "unknown" without it, and the UTC date).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -29,8 +32,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "device: %s; copy bandwidth %.0f GB/s\n", cuda::device_summary().c_str(),
                  bw / 1e9);
     FILE* out = std::fopen(out_path, "w");
-    std::fprintf(out, "{\"device\":\"%s\",\"copy_GBps\":%.1f,\"results\":[\n",
-                 cuda::device_summary().c_str(), bw / 1e9);
+    const char* commit = std::getenv("COMMIT");
+    char date[32] = {};
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    std::fprintf(out, "{\"device\":\"%s\",\"date\":\"%s\",\"commit\":\"%s\",\"copy_GBps\":%.1f,\"results\":[\n",
+                 cuda::device_summary().c_str(), date, commit && *commit ? commit : "unknown", bw / 1e9);
     bool first = true;
     for (const std::string& name : models) {
       ModelConfig c = synthetic_config(name);

@@ -27,7 +27,7 @@ import sys
 import urllib.parse
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_serve import prompt_text  # noqa: E402
+from bench_serve import default_commit, prompt_text  # noqa: E402
 
 
 def complete(host, port, prompt, method, max_tokens):
@@ -64,6 +64,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-words", type=int, default=200)
     ap.add_argument("--label", default="")
+    ap.add_argument("--commit", default=None, help="commit to record (default: $COMMIT, else git HEAD)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     u = urllib.parse.urlparse(a.url)
@@ -99,7 +100,7 @@ def main():
         per[m] = r
     total = sum(r["equal"] for r in per.values())
     res = {"label": a.label, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "config": vars(a), "equal": total, "requests": len(jobs), "by_method": per,
+           "commit": a.commit or default_commit(), "config": vars(a), "equal": total, "requests": len(jobs), "by_method": per,
            "kv_pages_used_after_mixed": pages_after_mixed, "kv_pages_used_after_alone": pages_after_alone}
     print("mixed vs alone: %d/%d greedy texts equal; KV pages in use after: %s / %s" %
           (total, len(jobs), pages_after_mixed, pages_after_alone))

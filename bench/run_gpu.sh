@@ -47,7 +47,7 @@ fi
 echo "build: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}  # bench_tpot records it
 # Smoke test of the wgmma prefill first (mbarrier pipelines hang rather than fail): if it does
 # not pass in 60 s, everything after runs with the generic prefill kernel.
 timeout 60 ./$B/spade_gpu_tests --gtest_filter=CudaAttention.PrefillWgmmaShapes >"$OUT/smoke_prefill.log" 2>&1

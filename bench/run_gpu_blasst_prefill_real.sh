@@ -8,7 +8,7 @@
 # Settings: full; lambda = 1e-30 (the skipping kernel, nothing skipped: its overhead);
 # prefill_a = 10 / 100 / 1000 / 5000 (lambda = a / L, L = the prompt length).
 # Usage on the GPU machine: bash bench/run_gpu_blasst_prefill_real.sh SPADE MODEL PROMPT_DIR
-# -> $OUT/blasst_prefill_real.jsonl (one line per prompt and setting).
+# -> $OUT/blasst_prefill_real.jsonl (one line per prompt and setting, with the date and $COMMIT).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SPADE=$1 MODEL=$2 DIR=$3
@@ -28,9 +28,10 @@ for f in "$DIR"/*.txt; do
     done
   done
 done
-python3 - "$OUT" "$REPS" <<'PY'
-import glob, json, os, re, sys
-out, reps = sys.argv[1], int(sys.argv[2])
+python3 - "$OUT" "$REPS" "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" <<'PY'
+import datetime, glob, json, os, re, sys
+out, reps, commit = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+date = datetime.date.today().isoformat()
 with open(f"{out}/blasst_prefill_real.jsonl", "w") as fo:
     for ref_path in sorted(glob.glob(f"{out}/*_full.out")):
         name = os.path.basename(ref_path)[:-len("_full.out")]
@@ -49,7 +50,7 @@ with open(f"{out}/blasst_prefill_real.jsonl", "w") as fo:
                 if m:
                     skipped = float(m.group(1))
             n = next((i for i, (a, b) in enumerate(zip(ref, t)) if a != b), min(len(ref), len(t)))
-            row = {"prompt": name, "prompt_tokens": prompt, "setting": tag,
+            row = {"date": date, "commit": commit, "prompt": name, "prompt_tokens": prompt, "setting": tag,
                    "prefill_tiles_skipped_pct": skipped, "prefill_tok_s_runs": rates,
                    "prefill_tok_s_best": max(rates) if rates else None,
                    "identical_to_full": t == ref, "chars_until_first_difference": n,
