@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""Checks that the user-facing documents only point inside the repository.
+"""Checks that the repository's documents only point inside the repository.
 
-For README.md and docs/results.md (or the files given on the command line, relative to the
-repository root):
+For README.md, CHANGELOG.md, docs/*.md, bench/README.md and bench/results/README.md (or the
+files given on the command line, relative to the repository root):
   - every Markdown link [text](target) and reference definition [id]: target is relative,
     resolves inside the repository and exists; a #fragment names a heading of the target
     Markdown file (GitHub's heading ids);
-  - no web address (http://, https://, ftp://, mailto:, //host) and no ../ path out of the
-    repository appears anywhere in the text;
+  - no web address (http://, https://, ftp://, mailto:, //host; a local server address such as
+    http://127.0.0.1:8080 or localhost:8080 in an example is not one), no reference to ../shared
+    and no ../ path out of the repository appears anywhere in the text (../ paths in prose and
+    code are read from the repository root, links from the document's folder);
   - every path in backticks (inline code and fenced code blocks) that starts with one of the
     repository's top-level folders exists ({a,b} alternatives and * globs are expanded; such
-    paths are read from the repository root);
+    paths are read from the repository root), except the file an example command writes (the
+    word after -o, --out, --output, --json, > or >>). A result file that was removed from the
+    tree is named without its folder (it is in git history);
   - README.md has at most 200 lines, no commit hashes (7-40 hex digits with both digits and
     letters) and no result-file names (files under bench/results/ or docs/results/).
 
@@ -22,7 +26,8 @@ import re
 import sys
 
 ROOT = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-DEFAULT_FILES = ["README.md", "docs/results.md"]
+DEFAULT_FILES = ["README.md", "CHANGELOG.md", "bench/README.md", "bench/results/README.md"]
+DEFAULT_GLOBS = ["docs/*.md"]  # hand-written documents (docs/results/ holds generated reports)
 README_MAX_LINES = 200
 # Folders whose paths in backticks must exist. models/ and build*/ hold generated files.
 TOP_DIRS = {"src", "tools", "bench", "tests", "fuzz", "docs", "scripts", "configs", "python",
@@ -35,6 +40,12 @@ LINK_RE = re.compile(r"!?\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\(\s*<?([^()\s<>]*(?:\([
                      r"(?:\s+(?:\"[^\"]*\"|'[^']*'|\([^()]*\)))?\s*\)")
 REFDEF_RE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s.*)?$")
 WEB_RE = re.compile(r"\b(?:https?|ftp)://|\bmailto:|\bwww\.[a-z0-9-]+\.[a-z]", re.I)
+# A local server address in an example (curl localhost:8080/..., base_url="http://127.0.0.1:8080/v1").
+LOCAL_URL_RE = re.compile(r"\b(?:https?://)?(?:localhost|127\.0\.0\.1|0\.0\.0\.0|\[::1\])(?::\d+)?(?=[/\s\"'`)]|$)",
+                          re.I)
+# A ../ path in prose (outside links and code), read from the repository root.
+PROSE_UP_RE = re.compile(r"(?<![\w./-])\.\./[\w.\-/]*")
+OUTPUT_FLAGS = {"-o", "--out", "--output", "--json", ">", ">>"}
 SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 HEX_RE = re.compile(r"(?<![0-9A-Za-z_])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
 COMMIT_WORD_RE = re.compile(r"\bcommits?\s+([0-9a-f]{7,40})(?![0-9A-Za-z_])", re.I)
@@ -132,7 +143,7 @@ def check_link(doc, line_no, target, errors):
 
 def check_code_path(doc, line_no, token, errors):
     """A token from inline code or a code block; checks it when it names a repository path."""
-    tok = token.strip("\"'(),;:.!")
+    tok = token.strip("\"'(),;:!").rstrip(".")  # a leading ../ keeps its dots
     if "=" in tok:
         tok = tok.rsplit("=", 1)[1]
     if tok.startswith("../"):
@@ -175,22 +186,28 @@ def check_doc(doc):
         lines.pop()
 
     for line_no, line in enumerate(lines, 1):
-        if WEB_RE.search(line):
+        if WEB_RE.search(LOCAL_URL_RE.sub("", line)):
             errors.append(f"{doc}:{line_no}: web address (no link may leave the repository)")
         if "../shared" in line:
             errors.append(f"{doc}:{line_no}: reference to ../shared (outside the repository)")
 
+    def check_tokens(line_no, tokens):
+        for i, token in enumerate(tokens):
+            if i > 0 and tokens[i - 1] in OUTPUT_FLAGS:
+                continue  # the file an example command writes
+            if check_code_path(doc, line_no, token, errors):
+                counts["paths"] += 1
+
     for line_no, line, in_fence in split_code(lines):
         if in_fence:
-            for token in line.split():
-                if check_code_path(doc, line_no, token, errors):
-                    counts["paths"] += 1
+            check_tokens(line_no, line.split())
             continue
         for m in INLINE_CODE_RE.finditer(line):
-            for token in m.group(2).split():
-                if check_code_path(doc, line_no, token, errors):
-                    counts["paths"] += 1
+            check_tokens(line_no, m.group(2).split())
         prose = INLINE_CODE_RE.sub("", line)
+        for m in PROSE_UP_RE.finditer(LINK_RE.sub("", prose)):
+            if not inside_root(os.path.join(ROOT, m.group(0))):
+                errors.append(f"{doc}:{line_no}: path outside the repository: {m.group(0)}")
         for m in LINK_RE.finditer(prose):
             counts["links"] += 1
             check_link(doc, line_no, m.group(2), errors)
@@ -220,8 +237,15 @@ def check_doc(doc):
     return errors, counts, len(lines)
 
 
+def default_docs():
+    docs = list(DEFAULT_FILES)
+    for pattern in DEFAULT_GLOBS:
+        docs += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+    return docs
+
+
 def main(argv):
-    docs = argv[1:] or DEFAULT_FILES
+    docs = argv[1:] or default_docs()
     all_errors = []
     for doc in docs:
         if not os.path.isfile(os.path.join(ROOT, doc)):
