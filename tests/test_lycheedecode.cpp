@@ -16,8 +16,10 @@
 #include <fstream>
 #include <random>
 
+#include "engine/generator.h"
 #include "model/cpu_model.h"
 #include "sparse/head_roles.h"
+#include "sparse/cache_correction.h"
 #include "sparse/methods/lycheedecode.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
@@ -435,22 +437,25 @@ TEST(LycheeDecodeModel, CacheCorrectionRewritesDecodedKVWithDenseValues) {
   auto seq = ids(160, c.vocab, 42);
   const int P = 120, steps = 20, every = 8;
   auto m = method("lycheedecode:roles=RRR/SSS/SSS/SSS,budget=12,correction=1,correction_every=8", c);
-  ASSERT_EQ(lycheedecode_correction_every(*m), every);
-  EXPECT_EQ(lycheedecode_correction_every(*method("full", c)), 0);
+  ASSERT_EQ(m->correction_every(), every);
+  EXPECT_EQ(method("full", c)->correction_every(), 0);
+  EXPECT_EQ(method("lycheedecode:roles=RRR/SSS/SSS/SSS,budget=12,correction_every=8", c)->correction_every(), 0);
+  EXPECT_EQ(method("tidal:budget=12,correction=1,correction_every=5", c)->correction_every(), 5);
   // Three caches over the same tokens: dense, sparse, sparse + correction.
   auto run = [&](KVPool& kv, PageTable& pt, bool sparse, bool correct) {
     CpuModel model(w, kv);
     SparseSession s(m, c, kv);
-    CacheCorrection cc(lycheedecode_correction_every(*m));
+    CacheCorrection cc(m->correction_every());
     const AttentionFn* fn = sparse ? &s.attention() : nullptr;
     std::vector<int64_t> row_of;
+    auto dense = [&](const SeqInput& in) { model.forward({in}, row_of); };
     std::vector<SeqInput> b = {{&pt, seq.data(), P, false, fn}};
     model.forward(b, row_of);
     int corrections = 0;
     for (int i = 0; i < steps; ++i) {
       b = {{&pt, seq.data() + P + i, 1, false, fn}};
       model.forward(b, row_of);
-      if (correct) corrections += cc.after_decode(model, pt, seq[size_t(P + i)]);
+      if (correct) corrections += cc.after_decode(dense, pt, seq[size_t(P + i)]);
     }
     EXPECT_EQ(pt.length, P + steps);
     return corrections;
@@ -482,6 +487,65 @@ TEST(LycheeDecodeModel, CacheCorrectionRewritesDecodedKVWithDenseValues) {
   EXPECT_GT(diff(kd, pd, kc, pc, corrected_end, P + steps, 1), 1e-3);
   // The prompt is never touched.
   EXPECT_EQ(diff(kd, pd, kc, pc, 0, P, 0), 0.0);
+}
+
+// The decode loop of `spade generate` / `chat` (generate()) runs the method's correction: with
+// correction on, every `every` generated tokens are rewritten with dense K/V (those generated
+// by the step before the last correction included), and the count is reported; without it the
+// decoded tokens keep their sparse K/V. Tidal's option goes through the same loop.
+TEST(LycheeDecodeModel, GenerateRunsTheMethodsCacheCorrection) {
+  ModelWeights w = test::random_model(model_config(), 41);
+  const ModelConfig& c = w.config;
+  const auto prompt = ids(120, c.vocab, 42);
+  for (const std::string spec : {"lycheedecode:roles=RRR/SSS/SSS/SSS,budget=12",
+                                  "tidal:budget=12,dense_layers=1,selection_layers=1"}) {
+    SCOPED_TRACE(spec);
+    const int every = 6, n = 20;
+    // Generated tokens, and the K/V of a sparse run with and without correction.
+    auto run = [&](KVPool& kv, PageTable& pt, const std::string& s, std::vector<int32_t>& out) {
+      CpuModel model(w, kv);
+      auto m = method(s, c);
+      SparseSession session(m, c, kv);
+      GenerateOptions go;
+      go.max_new_tokens = n;
+      go.attention = &session.attention();
+      go.correction_every = m->correction_every();
+      return generate(model, pt, prompt, go, [&](int32_t t) {
+        out.push_back(t);
+        return true;
+      });
+    };
+    KVLayout lay{c.n_layers, c.n_kv_heads, c.head_dim, 8};
+    KVPool ks(lay, 64), kc(lay, 64), kd(lay, 64);
+    PageTable ps, pc, pd;
+    std::vector<int32_t> ts, tc;
+    const GenerateStats s0 = run(ks, ps, spec, ts);
+    const GenerateStats s1 = run(kc, pc, spec + ",correction=1,correction_every=" + std::to_string(every), tc);
+    EXPECT_EQ(s0.corrections, 0);
+    // n tokens generated: n - 1 decode steps fed them (the last is never fed).
+    EXPECT_EQ(s1.corrections, (n - 1) / every);
+    ASSERT_EQ(pc.length, int64_t(prompt.size()) + n - 1);
+    // Dense reference K/V over the corrected run's own tokens.
+    {
+      CpuModel model(w, kd);
+      std::vector<int32_t> all(prompt);
+      all.insert(all.end(), tc.begin(), tc.end() - 1);
+      std::vector<int64_t> rows;
+      model.forward({{&pd, all.data(), int64_t(all.size()), false, nullptr}}, rows);
+    }
+    auto diff = [&](const KVPool& a, const PageTable& pa, int64_t p0, int64_t p1) {
+      double d = 0;
+      for (int l = 1; l < c.n_layers; ++l)
+        for (int64_t p = p0; p < p1; ++p)
+          for (int h = 0; h < c.n_kv_heads; ++h)
+            for (int x = 0; x < c.head_dim; ++x)
+              d = std::max(d, double(std::abs(a.k_row(l, pa, p, h)[x] - kd.k_row(l, pd, p, h)[x])));
+      return d;
+    };
+    const int64_t P = int64_t(prompt.size()), corrected_end = P + ((n - 1) / every) * every;
+    EXPECT_LT(diff(kc, pc, P, corrected_end), 2e-5) << "corrected tokens keep sparse K/V";
+    EXPECT_GT(diff(kc, pc, corrected_end, P + n - 1), 1e-3) << "tokens after the last correction";
+  }
 }
 
 // ================================================================ head-role files

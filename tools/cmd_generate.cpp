@@ -289,6 +289,7 @@ int run(int argc, char** argv) {
     };
   }
   opt.attention = &session.attention();
+  opt.correction_every = method->correction_every();  // cache correction (the method's option)
   // Token text for methods that chunk by it (LycheeCluster): the prompt now, each generated
   // token before the step that feeds it.
   const bool wants_text = session.wants_token_text();
@@ -363,6 +364,9 @@ int run(int argc, char** argv) {
     if (scfg.measure_recall)
       std::fprintf(stderr, "[spade] decode speed excludes %.2f s of recall measurement\n",
                    session.totals().measure_seconds);
+    if (opt.correction_every > 0)
+      std::fprintf(stderr, "[spade] cache corrections: %lld (every %lld decoded tokens)\n",
+                   (long long)st.corrections, (long long)opt.correction_every);
   }
   if (st.generated_tokens < n && !st.stopped_by_stop_id)
     std::fprintf(stderr, "[spade] stopped at the model's context of %d tokens\n", cfg.max_context);

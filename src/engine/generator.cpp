@@ -1,8 +1,10 @@
 #include "engine/generator.h"
 
 #include <algorithm>
+#include <memory>
 
 #include "core/error.h"
+#include "sparse/cache_correction.h"
 
 namespace spade {
 
@@ -38,6 +40,11 @@ GenerateStats generate(CpuModel& model, PageTable& pt, const std::vector<int32_t
   auto t1 = clock::now();
   st.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
 
+  std::unique_ptr<sparse::CacheCorrection> cc;
+  if (opt.correction_every > 0) cc = std::make_unique<sparse::CacheCorrection>(opt.correction_every);
+  std::vector<int64_t> corr_rows;
+  std::vector<float> kept;  // the decode step's logits while a correction runs the model again
+  auto dense = [&](const SeqInput& in) { model.forward({in}, corr_rows); };
   int32_t tok = 0;
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
     tok = sampler.sample(last_logits, c.vocab, history);
@@ -54,6 +61,13 @@ GenerateStats generate(CpuModel& model, PageTable& pt, const std::vector<int32_t
     batch[0].n_tokens = 1;
     const auto& logits = model.forward(batch, row_of);
     last_logits = logits.data() + row_of[0] * c.vocab;
+    if (cc) {
+      kept.assign(last_logits, last_logits + c.vocab);
+      if (cc->after_decode(dense, pt, history.back())) {
+        ++st.corrections;
+        last_logits = kept.data();
+      }
+    }
   }
   st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   return st;

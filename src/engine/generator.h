@@ -18,12 +18,16 @@ struct GenerateOptions {
   SamplingParams sampling;
   std::vector<int32_t> stop_ids;     // generation ends after emitting one of these
   const AttentionFn* attention = nullptr;  // null: dense
+  // Cache correction every N decoded tokens (the method's SparseMethod::correction_every;
+  // sparse/cache_correction.h); 0: none.
+  int64_t correction_every = 0;
 };
 
 struct GenerateStats {
   int64_t prompt_tokens = 0, generated_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
   bool stopped_by_stop_id = false;
+  int64_t corrections = 0;  // cache corrections run (GenerateOptions::correction_every)
   // generate_cuda: wall time of each decode step (ms, in order), so a one-off step (an index
   // build, a graph capture) can be told from the steady state.
   std::vector<float> step_ms;

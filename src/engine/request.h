@@ -73,6 +73,10 @@ struct EngineRequest {
   // A method the runner itself runs for this request (StepModel::new_request_state; the GPU's
   // per-request methods); null: the runner's own method.
   std::shared_ptr<const sparse::SparseConfig> device_method;
+  // Cache correction of its method (SparseMethod::correction_every): after every N decoded
+  // tokens the scheduler feeds those N again as one dense chunk at their own positions,
+  // rewriting their K/V, before the next decode step. 0: none.
+  int64_t correction_every = 0;
 };
 
 enum class FinishReason { None, Stop, Length, Cancelled, Error };

@@ -55,7 +55,8 @@ struct EngineMetrics {
   // The runner's steps by how they ran (StepModel::step_counters; 0 for the CPU runner).
   uint64_t graph_replays = 0, graph_captures = 0, graph_updates = 0, graph_instantiations = 0,
            eager_steps = 0;
-  uint64_t overlapped_steps = 0;  // device steps that delivered the previous step's tokens meanwhile
+  uint64_t overlapped_steps = 0;
+  uint64_t cache_corrections = 0;  // correction chunks run (EngineRequest::correction_every)  // device steps that delivered the previous step's tokens meanwhile
 
   int64_t running = 0, waiting = 0;
   int64_t kv_pages_used = 0, kv_pages_total = 0;

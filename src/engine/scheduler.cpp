@@ -37,6 +37,8 @@ struct Scheduler::Seq {
   int64_t attended_rows = 0;    // ... and what the method read (finished attention objects)
   bool rows_counted = false;    // attended_rows counted by a method (CPU session or runner state)
   int64_t emitted = 0;          // tokens handed to the consumer (generated, once delivered)
+  int64_t since_correction = 0; // decode tokens fed since the last cache correction
+  int64_t correcting = 0;       // tokens of a cache-correction chunk still to feed (dense)
   FinishReason ending = FinishReason::None;  // its last accepted token ends it: no more steps
   bool in_flight = false;       // in the device step now running (overlapped output)
   bool stop_hit = false;        // ... and a stop string ended it meanwhile: finish after the step
@@ -244,6 +246,8 @@ void Scheduler::preempt(std::vector<std::unique_ptr<Seq>>& running, size_t index
   model_.release(s->pt);
   count_rows(*s);
   s->dev_state.reset();  // recomputed from scratch on readmission, like the cache
+  s->correcting = 0;     // ... with dense attention: nothing left to correct
+  s->since_correction = 0;
   s->attn.reset();
   std::lock_guard<std::mutex> lk(mu_);
   ++metrics_.preemptions;
@@ -389,6 +393,18 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
                             device_samplable(r->req, r->req.prompt_logprobs >= 0 && r->plp_next < r->n_prompt));
     if (!overlap) flush_pending(running, true);
   }
+  // Cache correction: a request whose method asks for it, after every N decode tokens, goes
+  // back N positions and feeds those tokens again as one chunk with dense attention (its
+  // pages hold them; their K/V are overwritten), then decodes on.
+  for (auto& r : running) {
+    const int64_t N = r->req.correction_every;
+    if (N <= 0 || r->correcting > 0 || r->since_correction < N || r->ending != FinishReason::None)
+      continue;
+    if (int64_t(r->tokens.size()) - r->pt.length != 1 || r->pt.length - N < r->n_prompt) continue;
+    r->pt.length -= N;
+    r->correcting = N;
+    r->since_correction = 0;
+  }
   // Plan: decode tokens first (one per sequence whose input is all cached but its last
   // sampled token), then prefill chunks in priority order with the rest of the budget.
   // If the pool cannot hold the plan, preempt the lowest-priority sequence and re-plan.
@@ -420,14 +436,15 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
         if (only_pass >= 0 && (pass != only_pass || (pass == 1 && prefill_taken))) continue;
         prefill_taken = pass == 1;
         const bool scoring = r->req.prompt_logprobs >= 0 && r->plp_next < r->n_prompt;
-        const int64_t n = std::min({feed, budget, scoring ? 1 + std::max<int64_t>(0, spare_rows) : feed});
+        const int64_t n = std::min({feed, budget, scoring ? 1 + std::max<int64_t>(0, spare_rows) : feed,
+                                    r->correcting > 0 ? r->correcting : feed});
         if (scoring) spare_rows -= n - 1;
         budget -= n;
         SeqInput in;
         in.pages = &r->pt;
         in.tokens = r->tokens.data() + r->pt.length;
         in.n_tokens = n;
-        in.attention = r->attn ? &r->guarded : nullptr;
+        in.attention = r->attn && r->correcting == 0 ? &r->guarded : nullptr;  // correction: dense
         in.device_state = r->dev_state.get();
         in.all_logits = scoring;
         batch_.push_back(in);
@@ -450,6 +467,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   }
   for (size_t i = 0; i < batch_.size(); ++i) {
     Seq* s = batch_seqs_[i];
+    if (s->correcting > 0) continue;  // tokens its method has seen already
     try {
       if (s->attn) s->attn->on_tokens(batch_[i].tokens, batch_[i].n_tokens, text_);
       if (s->dev_state && s->dev_state->wants_token_text())
@@ -503,12 +521,18 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     return;
   }
   const auto t_sample = clock_type::now();
-  int64_t step_tokens = 0, sampled = 0;
+  int64_t step_tokens = 0, sampled = 0, n_corrections = 0;
   const int64_t rows_per_pos = int64_t(cfg.n_layers) * cfg.n_kv_heads;
   for (size_t i = 0; i < batch_seqs_.size(); ++i) {
     Seq& s = *batch_seqs_[i];
     s.in_flight = false;
     step_tokens += batch_[i].n_tokens;
+    if (s.correcting > 0) {  // a cache-correction chunk: nothing to sample
+      s.correcting -= batch_[i].n_tokens;
+      if (s.correcting == 0) ++n_corrections;
+    } else if (batch_[i].n_tokens == 1 && s.pt.length > s.n_prompt) {
+      ++s.since_correction;
+    }
     if (s.ch->finished()) continue;  // ended while the step ran (defensive: none do today)
     if (s.stop_hit) {  // a stop string ended it during the step: this token is dropped
       finish(s, FinishReason::Stop);
@@ -596,6 +620,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   metrics_.forward_seconds += seconds(t_sample - t_fwd) - (overlapped ? deliver_s : 0.0);
   metrics_.sample_seconds += deliver_s;
   if (overlapped) ++metrics_.overlapped_steps;
+  metrics_.cache_corrections += uint64_t(n_corrections);
   if (tokens) ++metrics_.device_sampled_steps;
   metrics_.generation_tokens += uint64_t(sampled);
   metrics_.batch_size.observe(double(batch_.size()));

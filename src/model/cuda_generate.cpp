@@ -2,12 +2,14 @@
 // then one token per step sampled on the GPU (the host sampler only for a repetition penalty).
 #if defined(SPADE_HAVE_CUDA)
 #include <algorithm>
+#include <memory>
 #include <chrono>
 
 #include "backend/cuda/sampling.h"
 #include "core/error.h"
 #include "engine/sampler.h"
 #include "model/cuda_model.h"
+#include "sparse/cache_correction.h"
 
 namespace spade {
 
@@ -47,6 +49,10 @@ GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<i
     }
     return model.forward_sample(b, gs, step++)[0];
   };
+  std::unique_ptr<sparse::CacheCorrection> cc;
+  if (opt.correction_every > 0) cc = std::make_unique<sparse::CacheCorrection>(opt.correction_every);
+  std::vector<int64_t> corr_rows;
+  auto dense = [&](const SeqInput& in) { (void)model.forward({in}, corr_rows); };
   auto t0 = clock::now();
   const int64_t chunk = std::max<int64_t>(1, opt.prefill_chunk);
   int32_t tok = 0;
@@ -69,6 +75,8 @@ GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<i
     if (i + 1 == opt.max_new_tokens || pt.length + 1 > c.max_context) break;
     const auto ts = clock::now();
     tok = run(&history.back(), 1);
+    // The sampled token is on the host: a correction may run the model again.
+    if (cc && cc->after_decode(dense, pt, history.back(), state)) ++st.corrections;
     st.step_ms.push_back(float(1e3 * std::chrono::duration<double>(clock::now() - ts).count()));
   }
   st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();

@@ -435,6 +435,7 @@ void HttpServer::Impl::generate(HttpExchange& ex, ApiKind kind) {
     er.method = sp.method;
     er.attention = std::move(sp.maker);
     er.device_method = std::move(sp.device_method);
+    er.correction_every = sp.correction_every;
   } catch (const std::exception& e) {
     return reject(api_error(400, e.what(), "invalid_value", "sparse"));
   }

@@ -103,6 +103,9 @@ std::string prometheus_text(const EngineMetrics& m, const HttpCounts& http,
   o.metric("spade_engine_overlapped_steps_total", "counter",
            "Device steps during which the previous step's tokens were delivered.",
            double(m.overlapped_steps));
+  o.metric("spade_engine_cache_corrections_total", "counter",
+           "Cache corrections run: decoded tokens fed again with dense attention (the method's "
+           "correction option).", double(m.cache_corrections));
   o.head("spade_engine_runner_steps_total", "counter",
          "The runner's steps by how they ran: CUDA graph replays, captures (then updated in place or "
          "instantiated), and eager launches.");

@@ -74,6 +74,7 @@ ResolvedSparse SparseMethods::resolve(const std::optional<SparseSpec>& given) {
     }
   }
   r.description = m->describe();
+  r.correction_every = m->correction_every();
   if (!device_.empty()) {
     // The GPU model runs the method itself: the server's own (no device_method), or one it
     // adds for this request.

@@ -26,6 +26,7 @@ struct ResolvedSparse {
   AttentionMaker maker;    // empty: dense attention (the "full" method without options)
   // GPU: the method the model runs for this request (null: the server's own method).
   std::shared_ptr<const sparse::SparseConfig> device_method;
+  int64_t correction_every = 0;  // the method's cache correction (EngineRequest::correction_every)
 };
 
 class SparseMethods {

@@ -113,6 +113,10 @@ class SparseMethod {
   // page_size must be a multiple of the KV page size). SparseSession checks it at
   // construction, so such a method fails before the first step, not in the middle of one.
   virtual void check_kv_layout(const KVLayout& layout) const { (void)layout; }
+  // Cache correction (LycheeDecode section 4.2.2, TidalDecode's option): every N decoded
+  // tokens the decode loop recomputes those N tokens' K/V with a dense pass and continues
+  // (CacheCorrection; the scheduler's correction chunks). N, or 0 when the method asks for none.
+  virtual int64_t correction_every() const { return 0; }
   virtual void on_prefill(StepContext& ctx, int64_t p0, int64_t T) const {}
   virtual void on_append(StepContext& ctx) const {}
   virtual void select(StepContext& ctx, Selection& out) const = 0;

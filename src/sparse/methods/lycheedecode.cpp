@@ -1,4 +1,5 @@
 #include "sparse/methods/lycheedecode.h"
+#include "sparse/methods/common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -217,7 +218,7 @@ bool roles_names_file(const std::string& v) {
 
 std::vector<OptionSpec> lycheedecode_options() {
   using S = OptionSpec;
-  return {
+  std::vector<OptionSpec> v = {
       S{"roles", OptKind::String, "auto",
         "head roles: JSON file, inline R/S pattern 'RRR/SRS/...', or auto (configs/head_roles/ "
         "file trained for this model)"}
@@ -240,12 +241,9 @@ std::vector<OptionSpec> lycheedecode_options() {
       S{"block", OptKind::Int, "1",
         "selection unit in tokens: 1 = tokens, 64 = blocks (the paper's kernel)"}
           .range(1, kMaxTile),
-      S{"correction", OptKind::Int, "0",
-        "1: cache correction (dense K/V recompute of decoded tokens; run by the decode loop)"}
-          .range(0, 1),
-      S{"correction_every", OptKind::Int, "32", "decoded tokens between corrections (paper 32)"}
-          .range(1, kMaxTile),
   };
+  for (OptionSpec& s : correction_options()) v.push_back(std::move(s));
+  return v;
 }
 
 std::unique_ptr<SparseMethod> make_lycheedecode(const MethodOptions& o, const ModelConfig& cfg) {
@@ -259,39 +257,9 @@ std::unique_ptr<SparseMethod> make_lycheedecode(const MethodOptions& o, const Mo
   r.ratio = o.number("ratio");
   r.block = int(o.integer("block"));
   return std::make_unique<LycheeDecodeMethod>(resolve_head_roles(o.str("roles"), cfg), r,
-                                              o.integer("correction") != 0,
+                                              correction_every_option(o) != 0,
                                               o.integer("correction_every"));
 }
 
-int64_t lycheedecode_correction_every(const SparseMethod& m) {
-  auto* ld = dynamic_cast<const LycheeDecodeMethod*>(&m);
-  return ld ? ld->correction_every() : 0;
-}
-
-CacheCorrection::CacheCorrection(int64_t every) : every_(every) {
-  SPADE_CHECK(every >= 1, "cache correction: interval must be at least 1");
-  pending_.reserve(size_t(every));
-}
-
-bool CacheCorrection::after_decode(CpuModel& model, PageTable& pt, int32_t token) {
-  pending_.push_back(token);
-  if (int64_t(pending_.size()) < every_) return false;
-  const int64_t n = int64_t(pending_.size());
-  SPADE_CHECK(pt.length >= n, "cache correction: the page table holds ", pt.length,
-              " tokens, fewer than the ", n, " to correct");
-  const int64_t end = pt.length;
-  pt.length = end - n;  // the chunk rewrites positions [end - n, end)
-  std::vector<SeqInput> batch = {{&pt, pending_.data(), n, false, nullptr}};
-  try {
-    model.forward(batch, row_of_);
-  } catch (...) {
-    pt.length = end;
-    throw;
-  }
-  SPADE_CHECK(pt.length == end, "cache correction: length mismatch");
-  pending_.clear();
-  ++corrections_;
-  return true;
-}
 
 }  // namespace spade::sparse

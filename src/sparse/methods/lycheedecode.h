@@ -19,8 +19,8 @@
 // full attention), e.g. budget >= L.
 //
 // Cache correction (paper section 4.2.2, TidalDecode): every N decoded tokens, recompute the
-// K/V of those N tokens with a dense pass (CacheCorrection below; the method only carries
-// the option, the generation loop runs it).
+// K/V of those N tokens with a dense pass (sparse/cache_correction.h; the method only carries
+// the option, SparseMethod::correction_every, and the decode loops run it).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -78,8 +78,7 @@ class LycheeDecodeMethod final : public SparseMethod {
 
   const HeadRoles& roles() const { return roles_; }
   const LdRule& rule() const { return rule_; }
-  // Decoded tokens between cache corrections; 0 when correction is off.
-  int64_t correction_every() const { return correction_ ? every_ : 0; }
+  int64_t correction_every() const override { return correction_ ? every_ : 0; }
 
  private:
   HeadRoles roles_;
@@ -90,28 +89,5 @@ class LycheeDecodeMethod final : public SparseMethod {
 
 std::vector<OptionSpec> lycheedecode_options();
 std::unique_ptr<SparseMethod> make_lycheedecode(const MethodOptions& o, const ModelConfig& cfg);
-// The cache-correction interval of `m` when it is lycheedecode with correction on, else 0.
-int64_t lycheedecode_correction_every(const SparseMethod& m);
-
-// Cache correction: call after_decode() after every decode forward (once its logits were
-// used: it runs the model again). After every `every` decoded tokens it rewinds the page
-// table by `every` tokens and runs them again as one chunk with dense causal attention at
-// their own positions, overwriting their K/V in every layer (the logits of that pass are
-// dropped). Pages of those tokens must be owned by `pt` alone (a fork's decode pages are).
-class CacheCorrection {
- public:
-  explicit CacheCorrection(int64_t every);
-  // `token` is the token the decode step just fed (now at position pt.length - 1).
-  // Returns true when this call ran a correction.
-  bool after_decode(CpuModel& model, PageTable& pt, int32_t token);
-  int64_t corrections() const { return corrections_; }
-  void reset() { pending_.clear(); }
-
- private:
-  int64_t every_;
-  int64_t corrections_ = 0;
-  std::vector<int32_t> pending_;
-  std::vector<int64_t> row_of_;
-};
 
 }  // namespace spade::sparse

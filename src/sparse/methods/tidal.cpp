@@ -8,13 +8,15 @@
 
 namespace spade::sparse {
 
-TidalMethod::TidalMethod(int64_t budget, LayerSchedule sched)
-    : budget_(budget), sched_(std::move(sched)) {
+TidalMethod::TidalMethod(int64_t budget, LayerSchedule sched, int64_t correction_every)
+    : budget_(budget), sched_(std::move(sched)), correction_every_(correction_every) {
   SPADE_CHECK(budget > 0, "tidal: budget must be positive");
+  SPADE_CHECK(correction_every >= 0, "tidal: correction_every must be >= 0");
 }
 
 std::string TidalMethod::describe() const {
-  return cat("tidal budget=", budget_, " (", sched_.describe(), ")");
+  return cat("tidal budget=", budget_, " (", sched_.describe(), ")",
+             correction_every_ ? cat(" correction=every ", correction_every_) : std::string());
 }
 
 std::unique_ptr<MethodState> TidalMethod::new_state() const {
@@ -46,11 +48,14 @@ void TidalMethod::on_scores(StepContext& c, const Selection&, const float* score
 }
 
 std::vector<OptionSpec> tidal_options() {
-  return {budget_option(), dense_layers_option(), selection_layers_option()};
+  std::vector<OptionSpec> v = {budget_option(), dense_layers_option(), selection_layers_option()};
+  for (OptionSpec& s : correction_options()) v.push_back(std::move(s));
+  return v;
 }
 
 std::unique_ptr<SparseMethod> make_tidal(const MethodOptions& o, const ModelConfig& cfg) {
-  return std::make_unique<TidalMethod>(o.integer("budget"), LayerSchedule::from_options(o, cfg));
+  return std::make_unique<TidalMethod>(o.integer("budget"), LayerSchedule::from_options(o, cfg),
+                                       correction_every_option(o));
 }
 
 }  // namespace spade::sparse

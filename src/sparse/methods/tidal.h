@@ -3,7 +3,8 @@
 // positions ranked by the group-averaged score (mean over the G query heads of
 // q.k/sqrt(D); ties: lower position); every following layer reads that per-head set until
 // the next selection layer re-selects. Defaults (dense 0-1, select at 2 and a per-model
-// re-selection layer) come from model_defaults.h.
+// re-selection layer) come from model_defaults.h. Cache correction (the paper's option):
+// correction=1,correction_every=N (SparseMethod::correction_every).
 #pragma once
 #include <memory>
 #include <vector>
@@ -17,17 +18,19 @@ namespace spade::sparse {
 
 class TidalMethod final : public SparseMethod {
  public:
-  TidalMethod(int64_t budget, LayerSchedule sched);
+  TidalMethod(int64_t budget, LayerSchedule sched, int64_t correction_every = 0);
   std::string name() const override { return "tidal"; }
   std::string describe() const override;
   std::unique_ptr<MethodState> new_state() const override;
   void select(StepContext& ctx, Selection& out) const override;
   void on_scores(StepContext& ctx, const Selection& sel, const float* scores) const override;
   const LayerSchedule& schedule() const { return sched_; }
+  int64_t correction_every() const override { return correction_every_; }
 
  private:
   int64_t budget_;
   LayerSchedule sched_;
+  int64_t correction_every_;
 };
 
 std::vector<OptionSpec> tidal_options();
