@@ -106,6 +106,43 @@ TEST(EvalRunner, CpuRunnerDecodesWhatSharedPrefillDecodes) {
   }
 }
 
+// The eval decode loops run the method's cache correction (issue 37): a run whose method asks
+// for it reports its corrections, and its tokens equal SharedPrefill's with the same option;
+// forced tokens (teacher forcing) are corrected like sampled ones.
+TEST(EvalRunner, RunsTheMethodsCacheCorrection) {
+  ModelConfig c = test::tiny_config();
+  c.n_layers = 4;
+  const ModelWeights w = test::random_model(c, 17);
+  const auto runs = expand_methods(
+      "tidal:dense_layers=1,selection_layers=1,correction=1,correction_every=4;"
+      "tidal:dense_layers=1,selection_layers=1",
+      {8});
+  std::vector<std::shared_ptr<const sparse::SparseMethod>> methods;
+  for (const auto& r : runs) methods.push_back(sparse::make_method(r.config, c));
+  ASSERT_EQ(methods[0]->correction_every(), 4);
+  ASSERT_EQ(methods[1]->correction_every(), 0);
+  RunnerOptions ro;
+  ro.max_prompt = 100;
+  ro.max_new = 15;
+  EvalRunner runner(w, runs, place_runs(runs, Device::CPU), methods, ro, nullptr);
+  std::mt19937 rng(3);
+  std::vector<int32_t> prompt(90);
+  for (auto& t : prompt) t = int32_t(rng() % uint32_t(c.vocab));
+  runner.set_prompt(prompt);
+  DecodeOptions opt;
+  opt.max_new = 15;
+  const DecodeResult a = runner.decode(0, opt), b = runner.decode(1, opt);
+  EXPECT_EQ(a.corrections, (15 - 1) / 4);  // 14 decode steps
+  EXPECT_EQ(b.corrections, 0);
+  SharedPrefill sp(w, 100, 15, 16, 1024);
+  sp.prefill(prompt);
+  DecodeOptions with = opt;
+  with.correction_every = 4;
+  const DecodeResult c0 = sp.decode(methods[1], with);
+  EXPECT_EQ(c0.corrections, a.corrections);
+  EXPECT_EQ(c0.tokens, a.tokens);
+}
+
 TEST(EvalRunner, ReportNamesTheBackendOfEachMethod) {
   nlohmann::json doc = {{"kind", "ppl"}, {"meta", {{"backend", "cuda"}}}, {"commands", {"x"}}};
   doc["results"] = {{{"key", "a"}, {"method", "full"}, {"length", 64}, {"nll_mean", 1.0},

@@ -16,6 +16,7 @@
 #include "engine/sampler.h"
 #include "model/cpu_model.h"
 #include "model/loader.h"
+#include "sparse/cache_correction.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
 #include "tokenizer/tokenizer.h"
@@ -186,6 +187,12 @@ int run(int argc, char** argv) {
     if (wants_text)
       for (int32_t id : prompt) session.append_token_text(tok->token_bytes(id));
     std::vector<int32_t> out;
+    // The method's cache correction (dense re-feed of the last N decoded tokens).
+    std::unique_ptr<sparse::CacheCorrection> cc;
+    if (methods[m]->correction_every() > 0)
+      cc = std::make_unique<sparse::CacheCorrection>(methods[m]->correction_every());
+    std::vector<int64_t> corr_rows;
+    auto dense = [&](const SeqInput& in) { model.forward({in}, corr_rows); };
     int32_t t = argmax(last_logits.data(), cfg.vocab);
     auto t_dec = clock_::now();
     int64_t steps = 0;
@@ -196,7 +203,8 @@ int run(int argc, char** argv) {
       if (std::find(eos.begin(), eos.end(), t) != eos.end() || i + 1 == n_new) break;
       batch[0] = {&pt, &out.back(), 1, false, &session.attention()};
       const auto& lg = model.forward(batch, row_of);
-      t = argmax(lg.data() + row_of[0] * cfg.vocab, cfg.vocab);
+      t = argmax(lg.data() + row_of[0] * cfg.vocab, cfg.vocab);  // before a correction reruns it
+      if (cc) cc->after_decode(dense, pt, out.back());
       ++steps;
     }
     const double dec_s = since(t_dec) - session.totals().measure_seconds;

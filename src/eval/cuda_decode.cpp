@@ -68,12 +68,14 @@ DecodeResult CudaDecoder::decode(const std::string& key, const CudaSparse& spars
         last_.assign(lg.begin() + row_of_[0] * V, lg.begin() + (row_of_[0] + 1) * V);
     }
     r.prefill_seconds = since(t0);
+    Corrector corr(opt.correction_every, V,
+                   [&](const SeqInput& in) { (void)m.forward({in}, corr_rows_); });
     t0 = clk::now();
     decode_steps(opt, V, last_.data(), [&](int32_t t) {
       if (text) state->append_token_text(tok_->token_bytes(t));
       batch[0] = {&pt, &r.tokens.back(), 1, false, nullptr, state.get()};
       const auto& lg = m.forward(batch, row_of_);
-      return lg.data() + row_of_[0] * V;
+      return corr.after_step(lg.data() + row_of_[0] * V, pt, r.tokens.back(), state.get(), r);
     }, r);
     r.seconds = since(t0);
   } catch (...) {

@@ -50,6 +50,7 @@ class CudaDecoder {
   std::map<std::string, std::unique_ptr<CudaModel>> models_;
   std::vector<float> last_;
   std::vector<int64_t> row_of_;
+  std::vector<int64_t> corr_rows_;  // cache-correction chunks (logits dropped)
 };
 
 }  // namespace spade::eval

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "engine/sampler.h"
+#include "sparse/cache_correction.h"
 
 namespace spade::eval {
 
@@ -49,6 +50,21 @@ double SharedPrefill::prefill(const std::vector<int32_t>& prompt) {
   return since(t0);
 }
 
+Corrector::Corrector(int64_t every, int vocab, sparse::CacheCorrection::Forward dense)
+    : vocab_(vocab), dense_(std::move(dense)) {
+  if (every > 0) cc_ = std::make_unique<sparse::CacheCorrection>(every);
+}
+Corrector::~Corrector() = default;
+
+const float* Corrector::after_step(const float* logits, PageTable& pt, int32_t fed,
+                                   sparse::MethodState* state, DecodeResult& r) {
+  if (!cc_) return logits;
+  kept_.assign(logits, logits + vocab_);  // a correction runs the model again
+  if (!cc_->after_decode(dense_, pt, fed, state)) return logits;
+  ++r.corrections;
+  return kept_.data();
+}
+
 void decode_steps(const DecodeOptions& opt, int vocab, const float* first_logits,
                   const std::function<const float*(int32_t)>& step, DecodeResult& r) {
   SPADE_CHECK(!opt.forced || int64_t(opt.forced->size()) >= opt.max_new,
@@ -76,12 +92,14 @@ DecodeResult SharedPrefill::decode(std::shared_ptr<const sparse::SparseMethod> m
   for (const auto& piece : text_) session.append_token_text(piece);
   DecodeResult r;
   std::vector<SeqInput> batch(1);
+  Corrector corr(opt.correction_every, c.vocab,
+                 [&](const SeqInput& in) { model_.forward({in}, corr_rows_); });
   const auto t0 = clk::now();
   decode_steps(opt, c.vocab, last_.data(), [&](int32_t t) {
     if (tok_) session.append_token_text(tok_->token_bytes(t));
     batch[0] = {&pt, &r.tokens.back(), 1, false, &session.attention()};
     const auto& lg = model_.forward(batch, row_of_);
-    return lg.data() + row_of_[0] * c.vocab;
+    return corr.after_step(lg.data() + row_of_[0] * c.vocab, pt, r.tokens.back(), nullptr, r);
   }, r);
   r.seconds = since(t0) - session.totals().measure_seconds;
   r.totals = session.totals();

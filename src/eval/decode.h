@@ -14,6 +14,7 @@
 #include "kv/kv_pool.h"
 #include "model/cpu_model.h"
 #include "model/weights.h"
+#include "sparse/cache_correction.h"
 #include "sparse/method.h"
 #include "sparse/session.h"
 #include "tokenizer/tokenizer.h"
@@ -28,6 +29,9 @@ struct DecodeOptions {
   // Logits [vocab] that predict token `step` (step 0: the prefill's last logits).
   std::function<void(int64_t step, const float* logits)> on_logits;
   std::function<void(const sparse::StepStats&)> on_step;  // after every decode step
+  // Cache correction every N decoded tokens (the method's SparseMethod::correction_every;
+  // EvalRunner sets it per run); 0: none.
+  int64_t correction_every = 0;
 };
 
 struct DecodeResult {
@@ -36,6 +40,24 @@ struct DecodeResult {
   double seconds = 0;            // decode time, recall measurement excluded
   double prefill_seconds = 0;    // the prefill this decode started from (EvalRunner)
   bool gpu = false;              // decoded by CudaModel (src/eval/cuda_decode.h)
+  int64_t corrections = 0;       // cache corrections run (DecodeOptions::correction_every)
+};
+
+// Cache correction inside an eval decode loop: after_step(logits of the step that fed `fed`)
+// runs a correction when one is due (DecodeOptions::correction_every) and returns logits that
+// survive it (a copy when the model ran again).
+class Corrector {
+ public:
+  Corrector(int64_t every, int vocab, sparse::CacheCorrection::Forward dense);
+  ~Corrector();
+  const float* after_step(const float* logits, PageTable& pt, int32_t fed,
+                          sparse::MethodState* state, DecodeResult& r);
+
+ private:
+  int vocab_;
+  sparse::CacheCorrection::Forward dense_;
+  std::unique_ptr<sparse::CacheCorrection> cc_;
+  std::vector<float> kept_;
 };
 
 // The step loop of every eval decode (CPU and GPU): token i is forced or the argmax of the
@@ -73,6 +95,7 @@ class SharedPrefill {
   std::vector<std::string> text_;  // token text of the prompt (with tok_)
   std::vector<float> last_;
   std::vector<int64_t> row_of_;
+  std::vector<int64_t> corr_rows_;  // the rows of cache-correction chunks (logits dropped)
 };
 
 }  // namespace spade::eval

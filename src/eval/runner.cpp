@@ -93,6 +93,9 @@ EvalRunner::EvalRunner(const ModelWeights& w, const std::vector<MethodRun>& runs
   for (size_t i = 0; i < runs_.size(); ++i) {
     SPADE_CHECK(place_[i].gpu || cpu_[i], "EvalRunner: run ", runs_[i].label, " has no CPU method");
     any_gpu |= place_[i].gpu;
+    // The correction interval is the method's option, whichever backend runs it.
+    correction_.push_back(cpu_[i] ? cpu_[i]->correction_every()
+                                  : sparse::make_method(runs_[i].config, w.config)->correction_every());
   }
 #if defined(SPADE_HAVE_CUDA)
   gpu_->sparse.resize(runs_.size());
@@ -142,7 +145,9 @@ DecodeResult EvalRunner::on_gpu(size_t run, bool full, const DecodeOptions& opt)
 
 DecodeResult EvalRunner::decode(size_t run, const DecodeOptions& opt) {
   SPADE_CHECK(run < runs_.size(), "EvalRunner: no run ", run);
-  return place_[run].gpu ? on_gpu(run, false, opt) : on_cpu(cpu_[run], opt);
+  DecodeOptions o = opt;
+  o.correction_every = correction_[run];
+  return place_[run].gpu ? on_gpu(run, false, o) : on_cpu(cpu_[run], o);
 }
 
 DecodeResult EvalRunner::decode_full(size_t run, const DecodeOptions& opt) {

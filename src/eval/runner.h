@@ -79,6 +79,7 @@ class EvalRunner {
   std::vector<Placement> place_;
   std::vector<std::shared_ptr<const sparse::SparseMethod>> cpu_;
   std::shared_ptr<const sparse::SparseMethod> cpu_full_;
+  std::vector<int64_t> correction_;  // per run: its method's cache-correction interval (0: none)
   RunnerOptions opt_;
   const Tokenizer* tok_;
   std::vector<int32_t> prompt_;
