@@ -1,5 +1,6 @@
 // tools/args.h: the CLI's option parser (unknown options are errors, short or long; the
-// aliases llama.cpp users type) and tools/sampling_args.h's ranges.
+// aliases llama.cpp users type), tools/sampling_args.h's ranges and tools/sparse_args.h's
+// sparse-method flags.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -7,6 +8,7 @@
 
 #include "../tools/args.h"
 #include "../tools/sampling_args.h"
+#include "../tools/sparse_args.h"
 
 namespace spade::cli {
 namespace {
@@ -72,6 +74,27 @@ TEST(CliArgs, SamplingRangesAreChecked) {
   EXPECT_NE(error_of({"--min-p", "1.5"}).find("--min-p"), std::string::npos);
   EXPECT_NE(error_of({"--repeat-penalty", "0"}).find("--repeat-penalty"), std::string::npos);
   EXPECT_EQ(error_of({"--top-p", "0.9", "--temperature", "0.7", "--top-k", "40"}), "");
+}
+
+// --sparse takes the spec form requests take; --budget and repeated --sparse-opt override it,
+// in that order; an unknown method fails before any model loads.
+TEST(CliArgs, SparseFlagsParseOnceIntoOneConfig) {
+  auto sparse_of = [](std::vector<std::string> a) {
+    Argv v(std::move(a));
+    Args x(v.argc(), v.argv(), {"--sparse", "--budget", "--sparse-opt", "--sparse-config"}, {});
+    return sparse_from_args(x, v.argc(), v.argv());
+  };
+  const sparse::SparseConfig c = sparse_of({"--sparse", "quest:budget=64,page_size=16", "--budget",
+                                            "32", "--sparse-opt", "page_size=32", "--sparse-opt",
+                                            "dense_layers=1"});
+  EXPECT_EQ(c.method, "quest");
+  EXPECT_EQ(c.options.at("budget"), "32");
+  EXPECT_EQ(c.options.at("page_size"), "32");
+  EXPECT_EQ(c.options.at("dense_layers"), "1");
+  EXPECT_EQ(sparse_of({}).method, "full");
+  EXPECT_EQ(sparse_of({"--sparse", "twilight:base=quest,budget=128"}).options.at("base"), "quest");
+  EXPECT_THROW(sparse_of({"--sparse", "nope"}), Error);
+  EXPECT_THROW(sparse_of({"--budget", "x"}), Error);
 }
 
 }  // namespace

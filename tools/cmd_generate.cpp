@@ -11,6 +11,7 @@
 #include "args.h"
 #include "command.h"
 #include "sampling_args.h"
+#include "sparse_args.h"
 #include "core/thread_pool.h"
 #include "engine/generator.h"
 #include "model/cuda_methods.h"
@@ -60,7 +61,7 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   --prompt-len N        prompt tokens for --synthetic (default 128)
 
 sparse attention (prefill is dense; decode steps read only the selected tokens):
-  --sparse NAME         method (default full): )" "%METHODS%" R"(
+  --sparse NAME[:k=v,..] method and options (default full): )" "%METHODS%" R"(
   --budget N            tokens attended per KV head in sparse layers (method option budget)
   --sparse-opt K=V      method option; repeatable, or a comma list K=V,K=V
   --sparse-config F     JSON file: {"method": "quest", "budget": 2048, "recall": true, ...}
@@ -70,17 +71,6 @@ sparse attention (prefill is dense; decode steps read only the selected tokens):
 methods and options (defaults from the papers; docs/sparse.md):
 )";
 
-// Every value of a repeatable option (Args keeps only the last one).
-std::vector<std::string> all_values(int argc, char** argv, const std::string& name) {
-  std::vector<std::string> out;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--") break;
-    if (a == name && i + 1 < argc) out.push_back(argv[++i]);
-    else if (a.rfind(name + "=", 0) == 0) out.push_back(a.substr(name.size() + 1));
-  }
-  return out;
-}
 
 std::string help_text() {
   std::string h = kHelp;
@@ -214,13 +204,8 @@ int run(int argc, char** argv) {
   a.no_positionals();
   (void)sampling_from_args(a, 0);  // flags checked before the model loads
   // Sparse configuration: JSON file, then flags.
-  sparse::SparseConfig scfg;
-  if (a.has("--sparse-config")) scfg.merge_json_file(a.str("--sparse-config"));
-  if (a.has("--sparse")) scfg.method = a.str("--sparse");
-  if (a.has("--budget")) scfg.set("budget", std::to_string(a.integer("--budget", 0)));
-  for (const auto& o : all_values(argc, argv, "--sparse-opt")) scfg.set_options(o);
+  sparse::SparseConfig scfg = sparse_from_args(a, argc, argv);
   if (a.has("--recall")) scfg.measure_recall = true;
-  sparse::find_method(scfg.method);  // unknown names fail before the model loads
   const std::string device = a.str("--device", a.has("--synthetic") ? "cuda" : "cpu");
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda");
   // GPU sparse decode (cuda_sparse_config checks the options once the model's config is

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "args.h"
+#include "sparse_args.h"
 #include "command.h"
 #include "core/thread_pool.h"
 #include "engine/runner.h"
@@ -132,15 +133,7 @@ int run(int argc, char** argv) {
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '", device, "'");
   // The CPU pool also backs the sparse sessions; on the GPU the pool lives on the device and
   // the host pool is not allocated.
-  sparse::SparseConfig sc;
-  if (a.has("--sparse-config")) sc.merge_json_file(a.str("--sparse-config"));
-  if (a.has("--sparse")) {
-    sparse::SparseConfig s = sparse::SparseConfig::parse_spec(a.str("--sparse"));
-    sc.method = s.method;
-    for (auto& [k, v] : s.options) sc.options[k] = v;
-  }
-  if (a.has("--budget")) sc.set("budget", a.str("--budget"));
-  if (a.has("--sparse-opt")) sc.set_options(a.str("--sparse-opt"));
+  const sparse::SparseConfig sc = sparse_from_args(a, argc, argv);
   RunnerOptions ro;
   ro.device = device;
   ro.kv_pages = pages;
