@@ -253,7 +253,9 @@ TEST(Scheduler, PromptScoringChunksFitTheLogitRowLimit) {
   const Scored r40 = collect_scored(*c40);
   const Result r5 = collect(*c5), r9 = collect(*c9);
   EXPECT_LE(runner.max_rows, 8);
-  EXPECT_GE(runner.scoring_steps, 6);  // 40 tokens in chunks of at most 8
+  // 40 tokens in chunks of at most 8 rows: at least 5 steps (6-7 when the others run beside
+  // it; alone, when the submitting thread was descheduled until they had finished, exactly 5).
+  EXPECT_GE(runner.scoring_steps, 5);
   expect_prompt_scores(f.w, p40, r40.prompt, 2);
   ASSERT_EQ(r40.r.tokens.size(), 3u);
   expect_greedy(f.w, p40, r40.r.tokens);

@@ -12,9 +12,13 @@
 #include "args.h"
 #include "command.h"
 #include "sampling_args.h"
+#include "sparse_args.h"
 #include "core/thread_pool.h"
 #include "engine/generator.h"
+#include "engine/runner.h"
 #include "model/loader.h"
+#include "sparse/registry.h"
+#include "sparse/session.h"
 #include "tokenizer/tokenizer.h"
 
 namespace spade::cli {
@@ -34,6 +38,11 @@ Prompts ("> ") and statistics go to stderr, so stdout holds only the answers.
   --temperature T       0 = greedy (default 0.7)
   --top-k K  --top-p P  --min-p P  --repeat-penalty R  --seed S
   --threads N           CPU threads (default: all cores)
+  --device cpu|cuda     where the model runs (default cpu; cuda: CUDA builds)
+  --sparse NAME[:k=v,..] sparse attention method for the answers' decode steps (default full;
+                        `spade generate --help` lists them); --budget N, --sparse-opt k=v,...
+                        and --sparse-config FILE as in generate
+  --deterministic       with --device cuda: bit-identical reruns
   --no-cache-reuse      prefill the whole conversation every turn (for testing)
   --stats               per-turn token counts and speeds to stderr
 )";
@@ -47,8 +56,9 @@ struct Conversation {
 int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--system", "--thinking", "-n", "--max-tokens", "--temperature", "--top-k",
-          "--top-p", "--min-p", "--repeat-penalty", "--seed", "--threads"},
-         {"--help", "--no-cache-reuse", "--stats"});
+          "--top-p", "--min-p", "--repeat-penalty", "--seed", "--threads", "--device", "--sparse",
+          "--budget", "--sparse-opt", "--sparse-config"},
+         {"--help", "--no-cache-reuse", "--stats", "--deterministic"});
   if (a.has("--help")) {
     std::fputs(kHelp, stdout);
     return 0;
@@ -56,6 +66,9 @@ int run(int argc, char** argv) {
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   a.no_positionals();
   (void)sampling_from_args(a, 0.7);  // flags checked before the model loads
+  const sparse::SparseConfig scfg = sparse_from_args(a, argc, argv);
+  const std::string device = a.str("--device", "cpu");
+  SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '", device, "'");
   nlohmann::json extra = nlohmann::json::object();
   if (a.has("--thinking")) {
     const std::string t = a.str("--thinking");
@@ -68,21 +81,49 @@ int run(int argc, char** argv) {
   const ChatTemplate* tmpl = tok->chat_template();
   SPADE_CHECK(tmpl, "the model '", a.str("--model"), "' has no chat template; use spade generate");
   const ModelConfig& cfg = weights->config;
-  KVPool kv({cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16}, (cfg.max_context + 15) / 16 + 1);
-  CpuModel model(*weights, kv);
+  // One runner whatever the device (engine/runner.h), with room for the whole context.
+  RunnerOptions ro;
+  ro.device = device;
+  ro.kv_pages = (cfg.max_context + 15) / 16 + 1;
+  ro.max_batch = 1;
+  ro.max_step_tokens = 1024;
+  ro.deterministic = a.has("--deterministic");
+  ro.sparse = scfg;
+  ro.per_request_methods = false;
+  Runner runner = make_runner(*weights, ro);
+  StepModel& model = *runner.model;
+  auto method = sparse::make_method(scfg, cfg);
 
   GenerateOptions opt;
   opt.max_new_tokens = a.has("-n") ? a.integer("-n", 512) : a.integer("--max-tokens", 512);
   SPADE_CHECK(opt.max_new_tokens > 0, "--max-tokens must be positive");
   opt.sampling = sampling_from_args(a, 0.7);
   opt.stop_ids = tok->eos_ids();
+  opt.prefill_chunk = runner.max_step_tokens;
+  opt.correction_every = method->correction_every();
   const bool reuse = !a.has("--no-cache-reuse");
 
+  // The method: a session over the host pool (CPU) or the runner's own, with its request
+  // state (GPU); both fresh with each conversation, fed each token's text.
+  std::unique_ptr<sparse::SparseSession> session;
+  std::unique_ptr<sparse::MethodState> state;
   Conversation conv;
   auto reset = [&] {
-    kv.release(conv.pt);
+    model.release(conv.pt);
     conv = Conversation{};
     if (a.has("--system")) conv.messages.push_back({"system", a.str("--system")});
+    session.reset();
+    state.reset();
+    if (runner.host_pool) {
+      session = std::make_unique<sparse::SparseSession>(method, cfg, *runner.host_pool);
+      opt.attention = &session->attention();
+    } else {
+      state = model.new_request_state(nullptr);
+    }
+  };
+  auto append_text = [&](int32_t id) {
+    if (session && session->wants_token_text()) session->append_token_text(tok->token_bytes(id));
+    if (state && state->wants_token_text()) state->append_token_text(tok->token_bytes(id));
   };
   reset();
   std::string line;
@@ -106,8 +147,13 @@ int run(int argc, char** argv) {
     const bool extends = reuse && conv.seen.size() < ids.size() &&
                          std::equal(conv.seen.begin(), conv.seen.end(), ids.begin());
     if (!extends) {
-      kv.release(conv.pt);
+      model.release(conv.pt);
       conv.seen.clear();
+      if (session || state) {  // the method's state follows the cache: start it afresh too
+        const std::vector<ChatMessage> msgs = conv.messages;
+        reset();
+        conv.messages = msgs;
+      }
     }
     const std::vector<int32_t> suffix(ids.begin() + int64_t(conv.seen.size()), ids.end());
     conv.seen = ids;
@@ -116,14 +162,16 @@ int run(int argc, char** argv) {
     StreamDecoder dec(*tok, /*skip_special=*/true);
     std::string answer;
     std::vector<int32_t> generated;
+    for (int32_t id : suffix) append_text(id);
     const GenerateStats st = generate(model, conv.pt, suffix, turn, [&](int32_t id) {
+      append_text(id);
       generated.push_back(id);
       const std::string s = dec.push(id);
       answer += s;
       std::fwrite(s.data(), 1, s.size(), stdout);
       std::fflush(stdout);
       return true;
-    });
+    }, state.get());
     const std::string rest = dec.flush();
     answer += rest;
     std::fwrite(rest.data(), 1, rest.size(), stdout);
@@ -145,7 +193,7 @@ int run(int argc, char** argv) {
                    double(st.generated_tokens) / std::max(1e-9, st.decode_seconds));
     conv.messages.push_back({"assistant", answer});
   }
-  kv.release(conv.pt);
+  model.release(conv.pt);
   return 0;
 }
 

@@ -14,10 +14,12 @@
 #include "sparse_args.h"
 #include "core/thread_pool.h"
 #include "engine/generator.h"
+#include "engine/runner.h"
 #include "model/cuda_methods.h"
 #include "model/loader.h"
 #if defined(SPADE_HAVE_CUDA)
 #include "model/cuda_model.h"
+#include "model/cuda_step_model.h"
 #endif
 #include "sparse/methods/blasst.h"
 #include "sparse/methods/twilight.h"
@@ -105,7 +107,6 @@ void print_modifier_stats(sparse::MethodState* state) {
                  100.0 * bs->stats.prefill_sparsity(), 100.0 * bs->stats.decode_sparsity());
 }
 
-#if defined(SPADE_HAVE_CUDA)
 // Decode step times: the median (the steady state) and the slowest steps (one-off work: graph
 // captures, a LycheeCluster index build or lazy update).
 void print_step_times(std::vector<float> ms) {
@@ -125,19 +126,6 @@ void print_step_times(std::vector<float> ms) {
                }());
 }
 
-// BLASST on the GPU: skipped / visited tiles over all layers and KV heads, per phase.
-void print_gpu_blasst_stats(const CudaModel& m) {
-  double r[2] = {0, 0};
-  for (int ph = 0; ph < 2; ++ph) {
-    uint64_t t = 0, k = 0;
-    const std::vector<uint64_t> c = m.blasst_counts(ph == 1);
-    for (size_t i = 0; i + 1 < c.size(); i += 2) t += c[i], k += c[i + 1];
-    r[ph] = t ? 100.0 * double(k) / double(t) : 0.0;
-  }
-  std::fprintf(stderr, "[spade] blasst (GPU): tiles skipped in prefill %s, in decode %.1f%%\n",
-               m.blasst_prefill_active() ? cat(r[1], "%").c_str() : "(dense prefill)", r[0]);
-}
-#endif
 
 // --synthetic: random weights with a real model's shapes on the GPU; random prompt ids.
 int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
@@ -166,7 +154,8 @@ int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
   PageTable pt;
   // Random ids have no text: LycheeCluster chunks them into fixed 16-token chunks.
   auto state = model.new_request_state();
-  GenerateStats st = generate_cuda(model, pt, prompt, opt, [&](int32_t id) {
+  CudaStepModel runner(model);
+  GenerateStats st = generate(runner, pt, prompt, opt, [&](int32_t id) {
     std::printf("%d ", id);
     std::fflush(stdout);
     return true;
@@ -244,88 +233,82 @@ int run(int argc, char** argv) {
   SPADE_CHECK(n >= 0, "--max-tokens must be >= 0");
   opt.max_new_tokens = n;
   opt.prefill_chunk = a.integer("--prefill-chunk", 1024);
+  SPADE_CHECK(opt.prefill_chunk >= 1, "--prefill-chunk must be positive");
   opt.sampling = sampling_from_args(a, 0);
   if (!a.has("--ignore-eos")) opt.stop_ids = tok->eos_ids();
 
   const int64_t need = int64_t(prompt.size()) + n;
   SPADE_CHECK(int64_t(prompt.size()) <= cfg.max_context, "the prompt has ", prompt.size(),
               " tokens, more than the model's context of ", cfg.max_context, " tokens");
-  KVLayout layout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, int(a.integer("--page-size", 16))};
-  SPADE_CHECK(layout.page_size > 0, "--page-size must be positive");
-  int64_t tokens = std::min<int64_t>(need, cfg.max_context);
-  KVPool kv(layout, (tokens + layout.page_size - 1) / layout.page_size);
-  CpuModel model(*weights, kv);
+  const int64_t page_size = a.integer("--page-size", 16);
+  SPADE_CHECK(page_size >= 1 && page_size <= 4096, "--page-size must be in [1, 4096]");
+  const int64_t tokens = std::min<int64_t>(need, cfg.max_context);
+  // One runner (engine/runner.h) whatever the device: the CPU model over a host pool, or the
+  // GPU model running the method itself.
+  RunnerOptions ro;
+  ro.device = device;
+  ro.page_size = int(page_size);
+  ro.kv_pages = (tokens + page_size - 1) / page_size;
+  ro.max_batch = 1;
+  ro.max_step_tokens = device == "cuda" ? std::min<int64_t>(opt.prefill_chunk, 8192) : opt.prefill_chunk;
+  ro.deterministic = a.has("--deterministic");
+  ro.sparse = scfg;
+  ro.per_request_methods = false;
+  Runner runner = make_runner(*weights, ro);
+  StepModel& model = *runner.model;
+  opt.prefill_chunk = std::min<int64_t>(opt.prefill_chunk, runner.max_step_tokens);
   PageTable pt;
   auto method = sparse::make_method(scfg, cfg);
-  sparse::SparseSession session(method, cfg, kv, {scfg.measure_recall, false});
-  session.reserve(tokens);
-  const bool stats = a.has("--stats");
-  if (stats && device == "cpu") {
-    std::fprintf(stderr, "[spade] attention: %s%s\n", method->describe().c_str(),
-                 scfg.measure_recall ? " (measuring recall)" : "");
-    session.on_step = [&](const sparse::StepStats& s) {
-      std::fprintf(stderr, "[spade] step %lld L=%lld tokens/head %.1f density %.4f (sparse layers %.4f)",
-                   (long long)s.step, (long long)s.length, s.tokens_per_head(), s.density(),
-                   s.sparse_density());
-      if (s.has_recall())
-        std::fprintf(stderr, " recall %.4f (sparse layers %.4f, min %.4f)", s.mean_recall(),
-                     s.sparse_recall(), s.min_recall());
-      std::fputc('\n', stderr);
-    };
-  }
-  opt.attention = &session.attention();
   opt.correction_every = method->correction_every();  // cache correction (the method's option)
+  // The method: a SparseSession over the runner's host pool (CPU), or the runner's own (GPU),
+  // whose request state goes with every step.
+  std::unique_ptr<sparse::SparseSession> session;
+  std::unique_ptr<sparse::MethodState> state;
+  const bool stats = a.has("--stats");
+  if (runner.host_pool) {
+    session = std::make_unique<sparse::SparseSession>(method, cfg, *runner.host_pool,
+                                                      sparse::SessionOptions{scfg.measure_recall, false});
+    session->reserve(tokens);
+    opt.attention = &session->attention();
+    if (stats) {
+      std::fprintf(stderr, "[spade] attention: %s%s\n", method->describe().c_str(),
+                   scfg.measure_recall ? " (measuring recall)" : "");
+      session->on_step = [&](const sparse::StepStats& s) {
+        std::fprintf(stderr, "[spade] step %lld L=%lld tokens/head %.1f density %.4f (sparse layers %.4f)",
+                     (long long)s.step, (long long)s.length, s.tokens_per_head(), s.density(),
+                     s.sparse_density());
+        if (s.has_recall())
+          std::fprintf(stderr, " recall %.4f (sparse layers %.4f, min %.4f)", s.mean_recall(),
+                       s.sparse_recall(), s.min_recall());
+        std::fputc('\n', stderr);
+      };
+    }
+  } else {
+    state = model.new_request_state(nullptr);
+    if (stats) std::fprintf(stderr, "[spade] attention (%s): %s\n", device.c_str(), method->describe().c_str());
+  }
   // Token text for methods that chunk by it (LycheeCluster): the prompt now, each generated
   // token before the step that feeds it.
-  const bool wants_text = session.wants_token_text();
-  if (wants_text)
-    for (int32_t id : prompt) session.append_token_text(tok->token_bytes(id));
+  auto append_text = [&](int32_t id) {
+    if (session && session->wants_token_text()) session->append_token_text(tok->token_bytes(id));
+    if (state && state->wants_token_text()) state->append_token_text(tok->token_bytes(id));
+  };
+  for (int32_t id : prompt) append_text(id);
   StreamDecoder dec(*tok);
   auto emit = [&](int32_t id) {
-    if (wants_text) session.append_token_text(tok->token_bytes(id));
+    append_text(id);
     if (tok->is_special(id)) return true;  // end markers are not text
     std::string s = dec.push(id);
     std::fwrite(s.data(), 1, s.size(), stdout);
     std::fflush(stdout);
     return true;
   };
-  GenerateStats st;
-  if (device == "cuda") {
-#if defined(SPADE_HAVE_CUDA)
-    CudaModelOptions copt;
-    copt.page_size = layout.page_size;
-    copt.max_tokens = tokens;
-    copt.max_batch = 1;
-    copt.max_step_tokens = std::min<int64_t>(opt.prefill_chunk, 8192);
-    copt.deterministic = a.has("--deterministic");
-    opt.prefill_chunk = copt.max_step_tokens;
-    opt.attention = nullptr;
-    copt.sparse = cuda_sparse_config(scfg, cfg, layout.page_size);
-    if (stats)
-      std::fprintf(stderr, "[spade] attention (GPU): %s\n", copt.sparse.describe().c_str());
-    CudaModel gpu(*weights, copt);
-    // The GPU method's request state (LycheeCluster: token text, chunks, index slots).
-    auto state = gpu.new_request_state();
-    const bool gpu_text = state && state->wants_token_text();
-    if (gpu_text)
-      for (int32_t id : prompt) state->append_token_text(tok->token_bytes(id));
-    st = generate_cuda(gpu, pt, prompt, opt, [&](int32_t id) {
-      if (gpu_text) state->append_token_text(tok->token_bytes(id));
-      return emit(id);
-    }, state.get());
-    if (stats && copt.sparse.blasst_any()) print_gpu_blasst_stats(gpu);
-    if (stats) print_step_times(st.step_ms);
-#else
-    fail("--device cuda: this build has no CUDA backend");
-#endif
-  } else {
-    st = generate(model, pt, prompt, opt, emit);
-  }
+  const GenerateStats st = generate(model, pt, prompt, opt, emit, state.get());
   std::string rest = dec.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
   std::fputc('\n', stdout);
-  if (stats && device == "cpu") {
-    const sparse::SessionTotals& t = session.totals();
+  if (stats && session) {
+    const sparse::SessionTotals& t = session->totals();
     std::fprintf(stderr, "[spade] %s: %lld decode steps, mean density %.4f (sparse layers %.4f), "
                  "tokens/head %.1f",
                  method->name().c_str(), (long long)t.steps, t.mean_density(),
@@ -334,8 +317,10 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, ", mean recall %.4f (sparse layers %.4f, min %.4f)", t.mean_recall(),
                    t.mean_sparse_recall(), t.min_recall);
     std::fputc('\n', stderr);
-    print_modifier_stats(session.state());
+    print_modifier_stats(session->state());
   }
+  if (stats)
+    if (const std::string r = model.stats_text(); !r.empty()) std::fprintf(stderr, "[spade] %s\n", r.c_str());
   if (stats) {
     std::fprintf(stderr,
                  "[spade] model load %.2f s | prompt %lld tokens, %.1f tok/s | generated %lld "
@@ -344,11 +329,12 @@ int run(int argc, char** argv) {
                  st.prompt_tokens / std::max(1e-9, st.prefill_seconds),
                  (long long)st.generated_tokens,
                  st.generated_tokens /
-                     std::max(1e-9, st.decode_seconds - session.totals().measure_seconds),
+                     std::max(1e-9, st.decode_seconds - (session ? session->totals().measure_seconds : 0.0)),
                  ThreadPool::global().size());
-    if (scfg.measure_recall)
+    if (scfg.measure_recall && session)
       std::fprintf(stderr, "[spade] decode speed excludes %.2f s of recall measurement\n",
-                   session.totals().measure_seconds);
+                   session->totals().measure_seconds);
+    print_step_times(st.step_ms);
     if (opt.correction_every > 0)
       std::fprintf(stderr, "[spade] cache corrections: %lld (every %lld decoded tokens)\n",
                    (long long)st.corrections, (long long)opt.correction_every);

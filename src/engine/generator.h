@@ -1,6 +1,8 @@
-// Single-sequence generation on the CPU model: chunked prefill, then decode one token per
-// step with the sampler, streaming each token to a callback. Used by `spade generate` and
-// `spade chat`; batched serving uses CpuModel directly.
+// Single-sequence generation on any runner (engine/step_model.h: CpuModel or CudaModel, made by
+// engine/runner.h's factory): chunked prefill, then one token per step -- sampled by the
+// runner when it can (the server's per-request stream: seed and draw index), else by the host
+// sampler -- streamed to a callback, with the method's cache correction. Used by `spade
+// generate` and `spade chat`; batched serving goes through the Scheduler.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "engine/sampler.h"
+#include "engine/step_model.h"
 #include "model/cpu_model.h"
 
 namespace spade {
@@ -28,13 +31,19 @@ struct GenerateStats {
   double prefill_seconds = 0, decode_seconds = 0;
   bool stopped_by_stop_id = false;
   int64_t corrections = 0;  // cache corrections run (GenerateOptions::correction_every)
-  // generate_cuda: wall time of each decode step (ms, in order), so a one-off step (an index
-  // build, a graph capture) can be told from the steady state.
+  // Wall time of each decode step (ms, in order), so a one-off step (an index build, a graph
+  // capture) can be told from the steady state.
   std::vector<float> step_ms;
 };
 
 // Runs prefill of `prompt` into `pt` (which may already hold a prefix) and decodes.
 // `on_token(id)` is called for every generated token; returning false stops generation.
+// `device_state`: the request state of the runner's own method (StepModel::new_request_state),
+// passed on every step; GenerateOptions::attention is for runners that take callbacks (CPU).
+GenerateStats generate(StepModel& model, PageTable& pt, const std::vector<int32_t>& prompt,
+                       const GenerateOptions& opt, const std::function<bool(int32_t)>& on_token,
+                       sparse::MethodState* device_state = nullptr);
+// The CPU model as a runner (CpuStepModel).
 GenerateStats generate(CpuModel& model, PageTable& pt, const std::vector<int32_t>& prompt,
                        const GenerateOptions& opt,
                        const std::function<bool(int32_t)>& on_token);

@@ -81,6 +81,9 @@ class StepModel {
     uint64_t replays = 0, captures = 0, updates = 0, instantiations = 0, eager = 0;
   };
   virtual StepCounters step_counters() const { return {}; }
+  // The runner's own counters of its methods for --stats, one line each (GPU: BLASST tiles
+  // skipped per phase); empty when it keeps none.
+  virtual std::string stats_text() const { return {}; }
 
  private:
   const std::vector<int32_t>* launched_ = nullptr;  // the default forward_sample_launch's tokens

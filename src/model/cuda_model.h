@@ -4,8 +4,9 @@
 // cache, split-KV decode and tensor-core prefill attention, GPU sampling, and CUDA graphs for
 // decode steps, sparse ones included (one graph per launch shape: batch size, split counts,
 // sparse work items; captured on first use). Attention is the methods' (sparse/gpu/
-// gpu_method.h): the model's own, and any added per request; a step groups its sequences by
-// method and each method attends over its own rows, the rest of the layer runs once.
+// method.h: one class per method, from the GPU registry): the model's own, and any added per
+// request; a step groups its sequences by method and each method attends over its own rows,
+// the rest of the layer runs once.
 //
 // Memory: everything lives in one DeviceArena sized up front from the config and options
 // (weights + KV pool + workspaces + the model's own method); the constructor throws a clear
@@ -28,7 +29,7 @@
 #include "model/cpu_model.h"
 #include "model/weights.h"
 #include "sparse/gpu/cuda_sparse.h"
-#include "sparse/gpu/gpu_method.h"
+#include "sparse/gpu/method.h"
 
 namespace spade {
 
@@ -96,7 +97,7 @@ class CudaModel {
   // The model's own method's per-request state where it keeps one (LycheeCluster), else
   // nullptr (CLI and tests; a scheduler takes new_request_state(0), which also counts rows).
   std::unique_ptr<sparse::MethodState> new_request_state() {
-    return sparse().method == CudaSparse::Method::LycheeCluster ? new_request_state(0) : nullptr;
+    return methods_[0]->keeps_request_state() ? new_request_state(0) : nullptr;
   }
   // Per-request methods: the id of a method for SeqInput::device_state's requests (0: the
   // model's own; the same `key` gives the same id while the method is kept). Sequences of
@@ -155,7 +156,7 @@ class CudaModel {
   // long steps with splits, not bit-reproducible; never with CudaModelOptions::deterministic).
   bool decode_draws_chunks() const;
   const CudaSparse& sparse() const { return methods_[0]->spec(); }
-  // Tests: selections of the model's own method (method 0; gpu_method.h GpuSelectionTrace).
+  // Tests: selections of the model's own method (method 0; sparse/gpu/method.h GpuSelectionTrace).
   using QuestTrace = GpuSelectionTrace;
   QuestTrace* quest_trace = nullptr;
   // BLASST (the model's own method) tile counters since the last reset, per layer and KV
@@ -263,15 +264,6 @@ class CudaModel {
   cuda::GpuSampling graph_sampling_;             // parameters baked into sampling graphs
   int64_t step_off_ = 0;                         // int32 offset of the uint64 step counter
 };
-
-// engine/generator.h's generate() on the GPU: chunked prefill, then one token per step,
-// sampled on the GPU (the host sampler is used only for a repetition penalty). `state`: the
-// request's CudaModel::new_request_state() where the method keeps one (its token text is the
-// caller's: the prompt's before the call, each token's in on_token).
-GenerateStats generate_cuda(CudaModel& model, PageTable& pt, const std::vector<int32_t>& prompt,
-                            const GenerateOptions& opt,
-                            const std::function<bool(int32_t)>& on_token,
-                            sparse::MethodState* state = nullptr);
 
 }  // namespace spade
 #endif  // SPADE_HAVE_CUDA

@@ -32,6 +32,19 @@ class CudaStepModel final : public StepModel {
     return m_.new_request_state(m_.add_method(method->to_string(), gs));
   }
   bool runs_methods() const override { return true; }
+  std::string stats_text() const override {
+    if (!m_.sparse().blasst_any()) return {};
+    double r[2] = {0, 0};  // skipped / visited tiles over every layer and KV head, per phase
+    for (int ph = 0; ph < 2; ++ph) {
+      uint64_t t = 0, k = 0;
+      const std::vector<uint64_t> c = m_.blasst_counts(ph == 1);
+      for (size_t i = 0; i + 1 < c.size(); i += 2) t += c[i], k += c[i + 1];
+      r[ph] = t ? 100.0 * double(k) / double(t) : 0.0;
+    }
+    return cat("blasst (GPU): tiles skipped in prefill ",
+               m_.blasst_prefill_active() ? cat(r[1], "%") : std::string("(dense prefill)"),
+               ", in decode ", r[0], "%");
+  }
   StepCounters step_counters() const override {
     const CudaModel::GraphCounters& g = m_.graph_counters();
     return {g.replays.load(), g.captures.load(), g.updates.load(), g.instantiations.load(),
