@@ -66,7 +66,7 @@ M=/root/stage/s.gguf
 cat /root/stage/model.part00 /root/stage/model.part01 /root/stage/model.part02 > $M
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $M" | sha256sum -c - || exit 1
 DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 S="$OUT/summary.txt"; : > "$S"
 
