@@ -218,6 +218,23 @@ TEST(Scheduler, ContextLimitIs400WithLengths) {
   EXPECT_EQ(collect(*sched.submit(greedy(make_prompt(100, 1, f.cfg.vocab), 28))).completion_tokens, 28);
 }
 
+// SchedulerOptions::max_context (--ctx-size) caps requests below the model and the pool.
+TEST(Scheduler, ContextOptionCapsRequests) {
+  Fixture f;  // the pool and the model hold far more than 40 tokens
+  SchedulerOptions so;
+  so.max_context = 40;
+  Scheduler sched(f.model, f.text, so);
+  EXPECT_EQ(sched.max_context(), 40);
+  try {
+    sched.submit(greedy(make_prompt(30, 1, f.cfg.vocab), 11));
+    FAIL() << "expected a 400";
+  } catch (const SubmitError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_NE(std::string(e.what()).find("40"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(collect(*sched.submit(greedy(make_prompt(30, 1, f.cfg.vocab), 10))).completion_tokens, 10);
+}
+
 TEST(Scheduler, PreemptionUnderATightPoolKeepsOutputs) {
   Fixture f(26, 4);  // 104 token slots; four requests of 12 + 40 tokens need 52 pages
   SchedulerOptions so;

@@ -19,7 +19,8 @@ class Args {
   // `with_value`: options taking a value; `flags`: boolean options.
   Args(int argc, char** argv, std::set<std::string> with_value, std::set<std::string> flags) {
     static const std::map<std::string, std::string> kAliases = {
-        {"-m", "--model"}, {"-p", "--prompt"}, {"-t", "--threads"}, {"--temp", "--temperature"}};
+        {"-m", "--model"}, {"-p", "--prompt"}, {"-t", "--threads"}, {"--temp", "--temperature"},
+        {"-c", "--ctx-size"}};
     for (const auto& [alias, name] : kAliases) {
       if (with_value.count(alias) || flags.count(alias)) continue;  // the command's own meaning
       if (with_value.count(name)) with_value.insert(alias), alias_[alias] = name;

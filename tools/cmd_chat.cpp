@@ -35,6 +35,7 @@ Prompts ("> ") and statistics go to stderr, so stdout holds only the answers.
   --system TEXT         system message
   --thinking on|off     sets the template's enable_thinking (Qwen3); default: the template's
   -n, --max-tokens N    tokens per answer at most (default 512)
+  -c, --ctx-size N      longest conversation in tokens (default: the model's context)
   --temperature T       0 = greedy (default 0.7)
   --top-k K  --top-p P  --min-p P  --repeat-penalty R  --seed S
   --threads N           CPU threads (default: all cores)
@@ -57,7 +58,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--system", "--thinking", "-n", "--max-tokens", "--temperature", "--top-k",
           "--top-p", "--min-p", "--repeat-penalty", "--seed", "--threads", "--device", "--sparse",
-          "--budget", "--sparse-opt", "--sparse-config"},
+          "--budget", "--sparse-opt", "--sparse-config", "--ctx-size"},
          {"--help", "--no-cache-reuse", "--stats", "--deterministic"});
   if (a.has("--help")) {
     std::fputs(kHelp, stdout);
@@ -84,7 +85,10 @@ int run(int argc, char** argv) {
   // One runner whatever the device (engine/runner.h), with room for the whole context.
   RunnerOptions ro;
   ro.device = device;
-  ro.kv_pages = (cfg.max_context + 15) / 16 + 1;
+  const int64_t ctx = a.integer("--ctx-size", cfg.max_context);
+  SPADE_CHECK(ctx >= 1 && ctx <= cfg.max_context, "--ctx-size must be in [1, ", cfg.max_context,
+              "] (the model's context), got ", ctx);
+  ro.kv_pages = (ctx + 15) / 16 + 1;
   ro.max_batch = 1;
   ro.max_step_tokens = 1024;
   ro.deterministic = a.has("--deterministic");
@@ -101,6 +105,7 @@ int run(int argc, char** argv) {
   opt.stop_ids = tok->eos_ids();
   opt.prefill_chunk = runner.max_step_tokens;
   opt.correction_every = method->correction_every();
+  opt.max_context = ctx;
   const bool reuse = !a.has("--no-cache-reuse");
 
   // The method: a session over the host pool (CPU) or the runner's own, with its request
@@ -134,12 +139,12 @@ int run(int argc, char** argv) {
     }
     conv.messages.push_back({"user", line});
     const std::vector<int32_t> ids = tok->encode(tmpl->render(conv.messages, true, extra), false, true);
-    if (int64_t(ids.size()) >= cfg.max_context) {
+    if (int64_t(ids.size()) >= ctx) {
       // Nothing is cut silently: say so and let the user start over.
       std::fprintf(stderr,
-                   "[spade] the conversation is %zu tokens, the model's context is %lld; "
+                   "[spade] the conversation is %zu tokens, the context (-c) is %lld; "
                    "type /reset to start a new one\n",
-                   ids.size(), (long long)cfg.max_context);
+                   ids.size(), (long long)ctx);
       conv.messages.pop_back();
       continue;
     }
@@ -158,7 +163,7 @@ int run(int argc, char** argv) {
     const std::vector<int32_t> suffix(ids.begin() + int64_t(conv.seen.size()), ids.end());
     conv.seen = ids;
     GenerateOptions turn = opt;
-    turn.max_new_tokens = std::min<int64_t>(opt.max_new_tokens, cfg.max_context - int64_t(ids.size()));
+    turn.max_new_tokens = std::min<int64_t>(opt.max_new_tokens, ctx - int64_t(ids.size()));
     StreamDecoder dec(*tok, /*skip_special=*/true);
     std::string answer;
     std::vector<int32_t> generated;

@@ -38,6 +38,7 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   --chat                wrap the prompt as a user message with the model's chat template
   --system TEXT         system message (with --chat)
   -n, --max-tokens N    tokens to generate (default 128)
+  -c, --ctx-size N      longest sequence, prompt + generated (default: the model's context)
   --temperature, --temp T   0 = greedy (default 0; at most 100)
   --top-k K             (default 0 = off)      --top-p P   (default 1 = off)
   --min-p P             (default 0 = off)      --repeat-penalty R (default 1 = off)
@@ -184,7 +185,7 @@ int run(int argc, char** argv) {
          {"--model", "--prompt", "--prompt-file", "--system", "-n", "--max-tokens",
           "--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed",
           "--threads", "--page-size", "--prefill-chunk", "--sparse", "--budget", "--sparse-opt",
-          "--sparse-config", "--device", "--synthetic", "--prompt-len"},
+          "--sparse-config", "--device", "--synthetic", "--prompt-len", "--ctx-size"},
          {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats", "--recall", "--deterministic"});
   if (a.has("--help")) {
     std::fputs(help_text().c_str(), stdout);
@@ -238,11 +239,15 @@ int run(int argc, char** argv) {
   if (!a.has("--ignore-eos")) opt.stop_ids = tok->eos_ids();
 
   const int64_t need = int64_t(prompt.size()) + n;
-  SPADE_CHECK(int64_t(prompt.size()) <= cfg.max_context, "the prompt has ", prompt.size(),
-              " tokens, more than the model's context of ", cfg.max_context, " tokens");
+  const int64_t ctx = a.integer("--ctx-size", cfg.max_context);
+  SPADE_CHECK(ctx >= 1 && ctx <= cfg.max_context, "--ctx-size must be in [1, ", cfg.max_context,
+              "] (the model's context), got ", ctx);
+  opt.max_context = ctx;
+  SPADE_CHECK(int64_t(prompt.size()) <= ctx, "the prompt has ", prompt.size(),
+              " tokens, more than the context of ", ctx, " tokens");
   const int64_t page_size = a.integer("--page-size", 16);
   SPADE_CHECK(page_size >= 1 && page_size <= 4096, "--page-size must be in [1, 4096]");
-  const int64_t tokens = std::min<int64_t>(need, cfg.max_context);
+  const int64_t tokens = std::min<int64_t>(need, ctx);
   // One runner (engine/runner.h) whatever the device: the CPU model over a host pool, or the
   // GPU model running the method itself.
   RunnerOptions ro;
@@ -340,7 +345,7 @@ int run(int argc, char** argv) {
                    (long long)st.corrections, (long long)opt.correction_every);
   }
   if (st.generated_tokens < n && !st.stopped_by_stop_id)
-    std::fprintf(stderr, "[spade] stopped at the model's context of %d tokens\n", cfg.max_context);
+    std::fprintf(stderr, "[spade] stopped at the context of %lld tokens (--ctx-size)\n", (long long)ctx);
   return 0;
 }
 

@@ -40,7 +40,10 @@ GET /v1/models, /health, /metrics (Prometheus), POST /tokenize, /detokenize.
   --max-batch N           sequences per engine step (default 16)
   --max-queue N           requests waiting for admission before 429 (default 64)
   --max-step-tokens N     tokens per engine step: decode + prefill chunks (default 512)
-  --kv-pages N            KV cache pages (default: max(context, max-batch x 1024) tokens)
+  -c, --ctx-size N        longest request (prompt + completion; default: the model's context);
+                          also sizes the default KV cache
+  --kv-pages N            KV cache pages (default: max(ctx-size, max-batch x min(ctx-size,
+                          1024)) tokens)
   --page-size N           KV cache page size in tokens (default 16)
   --default-max-tokens N  /v1/completions max_tokens when not given (default 16)
   --sparse NAME[:k=v,..]  default sparse method for requests without "sparse" (default full)
@@ -86,7 +89,7 @@ std::string default_model_name(const std::string& path) {
 int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--tokenizer", "--model-name", "--host", "--port", "--api-key", "--max-batch", "--max-queue",
-          "--max-step-tokens", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
+          "--max-step-tokens", "--ctx-size", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
           "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device",
           "--max-connections", "--header-timeout",
           "--shutdown-timeout"},
@@ -125,8 +128,12 @@ int run(int argc, char** argv) {
   const int64_t page_size = a.integer("--page-size", 16);
   SPADE_CHECK(page_size >= 1 && page_size <= 4096, "--page-size must be in [1, 4096]");
   KVLayout layout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, int(page_size)};
-  const int64_t want_tokens =
-      std::max<int64_t>(cfg.max_context, int64_t(so.max_batch) * std::min<int64_t>(cfg.max_context, 1024));
+  // --ctx-size: the longest request, and what the default KV allocation is sized for.
+  const int64_t ctx = a.integer("--ctx-size", cfg.max_context);
+  SPADE_CHECK(ctx >= 1 && ctx <= cfg.max_context, "--ctx-size must be in [1, ", cfg.max_context,
+              "] (the model's context), got ", ctx);
+  so.max_context = ctx;
+  const int64_t want_tokens = std::max<int64_t>(ctx, int64_t(so.max_batch) * std::min<int64_t>(ctx, 1024));
   const int64_t pages = a.integer("--kv-pages", (want_tokens + layout.page_size - 1) / layout.page_size);
   SPADE_CHECK(pages >= 1, "--kv-pages must be positive");
   const std::string device = a.str("--device", "cpu");

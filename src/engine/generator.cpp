@@ -16,9 +16,10 @@ GenerateStats generate(StepModel& model, PageTable& pt, const std::vector<int32_
   GenerateStats st;
   SPADE_CHECK(!prompt.empty(), "the prompt is empty (no tokens)");
   const int64_t total = pt.length + int64_t(prompt.size());
-  SPADE_CHECK(total <= c.max_context, "the prompt has ", prompt.size(), " tokens",
-              pt.length ? cat(" after ", pt.length, " cached") : std::string(),
-              ", more than the model's context of ", c.max_context, " tokens");
+  const int64_t ctx = opt.max_context > 0 ? std::min<int64_t>(opt.max_context, c.max_context) : c.max_context;
+  SPADE_CHECK(total <= ctx, "the prompt has ", prompt.size(), " tokens",
+              pt.length ? cat(" after ", pt.length, " cached") : std::string(), ", more than the ",
+              ctx < c.max_context ? "context (--ctx-size) of " : "model's context of ", ctx, " tokens");
   SPADE_CHECK(!opt.attention || model.supports_attention_callbacks(), "this runner (",
               model.device(), ") runs its methods itself: no attention function");
   st.prompt_tokens = int64_t(prompt.size());
@@ -77,7 +78,7 @@ GenerateStats generate(StepModel& model, PageTable& pt, const std::vector<int32_
       st.stopped_by_stop_id = true;
       break;
     }
-    if (i + 1 == opt.max_new_tokens || pt.length + 1 > c.max_context) break;
+    if (i + 1 == opt.max_new_tokens || pt.length + 1 > ctx) break;
     const auto ts = clock::now();
     tok = feed(&history.back(), 1, true);
     // The step's token (or logits) is kept: a correction may run the model again.

@@ -24,6 +24,8 @@ struct GenerateOptions {
   // Cache correction every N decoded tokens (the method's SparseMethod::correction_every;
   // sparse/cache_correction.h); 0: none.
   int64_t correction_every = 0;
+  // Longest sequence (cache + prompt + generated; --ctx-size); 0: the model's context.
+  int64_t max_context = 0;
 };
 
 struct GenerateStats {

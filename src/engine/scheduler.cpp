@@ -95,6 +95,7 @@ Scheduler::Scheduler(std::unique_ptr<StepModel> owned, StepModel* model, const T
   opt_.max_step_tokens = std::max<int64_t>(opt_.max_step_tokens, opt_.max_batch);
   page_size_ = model_.page_size();
   max_context_ = std::min<int64_t>(model_.config().max_context, model_.total_pages() * page_size_);
+  if (opt_.max_context > 0) max_context_ = std::min(max_context_, opt_.max_context);
   metrics_.kv_pages_total = model_.total_pages();
   metrics_.max_batch = opt_.max_batch;
   thread_ = std::thread([this] { loop(); });

@@ -43,6 +43,9 @@ struct SchedulerOptions {
   // Logit rows one forward call may return (the runner's limit; CudaModel's max_logit_rows):
   // prompt-scoring prefill chunks (all logits) are cut to fit. 0: no limit (CpuModel).
   int64_t max_logit_rows = 0;
+  // Longest sequence (prompt + completion) a request may have (--ctx-size); 0: the model's
+  // context. max_context() is the least of this, the model's and what the KV pool holds.
+  int64_t max_context = 0;
   // A step is either decode tokens only or one request's prefill chunk, never a mix (taking
   // turns while both wait), and a prompt's chunks start at multiples of max_step_tokens: what
   // a request computes then does not depend on the other requests (with a batch-invariant
