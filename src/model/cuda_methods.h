@@ -1,29 +1,16 @@
-// The sparse methods that have a GPU path (CudaModel, cuda_sparse_config), as plain data so
-// that CPU-only builds can name them in their errors too.
+// The sparse methods that have a GPU path (CudaModel, cuda_sparse_config): the rows of the
+// GPU registry (sparse/gpu/registry.h), whose names CPU-only builds keep too, so that they
+// can name them in their errors.
 #pragma once
 #include <string>
 
 namespace spade {
 
-inline constexpr const char* kCudaSparseMethods[] = {
-    "full",         "streaming",   "quest",  "tidal",   "lessismore",
-    "lycheedecode", "oracle-topk", "blasst", "twilight", "lycheecluster"};
-
 // A stack "a+b[+c]" (e.g. quest+blasst) has one when every stage has.
-inline bool has_cuda_path(const std::string& method) {
-  if (const size_t plus = method.find('+'); plus != std::string::npos)
-    return has_cuda_path(method.substr(0, plus)) && has_cuda_path(method.substr(plus + 1));
-  for (const char* m : kCudaSparseMethods)
-    if (method == m) return true;
-  return false;
-}
+bool has_cuda_path(const std::string& method);
 
 // "full, streaming, quest, tidal, lessismore, lycheedecode, oracle-topk, blasst, twilight,
 // lycheecluster"
-inline std::string cuda_method_list() {
-  std::string s;
-  for (const char* m : kCudaSparseMethods) s += (s.empty() ? "" : ", ") + std::string(m);
-  return s;
-}
+std::string cuda_method_list();
 
 }  // namespace spade

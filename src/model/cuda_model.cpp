@@ -297,7 +297,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
     upd_ = A.alloc_n<int32_t>(size_t(2 * upd_cap_), "page data updates");
     SPADE_CUDA(cudaMallocHost(&upd_host_, sizeof(int32_t) * size_t(2 * upd_cap_)));
   }
-  methods_.push_back(std::make_unique<GpuMethod>(method_context(), sp, &A));
+  methods_.push_back(GpuMethod::create(method_context(), sp, &A));
   method_keys_.emplace_back();
 }
 
@@ -323,7 +323,7 @@ int CudaModel::add_method(const std::string& key, const CudaSparse& sp) {
     drop_graphs();  // their launches hold the evicted method's buffers
     methods_[size_t(id)].reset();
   }
-  auto m = std::make_unique<GpuMethod>(method_context(), sp, nullptr);
+  auto m = GpuMethod::create(method_context(), sp, nullptr);
   if (id < 0) {
     id = int(methods_.size());
     methods_.push_back(nullptr);

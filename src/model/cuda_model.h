@@ -4,8 +4,9 @@
 // cache, split-KV decode and tensor-core prefill attention, GPU sampling, and CUDA graphs for
 // decode steps, sparse ones included (one graph per launch shape: batch size, split counts,
 // sparse work items; captured on first use). Attention is the methods' (sparse/gpu/
-// gpu_method.h): the model's own, and any added per request; a step groups its sequences by
-// method and each method attends over its own rows, the rest of the layer runs once.
+// method.h: one class per method, from the GPU registry): the model's own, and any added per
+// request; a step groups its sequences by method and each method attends over its own rows,
+// the rest of the layer runs once.
 //
 // Memory: everything lives in one DeviceArena sized up front from the config and options
 // (weights + KV pool + workspaces + the model's own method); the constructor throws a clear
@@ -28,7 +29,7 @@
 #include "model/cpu_model.h"
 #include "model/weights.h"
 #include "sparse/gpu/cuda_sparse.h"
-#include "sparse/gpu/gpu_method.h"
+#include "sparse/gpu/method.h"
 
 namespace spade {
 
@@ -96,7 +97,7 @@ class CudaModel {
   // The model's own method's per-request state where it keeps one (LycheeCluster), else
   // nullptr (CLI and tests; a scheduler takes new_request_state(0), which also counts rows).
   std::unique_ptr<sparse::MethodState> new_request_state() {
-    return sparse().method == CudaSparse::Method::LycheeCluster ? new_request_state(0) : nullptr;
+    return methods_[0]->keeps_request_state() ? new_request_state(0) : nullptr;
   }
   // Per-request methods: the id of a method for SeqInput::device_state's requests (0: the
   // model's own; the same `key` gives the same id while the method is kept). Sequences of
@@ -155,7 +156,7 @@ class CudaModel {
   // long steps with splits, not bit-reproducible; never with CudaModelOptions::deterministic).
   bool decode_draws_chunks() const;
   const CudaSparse& sparse() const { return methods_[0]->spec(); }
-  // Tests: selections of the model's own method (method 0; gpu_method.h GpuSelectionTrace).
+  // Tests: selections of the model's own method (method 0; sparse/gpu/method.h GpuSelectionTrace).
   using QuestTrace = GpuSelectionTrace;
   QuestTrace* quest_trace = nullptr;
   // BLASST (the model's own method) tile counters since the last reset, per layer and KV

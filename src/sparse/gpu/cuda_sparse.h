@@ -1,6 +1,6 @@
 // The GPU form of a sparse method: its parameters as the GPU kernels take them (CudaSparse),
 // parsed from a sparse::SparseConfig through the CPU method's option table and checks
-// (cuda_sparse_config). GpuMethod (gpu_method.h) runs one.
+// (cuda_sparse_config). A GpuMethod subclass (method.h; its row in registry.h) runs one.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -76,7 +76,7 @@ struct CudaSparse {
   double twilight_p = 0.95, twilight_eps = 1e-6;
   // Quest selects (quest itself, or twilight's base).
   bool quest_base() const { return method == Method::Quest || method == Method::Twilight; }
-  // Per-page data the model keeps on every KV append for this method (gpu_method.h
+  // Per-page data the model keeps on every KV append for this method (method.h
   // GpuPageHooks): Quest's key min/max per page, Twilight's INT4 copy of the keys.
   bool needs_quest_meta() const { return quest_base(); }
   bool needs_int4_keys() const { return method == Method::Twilight; }
@@ -87,5 +87,7 @@ struct CudaSparse {
 // "gpu_scores=exact|fast" is read by the GPU only (fast: tensor-core Quest scores).
 CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg, const ModelConfig& model,
                               int kv_page_size);
+// describe(): the skip decision blocks of the prefill kernel that runs at this head dim.
+std::string cuda_prefill_tiles_text(int head_dim);
 
 }  // namespace spade

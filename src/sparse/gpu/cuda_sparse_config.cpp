@@ -1,9 +1,10 @@
-// The GPU form of a sparse method (cuda_model.h CudaSparse): the CPU method's option table and
+// The GPU form of a sparse method (cuda_sparse.h CudaSparse): the CPU method's option table and
 // checks, then the parameters the GPU kernels take; and its one-line description.
 #if defined(SPADE_HAVE_CUDA)
 #include "core/error.h"
 #include "model/cuda_methods.h"
 #include "sparse/gpu/cuda_sparse.h"
+#include "sparse/gpu/registry.h"
 #include "backend/cuda/sparse_attention.h"
 #include "sparse/methods/blasst.h"
 #include "sparse/methods/lessismore.h"
@@ -18,12 +19,12 @@ std::string blasst_lambda_text(const CudaSparse& s, bool prefill) {
   if (s.blasst_lambda >= 0) return cat("lambda=", s.blasst_lambda);
   return cat("lambda=", prefill ? s.blasst_prefill_a : s.blasst_a, "/L");
 }
-// The skip decision blocks of the prefill kernel that runs at this head dim.
-std::string prefill_tiles_text(int head_dim) {
+}  // namespace
+
+std::string cuda_prefill_tiles_text(int head_dim) {
   return head_dim == 128 ? " (tiles: 64 rows x 128 keys; 32 x 32 where the wgmma kernel is unavailable)"
                          : " (tiles: 32 rows x 64 keys)";
 }
-}  // namespace
 
 std::string CudaSparse::describe() const {
   if (blasst_sel) {
@@ -36,63 +37,10 @@ std::string CudaSparse::describe() const {
                                    "chunks not read; launches that emit scores do not skip)")
                              : std::string("off"),
                ", prefill ", !blasst_prefill ? std::string("dense (prefill=1 turns skipping on)")
-                             : blasst_lambda_text(*this, true) + prefill_tiles_text(head_dim));
+                             : blasst_lambda_text(*this, true) + cuda_prefill_tiles_text(head_dim));
   }
-  switch (method) {
-    case Method::None: return "full";
-    case Method::Streaming:
-      return cat("streaming budget=", budget, " sinks=", sinks, " dense_layers=", dense_layers);
-    case Method::Quest:
-      return cat("quest budget=", budget, " page_size=16 pages=", budget / 16,
-                 " dense_layers=", dense_layers, " group=max scores=", quest_fast ? "fast" : "exact");
-    case Method::Tidal:
-      return cat("tidal budget=", budget, " ", schedule.describe(),
-                 " (selection layers: scores from the dense kernel, token top-k on the GPU)");
-    case Method::LycheeDecode: {
-      int n = 0, tot = 0;
-      for (const auto& l : retrieval)
-        for (uint8_t r : l) n += r, ++tot;
-      return cat("lycheedecode mode=topk budget=", budget, " block=1 roles=", roles_source,
-                 " retrieval heads ", n, "/", tot, " (retrieval heads in the sparse kernel's "
-                 "launch with their group-mean scores, token top-k on the GPU; hybrid heads pooled "
-                 "into equal work items)");
-    }
-    case Method::LycheeCluster: {
-      const auto& p = lc;
-      return cat("lycheecluster budget=", p.budget, " budget_mode=",
-                 p.budget_total ? "total" : "clusters", " sink=", p.sink, " buffer=", p.buffer,
-                 " dense_layers=", p.dense_layers, " chunking=", p.chunker.fixed ? "fixed" : "structure",
-                 " chunks_per_fine=", p.index.chunks_per_fine, " max_coarse=", p.index.max_coarse,
-                 " kmeans_iters=", p.index.kmeans.iterations, " coarse_topk=",
-                 p.search.coarse_topk ? std::to_string(p.search.coarse_topk) : std::string("auto"),
-                 " (GPU: index build, lazy update and search kernels; chunking on the host from "
-                 "the token text)");
-    }
-    case Method::OracleTopK:
-      return cat("oracle-topk budget=", budget, " dense_layers=", dense_layers,
-                 " (a measurement: full attention for the true weights, then attention over their "
-                 "top-k per KV head)");
-    case Method::LessIsMore:
-      return cat("lessismore budget=", budget, " recent=", recent, " sinks=", sinks, " ",
-                 schedule.describe(), " (selection layers: per-head scores from the dense kernel, "
-                 "per-head top-k and rank merge on the GPU; one list per request)");
-    case Method::Twilight:
-      return cat("twilight p=", twilight_p, " eps=", twilight_eps,
-                 " head_combine=union keys=int4 (GPU: INT4 copy written by the KV append)"
-                 " dense_layers=", dense_layers, " over [quest budget=", budget,
-                 " page_size=16 pages=", budget / 16, " group=max scores=",
-                 quest_fast ? "fast" : "exact", "]");
-    case Method::Blasst: {
-      const std::string lam = blasst_lambda >= 0 ? cat("lambda=", blasst_lambda)
-                                                 : cat("lambda=", blasst_a, "/L");
-      const std::string plam = blasst_lambda >= 0 ? lam : cat("lambda=", blasst_prefill_a, "/L");
-      return cat("blasst over full: decode ", blasst_decode ? lam + " (tiles: 16-token warp chunks)" : "off",
-                 ", prefill ",
-                 !blasst_prefill ? std::string("dense (prefill=1 turns skipping on)")
-                                 : plam + prefill_tiles_text(head_dim));
-    }
-  }
-  return "?";
+  // The method's own line (its class in src/sparse/gpu/, through the GPU registry).
+  return find_gpu_method(*this).kind->describe(*this);
 }
 
 CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelConfig& model,

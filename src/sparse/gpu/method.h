@@ -1,11 +1,17 @@
-// A sparse method on the GPU as one object (the GPU twin of sparse/method.h): CudaModel keeps
-// the dense layer loop and, per layer, hands each method the attention of its own rows.
+// A sparse method on the GPU as an object (the GPU twin of sparse/method.h): the base class
+// every GPU method derives from. CudaModel keeps the dense layer loop and, per layer, hands
+// each method the attention of its own rows; it never names a method.
 //
-// One GpuMethod per distinct configuration (CudaModel::add_method): its buffers (its own
-// DeviceArena, sized up front by arena_bytes), its dense attention workspace (dense layers,
-// the dense fallback, prefill, BLASST skipping), its selection state, its side stream. A step
-// runs requests of several methods: CudaModel lays the batch out so that each method's
-// sequences are contiguous rows, then per step
+// Layout / bytes: one object per distinct configuration (CudaModel::add_method), created from
+// its row of the GPU registry (sparse/gpu/registry.h, keyed by the CPU registry's names). Its
+// buffers live in one DeviceArena (the model's, for the model's own method, else one of its
+// own) of exactly registry row.arena_bytes(ctx, spec) bytes, computed before construction:
+// the dense attention workspace (dense layers, the dense fallback, prefill, BLASST skipping),
+// BLASST's tile counters (u64 [2 (decode, prefill)][NL][Hkv][2]) when it skips, then the
+// subclass's selection state (selecting.h, the method files). Streams: the model's step
+// stream, a lane of its own (steps shared with other methods) and, for methods whose
+// selections later layers read, a side stream. A step runs requests of several methods:
+// CudaModel lays the batch out so that each method's sequences are contiguous rows, then
 //   plan(seqs)          host: page tables, lengths, work items of its rows (no sync)
 //   begin_step()        device: per-step lists (streaming windows, row lengths)
 //   attend(layer, ...)  device: the attention of its rows in that layer (q, out offset to them)
@@ -34,17 +40,10 @@ namespace spade {
 
 namespace cuda {
 class AttentionWorkspace;
-class SparseAttention;
-class TwilightPruner;
-class LcIndexGpu;
-struct LcInsert;
 struct SelSkip;
-struct SparseSeq;
 struct BlasstSkip;
 struct AttnSeq;
 }  // namespace cuda
-
-struct CudaLcSlots;  // gpu_method_lycheecluster.cpp
 
 // Tests: when set, each sparse decode step copies every sparse layer's selection to the host:
 // sel[layer][b * lists + h] = the ascending page indices (Quest) or token positions read
@@ -85,39 +84,45 @@ struct GpuMethodContext {
 
 class GpuMethod {
  public:
-  // arena: where the buffers go (the model's, for its own method), or null: a DeviceArena of
-  // arena_bytes() of its own (methods added per request).
-  GpuMethod(const GpuMethodContext& ctx, const CudaSparse& sp, cuda::DeviceArena* arena);
-  ~GpuMethod();
-  GpuMethod(const GpuMethod&) = delete;
-  GpuMethod& operator=(const GpuMethod&) = delete;
-  // Device bytes the constructor takes (dense attention workspace + the method's state).
+  // The method of `sp` from its GPU registry row. arena: where the buffers go (the model's,
+  // for its own method), or null: a DeviceArena of arena_bytes() of its own (methods added per
+  // request). Throws spade::Error for a method this model cannot run.
+  static std::unique_ptr<GpuMethod> create(const GpuMethodContext& ctx, const CudaSparse& sp,
+                                           cuda::DeviceArena* arena);
+  // Device bytes create() takes (the registry row's sizing, before any object exists).
   static size_t arena_bytes(const GpuMethodContext& ctx, const CudaSparse& sp);
 
+  virtual ~GpuMethod();
+  GpuMethod(const GpuMethod&) = delete;
+  GpuMethod& operator=(const GpuMethod&) = delete;
+
   const CudaSparse& spec() const { return sp_; }
-  std::string describe() const { return sp_.describe(); }
-  // Its own per-request state (LycheeCluster), or nullptr.
-  std::unique_ptr<sparse::MethodState> new_request_state();
+  virtual std::string describe() const { return sp_.describe(); }
+  // Its own per-request state (LycheeCluster), or nullptr; keeps_request_state() says which.
+  virtual std::unique_ptr<sparse::MethodState> new_request_state() { return nullptr; }
+  virtual bool keeps_request_state() const { return false; }
 
   // One step over its n sequences (contiguous rows of the step; seqs[i].device_state: the
   // GpuRequestState of each). Host work and async uploads on the model's stream; the caller
   // synchronizes once after every method planned. Before the page tables' lengths advance.
   void plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n);
-  void begin_step();
+  virtual void begin_step() {}
   // Attention of layer `layer` over its rows: q, att point at its first row (bf16 [rows, Hq,
-  // D]); kc, vc at the layer's cache.
-  void attend(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
+  // D]); kc, vc at the layer's cache. Dense here (with BLASST's skipping when it has it).
+  virtual void attend(int layer, const void* q, const void* kc, const void* vc, void* att,
+                      float scale);
   // attend() on the method's own stream, after `ready` (an event recorded on the model's
   // stream), so that the methods of one step run side by side; the model's stream then waits
   // for it with join_lane(). Inside a captured graph they are parallel branches.
   void attend_on_lane(void* ready, int layer, const void* q, const void* kc, const void* vc,
                       void* att, float scale);
   void join_lane();
+  // Before the next layer: waits for a selection made on the side stream.
   void join();
   // Whether this step's launches may be captured (decode, no host-driven index sync).
   bool decode() const;
-  bool graphable() const { return decode() && lc_sync_.empty(); }
-  void append_graph_key(std::vector<int>& k) const;
+  virtual bool graphable() const { return decode(); }
+  virtual void append_graph_key(std::vector<int>& k) const;
   bool draws_chunks() const;
   // Whether a step of this method ran outside a graph capture (first-use host work done).
   bool warm = false;
@@ -130,64 +135,46 @@ class GpuMethod {
   std::vector<uint64_t> blasst_counts(bool prefill) const;
   void reset_blasst_counts();
   bool blasst_prefill_active() const;
-  void set_blasst(const CudaSparse& s);  // same method, new BLASST parameters
+  virtual void set_blasst(const CudaSparse& s);  // BLASST only: new parameters
 
   // Live request states of this method (CudaModel evicts methods nobody uses).
   std::shared_ptr<std::atomic<int>> live = std::make_shared<std::atomic<int>>(0);
 
- private:
-  void alloc(cuda::DeviceArena& A);
-  static size_t state_bytes(const GpuMethodContext& ctx, const CudaSparse& sp,
-                            std::vector<std::vector<uint8_t>>* patterns, int64_t* sel_cap);
-  void select_topk(const float* scores, const int32_t* n, int rows, int k, int32_t* out,
-                   void* stream);
-  void* fork_selection();
-  int lists_per_req() const;
-  // A Tidal / LessIsMore selection layer or an oracle-topk layer: runs it, returns true.
-  bool scored_layer(int layer, const void* q, const void* kc, const void* vc, void* att,
-                    float scale);
-  void ld_layer(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
-  void lc_prepare(const SeqInput* seqs, int n, bool& any_sparse, std::vector<int>& max_entries);
-  // Each decoding request's rows of this step (dense attention when the step's lists are off).
-  void count_rows(const SeqInput* seqs, int n);
-  void lc_layer(int layer, const void* q, const void* kc, const void* vc, void* att, float scale);
-  static size_t lc_arena_bytes(const GpuMethodContext& ctx, const CudaSparse& sp);
-  static int64_t lc_list_entries(const GpuMethodContext& ctx, const CudaSparse& sp);
-  void lc_alloc(cuda::DeviceArena& A);
+ protected:
+  GpuMethod(const GpuMethodContext& ctx, const CudaSparse& sp);
+  // Bytes of the base's part: the dense attention workspace, BLASST's counters, slack.
+  static size_t base_bytes(const GpuMethodContext& ctx, const CudaSparse& sp);
+  // After construction (create()): checks, streams, buffers from `arena` (or an own one of
+  // `bytes`).
+  void init(cuda::DeviceArena* arena, size_t bytes);
+  // Throws for a model this method cannot run on (before anything is allocated).
+  virtual void check() const {}
+  // Whether selections run on a side stream that later layers join (fork_selection).
+  virtual bool uses_side_stream() const { return false; }
+  // The subclass's buffers, after the base's.
+  virtual void alloc(cuda::DeviceArena&) {}
+  // Sparse lists of a step (selecting.h); `decode`: every sequence adds one token. Sets
+  // sparse_step_ when the step's lists are used.
+  virtual void plan_lists(const SeqInput*, int, bool /*decode*/) {}
+  // Rows one decode request of context L reads in layer l of a sparse step.
+  virtual int64_t sparse_layer_rows(int l, int64_t L) const;
+  // Synchronizes every stream the method launches on (subclass destructors, before they
+  // free what those launches read).
+  void quiesce();
+
   cuda::BlasstSkip blasst_skip(int layer) const;
   cuda::SelSkip sel_skip(int layer) const;
-  void trace_quest(int layer);
-  void trace_scores(int layer);
-  void trace_twilight(int layer);
+  // The stream a selection that only later layers read runs on (the side stream, forked from
+  // run_); join() waits for it. Traced steps stay on run_.
+  void* fork_selection();
+  // The dense attention of the method's rows (the dense workspace, BLASST's skip).
+  void attend_dense(int layer, const void* q, const void* kc, const void* vc, void* att,
+                    float scale);
 
   GpuMethodContext ctx_;
   CudaSparse sp_;
   std::unique_ptr<cuda::DeviceArena> own_arena_;
   std::unique_ptr<cuda::AttentionWorkspace> attn_;
-  std::unique_ptr<cuda::SparseAttention> sparse_;
-  // Twilight: the pruner and the attention over its kept Token lists.
-  std::unique_ptr<cuda::TwilightPruner> twilight_;
-  std::unique_ptr<cuda::SparseAttention> sparse_kept_;
-  float* quest_scores_ = nullptr;
-  int32_t* sel_off_ = nullptr;
-  int32_t* sel_idx_ = nullptr;
-  // Selection layers' scores [rows][seq_pages_cap * P]: Tidal's group means (rows
-  // max_batch * Hkv), LessIsMore's per query head (rows max_batch * Hq).
-  float* sel_scores_ = nullptr;
-  // Tidal: the per-row context lengths and the strided top-k [max_batch * Hkv][budget].
-  int32_t* tidal_rown_ = nullptr;
-  int32_t* tidal_strided_ = nullptr;
-  // LycheeDecode: per layer, the index of its retrieval-head pattern in ld_patterns_ (the
-  // SparseAttention plan's dense heads), or -1 when every head is a retrieval head.
-  std::vector<int> ld_pattern_of_;
-  std::vector<std::vector<uint8_t>> ld_patterns_;
-  // LessIsMore: lessismore_select's scratch.
-  int32_t* lim_row_n_ = nullptr;
-  int32_t* lim_head_top_ = nullptr;
-  float* lim_keys_ = nullptr;
-  int32_t* lim_merged_ = nullptr;
-  float* oracle_w_ = nullptr;  // oracle-topk: true group weights
-  void* topk_long_ = nullptr;  // two-stage top-k scratch, when rows outgrow topk_rows
   unsigned long long* blasst_counts_ = nullptr;
   void* run_ = nullptr;   // cudaStream_t its launches go to: the model's, or lane_ (attend_on_lane)
   void* lane_ = nullptr;  // its own stream, for steps shared with other methods
@@ -196,29 +183,15 @@ class GpuMethod {
   void* ev_fork_ = nullptr;
   void* ev_join_ = nullptr;
   bool sel_pending_ = false;
-  // LycheeCluster (gpu_method_lycheecluster.cpp).
-  std::shared_ptr<CudaLcSlots> lc_slots_;
-  std::unique_ptr<cuda::LcIndexGpu> lc_;
-  int32_t* lc_slot_dev_ = nullptr;
-  int32_t* lc_slot_host_ = nullptr;
-  int32_t* lc_lists_ = nullptr;
-  int32_t* lc_counts_ = nullptr;
-  int32_t* lc_off_ = nullptr;
-  int lc_cap_ = 0;
-  struct LcSync {
-    int req_slot = 0, n_old = 0, n_new = 0;
-    const int32_t* starts = nullptr;
-    int64_t page_off = 0;
-  };
-  std::vector<LcSync> lc_sync_;
-  std::vector<cuda::LcInsert> lc_ins_;
   // This step.
-  std::vector<cuda::SparseSeq> plan_seqs_;
   std::vector<cuda::AttnSeq> plan_aseq_;
-  std::vector<int> plan_max_entries_, plan_kept_max_;
   bool sparse_step_ = false;
   int step_B_ = 0;
   int step_max_pages_ = 0;
+
+ private:
+  // Each decoding request's rows of this step (dense attention when the step's lists are off).
+  void count_rows(const SeqInput* seqs, int n);
 };
 
 // A request's state on the GPU: which of the model's methods it runs (CudaModel::add_method
