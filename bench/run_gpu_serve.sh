@@ -70,17 +70,21 @@ export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 S="$OUT/summary.txt"; : > "$S"
 
-serve_runs() {  # $1 label prefix, $2 url. Each load runs a warm-up of its own shape first (unmeasured).
-  local L=$1 U=$2
+serve_runs() {  # $1 label prefix, $2 url, $3 scale (1: spade; llama-server, ~20x slower: fewer
+  # requests so that its loads end within their timeouts). Each load runs a warm-up of its
+  # own shape first (unmeasured).
+  local L=$1 U=$2 S64=${3:-1}
+  local n64=512 w64=64 n256=1536 w256=256
+  [ "$S64" != 1 ] && { n64=128; w64=16; n256=512; w256=32; }
   timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 16 --concurrency 1 --prompt-words 50 --max-tokens 256 \
     --procs 1 --warmup 2 --label "$L c=1" --out "$OUT/serve_${L}_c1.json" | tee -a "$S"
-  timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 512 --concurrency 64 --prompt-words 50 --max-tokens 256 \
-    --procs 8 --warmup 64 --label "$L c=64" --out "$OUT/serve_${L}_c64.json" | tee -a "$S"
+  timeout 150 python3 bench/bench_serve.py --url $U --num-prompts $n64 --concurrency 64 --prompt-words 50 --max-tokens 256 \
+    --procs 8 --warmup $w64 --label "$L c=64" --out "$OUT/serve_${L}_c64.json" | tee -a "$S"
   metrics_snap "$U" "$L c=64"
-  timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 512 --concurrency 64 --prompt-words 50 --max-tokens 256 \
-    --procs 8 --no-stream --warmup 64 --label "$L c=64 no-stream" --out "$OUT/serve_${L}_c64_nostream.json" | tee -a "$S"
-  timeout 150 python3 bench/bench_serve.py --url $U --num-prompts 1536 --concurrency 256 --prompt-words 50 --max-tokens 256 \
-    --procs 12 --warmup 256 --label "$L c=256" --out "$OUT/serve_${L}_c256.json" | tee -a "$S"
+  timeout 150 python3 bench/bench_serve.py --url $U --num-prompts $n64 --concurrency 64 --prompt-words 50 --max-tokens 256 \
+    --procs 8 --no-stream --warmup $w64 --label "$L c=64 no-stream" --out "$OUT/serve_${L}_c64_nostream.json" | tee -a "$S"
+  timeout 180 python3 bench/bench_serve.py --url $U --num-prompts $n256 --concurrency 256 --prompt-words 50 --max-tokens 256 \
+    --procs 12 --warmup $w256 --label "$L c=256" --out "$OUT/serve_${L}_c256.json" | tee -a "$S"
   metrics_snap "$U" "$L c=256"
 }
 # The engine's counters (steps, busy / forward / delivery seconds, overlapped steps) after a load.
@@ -205,7 +209,7 @@ elif [ -x $PEER/build-cuda/bin/llama-server ]; then
   $PEER/build-cuda/bin/llama-server -m $M -ngl 99 -fa on -np 256 -c $((256 * 640)) --cont-batching \
     --port 18081 >"$OUT/llama_server.log" 2>&1 &
   LP=$!
-  wait_up http://127.0.0.1:18081 && serve_runs llama http://127.0.0.1:18081
+  wait_up http://127.0.0.1:18081 && serve_runs llama http://127.0.0.1:18081 4
   kill -TERM $LP; wait $LP
   $PEER/build-cuda/bin/llama-server -m $M -ngl 99 -fa on -np 64 -c $((64 * 3900)) --cont-batching \
     --port 18082 >"$OUT/llama_server_long.log" 2>&1 &

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <random>
 #include <set>
 
 #include "../test_util.h"
@@ -24,6 +25,7 @@
 #include "tracing_lychee.h"
 #include "model/cpu_model.h"
 #include "model/cuda_model.h"
+#include "sparse/cache_correction.h"
 #include "sparse/methods/lycheedecode.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
@@ -174,7 +176,56 @@ TEST(CudaLycheeDecode, OptionsMapOrFailClearly) {
   EXPECT_EQ(t.retrieval[1], (std::vector<uint8_t>{0, 1}));
   expect_cuda_config_error("lycheedecode:roles=RR/SR/RS/SS,mode=topp", "mode=topk block=1", c);
   expect_cuda_config_error("lycheedecode:roles=RR/SR/RS/SS,block=64", "mode=topk block=1", c);
-  expect_cuda_config_error("lycheedecode:roles=RR/SR/RS/SS,correction=1", "CPU only", c);
+  // Cache correction maps: the decode loop runs it (sparse/cache_correction.h).
+  EXPECT_NO_THROW(cuda_sparse_config(
+      sparse::SparseConfig::parse_spec("lycheedecode:roles=RR/SR/RS/SS,correction=1,correction_every=8"), c, 16));
+}
+
+// Cache correction on the GPU: after N sparse decode steps, CacheCorrection re-feeds the N
+// tokens as one dense chunk through CudaModel::forward. The next decode step then sees the
+// cache of a dense prefill of the same tokens: its logits equal those of a model that prefilled
+// prompt + N tokens densely (within the chunking's bf16 rounding), and differ from the
+// uncorrected run's by more than that.
+TEST(CudaLycheeDecode, CacheCorrectionRewritesTheDecodedKVDensely) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = tiny_config(Arch::Llama, 64, 4, 2048);
+  ModelWeights w = random_model(c, 33);
+  round_weights_bf16(w);
+  const std::string spec = "lycheedecode:roles=RR/SS/SS/SS,budget=16";
+  const int N = 8;
+  std::mt19937 rng(4);
+  const std::vector<int32_t> prompt = random_tokens(rng, 300, c.vocab), fed = random_tokens(rng, N + 1, c.vocab);
+  auto logits_after = [&](int mode) {  // 0: sparse decode, 1: + correction, 2: dense prefill of all
+    CudaModel m(w, small_sparse_options(sparse::SparseConfig::parse_spec(spec), c));
+    PageTable pt;
+    std::vector<int64_t> rows;
+    sparse::CacheCorrection cc(N);
+    auto dense = [&](const SeqInput& in) { (void)m.forward({in}, rows); };
+    if (mode == 2) {
+      std::vector<int32_t> all(prompt);
+      all.insert(all.end(), fed.begin(), fed.begin() + N);
+      (void)m.forward({{&pt, all.data(), int64_t(all.size()), false}}, rows);
+    } else {
+      (void)m.forward({{&pt, prompt.data(), int64_t(prompt.size()), false}}, rows);
+      int corrections = 0;
+      for (int i = 0; i < N; ++i) {
+        (void)m.forward({{&pt, &fed[size_t(i)], 1, false}}, rows);
+        if (mode == 1) corrections += cc.after_decode(dense, pt, fed[size_t(i)]);
+      }
+      EXPECT_EQ(corrections, mode == 1 ? 1 : 0);
+    }
+    EXPECT_EQ(pt.length, int64_t(prompt.size()) + N);
+    std::vector<float> lg = m.forward({{&pt, &fed[size_t(N)], 1, false}}, rows);
+    m.release(pt);
+    return lg;
+  };
+  const std::vector<float> sparse_only = logits_after(0), corrected = logits_after(1),
+                           dense_prefill = logits_after(2);
+  const double to_dense = rel_err(corrected, dense_prefill), uncorrected = rel_err(sparse_only, dense_prefill);
+  std::printf("[ correction ] rel. logit error vs a dense prefill: corrected %.3g, uncorrected %.3g\n",
+              to_dense, uncorrected);
+  EXPECT_LT(to_dense, 1e-2);
+  EXPECT_GT(uncorrected, 2 * to_dense);
 }
 
 }  // namespace

@@ -123,8 +123,8 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
     const sparse::LdRule& rule = ld.rule();
     SPADE_CHECK(rule.mode == sparse::LdMode::TopK && rule.block == 1, "--device cuda: lycheedecode "
                 "supports mode=topk block=1 only (got ", rule.describe(), ")");
-    SPADE_CHECK(ld.correction_every() == 0, "--device cuda: lycheedecode cache correction "
-                "(correction=1) runs on the CPU only");
+    // Cache correction (correction=1) needs nothing of the method: the decode loop re-feeds
+    // the tokens as a dense chunk (sparse/cache_correction.h).
     const sparse::HeadRoles& roles = ld.roles();
     SPADE_CHECK(roles.identity_order(), "--device cuda: lycheedecode needs head roles in "
                 "identity order (reordered weights are a CPU-only layout)");

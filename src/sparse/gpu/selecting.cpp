@@ -52,6 +52,7 @@ void SelectingMethod::alloc(cuda::DeviceArena& A) {
   sparse_ = std::make_unique<cuda::SparseAttention>(A, int(mb), ctx_.n_pages, c.n_heads,
                                                     c.n_kv_heads, c.head_dim, ctx_.page_size,
                                                     kSparseMaxSplit, std::max(1, n_patterns()));
+  sparse_->set_deterministic(ctx_.deterministic);  // split counts from each list alone
   alloc_state(A);
   sel_off_ = A.alloc_n<int32_t>(size_t(mb * Hkv + 1), "selection offsets");
   sel_idx_ = A.alloc_n<int32_t>(size_t(std::max<int64_t>(1, sel_cap())), "selection entries");
@@ -64,7 +65,9 @@ void SelectingMethod::plan_lists(const SeqInput* seqs, int n, bool decode) {
   std::vector<cuda::SparseSeq>& sseq = plan_seqs_;
   sseq.resize(size_t(n));
   plan_max_entries_.clear();
-  bool any_sparse = sp_.force_lists || always_sparse();
+  // Deterministic (batch-invariant): the sparse kernel for every decode row, also when its
+  // lists cover the context, so that no row's kernel depends on the others' lengths.
+  bool any_sparse = sp_.force_lists || always_sparse() || ctx_.deterministic;
   int max_np = 0;
   for (int i = 0; i < n; ++i) {
     const PageTable& pt = *seqs[i].pages;

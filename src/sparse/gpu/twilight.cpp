@@ -74,6 +74,7 @@ class GpuTwilight final : public GpuQuest {
     sparse_kept_ = std::make_unique<cuda::SparseAttention>(A, ctx_.max_batch, ctx_.n_pages,
                                                            c.n_heads, c.n_kv_heads, c.head_dim,
                                                            ctx_.page_size);
+    sparse_kept_->set_deterministic(ctx_.deterministic);
   }
 
   bool always_sparse() const override { return true; }
