@@ -195,8 +195,9 @@ TEST(CudaLycheeDecode, CacheCorrectionRewritesTheDecodedKVDensely) {
   const int N = 8;
   std::mt19937 rng(4);
   const std::vector<int32_t> prompt = random_tokens(rng, 300, c.vocab), fed = random_tokens(rng, N + 1, c.vocab);
-  auto logits_after = [&](int mode) {  // 0: sparse decode, 1: + correction, 2: dense prefill of all
-    CudaModel m(w, small_sparse_options(sparse::SparseConfig::parse_spec(spec), c));
+  // 0: sparse decode, 1: + correction, 2: dense prefill of all, 3: mode 0 with full attention
+  auto logits_after = [&](int mode) {
+    CudaModel m(w, small_sparse_options(sparse::SparseConfig::parse_spec(mode == 3 ? "full" : spec), c));
     PageTable pt;
     std::vector<int64_t> rows;
     sparse::CacheCorrection cc(N);
@@ -213,6 +214,7 @@ TEST(CudaLycheeDecode, CacheCorrectionRewritesTheDecodedKVDensely) {
         if (mode == 1) corrections += cc.after_decode(dense, pt, fed[size_t(i)]);
       }
       EXPECT_EQ(corrections, mode == 1 ? 1 : 0);
+      if (mode == 3) EXPECT_EQ(corrections, 0);
     }
     EXPECT_EQ(pt.length, int64_t(prompt.size()) + N);
     std::vector<float> lg = m.forward({{&pt, &fed[size_t(N)], 1, false}}, rows);
@@ -220,10 +222,12 @@ TEST(CudaLycheeDecode, CacheCorrectionRewritesTheDecodedKVDensely) {
     return lg;
   };
   const std::vector<float> sparse_only = logits_after(0), corrected = logits_after(1),
-                           dense_prefill = logits_after(2);
+                           dense_prefill = logits_after(2), full = logits_after(3);
   const double to_dense = rel_err(corrected, dense_prefill), uncorrected = rel_err(sparse_only, dense_prefill);
-  std::printf("[ correction ] rel. logit error vs a dense prefill: corrected %.3g, uncorrected %.3g\n",
-              to_dense, uncorrected);
+  const double sparse_vs_full = rel_err(sparse_only, full);
+  std::printf("[ correction ] rel. logit error vs a dense prefill: corrected %.3g, uncorrected %.3g; "
+              "sparse decode vs full attention %.3g\n", to_dense, uncorrected, sparse_vs_full);
+  EXPECT_GT(sparse_vs_full, 1e-3) << "the sparse decode steps read as much as full attention";
   EXPECT_LT(to_dense, 1e-2);
   EXPECT_GT(uncorrected, 2 * to_dense);
 }
