@@ -182,10 +182,11 @@ TEST(CudaLycheeDecode, OptionsMapOrFailClearly) {
 }
 
 // Cache correction on the GPU: after N sparse decode steps, CacheCorrection re-feeds the N
-// tokens as one dense chunk through CudaModel::forward. The next decode step then sees the
-// cache of a dense prefill of the same tokens: its logits equal those of a model that prefilled
-// prompt + N tokens densely (within the chunking's bf16 rounding), and differ from the
-// uncorrected run's by more than that.
+// tokens as one dense chunk through CudaModel::forward. A following two-token chunk (dense
+// attention over every cached token, so it reads all N) then sees the cache of a dense prefill
+// of the same tokens: its logits equal those of a model that prefilled prompt + N tokens
+// densely (within the chunking's bf16 rounding), and differ from the uncorrected run's (whose
+// sparse decode steps wrote other K/V in the layers after the first sparse one).
 TEST(CudaLycheeDecode, CacheCorrectionRewritesTheDecodedKVDensely) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = tiny_config(Arch::Llama, 64, 4, 2048);
@@ -194,8 +195,8 @@ TEST(CudaLycheeDecode, CacheCorrectionRewritesTheDecodedKVDensely) {
   const std::string spec = "lycheedecode:roles=RR/SS/SS/SS,budget=16";
   const int N = 8;
   std::mt19937 rng(4);
-  const std::vector<int32_t> prompt = random_tokens(rng, 300, c.vocab), fed = random_tokens(rng, N + 1, c.vocab);
-  // 0: sparse decode, 1: + correction, 2: dense prefill of all, 3: mode 0 with full attention
+  const std::vector<int32_t> prompt = random_tokens(rng, 300, c.vocab), fed = random_tokens(rng, N + 2, c.vocab);
+  // 0: sparse decode steps, 1: + correction, 2: a dense prefill of it all, 3: 0 on full attention
   auto logits_after = [&](int mode) {
     CudaModel m(w, small_sparse_options(sparse::SparseConfig::parse_spec(mode == 3 ? "full" : spec), c));
     PageTable pt;
@@ -217,7 +218,7 @@ TEST(CudaLycheeDecode, CacheCorrectionRewritesTheDecodedKVDensely) {
       if (mode == 3) EXPECT_EQ(corrections, 0);
     }
     EXPECT_EQ(pt.length, int64_t(prompt.size()) + N);
-    std::vector<float> lg = m.forward({{&pt, &fed[size_t(N)], 1, false}}, rows);
+    std::vector<float> lg = m.forward({{&pt, &fed[size_t(N)], 2, false}}, rows);  // dense: reads all
     m.release(pt);
     return lg;
   };
@@ -227,7 +228,7 @@ TEST(CudaLycheeDecode, CacheCorrectionRewritesTheDecodedKVDensely) {
   const double sparse_vs_full = rel_err(sparse_only, full);
   std::printf("[ correction ] rel. logit error vs a dense prefill: corrected %.3g, uncorrected %.3g; "
               "sparse decode vs full attention %.3g\n", to_dense, uncorrected, sparse_vs_full);
-  EXPECT_GT(sparse_vs_full, 1e-3) << "the sparse decode steps read as much as full attention";
+  EXPECT_GT(sparse_vs_full, 1e-3) << "the sparse decode steps wrote full attention's K/V";
   EXPECT_LT(to_dense, 1e-2);
   EXPECT_GT(uncorrected, 2 * to_dense);
 }
