@@ -6,7 +6,7 @@ MODEL ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
 JOBS ?= $(shell nproc)
 FUZZ_SECONDS ?= 20
 
-.PHONY: deps build model run test test-cpu fuzz gpu-test clean
+.PHONY: deps build model run test test-cpu test-sanitize fuzz gpu-test clean
 
 deps:
 	@bash scripts/install_deps.sh
@@ -24,6 +24,16 @@ run: build model
 test: build model
 	@cd $(BUILD) && ctest --output-on-failure -LE gpu -j $(JOBS)
 	@$(MAKE) --no-print-directory fuzz
+	@$(MAKE) --no-print-directory test-sanitize
+
+# The same CPU suite (unit tests, CLI runs, server e2e and soak) built with AddressSanitizer
+# (LeakSanitizer on) + UndefinedBehaviorSanitizer: clang, -O1, no CUDA, only the two targets
+# ctest runs. Any sanitizer report of any process fails it (scripts/run_sanitized_tests.sh).
+test-sanitize: deps model
+	@CC=clang CXX=clang++ cmake -S . -B $(BUILD)-asan -G Ninja -DSPADE_SANITIZE=ON \
+	  -DCMAKE_BUILD_TYPE=Sanitize >/dev/null
+	@cmake --build $(BUILD)-asan -j $(JOBS) --target spade spade_tests
+	@bash scripts/run_sanitized_tests.sh $(BUILD)-asan $(JOBS)
 
 # Each libFuzzer target runs FUZZ_SECONDS from its committed corpus.
 fuzz: deps
@@ -37,4 +47,4 @@ gpu-test: build model
 	@cd $(BUILD) && ctest --output-on-failure -L gpu
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-fuzz
+	rm -rf $(BUILD) $(BUILD)-fuzz $(BUILD)-asan

@@ -45,7 +45,7 @@ struct Result {
 inline Result collect(RequestChannel& ch, std::chrono::seconds limit = 60s) {
   Result r;
   RequestDelta d;
-  const auto end = std::chrono::steady_clock::now() + limit;
+  const auto end = std::chrono::steady_clock::now() + test::scaled(limit);
   while (std::chrono::steady_clock::now() < end) {
     if (!ch.wait_take(d, 20ms)) continue;
     ++r.deltas;

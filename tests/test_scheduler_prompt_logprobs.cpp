@@ -29,7 +29,7 @@ struct Scored {
 Scored collect_scored(RequestChannel& ch, std::chrono::seconds limit = 60s) {
   Scored s;
   RequestDelta d;
-  const auto end = std::chrono::steady_clock::now() + limit;
+  const auto end = std::chrono::steady_clock::now() + test::scaled(limit);
   while (std::chrono::steady_clock::now() < end) {
     if (!ch.wait_take(d, 20ms)) continue;
     if (!d.prompt_logprobs.empty()) {

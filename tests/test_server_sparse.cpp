@@ -86,7 +86,7 @@ TEST(ServerSparse, MixedMethodsShareABatch) {
   for (auto& ch : chans) {
     RequestDelta d;
     int64_t n = 0;
-    const auto end = std::chrono::steady_clock::now() + 60s;
+    const auto end = std::chrono::steady_clock::now() + test::scaled(60s);
     while (std::chrono::steady_clock::now() < end) {
       if (!ch->wait_take(d, 20ms)) continue;
       n += int64_t(d.tokens.size());

@@ -1,6 +1,8 @@
 // Shared helpers for tests: seeded random tensors and a random-weight model.
 #pragma once
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -11,6 +13,19 @@ namespace spade::test {
 
 inline std::string source_dir() { return SPADE_SOURCE_DIR; }
 inline std::string shared_dir() { return std::string(SPADE_SOURCE_DIR) + "/../shared"; }
+
+// The factor of the tests' time limits: 1, or 4 in the ASan + UBSan build run by
+// scripts/run_sanitized_tests.sh (SPADE_SANITIZED=1), which runs 2-5x slower; SPADE_TIME_SCALE
+// overrides. The same rule as tests/e2e/spade_client.py time_scale().
+inline double time_scale() {
+  if (const char* v = std::getenv("SPADE_TIME_SCALE"); v && *v) return std::atof(v);
+  const char* s = std::getenv("SPADE_SANITIZED");
+  return s && std::string(s) == "1" ? 4.0 : 1.0;
+}
+// `limit` stretched by time_scale().
+inline std::chrono::steady_clock::duration scaled(std::chrono::steady_clock::duration limit) {
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(limit * time_scale());
+}
 
 inline void fill_random(float* p, size_t n, std::mt19937& rng, float scale = 1.f) {
   std::normal_distribution<float> d(0.f, scale);

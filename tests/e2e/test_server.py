@@ -23,11 +23,12 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from spade_client import Server, Stream, stream_all, wait_idle, repo_root  # noqa: E402
+from spade_client import Server, Stream, stream_all, wait_idle, repo_root, time_scale  # noqa: E402
 
 ROOT = repo_root()
 STORIES = os.path.join(ROOT, "tests/fixtures/models/stories260k-hf")
 SMOLLM = os.path.join(ROOT, "models/SmolLM2-135M-Instruct.Q4_1.gguf")
+SCALE = time_scale()  # 1, or more under the sanitizers: stretches the waits below
 MODEL = "stories260k-hf"  # the name the server answers to (/v1/models; other names: 404)
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside "
          "in the park with her friends. ")
@@ -391,7 +392,7 @@ def request_log(srv, args):
     s, b, _ = srv.post("/v1/completions", {"prompt": "Once", "max_tokens": 3, "temperature": 0, "n": 2})
     rid = b["id"]
     s, e, _ = srv.post("/v1/completions", {"prompt": "Once", "model": "nope"})
-    deadline = time.time() + 5
+    deadline = time.time() + 5 * SCALE
     lines = []
     while time.time() < deadline:
         lines = [l for l in srv.log if "[spade] request " in l]
@@ -533,7 +534,7 @@ def disconnect_frees_pages(srv):
         pass
     c.sock.shutdown(socket.SHUT_RDWR)
     c.close()
-    deadline = time.time() + 10
+    deadline = time.time() + 10 * SCALE
     while time.time() < deadline:
         m = wait_idle(srv)
         if m['spade_requests_finished_total{reason="cancelled"}'] >= c0 + 2:
@@ -632,7 +633,7 @@ def load(srv, args):
             try:
                 # 429 is the server's answer to a full queue: back off and retry, as
                 # OpenAI clients do.
-                give_up = time.time() + 60
+                give_up = time.time() + 60 * SCALE
                 while True:
                     s = one(jobs[i])
                     if s != 429 or time.time() > give_up:
