@@ -1,8 +1,11 @@
 #include "model/tensor_source.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/mmap_file.h"
 #include "io/gguf_config.h"
 #include "io/hf_config.h"
 
@@ -22,15 +25,17 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// A directory without config.json but with a single .gguf file loads that file.
+// A directory without config.json but with a single .gguf file loads that file. A .gguf
+// entry that is not a regular file (a FIFO would block the read, a device never end it) is an
+// error naming it.
 std::string resolve_gguf_in_dir(const std::string& dir) {
   std::string found;
   for (const auto& e : fs::directory_iterator(dir)) {
-    if (e.is_regular_file() && ends_with(e.path().string(), ".gguf")) {
-      if (!found.empty())
-        fail("'", dir, "' has no config.json and more than one .gguf file; name one");
-      found = e.path().string();
-    }
+    if (!ends_with(e.path().string(), ".gguf")) continue;
+    if (!e.is_regular_file()) ::close(open_regular_file(e.path().string()));  // throws
+    if (!found.empty())
+      fail("'", dir, "' has no config.json and more than one .gguf file; name one");
+    found = e.path().string();
   }
   return found;
 }

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/mmap_file.h"
 
 namespace spade::sparse {
 
@@ -162,11 +163,13 @@ HeadRoles HeadRoles::parse_json(const std::string& text, const std::string& what
 }
 
 HeadRoles HeadRoles::load(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  SPADE_CHECK(f.good(), "cannot read head roles file '", path, "'");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return parse_json(ss.str(), "head roles '" + path + "'");
+  std::string text;
+  try {
+    text = read_regular_file(path);  // a FIFO, directory or device: an error, not a hang
+  } catch (const Error& e) {
+    fail("cannot read head roles file: ", e.what());
+  }
+  return parse_json(text, "head roles '" + path + "'");
 }
 
 void HeadRoles::check() const {

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/mmap_file.h"
 
 namespace spade::sparse {
 
@@ -195,11 +196,13 @@ void SparseConfig::merge_json(const std::string& text, const std::string& what) 
 }
 
 void SparseConfig::merge_json_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  SPADE_CHECK(f.good(), "cannot read sparse config file '", path, "'");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  merge_json(ss.str(), "sparse config '" + path + "'");
+  std::string text;
+  try {
+    text = read_regular_file(path);  // a FIFO, directory or device: an error, not a hang
+  } catch (const Error& e) {
+    fail("cannot read sparse config file: ", e.what());
+  }
+  merge_json(text, "sparse config '" + path + "'");
 }
 
 SparseConfig SparseConfig::parse_spec(const std::string& spec) {

@@ -2,8 +2,8 @@
 #include <filesystem>
 #include <unistd.h>
 
-#include <fstream>
-#include <sstream>
+#include <cerrno>
+#include <string_view>
 
 #include "core/error.h"
 #include "core/mmap_file.h"
@@ -19,11 +19,17 @@ namespace {
 std::string read_file(const fs::path& p) { return read_regular_file(p.string()); }
 
 bool has_gguf_magic(const fs::path& p) {
-  ::close(open_regular_file(p.string()));  // a FIFO or device: an error, not a blocked read
-  std::ifstream in(p, std::ios::binary);
+  const int fd = open_regular_file(p.string());  // a FIFO or device: an error, not a blocked read
   char m[4] = {};
-  in.read(m, 4);
-  return in.gcount() == 4 && std::string_view(m, 4) == "GGUF";
+  size_t got = 0;
+  while (got < 4) {
+    const ssize_t n = ::read(fd, m + got, 4 - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += size_t(n);
+  }
+  ::close(fd);
+  return got == 4 && std::string_view(m, 4) == "GGUF";
 }
 
 std::unique_ptr<Tokenizer> load_hf_dir(const fs::path& dir, const fs::path& tj) {

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/mmap_file.h"
 
 namespace spade::sparse {
 
@@ -134,13 +135,15 @@ bool BlasstMethod::attend_prefill(StepContext& c, const float* q, int64_t p0, in
 }
 
 double read_blasst_config_a(const std::string& path, std::string* phase) {
-  std::ifstream f(path, std::ios::binary);
-  SPADE_CHECK(f.good(), "blasst: cannot read config '", path, "'");
-  std::stringstream ss;
-  ss << f.rdbuf();
+  std::string text;
+  try {
+    text = read_regular_file(path);  // a FIFO, directory or device: an error, not a hang
+  } catch (const Error& e) {
+    fail("blasst: cannot read config: ", e.what());
+  }
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(ss.str());
+    j = nlohmann::json::parse(text);
   } catch (const std::exception& e) {
     fail("blasst: config '", path, "': invalid JSON: ", e.what());
   }
