@@ -380,16 +380,24 @@ class WorkerExchange final : public HttpExchange {
     if (chunked_) write("0\r\n\r\n");
   }
   bool peer_gone() override {
-    if (failed_) return true;
+    if (failed_ || gone_) return true;
     // Before the response head: an interim 100 (HTTP/1.1 clients must accept one); inside a
     // stream: an SSE comment line.
     std::string probe;
     if (!head_sent_) probe = req_.version >= 11 ? "HTTP/1.1 100 Continue\r\n\r\n" : "";
     else if (streaming_) probe = chunked_ ? chunk(":\n\n") : ":\n\n";
-    return watch_.gone(probe);
+    if (watch_.gone(probe)) gone_ = true;
+    return gone_;
   }
 
   bool responded() const { return head_sent_; }
+  // The handler found the client gone (peer_gone()) and left without an answer: there is no
+  // one to send one to. Counted as 499 (nginx's "client closed request"), not as a 500.
+  bool client_left() const { return gone_ || failed_; }
+  void note_client_left() {
+    note(499);
+    keep_ = false;
+  }
   bool keep() const { return keep_ && !failed_ && !watch_.saw_eof() && (!streaming_ || chunked_); }
 
  private:
@@ -426,7 +434,7 @@ class WorkerExchange final : public HttpExchange {
   bool keep_;
   int fd_;
   PeerWatch watch_;
-  bool head_sent_ = false, streaming_ = false, chunked_ = false, failed_ = false;
+  bool head_sent_ = false, streaming_ = false, chunked_ = false, failed_ = false, gone_ = false;
 };
 
 }  // namespace
@@ -444,7 +452,9 @@ void Conn::work(const HttpRequest& req, bool keep) {
       ex.respond(r);
     }
   }
-  if (!ex.responded()) {
+  if (!ex.responded() && ex.client_left()) {
+    ex.note_client_left();
+  } else if (!ex.responded()) {
     HttpResponse r;
     r.status = 500;
     r.body = t.hooks.error_body ? t.hooks.error_body(500, "no response was produced") : "";
