@@ -52,10 +52,39 @@ if [ "$phase" = build ]; then
     .deps-cuda/lib/libopenblas.a .deps-cuda/lib/libz.a -lpthread -o $B/bench_tpot_batch >>"$OUT/build.log" 2>&1 || tail -20 "$OUT/build.log"
   echo "spade build: $(( $(date +%s) - t0 )) s"
   ls -la $B/spade $B/spade_gpu_tests $B/bench_tpot_batch 2>&1 | awk '{print $5, $NF}'
+  # RACECHECK=1: compute-sanitizer racecheck over small tests of every kernel family, eight
+  # processes side by side with the tests (the generic prefill kernel: the sanitizer does not
+  # run the wgmma / TMA one); each family's verdict in $OUT/racecheck_*.log.
+  CS=$(command -v compute-sanitizer || echo $CUDA_HOME/compute-sanitizer/compute-sanitizer)
+  RC_PIDS=()
+  if [ "${RACECHECK:-0}" = 1 ] && [ -x "$CS" ]; then
+    RC_FAMILIES=(
+      "ops:CudaOps.Embedding:CudaOps.RmsNormWithRowGather:CudaOps.SwiGLU:CudaOps.QkvPostRopeAppend:CudaOps.SamplingGreedyAndFilters:CudaOps.SamplingRowsTakeTheirOwnParameters:CudaGemvFused.SwigluMatchesSeparateLaunches:CudaGemvFused.QkvPostMatchesSeparateLaunches"
+      "attention:CudaAttention.DecodeSmolLMShapeOddPage:CudaAttention.DecodeGroupOfEightAndOne:CudaAttention.PrefillPage32:CudaAttention.DecodeDrawnChunks"
+      "sparse:CudaSparse.TokenListsPerHead:CudaSparse.QuestSelectAndAttend:CudaSparse.TopkRowsTiesAndNaN:CudaSparse.HybridDenseAndSparseHeads:CudaSparse.QuestTensorCoreScores"
+      "lycheecluster:CudaLycheeCluster.BuildExactSeparated:CudaLycheeCluster.InsertMatchesCpu:CudaLycheeCluster.CompactCsr:CudaLycheeCluster.BuildBatchAcrossRequestsAndLayers"
+      "twilight:CudaTwilight.PrunerChunk16VsCpu:CudaTwilight.Int4KeysFusedIntoAppend:CudaTwilight.QuestThenPrune"
+      "blasst:CudaBlasstDecode.OddPagesMhaAndHeadDim64:CudaBlasstDecode.PeakedScoresSkipMost:CudaSparseBlasst.NeverSkippingEqualsThePlainKernel:CudaBlasstPrefill.OffAndTinyLambdaEqualDense"
+      "selectors:CudaTidal.DecodeScoresMatchCpu:CudaLessIsMore.PerHeadScoresMatchCpu:CudaLycheeDecode.HybridKernelScoresAndPatterns:CudaOracle.GroupWeightsMatchCpu"
+      "model:CudaModel.RandomLlamaMatchesCpu"
+    )
+    for fam in "${RC_FAMILIES[@]}"; do
+      name=${fam%%:*}; filt=${fam#*:}
+      ( SPADE_ATTN_PREFILL=0 timeout ${RC_TIMEOUT:-240} $CS --tool racecheck --racecheck-report hazard \
+          --error-exitcode 9 ./$B/spade_gpu_tests --gtest_filter="$filt" > "$OUT/racecheck_$name.log" 2>&1
+        echo "racecheck $name rc=$?" >> "$OUT/racecheck_$name.log" ) &
+      RC_PIDS+=($!)
+    done
+  fi
   # Every GPU test (those that need the model file skip here; the run phase runs them).
   timeout ${TEST_TIMEOUT:-330} ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:--CudaSmolLM2*:CudaMixedMethods.Every*}" \
     > "$OUT/gpu_tests_all.log" 2>&1; echo "gpu tests rc=$? after $(( $(date +%s) - t0 )) s"
   grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests ran|SKIPPED \]" "$OUT/gpu_tests_all.log" | sort | uniq -c | sort -rn | head -40
+  [ ${#RC_PIDS[@]} -gt 0 ] && wait "${RC_PIDS[@]}"  # the racecheck processes (not llama's build)
+  for f in "$OUT"/racecheck_*.log; do
+    [ -f "$f" ] && echo "$(basename $f): $(grep -cE '^\[       OK' $f) ok, $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' $f | tail -1), $(tail -1 $f)"
+  done
+  echo "build phase: $(( $(date +%s) - t0 )) s"
   tail -2 /root/peer/build.log 2>/dev/null
   exit 0
 fi
@@ -149,7 +178,10 @@ if [ "$phase" = methods ]; then
   SP=$!
   wait_up http://127.0.0.1:18080 || { echo "spade serve did not start"; tail -20 "$OUT/spade_serve.log"; }
   U=http://127.0.0.1:18080
-  IFS=';' read -ra ONE <<< "$MIX"
+  # The nine methods and their mix at the long load's context (engine steps, no server).
+  timeout 150 ./$B/bench_tpot_batch "$OUT/engine_steps_mixed_long.json" --model smollm2-135m --lengths 3600:63 \
+    --methods "$MIX;${MIX//;/|}" --steps 100 --warm 10 --commit "$COMMIT" 2>&1 | tail -12
+  IFS=';' read -ra ONE <<< "${ALONE:-$MIX}"  # ALONE: the methods served alone (default: all nine)
   for m in "${ONE[@]}"; do
     timeout 60 python3 bench/bench_serve.py --url $U --num-prompts 126 --concurrency 63 --prompt-words 50 --max-tokens 256 \
       --procs 8 --warmup 63 --methods "$m" --label "spade c=63 $m" --out "$OUT/serve_alone_${m%%:*}.json" | tee -a "$S"

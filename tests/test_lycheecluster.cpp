@@ -612,10 +612,11 @@ TEST(LycheeClusterMethod, LazyUpdatesThroughDecodeKeepBoundsOnTheCache) {
 
 TEST(LycheeClusterMethod, TokenTextDrivesTheChunkBoundaries) {
   ModelConfig cfg = small_config(3);
-  Bench b(cfg, 400, 400, 81);
+  // 401 tokens: the step at L = 401 chunks the 400 before the current one (the method's rule).
+  Bench b(cfg, 401, 401, 81);
   // Sentences of 10 tokens: "w w w w w w w w w." -> with text, chunks end after the "."
   std::vector<std::string> text;
-  for (int64_t p = 0; p < 400; ++p) text.push_back(p % 10 == 9 ? "." : " w");
+  for (int64_t p = 0; p < 401; ++p) text.push_back(p % 10 == 9 ? "." : " w");
   auto q = test::random_vec(size_t(cfg.n_heads * cfg.head_dim), 5, 1.f);
   Driver with("lycheecluster:budget=64", b);
   with.st().set_token_text(text);
@@ -640,6 +641,15 @@ TEST(LycheeClusterMethod, TokenTextDrivesTheChunkBoundaries) {
   const auto& s3 = fixed.st().chunk_starts();
   ASSERT_EQ(s3.size(), s2.size() + 1);  // a fixed chunk closes without lookahead
   EXPECT_TRUE(std::equal(s2.begin(), s2.end(), s3.begin()));
+  // The current token (position 399 of L = 400) is not indexed in its own step, though its
+  // fixed chunk [384, 400) is full: every layer's index covers tokens whose K is cached before
+  // the step (the GPU builds all layers at the first sparse one).
+  Bench b2(cfg, 400, 400, 81);
+  Driver cur("lycheecluster:budget=64,chunking=fixed", b2);
+  cur.prefill(b2);
+  cur.select(b2, 2, q.data());
+  EXPECT_EQ(cur.st().chunk_starts().back(), 384);
+  EXPECT_EQ(cur.st().indexed_chunks(2), 23);  // [16, 384) in chunks of 16
 }
 
 // The CLI, needle job and server hand token text to the method through the session (and

@@ -14,6 +14,10 @@
 //                        equal to the CPU's after the same inserts; searches still agree;
 //                        D = 128, 64, 256
 //   CompactCsr           strided lists -> CSR
+//   SearchBatchSlots     a decode batch over several slots, then insert_batch
+//   BuildBatchAcrossRequestsAndLayers  build_batch over (request, layer) slots in sequences
+//                        that mix requests and layers, then insert_batch with per-layer K
+//                        caches: every slot EXACTLY equal to the CPU's
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -515,4 +519,89 @@ TEST(CudaLycheeCluster, SearchBatchSlots) {
     for (int h = 0; h < Hkv; ++h) expect_same_index(g, s, h, cpu[size_t(s)][size_t(h)], D);
   }
   check("after insert_batch");
+}
+
+// build_batch over (request, layer) slots as the GPU method issues it at a request's first
+// sparse step: 3 requests of different lengths x 2 layers (each layer its own K cache, the
+// request's one page table and one host starts array shared by its layers), in sequences of
+// 2 slots (build_heads = 2 * Hkv: groups mixing requests and layers): every slot EXACTLY equal
+// to the CPU build of its keys. Then one insert_batch over every slot with per-entry K caches
+// (the layers') and the same inserts on the CPU: still exactly equal.
+TEST(CudaLycheeCluster, BuildBatchAcrossRequestsAndLayers) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(21);
+  const int Hkv = 2, D = 64, P = 16, sink = 16, NS = 3, NL = 2;
+  cuda::DeviceArena arena(size_t(512) << 20);
+  cuda::LcIndexConfig cfg = cfg_for(Hkv, D, P, 512);
+  cfg.slots = NS * NL;
+  EXPECT_EQ(cuda::LcIndexGpu::build_heads_within(cfg, 1), Hkv);  // at least one slot
+  EXPECT_EQ(cuda::LcIndexGpu::build_heads_within(cfg, size_t(1) << 40), NS * NL * Hkv);
+  cfg.build_heads = 2 * Hkv;
+  cuda::LcIndexGpu g(arena, cfg);
+  EXPECT_EQ(g.build_heads(), 2 * Hkv);
+  const std::vector<int64_t> L = {2000, 3100, 2600};
+  std::vector<std::vector<int32_t>> st(NS);
+  std::vector<int64_t> base;
+  int64_t total = 0;
+  for (int s = 0; s < NS; ++s) {
+    base.push_back(total);
+    total += (L[size_t(s)] + P - 1) / P;
+    st[size_t(s)] = make_starts(L[size_t(s)] - 60, sink, rng);
+    if (st[size_t(s)].size() % 2 == 0) st[size_t(s)].pop_back();
+  }
+  std::vector<int32_t> ids(static_cast<size_t>(total));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<std::unique_ptr<DevBuf<int32_t>>> pts;
+  for (int s = 0; s < NS; ++s)
+    pts.push_back(std::make_unique<DevBuf<int32_t>>(std::vector<int32_t>(
+        ids.begin() + base[size_t(s)], ids.begin() + base[size_t(s)] + (L[size_t(s)] + P - 1) / P)));
+  std::vector<Keys> keys;  // [s * NL + l]
+  std::vector<std::vector<sparse::ClusterIndex>> cpu;
+  std::vector<std::unique_ptr<DevBuf<bf16>>> caches;  // [l]
+  std::vector<std::vector<float>> host(NL, std::vector<float>(size_t(total) * Hkv * P * D, 0.f));
+  for (int s = 0; s < NS; ++s)
+    for (int l = 0; l < NL; ++l) {
+      keys.push_back(separated_keys(Hkv, D, P, st[size_t(s)], L[size_t(s)], uint32_t(40 + 7 * s + l)));
+      const Keys& K = keys.back();
+      for (int h = 0; h < Hkv; ++h)
+        for (int64_t p = 0; p < K.L; ++p)
+          std::copy_n(K.row(h, p), D,
+                      host[size_t(l)].data() +
+                          ((size_t(ids[size_t(base[size_t(s)] + p / P)]) * Hkv + h) * P + p % P) * D);
+      cpu.push_back(cpu_build(K, st[size_t(s)], int(st[size_t(s)].size()) - 1));
+    }
+  for (int l = 0; l < NL; ++l) caches.push_back(std::make_unique<DevBuf<bf16>>(to_bf16(host[size_t(l)])));
+  std::vector<cuda::LcBuild> builds;
+  for (int l = 0; l < NL; ++l)  // layer-major, as a step lists them: groups mix requests
+    for (int s = 0; s < NS; ++s)
+      builds.push_back({s * NL + l, caches[size_t(l)]->p, pts[size_t(s)]->p, st[size_t(s)].data(),
+                        int(st[size_t(s)].size()) - 1});
+  g.build_batch(builds, nullptr);
+  SPADE_CUDA(cudaDeviceSynchronize());
+  for (int s = 0; s < NS; ++s)
+    for (int l = 0; l < NL; ++l)
+      for (int h = 0; h < Hkv; ++h) expect_same_index(g, s * NL + l, h, cpu[size_t(s * NL + l)][size_t(h)], D);
+  // Lazy update of every slot in one insert_batch (per-entry K caches).
+  std::vector<std::vector<int32_t>> ends(NS);
+  std::vector<cuda::LcInsert> reqs;
+  for (int s = 0; s < NS; ++s) {
+    const int M = int(st[size_t(s)].size()) - 1;
+    ends[size_t(s)] = {st[size_t(s)].back() + 12, st[size_t(s)].back() + 25};
+    for (int l = 0; l < NL; ++l)
+      reqs.push_back({s * NL + l, pts[size_t(s)]->p, M, ends[size_t(s)].data(), 2, caches[size_t(l)]->p});
+  }
+  g.insert_batch(reqs, nullptr, nullptr);
+  for (int s = 0; s < NS; ++s) {
+    const int M = int(st[size_t(s)].size()) - 1;
+    for (int i = 0; i < 2; ++i) {
+      st[size_t(s)].push_back(ends[size_t(s)][size_t(i)]);
+      for (int l = 0; l < NL; ++l)
+        for (int h = 0; h < Hkv; ++h)
+          cpu[size_t(s * NL + l)][size_t(h)].insert([&](int64_t p) { return keys[size_t(s * NL + l)].row(h, p); },
+                                                    st[size_t(s)].data(), M + i);
+    }
+    for (int l = 0; l < NL; ++l)
+      for (int h = 0; h < Hkv; ++h) expect_same_index(g, s * NL + l, h, cpu[size_t(s * NL + l)][size_t(h)], D);
+  }
 }

@@ -22,17 +22,42 @@ using namespace lc_detail;
 
 LcIndexGpu::LcIndexGpu(DeviceArena& arena, const LcIndexConfig& cfg) : LcIndexGpu(&arena, cfg) {}
 
+LcIndexGpu::~LcIndexGpu() {
+  if (stage_ev_) {
+    cudaEventSynchronize(static_cast<cudaEvent_t>(stage_ev_));
+    cudaEventDestroy(static_cast<cudaEvent_t>(stage_ev_));
+  }
+  if (stage_) cudaFreeHost(stage_);
+  for (auto& e : ev_)
+    if (e) cudaEventDestroy(e);
+}
+
 size_t LcIndexGpu::arena_bytes(const LcIndexConfig& cfg) { return LcIndexGpu(nullptr, cfg).bytes_; }
+
+int LcIndexGpu::build_heads_within(const LcIndexConfig& cfg, size_t bytes) {
+  LcIndexConfig one = cfg, two = cfg;
+  one.build_heads = cfg.Hkv;
+  two.build_heads = 2 * cfg.Hkv;
+  // The scratch (and staging) of one slot's heads.
+  const size_t per_slot = std::max<size_t>(1, arena_bytes(two) - arena_bytes(one));
+  const size_t n = bytes / per_slot;
+  return int(std::clamp<size_t>(n, 1, size_t(cfg.slots))) * cfg.Hkv;
+}
 
 LcIndexGpu::LcIndexGpu(DeviceArena* arena, const LcIndexConfig& cfg) : cfg_(cfg) {
   SPADE_CHECK(cfg.D % 32 == 0 && cfg.D <= 256, "LcIndexGpu: D must be a multiple of 32, <= 256");
   SPADE_CHECK(cfg.max_chunks >= 1 && cfg.max_chunks <= 16384, "LcIndexGpu: max_chunks in [1, 16384]");
   SPADE_CHECK(cfg.max_coarse >= 1 && cfg.max_coarse <= 64, "LcIndexGpu: max_coarse in [1, 64]");
   SPADE_CHECK(cfg.chunks_per_fine > 0 && cfg.slots >= 1 && cfg.Hkv >= 1, "LcIndexGpu: bad config");
-  const int S = cfg.slots, H = cfg.Hkv, D = cfg.D, C = cfg.max_chunks, G = cfg.max_coarse;
+  SPADE_CHECK(cfg.build_heads >= 0 && cfg.build_heads % cfg.Hkv == 0 &&
+                  cfg.build_heads <= cfg.slots * cfg.Hkv,
+              "LcIndexGpu: build_heads must be a multiple of Hkv, at most slots * Hkv");
+  build_heads_ = cfg.build_heads ? cfg.build_heads : cfg.Hkv;
+  const int S = cfg.slots, H = build_heads_, D = cfg.D, C = cfg.max_chunks, G = cfg.max_coarse;
+  const int SG = build_heads_ / cfg.Hkv;  // slots per build sequence
   max_fine_ = int(std::ceil(double(C) / cfg.chunks_per_fine));
   const int F = max_fine_;
-  const size_t SH = size_t(S) * H;
+  const size_t SH = size_t(S) * cfg.Hkv;
   // Every array: taken from the arena, or only counted (arena_bytes).
   auto take = [&](auto*& p, size_t n, const char* what) {
     using T = std::remove_pointer_t<std::remove_reference_t<decltype(p)>>;
@@ -74,6 +99,12 @@ LcIndexGpu::LcIndexGpu(DeviceArena* arena, const LcIndexConfig& cfg) : cfg_(cfg)
   take(gof_, size_t(H) * F, "lc coarse of fine");
   take(best_, size_t(H) * C, "lc best sim");
   take(ctl_, size_t(2) * H * 8, "lc kmeans control");
+  {
+    lc_detail::LcGroupDev* g = nullptr;
+    take(g, size_t(SG), "lc build groups");
+    grp_ = g;
+  }
+  take(sbuf_, size_t(SG) * (C + 1), "lc staged starts");
   sort_cap_ = pow2_at_least(C);
   if (!arena) return;
   SPADE_CUDA(cudaMemset(n_chunks_, 0, SH * sizeof(int32_t)));

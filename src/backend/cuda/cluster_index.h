@@ -16,7 +16,8 @@
 //                   n_fine, n_coarse
 // Build scratch (chunk keys, k-means state) is a separate arena region used by build() only.
 //
-// Build (prefill, one slot = one request's one layer, all Hkv heads in each launch):
+// Build (one slot = one request's one layer; a launch sequence covers a group of slots, all
+// Hkv heads of each: the k-means problems of every (slot, head) side by side):
 //   pool      chunk means (double, token order: bit-identical to the CPU) -> unit chunk keys
 //   k-means   fine: K = ceil(M / chunks_per_fine) over the chunk keys; coarse:
 //             P = min(max_coarse, ceil(sqrt(NF))) over the fine centroids; per-head N, K live
@@ -51,6 +52,21 @@ struct LcIndexConfig {
   double chunks_per_fine = 2.0;
   int max_coarse = 64;
   int iterations = 10;
+  // Build scratch in (slot, head) pairs: build_batch() builds this many heads per launch
+  // sequence (a multiple of Hkv; 0 = Hkv, one slot at a time).
+  int build_heads = 0;
+};
+
+// One (request, layer) index to build: chunks [0, n_chunks) of `starts` (host, n_chunks + 1
+// absolute positions) from k_cache (that layer's [page][Hkv][P][D] bf16) through page_table
+// (device page ids of the request in token order). Entries of one batch may share `starts`
+// (the layers of one request): it is uploaded once.
+struct LcBuild {
+  int slot = 0;
+  const bf16* k_cache = nullptr;
+  const int32_t* page_table = nullptr;
+  const int32_t* starts = nullptr;
+  int n_chunks = 0;
 };
 
 // One request's lazy update: chunks [n_old, n_old + n_new) of `slot` end at new_ends[i]
@@ -61,6 +77,7 @@ struct LcInsert {
   int n_old = 0;
   const int32_t* new_ends = nullptr;
   int n_new = 0;
+  const bf16* k_cache = nullptr;  // its layer's K cache; null: insert_batch's k_cache
 };
 
 constexpr int kLcTraceSlots = 16;  // LcSearchArgs::trace entries per list
@@ -84,8 +101,14 @@ struct LcSearchArgs {
 class LcIndexGpu {
  public:
   LcIndexGpu(DeviceArena& arena, const LcIndexConfig& cfg);
+  ~LcIndexGpu();
+  LcIndexGpu(const LcIndexGpu&) = delete;
+  LcIndexGpu& operator=(const LcIndexGpu&) = delete;
   // Arena bytes the constructor takes for `cfg` (sizing a DeviceArena up front).
   static size_t arena_bytes(const LcIndexConfig& cfg);
+  // The largest build_heads for `cfg` (a multiple of Hkv, at most slots * Hkv, at least Hkv)
+  // whose build scratch takes at most `bytes`.
+  static int build_heads_within(const LcIndexConfig& cfg, size_t bytes);
 
   // Empties slot `slot` (async on s): no chunks, so search() lists every token [0, kv_len).
   // A (request, layer) slot handed to a new request is reset first.
@@ -96,12 +119,18 @@ class LcIndexGpu {
   // device page ids of the request in token order). Uploads the starts (async on s).
   void build(int slot, const bf16* k_cache, const int32_t* page_table, const int32_t* starts,
              int n_chunks, cudaStream_t s);
+  // Several builds (distinct slots; any requests and layers) in launch sequences of up to
+  // config().build_heads (slot, head) pairs each: every k-means and assembly kernel covers the
+  // whole group, so a request's first sparse step builds all its layers in a few sequences
+  // instead of one per layer. The same result per slot as build().
+  void build_batch(const std::vector<LcBuild>& builds, cudaStream_t s);
   // Appends chunk boundaries: the new chunks [n_old, n_old + n_new) end at new_ends[0..n_new)
   // (host), then inserts them (lazy update) into every head of the slot. n_old is the slot's
   // chunk count as known by the host.
   void insert(int slot, const bf16* k_cache, const int32_t* page_table, int n_old,
               const int32_t* new_ends, int n_new, cudaStream_t s);
-  // The same for several requests (distinct slots) in one launch per <= 32 chunks each.
+  // The same for several requests or layers (distinct slots; each LcInsert's k_cache, or
+  // `k_cache` where it is null) in one launch per 16 slots and <= 32 chunks each.
   void insert_batch(const std::vector<LcInsert>& reqs, const bf16* k_cache, cudaStream_t s);
   // Selection lists for a decode batch (strided; then compact() for CSR).
   void search(const LcSearchArgs& a, cudaStream_t s) const;
@@ -115,6 +144,7 @@ class LcIndexGpu {
   std::vector<float> build_phase_ms() const;
 
   const LcIndexConfig& config() const { return cfg_; }
+  int build_heads() const { return build_heads_; }
   int max_fine() const { return max_fine_; }
 
   // Device views (tests): per (slot, head) arrays.
@@ -133,6 +163,10 @@ class LcIndexGpu {
  private:
   // arena null: only sizes the arrays (bytes_), for arena_bytes().
   LcIndexGpu(DeviceArena* arena, const LcIndexConfig& cfg);
+  // One launch sequence over nb <= build_heads / Hkv builds (checked by build_batch).
+  // host: its region of the pinned staging (stage_stride() bytes).
+  void build_group(const LcBuild* b, int nb, void* host, cudaStream_t s);
+  size_t stage_stride() const;
   LcIndexConfig cfg_;
   int max_fine_ = 0, sort_cap_ = 0;
   bool timing_ = false;
@@ -151,7 +185,8 @@ class LcIndexGpu {
   float* gr_ = nullptr;
   int32_t *gtok_ = nullptr, *gcnt_ = nullptr, *gfirst_ = nullptr;  // first: [max_coarse + 1]
   int32_t *cnext_ = nullptr, *cfine_ = nullptr;                    // [max_chunks]
-  // Build scratch ([Hkv][...]).
+  int build_heads_ = 0;             // (slot, head) pairs per build sequence
+  // Build scratch ([build_heads][...]).
   float* X_ = nullptr;             // chunk keys [max_chunks][D]
   double* mean_ = nullptr;         // chunk means [max_chunks][D]
   float* C_ = nullptr;             // centroids being iterated [max_fine][D]
@@ -163,7 +198,12 @@ class LcIndexGpu {
   int32_t *cnt_ = nullptr, *assign_ = nullptr, *fassign_ = nullptr, *gassign_ = nullptr,
           *remap_ = nullptr, *newid_ = nullptr, *gof_ = nullptr;
   float* best_ = nullptr;
-  int32_t* ctl_ = nullptr;         // [Hkv][8]: N, K, active, changed, Kout, ...
+  int32_t* ctl_ = nullptr;         // [2][build_heads][8]: N, K, active, changed, Kout, ...
+  void* grp_ = nullptr;            // lc_detail::LcGroupDev [build_heads / Hkv]
+  int32_t* sbuf_ = nullptr;        // [build_heads / Hkv][max_chunks + 1] staged starts
+  void* stage_ = nullptr;          // pinned host staging of build_batch (grows)
+  size_t stage_bytes_ = 0;
+  void* stage_ev_ = nullptr;       // cudaEvent_t: the last build_batch's uploads were issued
 };
 
 }  // namespace spade::cuda

@@ -17,16 +17,19 @@ namespace {
 //   reads  K rows of the chunk's tokens: [page][Hkv][P][D] bf16 via the page table (2*D B per
 //          token-head, each read once)
 //   writes mean[h][c][D] double (8*D B), X[h][c][D] fp32 unit chunk key (4*D B)
-//   one warp per (chunk, head); lane owns d = lane + 32 j; tokens summed in position order in
-//   double (the CPU's pool_chunk), then float(mean) normalized in the CPU's order.
+//   one warp per (chunk, head) of group blockIdx.y; lane owns d = lane + 32 j; tokens summed in
+//   position order in double (the CPU's pool_chunk), then float(mean) normalized in the CPU's
+//   order. Scratch of (group g, head h) at vh = g * Hkv + h.
 template <int DPL>
-__global__ void lc_pool_kernel(const bf16* __restrict__ k, const int32_t* __restrict__ pt,
-                               const int32_t* __restrict__ starts, int M, int Hkv, int P, int D,
+__global__ void lc_pool_kernel(const LcGroupDev* __restrict__ grp, int Hkv, int P, int D,
                                int64_t ld, double* __restrict__ mean, float* __restrict__ X) {
+  const LcGroupDev g = grp[blockIdx.y];
   const int wid = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (wid >= M * Hkv) return;
-  const int c = wid / Hkv, h = wid % Hkv;
-  const int b = starts[c], e = starts[c + 1];
+  if (wid >= g.M * Hkv) return;
+  const int c = wid / Hkv, h = wid % Hkv, vh = int(blockIdx.y) * Hkv + h;
+  const bf16* __restrict__ k = g.k;
+  const int32_t* __restrict__ pt = g.pt;
+  const int b = g.starts[c], e = g.starts[c + 1];
   double acc[DPL];
 #pragma unroll
   for (int j = 0; j < DPL; ++j) acc[j] = 0.0;
@@ -38,7 +41,7 @@ __global__ void lc_pool_kernel(const bf16* __restrict__ k, const int32_t* __rest
   }
   const double inv = 1.0 / double(max(1, e - b));
   float u[DPL];
-  double* mo = mean + h * ld + int64_t(c) * D;
+  double* mo = mean + vh * ld + int64_t(c) * D;
 #pragma unroll
   for (int j = 0; j < DPL; ++j) {
     const double m = __dmul_rn(acc[j], inv);
@@ -47,7 +50,7 @@ __global__ void lc_pool_kernel(const bf16* __restrict__ k, const int32_t* __rest
   }
   const double s = warp_seq_sumsq<DPL>(u, D);
   const double n = sqrt(s);
-  float* xo = X + h * ld + int64_t(c) * D;
+  float* xo = X + vh * ld + int64_t(c) * D;
   const float fi = n > 0 ? __double2float_rn(1.0 / n) : 1.f;
 #pragma unroll
   for (int j = 0; j < DPL; ++j)
@@ -271,9 +274,9 @@ __global__ void __launch_bounds__(1024) km_reseed_kernel(KmArgs a) {
   }
 }
 
-// km_control_kernel: active = active && changed; changed = 0. One thread per head.
+// km_control_kernel: active = active && changed; changed = 0. One thread per (group, head).
 __global__ void km_control_kernel(int* ctl, int H) {
-  const int h = threadIdx.x;
+  const int h = blockIdx.x * blockDim.x + threadIdx.x;
   if (h >= H) return;
   ctl[h * 8 + 2] = ctl[h * 8 + 2] && ctl[h * 8 + 3];
   ctl[h * 8 + 3] = 0;
@@ -308,7 +311,7 @@ __global__ void km_apply_remap_kernel(KmArgs a, const int* remap) {
 // lc_coarse_params_kernel: coarse problem of head h: N = NF, K = clamp(min(max_coarse,
 // ceil(sqrt(NF))), 1, NF).
 __global__ void lc_coarse_params_kernel(const int* ctlF, int* ctlG, int H, int max_coarse) {
-  const int h = threadIdx.x;
+  const int h = blockIdx.x * blockDim.x + threadIdx.x;
   if (h >= H) return;
   const int NF = ctlF[h * 8 + 4];
   int P = min(max_coarse, int(ceil(sqrt(double(NF)))));
@@ -320,20 +323,25 @@ __global__ void lc_coarse_params_kernel(const int* ctlF, int* ctlG, int H, int m
 // ---------------------------------------------------------------------------------------
 // Assembly (SlotPtrs: cluster_index_common.cuh).
 
+// Assembly kernels: s holds the pointers of slot 0 (a slot's arrays at slot_head()), scratch
+// (newid, gof, assignments, accumulators) is per vh = blockIdx of the (group, head).
+
 // lc_renumber_kernel: fine ids sorted stably by coarse unit -> newid, gof, first; n_fine,
-//   n_coarse. CTA per head; shared pow2(NF) u64 keys.
-__global__ void __launch_bounds__(1024) lc_renumber_kernel(SlotPtrs s, const int* ctlF, const int* ctlG,
+//   n_coarse. CTA per (group, head); shared pow2(NF) u64 keys.
+__global__ void __launch_bounds__(1024) lc_renumber_kernel(SlotPtrs s, const LcGroupDev* grp,
+                                                           const int* ctlF, const int* ctlG,
                                                            const int* gassign, int64_t ldN,
                                                            int* newid, int* gof) {
   extern __shared__ unsigned long long keys[];
-  const int h = blockIdx.x;
+  const int h = blockIdx.x;  // vh
+  const int64_t sh = slot_head(grp, h, s.Hkv);
   const int NF = ctlF[h * 8 + 4], G = ctlG[h * 8 + 4];
   const int n2 = pow2_at_least(NF);
   for (int i = threadIdx.x; i < n2; i += blockDim.x)
     keys[i] = i < NF ? (static_cast<unsigned long long>(gassign[h * ldN + i]) << 32) | unsigned(i) : ~0ull;
   __syncthreads();
   block_bitonic(keys, n2);
-  int* first = s.gfirst + int64_t(h) * (s.maxG + 1);
+  int* first = s.gfirst + sh * (s.maxG + 1);
   for (int j = threadIdx.x; j < NF; j += blockDim.x) {
     const int g = int(keys[j] >> 32), i = int(keys[j] & 0xffffffffu);
     newid[h * s.maxF + i] = j;
@@ -342,19 +350,23 @@ __global__ void __launch_bounds__(1024) lc_renumber_kernel(SlotPtrs s, const int
   }
   if (threadIdx.x == 0) {
     first[G] = NF;
-    s.n_fine[h] = NF;
-    s.n_coarse[h] = G;
+    s.n_fine[sh] = NF;
+    s.n_coarse[sh] = G;
   }
 }
 
 // lc_lists_kernel: chunk -> fine (renumbered), per-fine chunk lists in position order
-//   (head, tail, next, count). CTA per head; shared pow2(M) u64 keys (fine << 32 | chunk).
-__global__ void __launch_bounds__(1024) lc_lists_kernel(SlotPtrs s, int M, const int* fassign, int64_t ldN,
+//   (head, tail, next, count). CTA per (group, head); shared pow2(M) u64 keys (fine << 32 |
+//   chunk).
+__global__ void __launch_bounds__(1024) lc_lists_kernel(SlotPtrs s, const LcGroupDev* grp,
+                                                        const int* fassign, int64_t ldN,
                                                         const int* newid) {
   extern __shared__ unsigned long long keys[];
-  const int h = blockIdx.x;
-  const int64_t fo = int64_t(h) * s.maxF, co = int64_t(h) * s.maxC;
-  const int NF = s.n_fine[h];
+  const int h = blockIdx.x;  // vh
+  const int M = grp[h / s.Hkv].M;
+  const int64_t sh = slot_head(grp, h, s.Hkv);
+  const int64_t fo = sh * s.maxF, co = sh * s.maxC;
+  const int NF = s.n_fine[sh];
   for (int f = threadIdx.x; f < NF; f += blockDim.x) s.fnch[fo + f] = 0;
   const int n2 = pow2_at_least(M);
   for (int c = threadIdx.x; c < n2; c += blockDim.x) {
@@ -376,50 +388,69 @@ __global__ void __launch_bounds__(1024) lc_lists_kernel(SlotPtrs s, int M, const
     s.cnext[co + c] = last ? -1 : int(keys[j + 1] & 0xffffffffu);
     atomicAdd(s.fnch + fo + f, 1);
   }
-  if (threadIdx.x == 0) s.n_chunks[h] = M;
+  if (threadIdx.x == 0) s.n_chunks[sh] = M;
 }
 
 // lc_center_accum_kernel: acc[node] += mean_c * m_c (double atomics; the CPU adds in chunk
 //   order: sums of a few doubles whose order differs round identically to float/fp16 in all
 //   but astronomically rare cases; tests compare stored centers exactly), tokens/count += m.
 //   thread per (chunk, dim); reads the chunk means (8*D B per chunk-head).
-__global__ void lc_center_accum_kernel(SlotPtrs s, int M, const double* mean, int64_t ldm,
-                                       const int* gof, double* acc) {
-  const int h = blockIdx.y;
+__global__ void lc_center_accum_kernel(SlotPtrs s, const LcGroupDev* grp, const double* mean,
+                                       int64_t ldm, const int* gof, double* acc) {
+  const int h = blockIdx.y;  // vh
+  const LcGroupDev& gr = grp[h / s.Hkv];
+  const int64_t sh = slot_head(grp, h, s.Hkv);
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int c = int(e / s.D), d = int(e % s.D);
-  if (c >= M) return;
-  const int f = s.cfine[int64_t(h) * s.maxC + c], g = gof[h * s.maxF + f];
-  const int m = s.starts[c + 1] - s.starts[c];
+  if (c >= gr.M) return;
+  const int f = s.cfine[sh * s.maxC + c], g = gof[h * s.maxF + f];
+  const int m = gr.starts[c + 1] - gr.starts[c];
   const double v = __dmul_rn(mean[h * ldm + int64_t(c) * s.D + d], double(m));
   double* a = acc + int64_t(h) * (s.maxF + s.maxG) * s.D;
   atomicAdd(a + int64_t(f) * s.D + d, v);
   atomicAdd(a + int64_t(s.maxF + g) * s.D + d, v);
   if (d == 0) {
-    atomicAdd(s.ftok + h * s.maxF + f, m);
-    atomicAdd(s.fcnt + h * s.maxF + f, m);
-    atomicAdd(s.gtok + h * s.maxG + g, m);
-    atomicAdd(s.gcnt + h * s.maxG + g, m);
+    atomicAdd(s.ftok + sh * s.maxF + f, m);
+    atomicAdd(s.fcnt + sh * s.maxF + f, m);
+    atomicAdd(s.gtok + sh * s.maxG + g, m);
+    atomicAdd(s.gcnt + sh * s.maxG + g, m);
   }
+}
+
+// lc_clear_counts_kernel: the token / count counters of every fine and coarse node of each
+//   (group, head)'s slot = 0. thread per node.
+__global__ void lc_clear_counts_kernel(SlotPtrs s, const LcGroupDev* grp) {
+  const int h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t sh = slot_head(grp, h, s.Hkv);
+  if (i < s.maxF) s.ftok[sh * s.maxF + i] = 0, s.fcnt[sh * s.maxF + i] = 0;
+  if (i < s.maxG) s.gtok[sh * s.maxG + i] = 0, s.gcnt[sh * s.maxG + i] = 0;
+}
+
+// lc_store_starts_kernel: each group's staged starts -> its slot's starts (M + 1 entries).
+__global__ void lc_store_starts_kernel(SlotPtrs s, const LcGroupDev* grp) {
+  const LcGroupDev g = grp[blockIdx.x];
+  int32_t* dst = const_cast<int32_t*>(s.starts) + int64_t(g.slot) * (s.maxC + 1);
+  for (int i = threadIdx.x; i <= g.M; i += blockDim.x) dst[i] = g.starts[i];
 }
 
 // lc_center_final_kernel: center = acc / count (acc * (1 / count), the CPU's order), clamped
 //   to +-65000, stored fp16 (2*D B per node). thread per (node, dim) over fine then coarse.
-__global__ void lc_center_final_kernel(SlotPtrs s, const double* acc) {
-  const int h = blockIdx.y;
+__global__ void lc_center_final_kernel(SlotPtrs s, const LcGroupDev* grp, const double* acc) {
+  const int h = blockIdx.y;  // vh
+  const int64_t sh = slot_head(grp, h, s.Hkv);
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int node = int(e / s.D), d = int(e % s.D);
-  const int NF = s.n_fine[h], G = s.n_coarse[h];
+  const int NF = s.n_fine[sh], G = s.n_coarse[sh];
   const bool fine = node < NF;
   if (!fine && (node < s.maxF || node - s.maxF >= G)) return;
   const int i = fine ? node : node - s.maxF;
-  const int cnt = fine ? s.fcnt[h * s.maxF + i] : s.gcnt[h * s.maxG + i];
+  const int cnt = fine ? s.fcnt[sh * s.maxF + i] : s.gcnt[sh * s.maxG + i];
   const double inv = 1.0 / double(max(1, cnt));
   double v = __dmul_rn(acc[(int64_t(h) * (s.maxF + s.maxG) + node) * s.D + d], inv);
   v = fmin(fmax(v, -65000.0), 65000.0);
   const __half hv = __float2half_rn(__double2float_rn(v));
-  if (fine) s.fc[int64_t(h) * s.maxF * s.D + lc_cen_off(s.maxF, i, d)] = hv;
-  else s.gc[int64_t(h) * s.maxG * s.D + lc_cen_off(s.maxG, i, d)] = hv;
+  if (fine) s.fc[sh * s.maxF * s.D + lc_cen_off(s.maxF, i, d)] = hv;
+  else s.gc[sh * s.maxG * s.D + lc_cen_off(s.maxG, i, d)] = hv;
 }
 
 // Sequential double distance |k - c| (d ascending, the CPU's dist()); c = node n of the
@@ -435,18 +466,21 @@ __device__ double seq_dist_bf16(const bf16* k, const __half* blk, int maxN, int 
 
 // lc_radius_kernel: max distance of every token of each node's chunks to the stored center
 //   (double, sequential over d), as u64 bits (non-negative doubles order as integers).
-//   warp per (chunk, head), lane per token; reads 2*D B of K per token-head + fp16 centers.
-__global__ void lc_radius_kernel(SlotPtrs s, int M, const bf16* k, const int32_t* pt,
-                                 const int* gof, unsigned long long* rad) {
+//   warp per (chunk, head) of group blockIdx.y, lane per token; reads 2*D B of K per
+//   token-head + fp16 centers.
+__global__ void lc_radius_kernel(SlotPtrs s, const LcGroupDev* grp, const int* gof,
+                                 unsigned long long* rad) {
+  const LcGroupDev gr = grp[blockIdx.y];
   const int wid = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (wid >= M * s.Hkv) return;
-  const int c = wid / s.Hkv, h = wid % s.Hkv;
-  const int f = s.cfine[int64_t(h) * s.maxC + c], g = gof[h * s.maxF + f];
-  const __half* fblk = s.fc + int64_t(h) * s.maxF * s.D;
-  const __half* gblk = s.gc + int64_t(h) * s.maxG * s.D;
+  if (wid >= gr.M * s.Hkv) return;
+  const int c = wid / s.Hkv, hk = wid % s.Hkv, h = int(blockIdx.y) * s.Hkv + hk;  // h: vh
+  const int64_t sh = int64_t(gr.slot) * s.Hkv + hk;
+  const int f = s.cfine[sh * s.maxC + c], g = gof[h * s.maxF + f];
+  const __half* fblk = s.fc + sh * s.maxF * s.D;
+  const __half* gblk = s.gc + sh * s.maxG * s.D;
   double rf = 0.0, rg = 0.0;
-  for (int p = s.starts[c] + lane; p < s.starts[c + 1]; p += 32) {
-    const bf16* row = key_row(k, pt, p, h, s.Hkv, s.P, s.D);
+  for (int p = gr.starts[c] + lane; p < gr.starts[c + 1]; p += 32) {
+    const bf16* row = key_row(gr.k, gr.pt, p, hk, s.Hkv, s.P, s.D);
     rf = fmax(rf, seq_dist_bf16(row, fblk, s.maxF, f, s.D));
     rg = fmax(rg, seq_dist_bf16(row, gblk, s.maxG, g, s.D));
   }
@@ -462,12 +496,13 @@ __global__ void lc_radius_kernel(SlotPtrs s, int M, const bf16* k, const int32_t
 }
 
 // lc_radius_final_kernel: radius = double rounded up to float. thread per node.
-__global__ void lc_radius_final_kernel(SlotPtrs s, const unsigned long long* rad) {
-  const int h = blockIdx.y, node = blockIdx.x * blockDim.x + threadIdx.x;
-  const int NF = s.n_fine[h], G = s.n_coarse[h];
+__global__ void lc_radius_final_kernel(SlotPtrs s, const LcGroupDev* grp, const unsigned long long* rad) {
+  const int h = blockIdx.y, node = blockIdx.x * blockDim.x + threadIdx.x;  // h: vh
+  const int64_t sh = slot_head(grp, h, s.Hkv);
+  const int NF = s.n_fine[sh], G = s.n_coarse[sh];
   const double r = __longlong_as_double(static_cast<long long>(rad[int64_t(h) * (s.maxF + s.maxG) + node]));
-  if (node < NF) s.fr[h * s.maxF + node] = round_up_f(r);
-  else if (node >= s.maxF && node - s.maxF < G) s.gr[h * s.maxG + node - s.maxF] = round_up_f(r);
+  if (node < NF) s.fr[sh * s.maxF + node] = round_up_f(r);
+  else if (node >= s.maxF && node - s.maxF < G) s.gr[sh * s.maxG + node - s.maxF] = round_up_f(r);
 }
 
 template <typename T>
@@ -504,7 +539,7 @@ void run_kmeans(const KmArgs& a, int H, int maxN, int maxK, int iterations, int 
       km_normalize_kernel<decltype(dpl)::value><<<gK, 32, 0, s>>>(a, nullptr, 0);
       km_reseed_kernel<<<H, 1024, sortb, s>>>(a);
       km_assign_kernel<<<gA, 256, 0, s>>>(a, 0);
-      km_control_kernel<<<1, 32, 0, s>>>(a.ctl, H);
+      km_control_kernel<<<(H + 127) / 128, 128, 0, s>>>(a.ctl, H);
     }
     SPADE_CUDA(cudaMemsetAsync(a.sum, 0, sizeof(double) * size_t(H) * a.ldC, s));
     SPADE_CUDA(cudaMemsetAsync(a.cnt, 0, sizeof(int) * size_t(H) * a.ldK, s));
@@ -516,71 +551,128 @@ void run_kmeans(const KmArgs& a, int H, int maxN, int maxK, int iterations, int 
 
 void LcIndexGpu::build(int slot, const bf16* k_cache, const int32_t* page_table,
                        const int32_t* starts, int M, cudaStream_t s) {
-  SPADE_CHECK(slot >= 0 && slot < cfg_.slots, "LcIndexGpu::build: bad slot");
-  SPADE_CHECK(M >= 1 && M <= cfg_.max_chunks, "LcIndexGpu::build: chunks ", M, " not in [1, ",
-              cfg_.max_chunks, "]");
-  const int H = cfg_.Hkv, D = cfg_.D, C = cfg_.max_chunks, F = max_fine_, G = cfg_.max_coarse;
-  int32_t* st = starts_ + int64_t(slot) * (C + 1);
-  SPADE_CUDA(cudaMemcpyAsync(st, starts, sizeof(int32_t) * (M + 1), cudaMemcpyHostToDevice, s));
+  build_batch({LcBuild{slot, k_cache, page_table, starts, M}}, s);
+}
+
+void LcIndexGpu::build_batch(const std::vector<LcBuild>& builds, cudaStream_t s) {
+  const int Hkv = cfg_.Hkv, C = cfg_.max_chunks, SG = build_heads_ / Hkv;
+  for (size_t i = 0; i < builds.size(); ++i) {
+    const LcBuild& b = builds[i];
+    SPADE_CHECK(b.slot >= 0 && b.slot < cfg_.slots, "LcIndexGpu::build: bad slot");
+    SPADE_CHECK(b.n_chunks >= 1 && b.n_chunks <= C, "LcIndexGpu::build: chunks ", b.n_chunks,
+                " not in [1, ", C, "]");
+    for (size_t j = 0; j < i; ++j)
+      SPADE_CHECK(builds[j].slot != b.slot, "LcIndexGpu::build_batch: slot ", b.slot, " twice");
+  }
+  if (builds.empty()) return;
+  // Pinned host staging, one region per launch sequence: the previous batch's uploads have
+  // read theirs once its event completed (normally long before).
+  const size_t n_seq = (builds.size() + size_t(SG) - 1) / size_t(SG);
+  const size_t need = n_seq * stage_stride();
+  if (stage_ev_) SPADE_CUDA(cudaEventSynchronize(static_cast<cudaEvent_t>(stage_ev_)));
+  else SPADE_CUDA(cudaEventCreateWithFlags(reinterpret_cast<cudaEvent_t*>(&stage_ev_), cudaEventDisableTiming));
+  if (need > stage_bytes_) {
+    if (stage_) SPADE_CUDA(cudaFreeHost(stage_));
+    stage_ = nullptr;
+    SPADE_CUDA(cudaMallocHost(&stage_, need));
+    stage_bytes_ = need;
+  }
+  for (size_t q = 0; q < n_seq; ++q) {
+    const size_t g0 = q * size_t(SG);
+    build_group(builds.data() + g0, int(std::min(builds.size() - g0, size_t(SG))),
+                static_cast<unsigned char*>(stage_) + q * stage_stride(), s);
+  }
+  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(stage_ev_), s));
+}
+
+size_t LcIndexGpu::stage_stride() const {
+  const size_t SG = size_t(build_heads_ / cfg_.Hkv);
+  return align_up(SG * sizeof(LcGroupDev), 256) + align_up(size_t(2) * build_heads_ * 8 * 4, 256) +
+         align_up(SG * size_t(cfg_.max_chunks + 1) * 4, 256);
+}
+
+void LcIndexGpu::build_group(const LcBuild* b, int nb, void* host, cudaStream_t s) {
+  const int Hkv = cfg_.Hkv, H = nb * Hkv, D = cfg_.D, C = cfg_.max_chunks, F = max_fine_,
+            G = cfg_.max_coarse;
+  const size_t SG = size_t(build_heads_ / Hkv);
+  // The group table, the k-means control and the starts (each distinct host array once), in
+  // this sequence's pinned region, uploaded async on s.
+  auto* grp = static_cast<LcGroupDev*>(host);
+  auto* ctl = reinterpret_cast<int32_t*>(static_cast<unsigned char*>(host) + align_up(SG * sizeof(LcGroupDev), 256));
+  int32_t* staged = ctl + align_up(size_t(2) * build_heads_ * 8 * 4, 256) / 4;
+  size_t n_staged = 0;
+  std::fill(ctl, ctl + size_t(2) * H * 8, 0);
+  int maxM = 0, maxK = 0, maxP = 1;
+  for (int g = 0; g < nb; ++g) {
+    const int M = b[g].n_chunks;
+    int64_t off = -1;
+    for (int e = 0; e < g && off < 0; ++e)  // the layers of one request share their starts
+      if (b[e].starts == b[g].starts && b[e].n_chunks == M) off = grp[e].starts - sbuf_;
+    if (off < 0) {
+      off = int64_t(n_staged);
+      std::copy(b[g].starts, b[g].starts + M + 1, staged + n_staged);
+      n_staged += size_t(M) + 1;
+    }
+    grp[g] = LcGroupDev{b[g].k_cache, b[g].page_table, sbuf_ + off, b[g].slot, M};
+    const int K = int(std::clamp<double>(std::ceil(double(M) / cfg_.chunks_per_fine), 1.0, double(M)));
+    for (int h = 0; h < Hkv; ++h) {
+      ctl[size_t(g * Hkv + h) * 8 + 0] = M;
+      ctl[size_t(g * Hkv + h) * 8 + 1] = K;
+    }
+    maxM = std::max(maxM, M);
+    maxK = std::max(maxK, K);
+    maxP = std::max(maxP, std::min(cfg_.max_coarse, int(std::ceil(std::sqrt(double(K))))));
+  }
+  auto* grp_dev = static_cast<LcGroupDev*>(grp_);
+  SPADE_CUDA(cudaMemcpyAsync(sbuf_, staged, sizeof(int32_t) * n_staged, cudaMemcpyHostToDevice, s));
+  SPADE_CUDA(cudaMemcpyAsync(grp_dev, grp, sizeof(LcGroupDev) * size_t(nb), cudaMemcpyHostToDevice, s));
+  SPADE_CUDA(cudaMemcpyAsync(ctl_, ctl, sizeof(int32_t) * size_t(2) * H * 8, cudaMemcpyHostToDevice, s));
+  const SlotPtrs sp{starts_, n_chunks_, n_fine_, n_coarse_, fc_, fr_, ftok_, fcnt_, fhead_, ftail_, fnch_,
+                    gc_, gr_, gtok_, gcnt_, gfirst_, cnext_, cfine_, F, G, C, D, Hkv, cfg_.P};
+  lc_store_starts_kernel<<<nb, 256, 0, s>>>(sp, grp_dev);
   auto mark = [&](int i) {
     if (timing_) SPADE_CUDA(cudaEventRecord(ev_[i], s));
   };
   mark(0);
   const int64_t ld = int64_t(C) * D;
   launch_dpl(D, [&](auto dpl) {
-    lc_pool_kernel<decltype(dpl)::value><<<(M * H + 3) / 4, 128, 0, s>>>(
-        k_cache, page_table, st, M, H, cfg_.P, D, ld, mean_, X_);
+    lc_pool_kernel<decltype(dpl)::value><<<dim3((maxM * Hkv + 3) / 4, nb), 128, 0, s>>>(
+        grp_dev, Hkv, cfg_.P, D, ld, mean_, X_);
   });
   SPADE_CUDA_LAUNCH();
   mark(1);
   // Fine level.
-  const int K = int(std::clamp<double>(std::ceil(double(M) / cfg_.chunks_per_fine), 1.0, double(M)));
-  std::vector<int32_t> ctl(size_t(2) * H * 8, 0);
-  for (int h = 0; h < H; ++h) {
-    ctl[size_t(h) * 8 + 0] = M;
-    ctl[size_t(h) * 8 + 1] = K;
-  }
-  SPADE_CUDA(cudaMemcpyAsync(ctl_, ctl.data(), sizeof(int32_t) * ctl.size(), cudaMemcpyHostToDevice, s));
   KmArgs fa{X_, ld, C_, int64_t(F) * D, sum_, cnt_, F, fassign_, best_, C, ctl_, FC_, int64_t(F) * D, D};
-  run_kmeans(fa, H, M, K, cfg_.iterations, D, s);
+  run_kmeans(fa, H, maxM, maxK, cfg_.iterations, D, s);
   launch_dpl(D, [&](auto dpl) {
     km_remap_kernel<<<H, 1024, 0, s>>>(fa, remap_);
-    km_normalize_kernel<decltype(dpl)::value><<<dim3(K, H), 32, 0, s>>>(fa, remap_, 1);
-    km_apply_remap_kernel<<<dim3((M + 255) / 256, H), 256, 0, s>>>(fa, remap_);
+    km_normalize_kernel<decltype(dpl)::value><<<dim3(maxK, H), 32, 0, s>>>(fa, remap_, 1);
+    km_apply_remap_kernel<<<dim3((maxM + 255) / 256, H), 256, 0, s>>>(fa, remap_);
   });
   mark(2);
   // Coarse level over the fine centroids.
   int* ctlG = ctl_ + H * 8;
-  lc_coarse_params_kernel<<<1, 32 * ((H + 31) / 32), 0, s>>>(ctl_, ctlG, H, cfg_.max_coarse);
+  lc_coarse_params_kernel<<<(H + 127) / 128, 128, 0, s>>>(ctl_, ctlG, H, cfg_.max_coarse);
   KmArgs ga{FC_, int64_t(F) * D, C_, int64_t(F) * D, sum_, cnt_, F, gassign_, best_, C, ctlG, GC_, int64_t(G) * D, D};
-  const int maxP = std::min(cfg_.max_coarse, int(std::ceil(std::sqrt(double(K)))));
-  run_kmeans(ga, H, K, std::max(1, maxP), cfg_.iterations, D, s);
+  run_kmeans(ga, H, maxK, maxP, cfg_.iterations, D, s);
   launch_dpl(D, [&](auto dpl) {
     km_remap_kernel<<<H, 1024, 0, s>>>(ga, remap_);
-    km_normalize_kernel<decltype(dpl)::value><<<dim3(std::max(1, maxP), H), 32, 0, s>>>(ga, remap_, 1);
-    km_apply_remap_kernel<<<dim3((K + 255) / 256, H), 256, 0, s>>>(ga, remap_);
+    km_normalize_kernel<decltype(dpl)::value><<<dim3(maxP, H), 32, 0, s>>>(ga, remap_, 1);
+    km_apply_remap_kernel<<<dim3((maxK + 255) / 256, H), 256, 0, s>>>(ga, remap_);
   });
   SPADE_CUDA_LAUNCH();
   mark(3);
   // Assembly.
-  const int64_t so = int64_t(slot) * H;
-  SlotPtrs sp{st, n_chunks_ + so, n_fine_ + so, n_coarse_ + so, fc_ + so * F * D, fr_ + so * F,
-              ftok_ + so * F, fcnt_ + so * F, fhead_ + so * F, ftail_ + so * F, fnch_ + so * F,
-              gc_ + so * G * D, gr_ + so * G, gtok_ + so * G, gcnt_ + so * G,
-              gfirst_ + so * (G + 1), cnext_ + so * C, cfine_ + so * C, F, G, C, D, H, cfg_.P};
-  lc_renumber_kernel<<<H, 1024, size_t(pow2_at_least(K)) * 8, s>>>(sp, ctl_, ctlG, gassign_, C, newid_, gof_);
-  lc_lists_kernel<<<H, 1024, size_t(pow2_at_least(M)) * 8, s>>>(sp, M, fassign_, C, newid_);
+  lc_renumber_kernel<<<H, 1024, size_t(pow2_at_least(maxK)) * 8, s>>>(sp, grp_dev, ctl_, ctlG, gassign_, C, newid_, gof_);
+  lc_lists_kernel<<<H, 1024, size_t(pow2_at_least(maxM)) * 8, s>>>(sp, grp_dev, fassign_, C, newid_);
   SPADE_CUDA_LAUNCH();
   SPADE_CUDA(cudaMemsetAsync(acc_, 0, sizeof(double) * size_t(H) * (F + G) * D, s));
   SPADE_CUDA(cudaMemsetAsync(rad2_, 0, sizeof(unsigned long long) * size_t(H) * (F + G), s));
-  SPADE_CUDA(cudaMemsetAsync(sp.ftok, 0, sizeof(int32_t) * size_t(H) * F, s));
-  SPADE_CUDA(cudaMemsetAsync(sp.fcnt, 0, sizeof(int32_t) * size_t(H) * F, s));
-  SPADE_CUDA(cudaMemsetAsync(sp.gtok, 0, sizeof(int32_t) * size_t(H) * G, s));
-  SPADE_CUDA(cudaMemsetAsync(sp.gcnt, 0, sizeof(int32_t) * size_t(H) * G, s));
-  lc_center_accum_kernel<<<dim3(unsigned((int64_t(M) * D + 255) / 256), H), 256, 0, s>>>(sp, M, mean_, ld, gof_, acc_);
-  lc_center_final_kernel<<<dim3(unsigned((int64_t(F + G) * D + 255) / 256), H), 256, 0, s>>>(sp, acc_);
-  lc_radius_kernel<<<(M * H + 3) / 4, 128, 0, s>>>(sp, M, k_cache, page_table, gof_, rad2_);
-  lc_radius_final_kernel<<<dim3((F + G + 255) / 256, H), 256, 0, s>>>(sp, rad2_);
+  lc_clear_counts_kernel<<<dim3((std::max(F, G) + 255) / 256, H), 256, 0, s>>>(sp, grp_dev);
+  lc_center_accum_kernel<<<dim3(unsigned((int64_t(maxM) * D + 255) / 256), H), 256, 0, s>>>(sp, grp_dev, mean_, ld, gof_, acc_);
+  lc_center_final_kernel<<<dim3(unsigned((int64_t(F + G) * D + 255) / 256), H), 256, 0, s>>>(sp, grp_dev, acc_);
+  lc_radius_kernel<<<dim3((maxM * Hkv + 3) / 4, nb), 128, 0, s>>>(sp, grp_dev, gof_, rad2_);
+  lc_radius_final_kernel<<<dim3((F + G + 255) / 256, H), 256, 0, s>>>(sp, grp_dev, rad2_);
   SPADE_CUDA_LAUNCH();
   mark(4);
 }

@@ -165,6 +165,20 @@ struct SlotPtrs {
   int maxF, maxG, maxC, D, Hkv, P;
 };
 
+// One slot of a build sequence (LcIndexGpu::build_batch), on the device: its layer's K cache,
+// its request's page table, its chunk starts (staged, n_chunks + 1 entries), slot and chunk
+// count. Build kernels index scratch by vh = group * Hkv + h and the slot's arrays by
+// slot_head(): slot * Hkv + h.
+struct LcGroupDev {
+  const bf16* k;
+  const int32_t* pt;
+  const int32_t* starts;
+  int slot, M;
+};
+__device__ __forceinline__ int64_t slot_head(const LcGroupDev* g, int vh, int Hkv) {
+  return int64_t(g[vh / Hkv].slot) * Hkv + vh % Hkv;
+}
+
 // Sets the dynamic shared-memory limit of the build's block-sort kernels (km_reseed,
 // lc_renumber, lc_lists; cluster_index_build.cu) to `bytes`; called by the constructor.
 void set_build_sort_smem(int bytes);

@@ -18,6 +18,7 @@ struct InsertReq {
   static constexpr int kMax = 32;
   int slot, n_old, n_new;
   const int32_t* pt;
+  const bf16* k;  // its layer's K cache
   int ends[kMax];
 };
 struct InsertBatch {
@@ -130,13 +131,14 @@ __device__ __forceinline__ int ins_block_argmax(float bsim, int bk, float* wb, i
   return kk;
 }
 
-__global__ void __launch_bounds__(kInsThreads, 1) lc_insert_kernel(SlotPtrs z, const bf16* k, InsertBatch batch) {
+__global__ void __launch_bounds__(kInsThreads, 1) lc_insert_kernel(SlotPtrs z, InsertBatch batch) {
   extern __shared__ __align__(16) unsigned char ins_dyn[];
   bf16* kr = reinterpret_cast<bf16*>(ins_dyn);  // [kInsStageRows][D] staged K rows
   const InsertReq& rq = batch.r[blockIdx.y];
   const SlotPtrs s = slot_ptrs(z, rq.slot);
   int32_t* starts_rw = const_cast<int32_t*>(s.starts);
   const int32_t* pt = rq.pt;
+  const bf16* k = rq.k;
   const int h = blockIdx.x, t = threadIdx.x, lane = t & 31, w = t >> 5;
   const int D = s.D;
   __shared__ double mean[256], sq[256];
@@ -348,7 +350,7 @@ void LcIndexGpu::insert_batch(const std::vector<LcInsert>& reqs, const bf16* k_c
     InsertBatch ib{};
     int n = 0;
     auto flush = [&] {
-      if (n) lc_insert_kernel<<<dim3(H, n), kInsThreads, smem, s>>>(z, k_cache, ib);
+      if (n) lc_insert_kernel<<<dim3(H, n), kInsThreads, smem, s>>>(z, ib);
       n = 0;
     };
     bool any = false;
@@ -360,6 +362,8 @@ void LcIndexGpu::insert_batch(const std::vector<LcInsert>& reqs, const bf16* k_c
       q.n_old = r.n_old + done;
       q.n_new = std::min(InsertReq::kMax, r.n_new - done);
       q.pt = r.page_table;
+      q.k = r.k_cache ? r.k_cache : k_cache;
+      SPADE_CHECK(q.k, "LcIndexGpu::insert: no K cache");
       for (int i = 0; i < q.n_new; ++i) q.ends[i] = r.new_ends[done + i];
       if (n == InsertBatch::kReq) flush();
     }

@@ -7,11 +7,14 @@
 // Per decode step (every sequence q_len == 1), the CPU method's rules per request:
 //   dense while L <= sink + budget (budget_mode=total: L <= budget): its slot holds no chunks,
 //     so the search lists every token [0, L) (the CPU's set_dense, over the same kernel);
-//   sync: the first step past that builds the index over every closed chunk; later, once
-//     >= buffer tokens wait behind the index, the chunks closed since are inserted (lazy
-//     update). Chunking runs on the host (token text); builds and inserts run in the layer
-//     loop after the layer's K append, as on the CPU. Steps that sync run eagerly; the others
-//     replay CUDA graphs (every launch reads fixed device addresses);
+//   sync: the first step past that builds the index over every chunk closed by the tokens
+//     before the current one (the CPU's rule: their K is in every layer's cache when the step
+//     begins); later, once >= buffer tokens wait behind the index, the chunks closed since
+//     are inserted (lazy update). Chunking runs on the host (token text). At the first sparse
+//     layer, one build_batch covers every sparse layer of every request that builds (a few
+//     launch sequences instead of one per request and layer) and one insert_batch every
+//     insert. Steps that sync run eagerly; the others replay CUDA graphs (every launch reads
+//     fixed device addresses);
 //   search per (request, KV head) -> sink + chosen chunks + un-indexed tail (Token lists at a
 //     fixed stride, with their lengths), which SparseAttention reads in place (compacted to
 //     CSR only for a trace).
@@ -97,6 +100,9 @@ LcShape lc_shape(const CudaSparse& sp, const ModelConfig& c, int64_t seq_tokens,
   // the open chunk after one); a request still dense lists L <= sink + budget tokens.
   const int64_t open = std::max(p.chunker.max_tokens, p.chunker.fixed_tokens);
   s.cap = int(std::min<int64_t>(ctx, p.sink + p.budget + p.buffer + 2 * open + 16));
+  // Build scratch for as many (request, layer) slots per launch sequence as fit 128 MiB (at
+  // least one; a request's first sparse step builds all its sparse layers).
+  s.index.build_heads = cuda::LcIndexGpu::build_heads_within(s.index, size_t(128) << 20);
   return s;
 }
 
@@ -198,6 +204,7 @@ class GpuLycheeCluster final : public SelectingMethod {
     cudaStream_t st = S_(ctx_.stream);
     // Checks and chunking first (a repeated extend with the same L does nothing), so a bad
     // batch throws before any request's state records a build or update that would not run.
+    // Chunks close over the tokens before the current one (L - 1), as on the CPU.
     for (int i = 0; i < n; ++i) {
       auto* rs = lc_state(batch[i].device_state);
       SPADE_CHECK(rs && rs->slots_ == lc_slots_, "lycheecluster on the GPU: every sequence needs "
@@ -207,7 +214,7 @@ class GpuLycheeCluster final : public SelectingMethod {
       const bool over = p.budget_total ? L > p.budget : L > int64_t(p.sink) + p.budget;
       const int64_t indexed_end = have > 0 ? rs->chunks.starts()[size_t(have)] : p.sink;
       if (over && !(have > 0 && L - indexed_end < p.buffer)) {
-        rs->chunks.extend(rs->text, L, p.sink, p.chunker);
+        rs->chunks.extend(rs->text, L - 1, p.sink, p.chunker);
         SPADE_CHECK(rs->chunks.n_chunks() <= lc_->config().max_chunks, "lycheecluster: ",
                     rs->chunks.n_chunks(), " chunks exceed the index capacity of ",
                     lc_->config().max_chunks);
@@ -252,15 +259,24 @@ class GpuLycheeCluster final : public SelectingMethod {
     const int j = l - p.dense_layers;
     const cuda::bf16* kc = static_cast<const cuda::bf16*>(kc_);
     cudaStream_t st = S_(run_);
-    if (!lc_sync_.empty()) {
+    if (j == 0 && !lc_sync_.empty()) {
+      // Every sparse layer's builds and inserts at once: they read chunks of tokens before
+      // the current one, whose K every layer's cache holds (kc: this layer's; layer j' at
+      // kc + j' * layer_kv).
+      const int64_t layer_kv = ctx_.n_pages * Hkv * int64_t(ctx_.page_size) * ctx_.cfg.head_dim;
+      lc_builds_.clear();
       lc_ins_.clear();
       for (const LcSync& s : lc_sync_) {
-        const int slot = s.req_slot * n_sparse + j;
         const int32_t* pt = sparse_->dev_page_table() + s.page_off;
-        if (s.n_old == 0) lc_->build(slot, kc, pt, s.starts, s.n_new, st);
-        else lc_ins_.push_back({slot, pt, s.n_old, s.starts + s.n_old + 1, s.n_new});
+        for (int jj = 0; jj < n_sparse; ++jj) {
+          const int slot = s.req_slot * n_sparse + jj;
+          const cuda::bf16* kl = kc + jj * layer_kv;
+          if (s.n_old == 0) lc_builds_.push_back({slot, kl, pt, s.starts, s.n_new});
+          else lc_ins_.push_back({slot, pt, s.n_old, s.starts + s.n_old + 1, s.n_new, kl});
+        }
       }
-      if (!lc_ins_.empty()) lc_->insert_batch(lc_ins_, kc, st);
+      if (!lc_builds_.empty()) lc_->build_batch(lc_builds_, st);
+      if (!lc_ins_.empty()) lc_->insert_batch(lc_ins_, nullptr, st);
     }
     cuda::LcSearchArgs a;
     a.q = static_cast<const cuda::bf16*>(q);
@@ -295,6 +311,7 @@ class GpuLycheeCluster final : public SelectingMethod {
     int64_t page_off = 0;
   };
   std::vector<LcSync> lc_sync_;
+  std::vector<cuda::LcBuild> lc_builds_;
   std::vector<cuda::LcInsert> lc_ins_;
 };
 

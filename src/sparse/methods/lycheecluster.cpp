@@ -101,7 +101,11 @@ void LycheeClusterMethod::sync(StepContext& c, LycheeClusterState& st) const {
   const int32_t have = st.layer_chunks_[size_t(layer)];
   const int64_t indexed_end = have > 0 ? st.chunk_starts()[size_t(have)] : p_.sink;
   if (have > 0 && c.L - indexed_end < p_.buffer) return;
-  st.extend_chunks(c.L, p_.sink, p_.chunker);
+  // The index covers the chunks that the tokens before the current one close (the paper
+  // builds it after prefill, over the prompt): their K is in every layer's cache before the
+  // step, so a GPU builds every layer at once; the current token is in the un-indexed tail,
+  // which is always read.
+  st.extend_chunks(c.L - 1, p_.sink, p_.chunker);
   const int32_t avail = st.n_chunks();
   if (avail <= have) return;
   const int Hkv = c.Hkv;

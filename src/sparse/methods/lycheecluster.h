@@ -4,11 +4,13 @@
 // structure-aware chunks of 8..16 tokens (sparse/chunker.h).
 //
 // Decode step of a sparse layer, per KV head:
-//   1. sync: the first sparse step builds the index over every closed chunk of the context
-//      (the end of prefill: the framework does not signal the last prefill chunk, so the
-//      build is deferred to the first decode step that needs a sparse selection, and its
-//      time is counted as index build time). Later, once >= `buffer` (128) tokens wait
-//      behind the index, the closed chunks among them are inserted (lazy update).
+//   1. sync: the first sparse step builds the index over every chunk that the tokens
+//      before the current one close (the end of prefill: the framework does not signal the
+//      last prefill chunk, so the build is deferred to the first decode step that needs a
+//      sparse selection, and its time is counted as index build time). Later, once >=
+//      `buffer` (128) tokens wait behind the index, the chunks closed since are inserted
+//      (lazy update). The current token is never indexed in its own step (its K is written
+//      layer by layer; the GPU builds every layer before the first sparse one).
 //   2. search: coarse units by bound q.c + |q| r (max over the GQA group's query heads:
 //      one search per KV head, shared by its G query heads; group=sum optional), top k_g;
 //      their fine clusters by the same bound; chunks of the best clusters up to `budget`.
