@@ -8,6 +8,16 @@
 
 namespace spade {
 
+const char* stop_reason_name(StopReason r) {
+  switch (r) {
+    case StopReason::kMaxTokens: return "max-tokens";
+    case StopReason::kStopToken: return "eos";
+    case StopReason::kContext: return "context";
+    case StopReason::kInterrupted: return "interrupted";
+  }
+  return "?";
+}
+
 GenerateStats generate(StepModel& model, PageTable& pt, const std::vector<int32_t>& prompt,
                        const GenerateOptions& opt, const std::function<bool(int32_t)>& on_token,
                        sparse::MethodState* device_state) {
@@ -64,6 +74,11 @@ GenerateStats generate(StepModel& model, PageTable& pt, const std::vector<int32_
   for (size_t off = 0; off < prompt.size(); off += size_t(chunk)) {
     const int64_t n = std::min<int64_t>(chunk, int64_t(prompt.size() - off));
     tok = feed(prompt.data() + off, n, off + size_t(n) >= prompt.size());
+    if (opt.on_prefill_chunk && !opt.on_prefill_chunk(int64_t(off) + n, int64_t(prompt.size()))) {
+      st.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
+      st.stop_reason = StopReason::kInterrupted;
+      return st;
+    }
   }
   if (!on_device) tok = host_sample();
   auto t1 = clock::now();
@@ -73,12 +88,20 @@ GenerateStats generate(StepModel& model, PageTable& pt, const std::vector<int32_
     history.push_back(tok);
     ++st.generated_tokens;
     const bool is_stop = std::find(opt.stop_ids.begin(), opt.stop_ids.end(), tok) != opt.stop_ids.end();
-    if (!on_token(tok)) break;
-    if (is_stop) {
-      st.stopped_by_stop_id = true;
+    if (!on_token(tok)) {
+      st.stop_reason = StopReason::kInterrupted;
       break;
     }
-    if (i + 1 == opt.max_new_tokens || pt.length + 1 > ctx) break;
+    if (is_stop) {
+      st.stopped_by_stop_id = true;
+      st.stop_reason = StopReason::kStopToken;
+      break;
+    }
+    if (i + 1 == opt.max_new_tokens) break;
+    if (pt.length + 1 > ctx) {
+      st.stop_reason = StopReason::kContext;
+      break;
+    }
     const auto ts = clock::now();
     tok = feed(&history.back(), 1, true);
     // The step's token (or logits) is kept: a correction may run the model again.

@@ -26,12 +26,28 @@ struct GenerateOptions {
   int64_t correction_every = 0;
   // Longest sequence (cache + prompt + generated; --ctx-size); 0: the model's context.
   int64_t max_context = 0;
+  // Called after each prefill chunk with (prompt tokens fed so far, prompt tokens): progress
+  // lines, and a way to stop a long prefill (Ctrl-C in `spade chat`). Returning false stops
+  // it: generate() returns at once, stop_reason kInterrupted, no token generated, the chunks
+  // already fed left in the cache (pt.length says how many).
+  std::function<bool(int64_t done, int64_t total)> on_prefill_chunk;
 };
+
+// Why generation ended.
+enum class StopReason {
+  kMaxTokens,    // max_new_tokens generated
+  kStopToken,    // emitted one of stop_ids (end of sequence)
+  kContext,      // the sequence reached the context (max_context or the model's)
+  kInterrupted,  // on_token or on_prefill_chunk returned false
+};
+// "max-tokens", "eos", "context", "interrupted".
+const char* stop_reason_name(StopReason r);
 
 struct GenerateStats {
   int64_t prompt_tokens = 0, generated_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
-  bool stopped_by_stop_id = false;
+  bool stopped_by_stop_id = false;  // stop_reason == kStopToken
+  StopReason stop_reason = StopReason::kMaxTokens;
   int64_t corrections = 0;  // cache corrections run (GenerateOptions::correction_every)
   // Wall time of each decode step (ms, in order), so a one-off step (an index build, a graph
   // capture) can be told from the steady state.
