@@ -1,17 +1,22 @@
 // `spade generate`: load a model, tokenize the prompt, stream the generated text to stdout.
-// Statistics (load time, prefill and decode speed; with a sparse method, per-step density and
-// recall) go to stderr only.
+// Statistics go to stderr only: --stats a summary at the end (stop reason, prefill and decode
+// speed; with a sparse method mean density and recall), --stats-steps also a line per decode
+// step, --stats-jsonl FILE one JSON object per generated token (docs/cli.md).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <sstream>
 
 #include "args.h"
 #include "command.h"
+#include "progress.h"
 #include "sampling_args.h"
 #include "sparse_args.h"
+#include "tokenizer_args.h"
 #include "core/thread_pool.h"
 #include "engine/generator.h"
 #include "engine/runner.h"
@@ -26,6 +31,7 @@
 #include "sparse/registry.h"
 #include "sparse/session.h"
 #include "tokenizer/tokenizer.h"
+#include "nlohmann/json.hpp"
 
 namespace spade::cli {
 namespace {
@@ -33,13 +39,16 @@ namespace {
 const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --prompt-file F) [options]
 
   -m, --model PATH      GGUF file or Hugging Face model directory
+  --tokenizer PATH      tokenizer to use instead of the model's own: a tokenizer.json,
+                        tokenizer.model, GGUF file (a model or vocabulary only) or a directory
+                        holding one (as `spade tokenize --model` takes)
   -p, --prompt TEXT     prompt text
   --prompt-file F       read the prompt from a file
   --chat                wrap the prompt as a user message with the model's chat template
   --system TEXT         system message (with --chat)
   -n, --max-tokens N    tokens to generate (default 128)
   -c, --ctx-size N      longest sequence, prompt + generated (default: the model's context)
-  --temperature, --temp T   0 = greedy (default 0; at most 100)
+  --temperature, --temp T   0 = greedy (default %TEMP%, as in every spade command; at most 100)
   --top-k K             (default 0 = off)      --top-p P   (default 1 = off)
   --min-p P             (default 0 = off)      --repeat-penalty R (default 1 = off)
   --seed S              RNG seed (default 0)
@@ -48,8 +57,17 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   -t, --threads N       CPU threads (default: all cores)
   --page-size N         KV cache page size in tokens (default 16)
   --prefill-chunk N     prompt tokens per forward pass (default 1024)
-  --stats               print token counts and speeds to stderr; with a sparse method also
-                        each decode step's density (and recall with --recall)
+  --stats               summary on stderr at the end: stop reason (eos, max-tokens, context),
+                        prompt tokens and prefill tok/s, generated tokens and decode tok/s,
+                        decode step times; with a sparse method its mean density (and recall
+                        with --recall)
+  --stats-steps         --stats, and a line per decode step on stderr (its time, density,
+                        recall)
+  --stats-jsonl FILE    write one JSON object per generated token to FILE: i, phase, id, text,
+                        ms, length, and on the CPU the step's density, tokens_per_head (recall)
+  --progress-after S    show a prefill progress line with ETA on stderr when the prefill
+                        runs over S seconds (default 2; -1: never); on a terminal one line
+                        rewritten in place, else a line every 5 s
   --device cpu|cuda     where the model runs (default cpu; cuda: bf16 weights on the GPU,
                         dense attention or --sparse streaming|quest|tidal|lessismore|lycheedecode|
                         twilight|blasst; quest on the GPU
@@ -78,7 +96,86 @@ methods and options (defaults from the papers; docs/sparse.md):
 std::string help_text() {
   std::string h = kHelp;
   h.replace(h.find("%METHODS%"), 9, sparse::method_names());
+  char t[32];
+  std::snprintf(t, sizeof t, "%g", kDefaultTemperature);
+  h.replace(h.find("%TEMP%"), 6, t);
   return h + sparse::methods_help();
+}
+
+// Per-token records of --stats-steps (stderr) and --stats-jsonl FILE: one per generated
+// token; token 0 comes from the prefill, token i > 0 from decode step i (which fed token
+// i - 1 at position prompt + i - 1, so its sequence length is prompt + i).
+class StepLog {
+ public:
+  StepLog(const Args& a, int64_t prompt_tokens) : prompt_(prompt_tokens) {
+    lines_ = a.has("--stats-steps");
+    if (a.has("--stats-jsonl")) {
+      const std::string path = a.str("--stats-jsonl");
+      SPADE_CHECK(!path.empty(), "--stats-jsonl needs a file name");
+      jsonl_ = std::fopen(path.c_str(), "w");
+      SPADE_CHECK(jsonl_, "--stats-jsonl: cannot write '", path, "'");
+    }
+    last_ = std::chrono::steady_clock::now();
+  }
+  ~StepLog() {
+    if (jsonl_) std::fclose(jsonl_);
+  }
+  StepLog(const StepLog&) = delete;
+  StepLog& operator=(const StepLog&) = delete;
+  bool active() const { return lines_ || jsonl_; }
+  // Restarts the clock at the start of the prefill.
+  void start() { last_ = std::chrono::steady_clock::now(); }
+  // The session's statistics of the decode step that produced the next token.
+  void step_stats(const sparse::StepStats& s) { pending_ = s, has_pending_ = true; }
+  void token(int32_t id, const std::string& text) {
+    const auto now = std::chrono::steady_clock::now();
+    const double ms = 1e3 * std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    const int64_t i = n_++, length = prompt_ + i;
+    const bool st = has_pending_ && i > 0;
+    has_pending_ = false;
+    if (lines_ && i > 0) {
+      std::fprintf(stderr, "[spade] step %lld L=%lld %.3f ms", (long long)i, (long long)length, ms);
+      if (st) {
+        std::fprintf(stderr, " tokens/head %.1f density %.4f (sparse layers %.4f)",
+                     pending_.tokens_per_head(), pending_.density(), pending_.sparse_density());
+        if (pending_.has_recall())
+          std::fprintf(stderr, " recall %.4f (sparse layers %.4f, min %.4f)", pending_.mean_recall(),
+                       pending_.sparse_recall(), pending_.min_recall());
+      }
+      std::fputc('\n', stderr);
+    }
+    if (jsonl_) {
+      nlohmann::json j = {{"i", i}, {"phase", i == 0 ? "prefill" : "decode"}, {"id", id},
+                          {"text", text}, {"ms", std::round(ms * 1e3) / 1e3}, {"length", length}};
+      if (st) {
+        j["tokens_per_head"] = pending_.tokens_per_head();
+        j["density"] = pending_.density();
+        j["sparse_density"] = pending_.sparse_density();
+        if (pending_.has_recall()) {
+          j["recall"] = pending_.mean_recall();
+          j["sparse_recall"] = pending_.sparse_recall();
+          j["min_recall"] = pending_.min_recall();
+        }
+      }
+      const std::string line = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      std::fprintf(jsonl_, "%s\n", line.c_str());
+    }
+  }
+
+ private:
+  int64_t prompt_, n_ = 0;
+  bool lines_ = false;
+  std::FILE* jsonl_ = nullptr;
+  std::chrono::steady_clock::time_point last_;
+  sparse::StepStats pending_;
+  bool has_pending_ = false;
+};
+
+// Decode rate: tokens after the first (which the prefill produced) over the decode time.
+double decode_rate(const GenerateStats& st, double excluded_s = 0) {
+  return double(std::max<int64_t>(0, st.generated_tokens - 1)) /
+         std::max(1e-9, st.decode_seconds - excluded_s);
 }
 
 std::string read_file(const std::string& path) {
@@ -138,7 +235,7 @@ int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
   GenerateOptions opt;
   opt.max_new_tokens = n;
   opt.prefill_chunk = std::min<long long>(a.integer("--prefill-chunk", 1024), 8192);
-  opt.sampling = sampling_from_args(a, 0);
+  opt.sampling = sampling_from_args(a);
   CudaModelOptions copt;
   copt.page_size = int(a.integer("--page-size", 16));
   copt.max_tokens = std::min<int64_t>(plen + n, cfg.max_context);
@@ -146,7 +243,8 @@ int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
   copt.max_step_tokens = opt.prefill_chunk;
   copt.deterministic = a.has("--deterministic");
   copt.sparse = cuda_sparse_config(scfg, cfg, copt.page_size);
-  if (a.has("--stats"))
+  const bool stats = a.has("--stats") || a.has("--stats-steps");
+  if (stats)
     std::fprintf(stderr, "[spade] attention (GPU): %s\n", copt.sparse.describe().c_str());
   CudaModel model(cfg, copt, uint64_t(a.integer("--seed", 0)) + 1);
   std::mt19937 rng(uint32_t(a.integer("--seed", 0)));
@@ -156,22 +254,26 @@ int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
   // Random ids have no text: LycheeCluster chunks them into fixed 16-token chunks.
   auto state = model.new_request_state();
   CudaStepModel runner(model);
+  StepLog steps(a, plen);
+  steps.start();
   GenerateStats st = generate(runner, pt, prompt, opt, [&](int32_t id) {
     std::printf("%d ", id);
     std::fflush(stdout);
+    steps.token(id, "");
     return true;
   }, state.get());
   std::fputc('\n', stdout);
-  if (st.generated_tokens < n && !st.stopped_by_stop_id)
+  if (st.stop_reason == StopReason::kContext)
     std::fprintf(stderr, "[spade] stopped at the model's context of %d tokens\n", cfg.max_context);
-  if (a.has("--stats")) {
+  if (stats) {
     std::fprintf(stderr,
                  "[spade] synthetic %s on %s | prompt %lld tokens, %.1f tok/s | generated %lld "
-                 "tokens, %.2f ms/token\n",
+                 "tokens, %.2f ms/token | stop %s\n",
                  a.str("--synthetic").c_str(), cuda::device_summary().c_str(),
                  (long long)st.prompt_tokens, st.prompt_tokens / std::max(1e-9, st.prefill_seconds),
                  (long long)st.generated_tokens,
-                 1e3 * st.decode_seconds / double(std::max<int64_t>(1, st.generated_tokens - 1)));
+                 1e3 * st.decode_seconds / double(std::max<int64_t>(1, st.generated_tokens - 1)),
+                 stop_reason_name(st.stop_reason));
     print_step_times(st.step_ms);
   }
   return 0;
@@ -185,14 +287,18 @@ int run(int argc, char** argv) {
          {"--model", "--prompt", "--prompt-file", "--system", "-n", "--max-tokens",
           "--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed",
           "--threads", "--page-size", "--prefill-chunk", "--sparse", "--budget", "--sparse-opt",
-          "--sparse-config", "--device", "--synthetic", "--prompt-len", "--ctx-size"},
-         {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats", "--recall", "--deterministic"});
+          "--sparse-config", "--device", "--synthetic", "--prompt-len", "--ctx-size", "--tokenizer",
+          "--stats-jsonl", "--progress-after"},
+         {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats", "--stats-steps", "--recall",
+          "--deterministic"});
   if (a.has("--help")) {
     std::fputs(help_text().c_str(), stdout);
     return 0;
   }
   a.no_positionals();
-  (void)sampling_from_args(a, 0);  // flags checked before the model loads
+  (void)sampling_from_args(a);  // flags checked before the model loads
+  const double progress_after = a.number("--progress-after", 2);
+  SPADE_CHECK(!std::isnan(progress_after), "--progress-after expects a number of seconds");
   // Sparse configuration: JSON file, then flags.
   sparse::SparseConfig scfg = sparse_from_args(a, argc, argv);
   if (a.has("--recall")) scfg.measure_recall = true;
@@ -214,7 +320,7 @@ int run(int argc, char** argv) {
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   auto weights = load_model(a.str("--model"));
-  auto tok = Tokenizer::load(a.str("--model"));
+  auto tok = tokenizer_from_args(a);
   const ModelConfig& cfg = weights->config;
   double load_s = std::chrono::duration<double>(clock::now() - t0).count();
 
@@ -228,6 +334,7 @@ int run(int argc, char** argv) {
   }
   // A chat template already writes its own BOS text; parse it as a special token.
   std::vector<int32_t> prompt = tok->encode(text, !a.has("--no-bos") && !a.has("--chat"), true);
+  check_token_ids(prompt, cfg.vocab, a);
 
   GenerateOptions opt;
   long long n = a.has("-n") ? a.integer("-n", 128) : a.integer("--max-tokens", 128);
@@ -235,7 +342,7 @@ int run(int argc, char** argv) {
   opt.max_new_tokens = n;
   opt.prefill_chunk = a.integer("--prefill-chunk", 1024);
   SPADE_CHECK(opt.prefill_chunk >= 1, "--prefill-chunk must be positive");
-  opt.sampling = sampling_from_args(a, 0);
+  opt.sampling = sampling_from_args(a);
   if (!a.has("--ignore-eos")) opt.stop_ids = tok->eos_ids();
 
   const int64_t need = int64_t(prompt.size()) + n;
@@ -269,25 +376,18 @@ int run(int argc, char** argv) {
   // whose request state goes with every step.
   std::unique_ptr<sparse::SparseSession> session;
   std::unique_ptr<sparse::MethodState> state;
-  const bool stats = a.has("--stats");
+  const bool stats = a.has("--stats") || a.has("--stats-steps");
+  StepLog steps(a, int64_t(prompt.size()));
+  const bool sparse_method = method->name() != "full";
   if (runner.host_pool) {
     session = std::make_unique<sparse::SparseSession>(method, cfg, *runner.host_pool,
                                                       sparse::SessionOptions{scfg.measure_recall, false});
     session->reserve(tokens);
     opt.attention = &session->attention();
-    if (stats) {
+    if (stats)
       std::fprintf(stderr, "[spade] attention: %s%s\n", method->describe().c_str(),
                    scfg.measure_recall ? " (measuring recall)" : "");
-      session->on_step = [&](const sparse::StepStats& s) {
-        std::fprintf(stderr, "[spade] step %lld L=%lld tokens/head %.1f density %.4f (sparse layers %.4f)",
-                     (long long)s.step, (long long)s.length, s.tokens_per_head(), s.density(),
-                     s.sparse_density());
-        if (s.has_recall())
-          std::fprintf(stderr, " recall %.4f (sparse layers %.4f, min %.4f)", s.mean_recall(),
-                       s.sparse_recall(), s.min_recall());
-        std::fputc('\n', stderr);
-      };
-    }
+    if (steps.active()) session->on_step = [&](const sparse::StepStats& s) { steps.step_stats(s); };
   } else {
     state = model.new_request_state(nullptr);
     if (stats) std::fprintf(stderr, "[spade] attention (%s): %s\n", device.c_str(), method->describe().c_str());
@@ -302,17 +402,28 @@ int run(int argc, char** argv) {
   StreamDecoder dec(*tok);
   auto emit = [&](int32_t id) {
     append_text(id);
-    if (tok->is_special(id)) return true;  // end markers are not text
+    if (tok->is_special(id)) {  // end markers are not text
+      steps.token(id, "");
+      return true;
+    }
     std::string s = dec.push(id);
     std::fwrite(s.data(), 1, s.size(), stdout);
     std::fflush(stdout);
+    steps.token(id, s);
     return true;
   };
+  PrefillProgress progress(progress_after);
+  opt.on_prefill_chunk = [&](int64_t done, int64_t total) {
+    progress.update(done, total);
+    return true;
+  };
+  progress.start();
+  steps.start();
   const GenerateStats st = generate(model, pt, prompt, opt, emit, state.get());
   std::string rest = dec.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
   std::fputc('\n', stdout);
-  if (stats && session) {
+  if (stats && session && sparse_method) {
     const sparse::SessionTotals& t = session->totals();
     std::fprintf(stderr, "[spade] %s: %lld decode steps, mean density %.4f (sparse layers %.4f), "
                  "tokens/head %.1f",
@@ -327,14 +438,14 @@ int run(int argc, char** argv) {
   if (stats)
     if (const std::string r = model.stats_text(); !r.empty()) std::fprintf(stderr, "[spade] %s\n", r.c_str());
   if (stats) {
+    // The summary: one line (prefill and decode rates, stop reason), the method's means above.
     std::fprintf(stderr,
-                 "[spade] model load %.2f s | prompt %lld tokens, %.1f tok/s | generated %lld "
-                 "tokens, %.1f tok/s | threads %d\n",
-                 load_s, (long long)st.prompt_tokens,
+                 "[spade] stop %s | prompt %lld tokens, %.1f tok/s prefill | generated %lld "
+                 "tokens, %.1f tok/s decode | model load %.2f s | threads %d\n",
+                 stop_reason_name(st.stop_reason), (long long)st.prompt_tokens,
                  st.prompt_tokens / std::max(1e-9, st.prefill_seconds),
                  (long long)st.generated_tokens,
-                 st.generated_tokens /
-                     std::max(1e-9, st.decode_seconds - (session ? session->totals().measure_seconds : 0.0)),
+                 decode_rate(st, session ? session->totals().measure_seconds : 0.0), load_s,
                  ThreadPool::global().size());
     if (scfg.measure_recall && session)
       std::fprintf(stderr, "[spade] decode speed excludes %.2f s of recall measurement\n",
@@ -344,7 +455,7 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, "[spade] cache corrections: %lld (every %lld decoded tokens)\n",
                    (long long)st.corrections, (long long)opt.correction_every);
   }
-  if (st.generated_tokens < n && !st.stopped_by_stop_id)
+  if (st.stop_reason == StopReason::kContext)
     std::fprintf(stderr, "[spade] stopped at the context of %lld tokens (--ctx-size)\n", (long long)ctx);
   return 0;
 }

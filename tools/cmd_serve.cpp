@@ -30,6 +30,8 @@ const char* kHelp = R"(usage: spade serve --model PATH [options]
 
 OpenAI-compatible HTTP server: POST /v1/completions, /v1/chat/completions (stream or not),
 GET /v1/models, /health, /metrics (Prometheus), POST /tokenize, /detokenize.
+Sampling follows the OpenAI API: a request without "temperature" samples at 1.0 (send
+"temperature": 0 for greedy decoding, the default of the other spade commands).
 
   --model PATH            GGUF file or Hugging Face model directory
   --tokenizer PATH        tokenizer file or directory (default: the model's)

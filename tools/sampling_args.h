@@ -9,7 +9,14 @@
 
 namespace spade::cli {
 
-inline SamplingParams sampling_from_args(const Args& a, double default_temperature) {
+// The one default temperature of every command-line front end (generate, chat; eval and
+// needle decode greedily): 0, greedy decoding, so that two runs without --temperature give the
+// same text and outputs compare across methods and devices. Sampling is opt-in
+// (--temperature 0.7 --top-p 0.9 --seed S). `spade serve` follows the OpenAI API instead: a
+// request without "temperature" samples at 1.0 (docs/cli.md).
+inline constexpr double kDefaultTemperature = 0;
+
+inline SamplingParams sampling_from_args(const Args& a, double default_temperature = kDefaultTemperature) {
   SamplingParams s;
   s.temperature = float(a.number("--temperature", default_temperature));
   s.top_k = int(a.integer("--top-k", 0));
