@@ -4,15 +4,25 @@
 // with exactly those tokens (the usual case), only the new suffix is prefilled; otherwise
 // (a template that rewrites earlier turns, e.g. one that drops old thinking blocks) the
 // conversation is prefilled again from scratch. Both give the same tokens.
-#include <cstdio>
+// Ctrl-C while an answer is prefilled or generated stops that answer, not the program: a
+// SIGINT handler, installed only for the generation, sets a flag that the per-token and
+// per-prefill-chunk callbacks check. At the prompt SIGINT has its default action again, so a
+// second Ctrl-C there ends the program (as does end of input).
+#include <signal.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
 #include <iostream>
 #include <string>
 
 #include "args.h"
 #include "command.h"
+#include "progress.h"
 #include "sampling_args.h"
 #include "sparse_args.h"
+#include "tokenizer_args.h"
 #include "core/thread_pool.h"
 #include "engine/generator.h"
 #include "engine/runner.h"
@@ -30,23 +40,65 @@ Reads one user message per line from stdin and streams each answer to stdout, us
 model's own chat template (tokenizer_config.json / chat_template.jinja, or the GGUF's).
 An empty line or end of input ends the chat; the line /reset starts a new conversation.
 Prompts ("> ") and statistics go to stderr, so stdout holds only the answers.
+Ctrl-C stops the answer being written (it stays in the conversation as far as it got; during
+the prompt's prefill the message is dropped) and returns to the prompt; Ctrl-C at the prompt
+exits.
 
-  --model PATH          GGUF file or Hugging Face model directory
+  -m, --model PATH      GGUF file or Hugging Face model directory
+  --tokenizer PATH      tokenizer (and chat template) instead of the model's own, as in generate
   --system TEXT         system message
   --thinking on|off     sets the template's enable_thinking (Qwen3); default: the template's
   -n, --max-tokens N    tokens per answer at most (default 512)
   -c, --ctx-size N      longest conversation in tokens (default: the model's context)
-  --temperature T       0 = greedy (default 0.7)
+  --temperature, --temp T   0 = greedy (default %TEMP%, as in every spade command; at most 100)
   --top-k K  --top-p P  --min-p P  --repeat-penalty R  --seed S
-  --threads N           CPU threads (default: all cores)
+  --ignore-eos          keep generating after end-of-sequence tokens (for testing)
+  -t, --threads N       CPU threads (default: all cores)
   --device cpu|cuda     where the model runs (default cpu; cuda: CUDA builds)
   --sparse NAME[:k=v,..] sparse attention method for the answers' decode steps (default full;
                         `spade generate --help` lists them); --budget N, --sparse-opt k=v,...
                         and --sparse-config FILE as in generate
   --deterministic       with --device cuda: bit-identical reruns
   --no-cache-reuse      prefill the whole conversation every turn (for testing)
-  --stats               per-turn token counts and speeds to stderr
+  --stats               per turn on stderr: conversation and prefilled tokens, prefill tok/s,
+                        generated tokens, decode tok/s, stop reason (eos, max-tokens, context,
+                        interrupted)
+  --progress-after S    prefill progress line with ETA on stderr when a turn's prefill runs
+                        over S seconds (default 2; -1: never), as in generate
 )";
+
+std::string help_text() {
+  std::string h = kHelp;
+  char t[32];
+  std::snprintf(t, sizeof t, "%g", kDefaultTemperature);
+  h.replace(h.find("%TEMP%"), 6, t);
+  return h;
+}
+
+// Ctrl-C during an answer: the handler only sets the flag (lock-free atomic: async-signal-safe).
+std::atomic<bool> g_interrupted{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+extern "C" void on_sigint(int) { g_interrupted.store(true); }
+
+// SIGINT sets g_interrupted while this lives; the previous action (the default: exit) comes
+// back when it ends.
+class InterruptScope {
+ public:
+  InterruptScope() {
+    g_interrupted.store(false);
+    struct sigaction sa {};
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_);
+  }
+  ~InterruptScope() { sigaction(SIGINT, &old_, nullptr); }
+  InterruptScope(const InterruptScope&) = delete;
+  InterruptScope& operator=(const InterruptScope&) = delete;
+  static bool interrupted() { return g_interrupted.load(); }
+
+ private:
+  struct sigaction old_ {};
+};
 
 struct Conversation {
   std::vector<ChatMessage> messages;
@@ -58,15 +110,18 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--system", "--thinking", "-n", "--max-tokens", "--temperature", "--top-k",
           "--top-p", "--min-p", "--repeat-penalty", "--seed", "--threads", "--device", "--sparse",
-          "--budget", "--sparse-opt", "--sparse-config", "--ctx-size"},
-         {"--help", "--no-cache-reuse", "--stats", "--deterministic"});
+          "--budget", "--sparse-opt", "--sparse-config", "--ctx-size", "--tokenizer",
+          "--progress-after"},
+         {"--help", "--no-cache-reuse", "--stats", "--deterministic", "--ignore-eos"});
   if (a.has("--help")) {
-    std::fputs(kHelp, stdout);
+    std::fputs(help_text().c_str(), stdout);
     return 0;
   }
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   a.no_positionals();
-  (void)sampling_from_args(a, 0.7);  // flags checked before the model loads
+  (void)sampling_from_args(a);  // flags checked before the model loads
+  const double progress_after = a.number("--progress-after", 2);
+  SPADE_CHECK(!std::isnan(progress_after), "--progress-after expects a number of seconds");
   const sparse::SparseConfig scfg = sparse_from_args(a, argc, argv);
   const std::string device = a.str("--device", "cpu");
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '", device, "'");
@@ -78,9 +133,11 @@ int run(int argc, char** argv) {
   }
   if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
   auto weights = load_model(a.str("--model"));
-  auto tok = Tokenizer::load(a.str("--model"));
+  auto tok = tokenizer_from_args(a);
   const ChatTemplate* tmpl = tok->chat_template();
-  SPADE_CHECK(tmpl, "the model '", a.str("--model"), "' has no chat template; use spade generate");
+  SPADE_CHECK(tmpl, a.has("--tokenizer") ? "the tokenizer '" + a.str("--tokenizer") + "'"
+                                         : "the model '" + a.str("--model") + "'",
+              " has no chat template; use spade generate");
   const ModelConfig& cfg = weights->config;
   // One runner whatever the device (engine/runner.h), with room for the whole context.
   RunnerOptions ro;
@@ -101,8 +158,8 @@ int run(int argc, char** argv) {
   GenerateOptions opt;
   opt.max_new_tokens = a.has("-n") ? a.integer("-n", 512) : a.integer("--max-tokens", 512);
   SPADE_CHECK(opt.max_new_tokens > 0, "--max-tokens must be positive");
-  opt.sampling = sampling_from_args(a, 0.7);
-  opt.stop_ids = tok->eos_ids();
+  opt.sampling = sampling_from_args(a);
+  if (!a.has("--ignore-eos")) opt.stop_ids = tok->eos_ids();
   opt.prefill_chunk = runner.max_step_tokens;
   opt.correction_every = method->correction_every();
   opt.max_context = ctx;
@@ -131,6 +188,7 @@ int run(int argc, char** argv) {
     if (state && state->wants_token_text()) state->append_token_text(tok->token_bytes(id));
   };
   reset();
+  PrefillProgress progress(progress_after);
   std::string line;
   while (std::fputs("> ", stderr), std::getline(std::cin, line) && !line.empty()) {
     if (line == "/reset") {
@@ -139,6 +197,7 @@ int run(int argc, char** argv) {
     }
     conv.messages.push_back({"user", line});
     const std::vector<int32_t> ids = tok->encode(tmpl->render(conv.messages, true, extra), false, true);
+    check_token_ids(ids, cfg.vocab, a);
     if (int64_t(ids.size()) >= ctx) {
       // Nothing is cut silently: say so and let the user start over.
       std::fprintf(stderr,
@@ -168,15 +227,38 @@ int run(int argc, char** argv) {
     std::string answer;
     std::vector<int32_t> generated;
     for (int32_t id : suffix) append_text(id);
-    const GenerateStats st = generate(model, conv.pt, suffix, turn, [&](int32_t id) {
-      append_text(id);
-      generated.push_back(id);
-      const std::string s = dec.push(id);
-      answer += s;
-      std::fwrite(s.data(), 1, s.size(), stdout);
-      std::fflush(stdout);
-      return true;
-    }, state.get());
+    progress.start();
+    GenerateStats st;
+    {
+      InterruptScope ctrl_c;  // Ctrl-C stops this answer only
+      turn.on_prefill_chunk = [&](int64_t done, int64_t total) {
+        progress.update(done, total);
+        return !InterruptScope::interrupted();
+      };
+      st = generate(model, conv.pt, suffix, turn, [&](int32_t id) {
+        append_text(id);
+        generated.push_back(id);
+        const std::string s = dec.push(id);
+        answer += s;
+        std::fwrite(s.data(), 1, s.size(), stdout);
+        std::fflush(stdout);
+        return !InterruptScope::interrupted();
+      }, state.get());
+    }
+    if (st.stop_reason == StopReason::kInterrupted && generated.empty()) {
+      // Stopped in the prefill: the cache holds part of the message. Drop the message and
+      // start the cache (and the method's state) afresh; the next turn prefills it all.
+      std::fprintf(stderr, "\n[spade] interrupted during the prefill; the message is dropped\n");
+      model.release(conv.pt);
+      conv.seen.clear();
+      conv.messages.pop_back();
+      if (session || state) {
+        const std::vector<ChatMessage> msgs = conv.messages;
+        reset();
+        conv.messages = msgs;
+      }
+      continue;
+    }
     const std::string rest = dec.flush();
     answer += rest;
     std::fwrite(rest.data(), 1, rest.size(), stdout);
@@ -186,16 +268,21 @@ int run(int argc, char** argv) {
     if (!generated.empty()) conv.seen.insert(conv.seen.end(), generated.begin(), generated.end() - 1);
     SPADE_CHECK(int64_t(conv.seen.size()) == conv.pt.length, "chat: cache bookkeeping is off (",
                 conv.seen.size(), " vs ", conv.pt.length, ")");
-    if (!st.stopped_by_stop_id)
-      std::fprintf(stderr, "[spade] the answer reached the %lld-token limit (-n)\n",
-                   (long long)turn.max_new_tokens);
+    if (st.stop_reason == StopReason::kInterrupted)
+      std::fprintf(stderr, "[spade] interrupted (Ctrl-C at the prompt exits)\n");
+    else if (st.stop_reason != StopReason::kStopToken)
+      std::fprintf(stderr, "[spade] the answer reached the %lld-token limit (%s)\n",
+                   (long long)turn.max_new_tokens,
+                   turn.max_new_tokens < opt.max_new_tokens ? "-c" : "-n");
     if (a.has("--stats"))
       std::fprintf(stderr,
-                   "[spade] turn: %zu conversation tokens, %zu prefilled (%.1f tok/s), %lld "
-                   "generated (%.1f tok/s)\n",
+                   "[spade] turn: %zu conversation tokens, %zu prefilled (%.1f tok/s prefill), %lld "
+                   "generated (%.1f tok/s decode) | stop %s\n",
                    ids.size(), suffix.size(), double(suffix.size()) / std::max(1e-9, st.prefill_seconds),
                    (long long)st.generated_tokens,
-                   double(st.generated_tokens) / std::max(1e-9, st.decode_seconds));
+                   double(std::max<int64_t>(0, st.generated_tokens - 1)) /
+                       std::max(1e-9, st.decode_seconds),
+                   stop_reason_name(st.stop_reason));
     conv.messages.push_back({"assistant", answer});
   }
   model.release(conv.pt);
