@@ -13,7 +13,8 @@
 #            B: bash bench/run_gpu_serve.sh stage   carry .stage/model.part00
 #            C: bash bench/run_gpu_serve.sh stage   carry .stage/model.part01
 #            D: bash bench/run_gpu_serve.sh run     carry .stage/model.part02
-#            (E: bash bench/run_gpu_serve.sh peer: llama-server's runs alone, when D ran out of time)
+#            (E: bash bench/run_gpu_serve.sh peer: llama-server's runs alone, when D ran out of time;
+#             serve: the served loads of spade and llama-server without D's tests and engine steps)
 # Results: $OUT/serve_*.json, $OUT/engine_steps.json, $OUT/summary.txt (the table printed last).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -26,6 +27,8 @@ CUDA_LIB=$CUDA_HOME/lib64; [ -d $CUDA_HOME/targets/x86_64-linux/lib ] && CUDA_LI
 export LD_LIBRARY_PATH=$ROOT/.deps-cuda/lib:$CUDA_LIB:${LD_LIBRARY_PATH:-}
 for p in .stage/model.part0*; do [ -f "$p" ] && cp "$p" /root/stage/; done
 phase=${1:-run}
+# The mixed load: requests spread evenly over nine methods.
+MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
 
 if [ "$phase" = build ]; then
   t0=$(date +%s)
@@ -126,6 +129,8 @@ long_runs() {
 }
 wait_up() { for i in $(seq 1 240); do curl -sf "$1/health" >/dev/null 2>&1 && return 0; sleep 0.5; done; return 1; }
 
+if [ "$phase" = run ] || [ "$phase" = serve ]; then
+# serve: sections 4 and 5 only (the served loads and llama-server), e.g. to re-measure them.
 if [ "$phase" = run ]; then
 # 1. GPU tests that need the model file.
 SPADE_MODEL=$M timeout 200 ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:-CudaSmolLM2*:CudaMixedMethods*:CudaModel.SmolLM2*:CudaScheduler*}" 2>&1 \
@@ -134,7 +139,6 @@ SPADE_MODEL=$M timeout 200 ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:-
 timeout 180 ./$B/bench_tpot_batch "$OUT/engine_steps.json" --model smollm2-135m \
   --lengths "${ENGINE_LENGTHS:-320:1,320:64,320:256,3600:64}" --methods full --steps 200 --warm 10 --commit "$COMMIT" 2>&1 | tail -6
 # The nine methods of the mixed load, each alone and all in one batch, at the mixed load's shape.
-MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
 timeout 150 ./$B/bench_tpot_batch "$OUT/engine_steps_mixed.json" --model smollm2-135m --lengths 320:63 \
   --methods "$MIX;${MIX//;/|}" --steps 200 --warm 10 --commit "$COMMIT" 2>&1 | tail -12
 # Synthetic 8B at 32K, 16 requests: full, quest, and the two mixed per request in one batch.
@@ -143,6 +147,7 @@ timeout 240 ./$B/bench_tpot_batch "$OUT/engine_steps_8b_mixed.json" --model llam
 # 3. Single stream, CLI.
 ./$B/spade generate --model $M --device cuda --prompt "Once upon a time" -n 256 --ignore-eos --stats \
   >/dev/null 2>"$OUT/generate_stats.txt"; grep -iE "decode|tok/s" "$OUT/generate_stats.txt" | head -3
+fi  # run only
 
 
 # 4. spade serve --device cuda.
@@ -172,7 +177,6 @@ fi  # run
 # Each method of the mixed load served alone, then the mixed load, short and long prompts, with
 # the engine's counters (graph replays, captures, eager steps) after each load.
 if [ "$phase" = methods ]; then
-  MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
   ./$B/spade serve --model $M --device cuda --port 18080 --max-batch 256 --max-queue 2048 --max-step-tokens 2048 \
     >"$OUT/spade_serve.log" 2>&1 &
   SP=$!
@@ -202,7 +206,6 @@ fi
 
 # The per-request-method part of run alone (tests that need the model, served loads).
 if [ "$phase" = mixed ]; then
-  MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
   SPADE_MODEL=$M timeout 120 ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:-CudaMixedMethods*}" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED)|FAILED|tests ran|mixed-methods|Failure|exception" | tail -30
   # The steady-state step of the nine methods in one batch vs full (no server, no recaptures).
@@ -254,5 +257,6 @@ fi
 echo "== $DEV, commit $COMMIT"
 cat "$S"
 # At most 8 files come back: everything but the summary in one archive.
-(cd "$OUT" && tar czf results.tar.gz --exclude=summary.txt --exclude=results.tar.gz . 2>/dev/null && \
+# (written outside $OUT first: tar of a folder that holds its own archive fails on it)
+(cd "$OUT" && tar czf /tmp/results.tar.gz --exclude=summary.txt . && mv /tmp/results.tar.gz . && \
   find . -type f ! -name summary.txt ! -name results.tar.gz -delete)

@@ -10,6 +10,7 @@ each with the two numbers it divides, so a reader can check them against the inp
   vs_llama_cN          served tok/s / llama-server's tok/s under the same load
   c1_tpot_vs_generate  served TPOT p50 at one client / `spade generate` median decode step
   mixed_vs_full        the nine-method load's tok/s / the all-full load's tok/s
+  mixed_vs_full_short / _long  the same from the methods phase (short / ~3.5K-token prompts)
 """
 import argparse
 import datetime
@@ -119,6 +120,13 @@ def main():
     mix, full = tput(res["serve"], "spade_c63_mixed"), tput(res["serve"], "spade_c63_full")
     if mix and full:
         bars["mixed_vs_full"] = {"mixed_tok_s": mix, "full_tok_s": full, "ratio": mix / full, "bar": 0.8}
+    # The methods phase: the mixed load and the all-full one on the same server, short and long
+    # prompts.
+    for key, m, f in (("mixed_vs_full_short", "mixed_short", "alone_full"),
+                      ("mixed_vs_full_long", "long_mixed", "long_full")):
+        mix, full = tput(res["serve"], m), tput(res["serve"], f)
+        if mix and full:
+            bars[key] = {"mixed_tok_s": mix, "full_tok_s": full, "ratio": mix / full, "bar": 0.8}
     if "mixed_check" in res:
         mc = res["mixed_check"]
         bars["mixed_deterministic_equal"] = {"equal": mc.get("equal"), "requests": mc.get("requests"),
