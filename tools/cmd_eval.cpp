@@ -26,6 +26,7 @@
 #include "args.h"
 #include "command.h"
 #include "core/thread_pool.h"
+#include "core/tuning.h"
 #include "eval/decode.h"
 #include "eval/methods.h"
 #include "eval/progress.h"
@@ -226,9 +227,7 @@ Setup setup(const Args& a, const std::string& kind) {
     s.meta["gpu"] = gpu_summary();
     s.meta["placement"] = placement_line(s.runs, s.place);
     // Whether the GPU decode was bit-reproducible (the flag, or the env var the workspace reads).
-    const char* env = std::getenv("SPADE_DETERMINISTIC");
-    s.meta["deterministic_decode"] =
-        s.ro.deterministic || (env && *env && std::string(env) != "0");
+    s.meta["deterministic_decode"] = s.ro.deterministic || tuning().deterministic;
   }
   std::fprintf(stderr, "[eval %s] device %s: %s\n", kind.c_str(), device_name(s.device),
                placement_line(s.runs, s.place).c_str());

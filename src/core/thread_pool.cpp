@@ -1,4 +1,5 @@
 #include "core/thread_pool.h"
+#include "core/tuning.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -87,15 +88,7 @@ void ThreadPool::set_global_threads(int64_t n) {
 ThreadPool& ThreadPool::global() {
   static std::unique_ptr<ThreadPool> pool = [] {
     int n = g_requested_threads;
-    if (n <= 0) {
-      if (const char* s = std::getenv("SPADE_THREADS")) {
-        char* end = nullptr;
-        const long long v = std::strtoll(s, &end, 10);
-        SPADE_CHECK(*s && end && *end == '\0' && v >= 1 && v <= kMaxThreads,
-                    "SPADE_THREADS must be an integer in [1, ", kMaxThreads, "], got '", s, "'");
-        n = int(v);
-      }
-    }
+    if (n <= 0 && tuning().threads > 0) n = tuning().threads;
     return std::make_unique<ThreadPool>(n);
   }();
   return *pool;

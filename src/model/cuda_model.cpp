@@ -10,6 +10,7 @@
 // that sum over the measured HBM bandwidth is the floor the TPOT benchmark compares with.
 #if defined(SPADE_HAVE_CUDA)
 #include "model/cuda_model.h"
+#include "core/tuning.h"
 
 #include <algorithm>
 #include <chrono>
@@ -35,8 +36,7 @@ using cuda::bf16;
 
 namespace {
 int fused_gemv_mask(const CudaModelOptions& opt) {
-  const char* e = std::getenv("SPADE_FUSED_GEMV");
-  return e && *e ? std::atoi(e) : opt.fused_gemv;
+  return tuning().fused_gemv >= 0 ? tuning().fused_gemv : opt.fused_gemv;
 }
 }  // namespace
 

@@ -31,6 +31,7 @@
 #include <string>
 
 #include "backend/cuda/attention.h"
+#include "core/tuning.h"
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/pdl.cuh"
 
@@ -469,10 +470,11 @@ int decode_occupancy() {
 }
 
 int env_decode_kernel() {
-  const char* e = std::getenv("SPADE_ATTN_DECODE");
-  if (!e || !*e) return 1;
-  const int v = std::atoi(e);
-  return v >= 0 && v < 2 + decode_v3_count() ? v : 1;
+  const int v = tuning().attn_decode;
+  if (v < 0) return 1;
+  SPADE_CHECK(v < 2 + decode_v3_count(), "SPADE_ATTN_DECODE must be in [0, ", 1 + decode_v3_count(),
+              "], got ", v);
+  return v;
 }
 
 }  // namespace
@@ -565,10 +567,8 @@ AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim
   }
   variant_occupancy(0);  // sets the v2 decode kernel's shared-memory limit
   set_decode_kernel(env_decode_kernel());
-  if (const char* e = std::getenv("SPADE_DETERMINISTIC"); e && *e && std::string(e) != "0")
-    deterministic_ = true;
-  if (const char* e = std::getenv("SPADE_ATTN_PREFILL"); e && *e)
-    set_prefill_kernel(std::max(0, std::min(2, std::atoi(e))));
+  if (tuning().deterministic) deterministic_ = true;
+  if (tuning().attn_prefill >= 0) set_prefill_kernel(tuning().attn_prefill);
   if (D == 64) {
     set_smem(prefill_v2_kernel<64>, PrefillCfg<64>::kSmemTotal);
     set_smem(prefill_v2_skip_kernel<64>, PrefillCfg<64>::kSmemTotal);

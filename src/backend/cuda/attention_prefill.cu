@@ -58,6 +58,7 @@
 #include <cstdlib>
 
 #include "backend/cuda/attention_common.cuh"
+#include "core/tuning.h"
 #include "backend/cuda/wgmma_sm90.cuh"
 
 namespace spade::cuda::attn_detail {
@@ -741,11 +742,7 @@ void launch_pf(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* 
 
 // K and V tiles by TMA when tensor maps are given (SPADE_PREFILL_TMA=0: cp.async, for A/B runs).
 bool prefill_tma() {
-  static const bool on = [] {
-    const char* e = std::getenv("SPADE_PREFILL_TMA");
-    return !(e && *e && std::atoi(e) == 0);
-  }();
-  return on;
+  return tuning().prefill_tma;
 }
 
 }  // namespace

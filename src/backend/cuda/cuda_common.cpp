@@ -1,4 +1,5 @@
 #include "backend/cuda/cuda_common.h"
+#include "core/tuning.h"
 
 #include <cstdlib>
 
@@ -69,8 +70,7 @@ void* DeviceArena::alloc(size_t bytes, const char* what) {
 
 bool pdl_enabled() {
   static const bool on = [] {
-    const char* e = std::getenv("SPADE_PDL");
-    if (e && std::string(e) == "0") return false;
+    if (!tuning().pdl) return false;
     int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return false;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;

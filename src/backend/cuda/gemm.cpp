@@ -1,4 +1,5 @@
 #include "backend/cuda/gemm.h"
+#include "core/tuning.h"
 
 #include <algorithm>
 
@@ -9,7 +10,7 @@ namespace spade::cuda {
 Gemm::Gemm(DeviceArena& arena, size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   SPADE_CUBLAS(cublasLtCreate(&handle_));
   workspace_ = arena.alloc(workspace_bytes, "cuBLASLt workspace");
-  if (const char* e = std::getenv("SPADE_GEMV"); e && *e) set_small_m(std::atoi(e));
+  if (tuning().gemv_max_m >= 0) set_small_m(tuning().gemv_max_m);
 }
 
 Gemm::~Gemm() {

@@ -29,6 +29,7 @@
 #include <string>
 
 #include "backend/cuda/gemm.h"
+#include "core/tuning.h"
 #include "backend/cuda/load_stream.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/qkv_post_pair.cuh"
@@ -216,11 +217,7 @@ bool gemv_supported(const bf16* x, const bf16* W, int M, int K) {
 }
 
 bool gemv_rotate() {
-  static const bool on = [] {
-    const char* e = std::getenv("SPADE_GEMV_ROTATE");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
+  return tuning().gemv_rotate;
 }
 
 void gemv_f32(const bf16* x, const bf16* W, float* y, int M, int N, int K, float beta,

@@ -13,6 +13,7 @@
 #include <cstdlib>
 
 #include "backend/cuda/pdl.cuh"
+#include "core/tuning.h"
 #include "backend/cuda/twilight.h"
 #include "backend/cuda/twilight_estimate.cuh"
 
@@ -57,10 +58,10 @@ void TwilightPruner::estimate(const TwilightStep& st, cudaStream_t s) {
   // batch 1 (all_tiles / warps ~ 2) takes fewer, longer warps (docs/cuda_twilight.md).
   // SPADE_TWL_EST_TPW overrides it (A/B runs).
   const int64_t all_tiles = int64_t(tiles) * st.B * Hkv_;
-  static const int min_tpw = [] {
-    const char* e = std::getenv("SPADE_TWL_EST_TPW");
-    return e ? std::clamp(std::atoi(e), twl::kEstTilesPerWarp, twl::kEstMaxWarpTiles / 2) : kEstMinWarpTiles;
-  }();
+  static const int min_tpw =
+      tuning().twilight_est_tiles > 0
+          ? std::clamp(tuning().twilight_est_tiles, twl::kEstTilesPerWarp, twl::kEstMaxWarpTiles / 2)
+          : kEstMinWarpTiles;
   const int tpw = int(std::clamp<int64_t>(all_tiles / (int64_t(n_sms_) * kEstWarpsPerSm), min_tpw,
                                           twl::kEstMaxWarpTiles / 2));
   dim3 grid(unsigned(std::max(1, (tiles + kEstWarps * tpw - 1) / (kEstWarps * tpw))),
