@@ -617,6 +617,56 @@ TEST(BlasstSession, SparseSessionRunsTheHooksLikeTheProbeSession) {
   EXPECT_GT(diff, 1e-4);  // the skipping changed the computation
 }
 
+// Density and recall count the rows BLASST's attention read: a skipped tile's rows get no
+// weight, so they are not attended (issue 37, item 5: density read 1.0 while tiles skipped).
+// Per (layer, KV head) of every step, L - attended is the rows of the skipped tiles: between
+// 8 * skipped - 7 (the last tile may be partial) and 8 * skipped; recall is the full
+// attention's mass on the kept rows (1 with lambda = 0). ProbeSession counts the same rows.
+TEST(BlasstSession, DensityAndRecallCountOnlyTheKeptTiles) {
+  TinyModel t;
+  auto m = make("blasst:lambda=0.9,tile=8,prefill_tile=8,q_block=16", t.cfg);
+  ModelRunner r(t.w, 128), r2(t.w, 128);
+  SessionOptions so;
+  so.measure_recall = true;
+  SparseSession s(m, t.cfg, r.kv(), so);
+  ProbeSession p(m, t.cfg, r2.kv(), true);
+  r.prefill(t.tokens.data(), 80, &s.attention(), 48);
+  r2.prefill(t.tokens.data(), 80, &p.attention(), 48);
+  const int Hkv = t.cfg.n_kv_heads;
+  int64_t skipped_tiles = 0;
+  double attended_sum = 0;
+  for (int i = 0; i < 6; ++i) {
+    r.step(t.tokens[size_t(80 + i)], &s.attention());
+    r2.step(t.tokens[size_t(80 + i)], &p.attention());
+    const StepStats& st = s.last_step();
+    auto* bs = dynamic_cast<const BlasstState*>(s.state());
+    ASSERT_TRUE(bs);
+    for (int l = 0; l < t.cfg.n_layers; ++l)
+      for (int h = 0; h < Hkv; ++h) {
+        const cpu::TileCounts& tc = bs->stats.step[size_t(l * Hkv + h)];
+        const int64_t dropped = st.length - st.attended[size_t(l * Hkv + h)];
+        EXPECT_LE(dropped, 8 * tc.skipped) << "layer " << l << " head " << h;
+        EXPECT_GE(dropped, 8 * tc.skipped - 7) << "layer " << l << " head " << h;
+        EXPECT_GE(st.attended[size_t(l * Hkv + h)], 1);
+        skipped_tiles += tc.skipped;
+        attended_sum += double(st.attended[size_t(l * Hkv + h)]);
+      }
+    EXPECT_LE(st.mean_recall(), 1.0 + 1e-6);
+    EXPECT_GT(st.min_recall(), 0.0);
+  }
+  ASSERT_GT(skipped_tiles, 0);
+  EXPECT_LT(s.totals().mean_density(), 1.0);
+  EXPECT_LT(s.totals().mean_recall(), 1.0);
+  EXPECT_NEAR(p.mean_attended(), attended_sum / double(6 * t.cfg.n_layers * Hkv), 1e-9);
+  // lambda = 0 skips nothing: density and recall 1.
+  ModelRunner r3(t.w, 128);
+  SparseSession s0(make("blasst:lambda=0,tile=8,prefill_tile=8,q_block=16", t.cfg), t.cfg, r3.kv(), so);
+  r3.prefill(t.tokens.data(), 80, &s0.attention(), 48);
+  for (int i = 0; i < 3; ++i) r3.step(t.tokens[size_t(80 + i)], &s0.attention());
+  EXPECT_EQ(s0.totals().mean_density(), 1.0);
+  EXPECT_NEAR(s0.totals().mean_recall(), 1.0, 1e-5);
+}
+
 TEST(BlasstSession, AttendingWithoutTheHookThrows) {
   IntCache c(64, 12);
   ModelConfig cfg = test::tiny_config();

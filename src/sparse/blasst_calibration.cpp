@@ -160,6 +160,7 @@ void ProbeSession::attend(int layer, const PageTable& pt, const float* q, int64_
   method_->select(ctx_, sel_);
   method_->prune(ctx_, sel_);
   validate(sel_, cfg_.n_kv_heads, p0 + 1);
+  const Selection* read = nullptr;
   if (ctx_.scores_requested()) {
     SPADE_CHECK(sel_.uniform(), method_->name(), ": scores need a uniform selection");
     float* s = SelectScratch::ensure(scores_, size_t(cfg_.n_heads) * size_t(sel_.count(0)));
@@ -167,20 +168,24 @@ void ProbeSession::attend(int layer, const PageTable& pt, const float* q, int64_
     method_->on_scores(ctx_, sel_, s);
   } else if (!method_->attend_decode(ctx_, sel_, out)) {
     cpu::attention_selected(kv_, layer, pt, q, cfg_.n_heads, ctx_.scale, sel_, out, scratch_);
+  } else {
+    read = method_->read_selection(ctx_);  // fewer rows than selected (BLASST's kept tiles)
   }
+  // Attended rows and recall over the rows the attention read (SparseSession's rule).
+  const Selection& used = read ? *read : sel_;
   const int Hkv = cfg_.n_kv_heads, G = ctx_.G;
-  for (int h = 0; h < Hkv; ++h) attended_sum_[size_t(layer * Hkv + h)] += double(sel_.count(h));
+  for (int h = 0; h < Hkv; ++h) attended_sum_[size_t(layer * Hkv + h)] += double(used.count(h));
   if (recall_) {
     double* rs = recall_sum_.data() + size_t(layer) * size_t(cfg_.n_heads);
     float* rm = recall_min_.data() + size_t(layer) * size_t(cfg_.n_heads);
-    if (sel_.dense()) {
+    if (used.dense()) {
       for (int g = 0; g < cfg_.n_heads; ++g) rs[g] += 1.0;
     } else {
       const float* w = ctx_.full_weights();
       const int64_t L = ctx_.L;
       for (int h = 0; h < Hkv; ++h) {
-        const int32_t* pos = sel_.head(h);
-        const int64_t n = sel_.count(h);
+        const int32_t* pos = used.head(h);
+        const int64_t n = used.count(h);
         for (int g = 0; g < G; ++g) {
           const float* wr = w + int64_t(h * G + g) * L;
           double s = 0;

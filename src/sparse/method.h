@@ -133,6 +133,13 @@ class SparseMethod {
                               float* out) const {
     return false;
   }
+  // After an attend_decode that returned true: the rows it actually attended when fewer than
+  // the selection's (BLASST: the rows of its kept tiles; a skipped tile's rows get no weight
+  // in the output), or nullptr. The session counts density and recall over them.
+  virtual const Selection* read_selection(StepContext& ctx) const {
+    (void)ctx;
+    return nullptr;
+  }
 };
 
 }  // namespace spade::sparse

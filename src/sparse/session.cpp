@@ -129,7 +129,10 @@ void SparseSession::attend(int layer, const PageTable& pt, const float* q, int64
     cpu::attention_selected(kv_, layer, pt, q, cfg_.n_heads, ctx_.scale, sel_, out, scratch_,
                             scores);
   if (scores) method_->on_scores(ctx_, sel_, scores);
-  record(layer, sel_);
+  // Density and recall count the rows the attention read: the selection's, or fewer where the
+  // method's own attention dropped some (BLASST's skipped tiles).
+  const Selection* read = scores ? nullptr : method_->read_selection(ctx_);
+  record(layer, read ? *read : sel_);
   if (on_select) on_select(layer, sel_);
   if (layer == cfg_.n_layers - 1) finish_step();
 }

@@ -114,11 +114,41 @@ bool BlasstMethod::attend_decode(StepContext& c, const Selection& sel, float* ou
   float* ll = SelectScratch::ensure(st.log_lambda, size_t(c.Hkv));
   for (int h = 0; h < c.Hkv; ++h) ll[h] = log_lambda(prm_.length_selected ? sel.count(h) : c.L);
   cpu::TileCounts* step = st.stats.step.data() + size_t(c.layer) * size_t(c.Hkv);
+  // The skip flags of every tile (the caller's trace too, when it has one).
+  std::vector<uint8_t>* flags = st.trace && st.trace->skipped ? st.trace->skipped : &st.skipped;
+  const size_t first = st.trace && st.trace->skipped ? flags->size() : 0;
+  if (flags == &st.skipped) st.skipped.clear();
+  cpu::BlasstTrace tr;
+  if (st.trace) tr = *st.trace;
+  tr.skipped = flags;
   cpu::attention_blasst_decode(*c.kv, c.layer, *c.pt, c.q, c.Hq, c.scale, sel, ll, prm_.tile,
-                               prm_.order, out, st.scratch, step, st.trace);
+                               prm_.order, out, st.scratch, step, &tr);
   for (int h = 0; h < c.Hkv; ++h) st.stats.decode[size_t(c.layer * c.Hkv + h)] += step[h];
+  // The rows of the kept tiles, head by head (tile j of head h: its selected rows
+  // [j * tile, (j + 1) * tile)).
+  st.kept.begin_per_head(c.Hkv, sel.length);
+  size_t f = first;
+  for (int h = 0; h < c.Hkv; ++h) {
+    const int64_t n = sel.count(h);
+    const int32_t* pos = sel.head(h);
+    for (int64_t t0 = 0; t0 < n; t0 += prm_.tile, ++f) {
+      SPADE_CHECK(f < flags->size(), "blasst: missing tile flags");
+      if ((*flags)[f]) continue;
+      for (int64_t i = t0; i < std::min(n, t0 + prm_.tile); ++i) st.kept.push(pos ? pos[i] : int32_t(i));
+    }
+    st.kept.close_head();
+  }
+  SPADE_CHECK(f == flags->size(), "blasst: tile flags do not match the selection");
+  st.kept_valid = true;
   st.pending_layer = -1;
   return true;
+}
+
+const Selection* BlasstMethod::read_selection(StepContext& c) const {
+  BlasstState& st = bl_state(c);
+  if (!st.kept_valid) return nullptr;
+  st.kept_valid = false;
+  return &st.kept;
 }
 
 bool BlasstMethod::attend_prefill(StepContext& c, const float* q, int64_t p0, int64_t T,

@@ -52,6 +52,11 @@ struct BlasstState : ComposedState {
   std::vector<float> log_lambda;  // [kv_head] of the current decode layer
   int pending_layer = -1;         // decode layer whose selection awaits attend_decode()
   int prefill_layer = -1;         // layer of the latest attend_prefill()
+  // The latest attend_decode: its tiles' skip flags (per KV head in tile order) and the rows of
+  // the kept tiles (read_selection()).
+  std::vector<uint8_t> skipped;
+  Selection kept;
+  bool kept_valid = false;
   const cpu::BlasstTrace* trace = nullptr;  // optional per-tile trace (calibration, tests)
 };
 
@@ -78,6 +83,8 @@ class BlasstMethod final : public ComposedMethod {
   bool attend_decode(StepContext& ctx, const Selection& sel, float* out) const override;
   bool attend_prefill(StepContext& ctx, const float* q, int64_t p0, int64_t T,
                       float* out) const override;
+  // The rows of the tiles the last attend_decode kept (density and recall count those).
+  const Selection* read_selection(StepContext& ctx) const override;
 
   // ln(lambda) for attention over `length` keys in decode / prefill (-inf for lambda = 0).
   float log_lambda(int64_t length, bool prefill = false) const;

@@ -105,6 +105,10 @@ bool ComposedMethod::attend_prefill(StepContext& ctx, const float* q, int64_t p0
   BaseScope s(ctx);
   return base_->attend_prefill(ctx, q, p0, T, out);
 }
+const Selection* ComposedMethod::read_selection(StepContext& ctx) const {
+  BaseScope s(ctx);
+  return base_->read_selection(ctx);
+}
 
 std::vector<std::string> split_stack(const std::string& spec) {
   std::vector<std::string> out;

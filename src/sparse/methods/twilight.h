@@ -76,6 +76,7 @@ class ComposedMethod : public SparseMethod {
   bool attend_decode(StepContext& ctx, const Selection& sel, float* out) const override;
   bool attend_prefill(StepContext& ctx, const float* q, int64_t p0, int64_t T,
                       float* out) const override;
+  const Selection* read_selection(StepContext& ctx) const override;
 
  protected:
   // Switches ctx.state to the base's state for the guard's lifetime.
