@@ -5,8 +5,23 @@
 #include <cstring>
 
 #include "backend/cpu/ops.h"
+#include "backend/cpu/qgemv.h"
 
 namespace spade {
+
+namespace {
+
+// y[M, N] = x[M, K] W^T (+ bias) with W as stored when the loader kept it so (`q`), else fp32.
+void linear(const float* x, const HostTensor& f, const cpu::QuantMatrix& q, const HostTensor& bias,
+            float* y, int64_t M, int64_t N, int64_t K) {
+  const float* b = bias.numel() ? bias.data() : nullptr;
+  if (q)
+    cpu::qmatmul(x, q, b, y, M);
+  else
+    cpu::matmul(x, f.data(), b, y, M, N, K);
+}
+
+}  // namespace
 
 CpuModel::CpuModel(const ModelWeights& w, KVPool& kv) : w_(w), kv_(kv) {
   const ModelConfig& c = w.config;
@@ -87,7 +102,15 @@ const std::vector<float>& CpuModel::forward(const std::vector<SeqInput>& batch,
   {
     int64_t r = 0;
     for (const SeqInput& s : batch) {
-      cpu::embedding(w_.tok_embeddings.data(), s.tokens, x + r * H, s.n_tokens, H, c.vocab);
+      if (w_.q_tok_embeddings) {
+        for (int64_t t = 0; t < s.n_tokens; ++t) {
+          SPADE_CHECK(s.tokens[t] >= 0 && s.tokens[t] < c.vocab, "token id ", s.tokens[t],
+                      " outside the vocabulary (", c.vocab, " tokens)");
+          cpu::dequantize_row(w_.q_tok_embeddings, s.tokens[t], x + (r + t) * H);
+        }
+      } else {
+        cpu::embedding(w_.tok_embeddings.data(), s.tokens, x + r * H, s.n_tokens, H, c.vocab);
+      }
       for (int64_t t = 0; t < s.n_tokens; ++t) pos[size_t(r + t)] = int32_t(s.pages->length + t);
       r += s.n_tokens;
     }
@@ -96,9 +119,9 @@ const std::vector<float>& CpuModel::forward(const std::vector<SeqInput>& batch,
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w_.layers[size_t(l)];
     cpu::rmsnorm(x, L.attn_norm.data(), eps, xn, T, H);
-    cpu::matmul(xn, L.wq.data(), L.bq.numel() ? L.bq.data() : nullptr, q, T, Hq * D, H);
-    cpu::matmul(xn, L.wk.data(), L.bk.numel() ? L.bk.data() : nullptr, k, T, Hkv * D, H);
-    cpu::matmul(xn, L.wv.data(), L.bv.numel() ? L.bv.data() : nullptr, v, T, Hkv * D, H);
+    linear(xn, L.wq, L.qwq, L.bq, q, T, Hq * D, H);
+    linear(xn, L.wk, L.qwk, L.bk, k, T, Hkv * D, H);
+    linear(xn, L.wv, L.qwv, L.bv, v, T, Hkv * D, H);
     if (c.qk_norm) {
       cpu::rmsnorm(q, L.q_norm.data(), eps, q, T * Hq, D);
       cpu::rmsnorm(k, L.k_norm.data(), eps, k, T * Hkv, D);
@@ -116,13 +139,13 @@ const std::vector<float>& CpuModel::forward(const std::vector<SeqInput>& batch,
         dense_attention(l, *s.pages, q + r * Hq * D, p0, s.n_tokens, att + r * Hq * D);
       r += s.n_tokens;
     }
-    cpu::matmul(att, L.wo.data(), nullptr, tmp, T, H, Hq * D);
+    linear(att, L.wo, L.qwo, {}, tmp, T, H, Hq * D);
     cpu::add_inplace(x, tmp, T * H);
     cpu::rmsnorm(x, L.ffn_norm.data(), eps, xn, T, H);
-    cpu::matmul(xn, L.w_gate.data(), nullptr, gate, T, c.ffn, H);
-    cpu::matmul(xn, L.w_up.data(), nullptr, up, T, c.ffn, H);
+    linear(xn, L.w_gate, L.qw_gate, {}, gate, T, c.ffn, H);
+    linear(xn, L.w_up, L.qw_up, {}, up, T, c.ffn, H);
     cpu::swiglu(gate, up, gate, T * c.ffn);
-    cpu::matmul(gate, L.w_down.data(), nullptr, tmp, T, H, c.ffn);
+    linear(gate, L.w_down, L.qw_down, {}, tmp, T, H, c.ffn);
     cpu::add_inplace(x, tmp, T * H);
   }
   // Final norm and LM head only for the rows whose logits are wanted.
@@ -143,7 +166,10 @@ const std::vector<float>& CpuModel::forward(const std::vector<SeqInput>& batch,
     s.pages->length += s.n_tokens;
   }
   cpu::rmsnorm(last, w_.final_norm.data(), eps, last, lr, H);
-  cpu::matmul(last, w_.output_weight().data(), nullptr, logits_.data(), lr, c.vocab, H);
+  // The LM head: lm_head when the model has one, else the (tied) embedding table.
+  const bool untied = w_.lm_head.numel() || w_.q_lm_head;
+  linear(last, untied ? w_.lm_head : w_.tok_embeddings,
+         untied ? w_.q_lm_head : w_.q_tok_embeddings, {}, logits_.data(), lr, c.vocab, H);
   return logits_;
 }
 
