@@ -4,6 +4,7 @@
 //   ppl     perplexity of real text scored in decode mode after a dense prefix
 //   agree   generation with a method vs full attention: first divergence, per-step KL
 //   recall  attention recall and density per layer / head during teacher-forced decoding
+//   longgen a short prompt and thousands of generated tokens against full attention
 //   report  regenerate the Markdown report from a JSON file
 // Every sweep crosses methods x budgets x lengths x samples. --device cpu: each prompt is
 // prefilled once (dense) and every method decodes from a fork of its KV cache
@@ -28,6 +29,7 @@
 #include "core/thread_pool.h"
 #include "core/tuning.h"
 #include "eval/decode.h"
+#include "eval/longgen.h"
 #include "eval/methods.h"
 #include "eval/progress.h"
 #include "eval/report.h"
@@ -57,6 +59,12 @@ const char* kHelp = R"(usage: spade eval tasks|ppl|agree|recall --model M --text
            until the first divergence, per-step KL(full || method), same output, score
   recall   attention recall and density per layer and head (teacher-forced decoding of real
            text after a dense prefix)
+  longgen  long generation: a short prompt (--prompt-tokens of --text, default 64), then
+           --lengths tokens (default 2048; EOS ignored) with full attention as the reference:
+           where each method's free-running text first diverges, and along the reference's
+           tokens (teacher forced) per-step KL(full || method) (over full's top 1024 tokens
+           plus one tail bucket: a lower bound), its means per --window steps (256), top-1
+           agreement, perplexity, density; --recall: recall (CPU)
   report   rewrite the Markdown report of a results JSON
 
 common options:
@@ -383,14 +391,7 @@ int run_tasks(const Args& a, const std::string& cmd) {
 // ---------------------------------------------------------------- agree
 
 double log_softmax(const float* lg, int V, std::vector<float>& out) {
-  out.resize(size_t(V));
-  float mx = lg[0];
-  for (int v = 1; v < V; ++v) mx = std::max(mx, lg[v]);
-  double sum = 0;
-  for (int v = 0; v < V; ++v) sum += std::exp(double(lg[v]) - mx);
-  const double lse = double(mx) + std::log(sum);
-  for (int v = 0; v < V; ++v) out[size_t(v)] = float(double(lg[v]) - lse);
-  return lse;
+  return log_softmax_into(lg, V, out);
 }
 
 int run_agree(const Args& a, const std::string& cmd) {
@@ -494,6 +495,120 @@ int run_agree(const Args& a, const std::string& cmd) {
 }
 
 // ---------------------------------------------------------------- ppl / recall
+
+// ---------------------------------------------------------------- longgen
+
+// A short prompt (an excerpt of --text), then --gen tokens: full attention's greedy tokens
+// (EOS ignored) are the reference; each method runs free (first divergence) and teacher
+// forced along them (per-step KL over the reference's top tokens + a tail bucket, top-1
+// agreement, perplexity of the reference tokens, density; recall on the CPU with --recall).
+int run_longgen(const Args& a, const std::string& cmd) {
+  Setup s = setup(a, "longgen");
+  const ModelConfig& cfg = s.w->config;
+  const int64_t P = a.integer("--prompt-tokens", 64);
+  const std::vector<int64_t> gens =
+      a.has("--lengths") ? s.lengths : std::vector<int64_t>{std::min<int64_t>(2048, cfg.max_context - P)};
+  const int64_t window = a.integer("--window", 256);
+  const bool recall = a.has("--recall");
+  SPADE_CHECK(P >= 1 && window >= 1, "--prompt-tokens and --window must be >= 1");
+  const int64_t maxG = *std::max_element(gens.begin(), gens.end());
+  SPADE_CHECK(*std::min_element(gens.begin(), gens.end()) >= 2, "--lengths (tokens generated) must be >= 2");
+  SPADE_CHECK(P + maxG <= cfg.max_context, "--prompt-tokens ", P, " + ", maxG, " generated tokens exceed the context ",
+              cfg.max_context);
+  const std::vector<int32_t> toks = s.tok->encode(s.text, false, false);
+  SPADE_CHECK(int64_t(toks.size()) > P, "the text has ", toks.size(), " tokens, need ", P + 1);
+  const std::string out = a.str("--out", "eval_longgen.json");
+  json meta = s.meta;
+  meta["prompt_tokens"] = P;
+  meta["kl_top_k"] = kLongGenTopK;
+  meta["window"] = window;
+  ResultFile file = open_results(out, "longgen", meta, cmd);
+  s.ro.max_prompt = P;
+  s.ro.max_new = maxG + 16;
+  EvalRunner runner(*s.w, s.runs, s.place, s.methods, s.ro, s.tok.get());
+  const int V = cfg.vocab;
+  Progress prog("eval longgen", int64_t(gens.size()) * s.samples * int64_t(s.runs.size()));
+  for (int64_t G : gens)
+    for (int k = 0; k < s.samples; ++k) {
+      std::vector<size_t> todo;
+      for (size_t m = 0; m < s.runs.size(); ++m)
+        if (file.has(key_of("longgen", "text", G, k, s.runs[m].label))) prog.skip();
+        else todo.push_back(m);
+      if (todo.empty()) continue;
+      Rng r(mix_seed(s.seed, "longgen", P, k));
+      const int64_t off = int64_t(r.below(uint64_t(int64_t(toks.size()) - P)));
+      const std::vector<int32_t> prompt(toks.begin() + off, toks.begin() + off + P);
+      runner.set_prompt(prompt);
+      DecodeOptions opt;
+      opt.max_new = G;  // no stop token: every run emits G tokens
+      // Full attention's tokens and compact distributions, once per backend.
+      struct Ref {
+        DecodeResult r;
+        std::vector<TopLogp> top;
+        double nll = 0;  // of its own (argmax) tokens, steps >= 1
+      };
+      std::map<bool, Ref> refs;
+      std::vector<float> tmp;
+      for (size_t m : todo) {
+        if (!refs.count(runner.gpu(m))) {
+          Ref& R = refs[runner.gpu(m)];
+          opt.on_logits = [&](int64_t i, const float* lg) {
+            log_softmax_into(lg, V, tmp);
+            R.top.push_back(top_logp(tmp, kLongGenTopK));
+            if (i > 0) R.nll -= double(R.top.back().logp[0]);
+          };
+          R.r = runner.decode_full(m, opt);
+          opt.on_logits = nullptr;
+          R.nll /= double(std::max<size_t>(1, R.r.tokens.size() - 1));
+        }
+        const Ref& ref = refs.at(runner.gpu(m));
+        const DecodeResult free_run = runner.decode(m, opt);
+        size_t div = 0;
+        while (div < ref.r.tokens.size() && div < free_run.tokens.size() &&
+               ref.r.tokens[div] == free_run.tokens[div])
+          ++div;
+        DecodeOptions tf;
+        tf.max_new = int64_t(ref.r.tokens.size());
+        tf.forced = &ref.r.tokens;
+        tf.measure_recall = recall && !runner.gpu(m);
+        std::vector<double> kl;
+        double top1 = 0, nll = 0;
+        tf.on_logits = [&](int64_t i, const float* lg) {
+          if (i == 0) return;  // step 0 comes from the dense prefill, not the method's decode
+          log_softmax_into(lg, V, tmp);
+          kl.push_back(bucket_kl(ref.top[size_t(i)], tmp));
+          const int32_t want = ref.r.tokens[size_t(i)];
+          nll -= double(tmp[size_t(want)]);
+          top1 += size_t(std::max_element(tmp.begin(), tmp.end()) - tmp.begin()) == size_t(want);
+        };
+        const DecodeResult forced = runner.decode(m, tf);
+        const double n = double(std::max<size_t>(1, kl.size()));
+        double kl_mean = 0;
+        for (double v : kl) kl_mean += v;
+        kl_mean /= n;
+        json rec = {{"key", key_of("longgen", "text", G, k, s.runs[m].label)},
+                    {"length", G},
+                    {"sample", k},
+                    {"prompt_offset", off},
+                    {"prompt_tokens", P},
+                    {"first_divergence", div},
+                    {"same_output", free_run.tokens == ref.r.tokens ? 1 : 0},
+                    {"kl_mean", kl_mean},
+                    {"kl_windows", window_means(kl, window)},
+                    {"top1_agreement", kl.empty() ? 1.0 : top1 / n},
+                    {"ppl", std::exp(nll / n)},
+                    {"ppl_full", std::exp(ref.nll)},
+                    {"corrections", forced.corrections},
+                    {"decode_seconds", free_run.seconds}};
+        rec.update(method_fields(s, runner, m));
+        rec.update(totals_fields(forced, tf.measure_recall));
+        file.add(rec);
+        prog.done(1, cat("gen ", G, " #", k, " ", s.runs[m].label, " diverges at ", div, " KL ", kl_mean));
+      }
+    }
+  finish_sweep(a, prog, file, out, "longgen");
+  return 0;
+}
 
 int run_text(const Args& a, const std::string& cmd, const std::string& kind) {
   Setup s = setup(a, kind);
@@ -616,7 +731,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--text", "--methods", "--budgets", "--lengths", "--samples", "--seed",
           "--out", "--md", "--threads", "--device", "--page-size", "--prefill-chunk", "--tasks", "--max-new",
-          "--decode"},
+          "--decode", "--prompt-tokens", "--window"},
          {"--help", "--recall", "--deterministic"});
   if (a.has("--help") || a.positional().empty()) {
     std::fputs(kHelp, a.has("--help") ? stdout : stderr);
@@ -633,12 +748,13 @@ int run(int argc, char** argv) {
   const std::string cmd = command_line(argc, argv);
   if (what == "tasks") return run_tasks(a, cmd);
   if (what == "agree") return run_agree(a, cmd);
+  if (what == "longgen") return run_longgen(a, cmd);
   if (what == "ppl" || what == "recall") return run_text(a, cmd, what);
   if (what == "report") return run_report(a);
-  fail("eval: unknown sub-command '", what, "' (tasks, ppl, agree, recall, report)");
+  fail("eval: unknown sub-command '", what, "' (tasks, ppl, agree, recall, longgen, report)");
 }
 
-Registrar reg("eval", "evaluate attention methods: tasks, perplexity, agreement, recall", run);
+Registrar reg("eval", "evaluate attention methods: tasks, perplexity, agreement, recall, long generation", run);
 
 }  // namespace
 }  // namespace spade::cli

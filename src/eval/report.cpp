@@ -302,6 +302,36 @@ std::string agree_report(const json& doc) {
   return s;
 }
 
+std::string longgen_report(const json& doc) {
+  const json& rs = doc.at("results");
+  std::string s = header(doc, "spade eval longgen");
+  s += backend_section(rs);
+  s += "A short prompt (an excerpt of the text), then the given number of generated tokens "
+       "(EOS ignored); full attention's greedy tokens are the reference. Free running: tokens "
+       "until the method's text first diverges. Teacher forced along the reference: mean "
+       "per-step KL(full || method) over full's top 1024 tokens plus one tail bucket (a lower "
+       "bound of the full KL; per-window means in the JSON), top-1 agreement, perplexity of the "
+       "reference tokens (full attention's own in the last table), density; recall when "
+       "measured (CPU).\n\n";
+  const char* rows = "method \\ generated tokens";
+  s += "## Tokens until first divergence\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "first_divergence"); }, nullptr, 1, rows);
+  s += "## Mean per-step KL(full || method), nats\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "kl_mean"); }, nullptr, 4, rows);
+  s += "## Top-1 agreement (teacher forced)\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "top1_agreement"); }, nullptr, 3, rows);
+  s += "## Perplexity of the reference tokens\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "ppl"); }, nullptr, 3, rows);
+  s += "## Density\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "density"); }, nullptr, 3, rows);
+  s += "## Full attention's perplexity of its own tokens\n\n";
+  s += table(rs, "method", "length", [](const json& r) { return num(r, "ppl_full"); }, nullptr, 3, rows);
+  const std::string rec = table(rs, "method", "length", [](const json& r) { return num(r, "sparse_recall"); },
+                                [](const json& r) { return r.contains("sparse_recall"); }, 4, rows);
+  if (!rec.empty()) s += "## Recall (sparse layers)\n\n" + rec;
+  return s;
+}
+
 std::string recall_report(const json& doc) {
   const json& rs = doc.at("results");
   std::string s = header(doc, "spade eval recall");
@@ -332,6 +362,7 @@ std::string markdown_report(const json& doc) {
   if (kind == "ppl") return ppl_report(doc);
   if (kind == "agree") return agree_report(doc);
   if (kind == "recall") return recall_report(doc);
+  if (kind == "longgen") return longgen_report(doc);
   return "# spade eval\n\nunknown kind '" + kind + "'\n";
 }
 
