@@ -2,10 +2,14 @@
 // in double, on random blocks of every stored type, odd shapes, at every SIMD level this CPU
 // runs (scalar always; AVX2 and AVX-512 where present); and the native CPU path on the real
 // SmolLM2-135M-Instruct Q4_1 (skipped when models/ lacks it): greedy tokens equal those of the
-// fp32 reference except at a near-tie, and the loader keeps no fp32 copy of stored weights.
+// fp32 reference except at a near-tie, and the loader keeps no fp32 copy of stored weights;
+// `spade generate` prints the same text with --cpu-weights native (the default) and f32.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -276,4 +280,41 @@ TEST(QGemvModel, SmolLM2NativeGreedyEqualsF32) {
   }
   std::printf("[qgemv] %d greedy tokens equal\n", compared);
   EXPECT_GE(compared, 3 * n / 2);
+}
+
+namespace {
+
+// stdout of a command (stderr dropped).
+std::string run_stdout(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen((cmd + " 2>/dev/null").c_str(), "r");
+  if (!p) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  EXPECT_EQ(pclose(p), 0) << cmd;
+  return out;
+}
+
+}  // namespace
+
+// `spade generate` (next to this test binary) greedy on SmolLM2 Q4_1: the default (native)
+// and --cpu-weights native print the text of --cpu-weights f32.
+TEST(QGemvCli, GenerateNativeEqualsF32) {
+  if (!std::ifstream(test::smollm2_path()).good())
+    GTEST_SKIP() << test::kSmolLM2 << " not present; fetch it with `bash scripts/fetch_model.sh`";
+  char self[4096] = {};
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  ASSERT_GT(len, 0);
+  std::string dir(self, size_t(len));
+  const std::string spade = dir.substr(0, dir.rfind('/')) + "/spade";
+  if (!std::ifstream(spade).good()) GTEST_SKIP() << spade << " not built";
+  for (const char* prompt : {"The capital of France is", "Write a haiku about the sea."}) {
+    const std::string base = spade + " generate --model " + test::smollm2_path() +
+                             " --chat --threads 1 -n 48 --prompt '" + prompt + "'";
+    const std::string f32 = run_stdout(base + " --cpu-weights f32");
+    ASSERT_FALSE(f32.empty());
+    EXPECT_EQ(run_stdout(base + " --cpu-weights native"), f32) << prompt;
+    EXPECT_EQ(run_stdout(base), f32) << prompt;
+  }
 }

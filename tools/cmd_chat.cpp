@@ -54,6 +54,9 @@ exits.
   --top-k K  --top-p P  --min-p P  --repeat-penalty R  --seed S
   --ignore-eos          keep generating after end-of-sequence tokens (for testing)
   -t, --threads N       CPU threads (default: all cores)
+  --cpu-weights f32|native  CPU weights: native (the default for quantized GGUF files) multiplies
+                        by the weights as stored, no fp32 copy; f32 dequantizes them at load
+                        (the reference; the default for other models)
   --device cpu|cuda     where the model runs (default cpu; cuda: CUDA builds)
   --sparse NAME[:k=v,..] sparse attention method for the answers' decode steps (default full;
                         `spade generate --help` lists them); --budget N, --sparse-opt k=v,...
@@ -109,7 +112,7 @@ struct Conversation {
 int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--system", "--thinking", "-n", "--max-tokens", "--temperature", "--top-k",
-          "--top-p", "--min-p", "--repeat-penalty", "--seed", "--threads", "--device", "--sparse",
+          "--top-p", "--min-p", "--repeat-penalty", "--seed", "--threads", "--device", "--cpu-weights", "--sparse",
           "--budget", "--sparse-opt", "--sparse-config", "--ctx-size", "--tokenizer",
           "--progress-after"},
          {"--help", "--no-cache-reuse", "--stats", "--deterministic", "--ignore-eos"});
@@ -132,7 +135,10 @@ int run(int argc, char** argv) {
     extra["enable_thinking"] = t == "on";
   }
   if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
-  auto weights = load_model(a.str("--model"));
+  SPADE_CHECK(device == "cpu" || !a.has("--cpu-weights"), "--cpu-weights is for --device cpu");
+  auto weights = load_model(a.str("--model"), device == "cpu"
+                                                  ? parse_cpu_weights(a.str("--cpu-weights", "auto"))
+                                                  : CpuWeights::F32);
   auto tok = tokenizer_from_args(a);
   const ChatTemplate* tmpl = tok->chat_template();
   SPADE_CHECK(tmpl, a.has("--tokenizer") ? "the tokenizer '" + a.str("--tokenizer") + "'"

@@ -68,6 +68,9 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   --progress-after S    show a prefill progress line with ETA on stderr when the prefill
                         runs over S seconds (default 2; -1: never); on a terminal one line
                         rewritten in place, else a line every 5 s
+  --cpu-weights f32|native  CPU weights: native (the default for quantized GGUF files) multiplies
+                        by the weights as stored, no fp32 copy; f32 dequantizes them at load
+                        (the reference; the default for other models)
   --device cpu|cuda     where the model runs (default cpu; cuda: bf16 weights on the GPU,
                         dense attention or --sparse streaming|quest|tidal|lessismore|lycheedecode|
                         twilight|blasst; quest on the GPU
@@ -288,7 +291,7 @@ int run(int argc, char** argv) {
           "--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed",
           "--threads", "--page-size", "--prefill-chunk", "--sparse", "--budget", "--sparse-opt",
           "--sparse-config", "--device", "--synthetic", "--prompt-len", "--ctx-size", "--tokenizer",
-          "--stats-jsonl", "--progress-after"},
+          "--stats-jsonl", "--progress-after", "--cpu-weights"},
          {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats", "--stats-steps", "--recall",
           "--deterministic"});
   if (a.has("--help")) {
@@ -319,7 +322,10 @@ int run(int argc, char** argv) {
 
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
-  auto weights = load_model(a.str("--model"));
+  SPADE_CHECK(device == "cpu" || !a.has("--cpu-weights"), "--cpu-weights is for --device cpu");
+  auto weights = load_model(a.str("--model"), device == "cpu"
+                                                  ? parse_cpu_weights(a.str("--cpu-weights", "auto"))
+                                                  : CpuWeights::F32);
   auto tok = tokenizer_from_args(a);
   const ModelConfig& cfg = weights->config;
   double load_s = std::chrono::duration<double>(clock::now() - t0).count();

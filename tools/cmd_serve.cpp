@@ -52,6 +52,9 @@ Sampling follows the OpenAI API: a request without "temperature" samples at 1.0 
   --budget N              shorthand for the default method's budget option
   --sparse-opt k=v,...    more options of the default method
   --sparse-config FILE    default method from a JSON file
+  --cpu-weights f32|native  CPU weights: native (the default for quantized GGUF files)
+                          multiplies by the weights as stored, no fp32 copy; f32 dequantizes
+                          them at load (the reference; the default for other models)
   --device cpu|cuda       where the model runs (default cpu). cuda (CUDA builds): bf16
                           weights and the KV cache on the GPU; each request runs its own
                           method (its "sparse" field, else --sparse) if the method has a
@@ -92,7 +95,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--tokenizer", "--model-name", "--host", "--port", "--api-key", "--max-batch", "--max-queue",
           "--max-step-tokens", "--ctx-size", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
-          "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device",
+          "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device", "--cpu-weights",
           "--max-connections", "--header-timeout",
           "--shutdown-timeout"},
          {"--help", "--deterministic", "--quiet"});
@@ -113,7 +116,10 @@ int run(int argc, char** argv) {
 
   if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
   const std::string path = a.str("--model");
-  auto weights = load_model(path);
+  const bool on_cpu = a.str("--device", "cpu") == "cpu";
+  SPADE_CHECK(on_cpu || !a.has("--cpu-weights"), "--cpu-weights is for --device cpu");
+  auto weights = load_model(
+      path, on_cpu ? parse_cpu_weights(a.str("--cpu-weights", "auto")) : CpuWeights::F32);
   auto tok = Tokenizer::load(a.str("--tokenizer", path));
   const ModelConfig& cfg = weights->config;
 
