@@ -82,6 +82,8 @@ common options:
   --out F               results JSON (default eval_<sub-command>.json); an existing file of
                         the same sub-command is resumed: its records are skipped
   --md F                Markdown report (default: --out with .md)
+  --cpu-weights f32|native|auto  CPU weights: native (the default for quantized GGUF files)
+                        multiplies by the weights as stored; f32 dequantizes them at load
   --device cpu|cuda     backend (default cpu). cuda (tasks, ppl, agree): the methods with a
                         GPU path run on CudaModel, one model per method (the prompt
                         prefilled on each); the others run on the CPU in the same sweep.
@@ -201,7 +203,12 @@ Setup setup(const Args& a, const std::string& kind) {
   s.samples = int(a.integer("--samples", 3));
   SPADE_CHECK(s.samples >= 1, "--samples must be >= 1");
   s.seed = uint64_t(a.integer("--seed", 1));
-  s.w = load_model(a.str("--model"));
+  SPADE_CHECK(s.device == Device::CPU || !a.has("--cpu-weights"), "--cpu-weights is for --device cpu");
+  // CPU runs decode on the weights as stored (the default for quantized GGUF files); the GPU
+  // runs upload fp32-dequantized weights.
+  s.w = load_model(a.str("--model"), s.device == Device::CPU
+                                         ? parse_cpu_weights(a.str("--cpu-weights", "auto"))
+                                         : CpuWeights::F32);
   s.tok = Tokenizer::load(a.str("--model"));
   const ModelConfig& cfg = s.w->config;
   s.place = place_runs(s.runs, s.device, [&](const MethodRun& r) {
@@ -731,7 +738,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--text", "--methods", "--budgets", "--lengths", "--samples", "--seed",
           "--out", "--md", "--threads", "--device", "--page-size", "--prefill-chunk", "--tasks", "--max-new",
-          "--decode", "--prompt-tokens", "--window"},
+          "--decode", "--prompt-tokens", "--window", "--cpu-weights"},
          {"--help", "--recall", "--deterministic"});
   if (a.has("--help") || a.positional().empty()) {
     std::fputs(kHelp, a.has("--help") ? stdout : stderr);
