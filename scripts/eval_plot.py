@@ -6,6 +6,8 @@
   ppl:    perplexity vs budget per method, one panel per prefix length
   agree:  mean KL(full || method) and tokens until first divergence vs budget
   recall: recall vs budget per method, one panel per prefix length, and density vs length
+  longgen: KL and tokens until first divergence vs budget per generated length, and the KL
+          along the generation (the per-window means, averaged over samples) per method
 
 Usage: python3 scripts/eval_plot.py RESULTS.json [OUT.png]   (needs python3-matplotlib)
 """
@@ -94,6 +96,26 @@ def panel_vs_length(ax, results, field, ylabel, title):
     ax.grid(alpha=0.3)
 
 
+def panel_drift(ax, rs, window):
+    """longgen: mean KL per window of generated tokens, per method (longest generation)."""
+    longest = max(r["length"] for r in rs)
+    acc = defaultdict(list)
+    for r in rs:
+        if r["length"] == longest and r.get("kl_windows"):
+            acc[r["method"]].append((strip_budget(r), r["kl_windows"]))
+    steps = longest - 1  # teacher-forced steps after the prefill's
+    for label, runs in acc.items():
+        n = min(len(w) for _, w in runs)
+        ys = [mean([w[i] for _, w in runs]) for i in range(n)]
+        xs = [(i * window + min(steps, (i + 1) * window)) / 2 for i in range(n)]
+        ax.plot(xs, ys, marker=".", label=label, color=color(runs[0][0]))
+    ax.set_xlabel("generated token")
+    ax.set_ylabel(f"KL(full || method), mean per {window} tokens")
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.set_title(f"KL along the generation ({longest} tokens, {len(next(iter(acc.values()), []))} samples)")
+    ax.grid(alpha=0.3)
+
+
 def plot(doc, path):
     import matplotlib
 
@@ -117,6 +139,13 @@ def plot(doc, path):
         specs += [(div, L, "tokens to first divergence", f"divergence vs budget, length {L}")
                   for L in lengths]
         extra = None
+    elif kind == "longgen":
+        kl = grouped(rs, "kl_mean")
+        div = grouped(rs, "first_divergence")
+        specs = [(kl, L, "mean KL(full || method)", f"KL vs budget, {L} tokens") for L in lengths]
+        specs += [(div, L, "tokens to first divergence", f"divergence vs budget, {L} tokens")
+                  for L in lengths]
+        extra = "drift"
     else:
         data = grouped(rs, "recall")
         specs = [(data, L, "attention recall", f"recall vs budget, prefix {L}") for L in lengths]
@@ -128,7 +157,9 @@ def plot(doc, path):
     flat = [a for row in axes for a in row]
     for ax, (d, L, yl, t) in zip(flat, specs):
         panel_vs_budget(ax, d, L, yl, t)
-    if extra:
+    if extra == "drift":
+        panel_drift(flat[len(specs)], rs, doc.get("meta", {}).get("window", 256))
+    elif extra:
         panel_vs_length(flat[len(specs)], rs, *extra)
     for ax in flat[n:]:
         ax.axis("off")

@@ -5,9 +5,10 @@
 # (resumable: rerun to finish an interrupted sweep; delete the JSON to start over).
 #
 # usage: scripts/eval_sweep.sh [SPADE_BINARY] [MODEL] [KINDS]
-#   KINDS: any of "tasks ppl agree recall" (default all four)
+#   KINDS: any of "tasks ppl agree recall longgen" (default the first four)
 # Environment overrides: METHODS, BUDGETS, LENGTHS, SAMPLES, TASKS, MAX_NEW (cap on answer
 #   tokens), AGREE_TASKS, AGREE_LENGTHS, PPL_LENGTHS, PPL_DECODE, RECALL_DECODE,
+#   LONGGEN_LENGTHS (generated tokens, default 2048), LONGGEN_SAMPLES (2), LONGGEN_RECALL=1,
 #   OUT (default docs/results), THREADS, PREFIX (file name prefix, default eval_),
 #   DEVICE (cpu or cuda: `spade eval --device`), TEXT (an existing text file instead of the
 #   KJV text made with `bible`, e.g. on a machine without bible-kjv; kept afterwards).
@@ -58,6 +59,7 @@ for kind in $kinds; do
     tasks)  "$spade" eval tasks "${common[@]}" --lengths "$lengths" --samples "$samples" --tasks "$tasks" ${MAX_NEW:+--max-new "$MAX_NEW"} --out "$out/${prefix}tasks.json" ;;
     agree)  "$spade" eval agree "${common[@]}" --lengths "${AGREE_LENGTHS:-$lengths}" --samples 1 --tasks "$agree_tasks" ${MAX_NEW:+--max-new "$MAX_NEW"} --out "$out/${prefix}agree.json" ;;
     ppl)    "$spade" eval ppl "${common[@]}" --lengths "${PPL_LENGTHS:-$lengths}" --samples "$samples" --decode "${PPL_DECODE:-64}" --out "$out/${prefix}ppl.json" ;;
+    longgen) "$spade" eval longgen "${common[@]}" --lengths "${LONGGEN_LENGTHS:-2048}" --samples "${LONGGEN_SAMPLES:-2}" ${LONGGEN_RECALL:+--recall} --out "$out/${prefix}longgen.json" ;;
     recall) "$spade" eval recall "${common[@]}" --lengths "${PPL_LENGTHS:-$lengths}" --samples 1 --decode "${RECALL_DECODE:-16}" --out "$out/${prefix}recall.json" ;;
     *) echo "eval_sweep: unknown kind $kind" >&2; exit 1 ;;
   esac
