@@ -42,6 +42,7 @@
 #include "sparse/registry.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
+#include "spade_version.h"  // generated: SPADE_COMMIT
 
 namespace spade::cli {
 namespace {
@@ -229,6 +230,7 @@ Setup setup(const Args& a, const std::string& kind) {
   char host[256] = "";
   gethostname(host, sizeof host - 1);
   s.meta = {{"model", a.str("--model")},
+            {"commit", SPADE_COMMIT},
             {"model_shape", cat(cfg.n_layers, " layers, ", cfg.n_heads, " query / ",
                                 cfg.n_kv_heads, " KV heads, head dim ", cfg.head_dim, ", context ",
                                 cfg.max_context)},
