@@ -399,9 +399,6 @@ int run_tasks(const Args& a, const std::string& cmd) {
 
 // ---------------------------------------------------------------- agree
 
-double log_softmax(const float* lg, int V, std::vector<float>& out) {
-  return log_softmax_into(lg, V, out);
-}
 
 int run_agree(const Args& a, const std::string& cmd) {
   Setup s = setup(a, "agree");
@@ -437,7 +434,7 @@ int run_agree(const Args& a, const std::string& cmd) {
           if (!refs.count(runner.gpu(m))) {
             Ref& R = refs[runner.gpu(m)];
             opt.on_logits = [&](int64_t, const float* lg) {
-              log_softmax(lg, V, tmp);
+              log_softmax_into(lg, V, tmp);
               R.logp.push_back(tmp);
             };
             R.r = runner.decode_full(m, opt);
@@ -460,7 +457,7 @@ int run_agree(const Args& a, const std::string& cmd) {
           std::vector<double> kl;
           double top1 = 0;
           tf.on_logits = [&](int64_t i, const float* lg) {
-            log_softmax(lg, V, tmp);
+            log_softmax_into(lg, V, tmp);
             const auto& rp = ref_logp[size_t(i)];
             double d = 0;
             int32_t arg = 0;
@@ -661,7 +658,7 @@ int run_text(const Args& a, const std::string& cmd, const std::string& kind) {
         std::vector<double> nll;
         std::vector<float> tmp;
         opt.on_logits = [&](int64_t i, const float* lg) {
-          const double lse = log_softmax(lg, cfg.vocab, tmp);
+          const double lse = log_softmax_into(lg, cfg.vocab, tmp);
           nll.push_back(lse - double(lg[scored[size_t(i)]]));
         };
         std::vector<double> rec_lh(size_t(nl * hq), 0.0), dens_lh(size_t(nl * hkv), 0.0);

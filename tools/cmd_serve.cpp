@@ -141,8 +141,7 @@ int run(int argc, char** argv) {
   SPADE_CHECK(ctx >= 1 && ctx <= cfg.max_context, "--ctx-size must be in [1, ", cfg.max_context,
               "] (the model's context), got ", ctx);
   so.max_context = ctx;
-  const int64_t want_tokens = std::max<int64_t>(ctx, int64_t(so.max_batch) * std::min<int64_t>(ctx, 1024));
-  const int64_t pages = a.integer("--kv-pages", (want_tokens + layout.page_size - 1) / layout.page_size);
+  const int64_t pages = a.integer("--kv-pages", default_kv_pages(ctx, so.max_batch, layout.page_size));
   SPADE_CHECK(pages >= 1, "--kv-pages must be positive");
   const std::string device = a.str("--device", "cpu");
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '", device, "'");

@@ -53,10 +53,9 @@ LLM::LLM(const std::string& model, const LLMOptions& o) : impl_(std::make_unique
   so.max_queue = 100000;
   so.max_step_tokens = o.max_step_tokens;
   so.max_context = ctx;
-  const int64_t want = std::max<int64_t>(ctx, int64_t(o.max_batch) * std::min<int64_t>(ctx, 1024));
   RunnerOptions ro;
   ro.device = o.device;
-  ro.kv_pages = o.kv_pages ? o.kv_pages : (want + o.page_size - 1) / o.page_size;
+  ro.kv_pages = o.kv_pages ? o.kv_pages : default_kv_pages(ctx, o.max_batch, o.page_size);
   ro.page_size = o.page_size;
   ro.max_batch = o.max_batch;
   ro.max_step_tokens = o.max_step_tokens;

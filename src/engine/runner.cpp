@@ -1,5 +1,7 @@
 #include "engine/runner.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "model/cpu_model.h"
 
@@ -11,6 +13,11 @@ struct CpuParts {
   std::unique_ptr<CpuModel> model;
 };
 }  // namespace
+
+int64_t default_kv_pages(int64_t context, int max_batch, int page_size) {
+  const int64_t want = std::max<int64_t>(context, int64_t(max_batch) * std::min<int64_t>(context, 1024));
+  return (want + page_size - 1) / page_size;
+}
 
 Runner make_runner(const ModelWeights& w, const RunnerOptions& opt) {
   SPADE_CHECK(opt.kv_pages >= 1, "runner: the KV cache needs at least one page");

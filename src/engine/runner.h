@@ -37,6 +37,10 @@ struct Runner {
   std::function<void(const sparse::SparseConfig&)> check_method;
 };
 
+// KV pages a server-like front end allocates by default (`spade serve`, spade::api::LLM):
+// room for one sequence of `context` tokens, or max_batch sequences of min(context, 1024).
+int64_t default_kv_pages(int64_t context, int max_batch, int page_size);
+
 // Throws spade::Error for an unknown device, a build without it, or options it cannot run
 // (its own method, GPU memory).
 Runner make_runner(const ModelWeights& weights, const RunnerOptions& opt);

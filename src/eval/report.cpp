@@ -93,6 +93,14 @@ double num(const json& r, const char* k) {
   return r.contains(k) && r.at(k).is_number() ? r.at(k).get<double>() : NAN;
 }
 
+// "## title" and the method x length table of field `key` (empty when no record has it).
+std::string field_section(const json& rs, const std::string& title, const char* key, int prec,
+                          const std::string& corner) {
+  const std::string t = table(rs, "method", "length", [key](const json& r) { return num(r, key); },
+                              [key](const json& r) { return r.contains(key); }, prec, corner);
+  return t.empty() ? "" : "## " + title + "\n\n" + t;
+}
+
 // "1-2, 4" of 0-based command indices.
 std::string ranges(const std::vector<size_t>& ix) {
   std::string s;
@@ -284,21 +292,12 @@ std::string agree_report(const json& doc) {
        "prompts). Tokens until the first divergence; KL(full || method) per step along full "
        "attention's tokens (teacher forced); top-1 agreement on those steps; output identical "
        "to full attention's; task score.\n\n";
-  s += "## Tokens until first divergence\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "first_divergence"); }, nullptr, 1,
-             "method \\ length");
-  s += "## Mean per-step KL(full || method), nats\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "kl_mean"); }, nullptr, 4,
-             "method \\ length");
-  s += "## Top-1 agreement (teacher forced)\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "top1_agreement"); }, nullptr, 3,
-             "method \\ length");
-  s += "## Output identical to full attention's\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "same_output"); }, nullptr, 2,
-             "method \\ length");
-  s += "## Task score\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "score"); }, nullptr, 3,
-             "method \\ length");
+  const char* corner = "method \\ length";
+  s += field_section(rs, "Tokens until first divergence", "first_divergence", 1, corner);
+  s += field_section(rs, "Mean per-step KL(full || method), nats", "kl_mean", 4, corner);
+  s += field_section(rs, "Top-1 agreement (teacher forced)", "top1_agreement", 3, corner);
+  s += field_section(rs, "Output identical to full attention's", "same_output", 2, corner);
+  s += field_section(rs, "Task score", "score", 3, corner);
   return s;
 }
 
@@ -311,24 +310,16 @@ std::string longgen_report(const json& doc) {
        "until the method's text first diverges. Teacher forced along the reference: mean "
        "per-step KL(full || method) over full's top 1024 tokens plus one tail bucket (a lower "
        "bound of the full KL; per-window means in the JSON), top-1 agreement, perplexity of the "
-       "reference tokens (full attention's own in the last table), density; recall when "
+       "reference tokens (and full attention's own), density; recall when "
        "measured (CPU).\n\n";
   const char* rows = "method \\ generated tokens";
-  s += "## Tokens until first divergence\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "first_divergence"); }, nullptr, 1, rows);
-  s += "## Mean per-step KL(full || method), nats\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "kl_mean"); }, nullptr, 4, rows);
-  s += "## Top-1 agreement (teacher forced)\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "top1_agreement"); }, nullptr, 3, rows);
-  s += "## Perplexity of the reference tokens\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "ppl"); }, nullptr, 3, rows);
-  s += "## Density\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "density"); }, nullptr, 3, rows);
-  s += "## Full attention's perplexity of its own tokens\n\n";
-  s += table(rs, "method", "length", [](const json& r) { return num(r, "ppl_full"); }, nullptr, 3, rows);
-  const std::string rec = table(rs, "method", "length", [](const json& r) { return num(r, "sparse_recall"); },
-                                [](const json& r) { return r.contains("sparse_recall"); }, 4, rows);
-  if (!rec.empty()) s += "## Recall (sparse layers)\n\n" + rec;
+  s += field_section(rs, "Tokens until first divergence", "first_divergence", 1, rows);
+  s += field_section(rs, "Mean per-step KL(full || method), nats", "kl_mean", 4, rows);
+  s += field_section(rs, "Top-1 agreement (teacher forced)", "top1_agreement", 3, rows);
+  s += field_section(rs, "Perplexity of the reference tokens", "ppl", 3, rows);
+  s += field_section(rs, "Density", "density", 3, rows);
+  s += field_section(rs, "Full attention's perplexity of its own tokens", "ppl_full", 3, rows);
+  s += field_section(rs, "Recall (sparse layers)", "sparse_recall", 4, rows);
   return s;
 }
 

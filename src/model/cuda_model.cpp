@@ -112,6 +112,7 @@ GpuMethodContext CudaModel::method_context() const {
   x.page_size = opt_.page_size;
   x.max_batch = opt_.max_batch;
   x.n_pages = n_pages_;
+  x.kv_layer_elems = int64_t(kv_layer_elems());
   x.seq_pages_cap = seq_pages_cap_;
   x.max_step_tokens = opt_.max_step_tokens;
   x.deterministic = opt_.deterministic;
@@ -142,7 +143,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   wb += size_t(NL) * (size_t(NQKV * H + H * Hq * D + 2 * F * H + H * F) * 2);
   size_t small = size_t(NL) * (size_t(2 * H + 2 * D + NQKV) * 4 + 6 * 256) + size_t(H + D) * 4 + 4096;
   weight_bytes_ = wb;
-  const size_t kv_bytes = size_t(NL) * size_t(n_pages_) * size_t(Hkv * P * D) * 2 * 2;
+  const size_t kv_bytes = size_t(NL) * kv_layer_elems() * 2 * 2;  // K and V, bf16
   const size_t ws_bytes =
       size_t(S) * (H * 4 + std::max(H, F) * 2 + NQKV * 4 + 2 * Hq * D * 2 + 2 * F * 4 + F * 2) +
       size_t(max_rows_) * V * 4 + size_t(4 * S + 4 * max_rows_ + 64) * 4 + (32u << 20) +
@@ -260,7 +261,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
     SPADE_CUDA(cudaStreamSynchronize(st));
   }
   // --- KV pool.
-  const size_t kv_elems = size_t(NL) * size_t(n_pages_) * size_t(Hkv * P * D);
+  const size_t kv_elems = size_t(NL) * kv_layer_elems();
   k_cache_ = A.alloc_n<bf16>(kv_elems, "KV cache (K)");
   v_cache_ = A.alloc_n<bf16>(kv_elems, "KV cache (V)");
   free_.resize(size_t(n_pages_));
@@ -524,7 +525,7 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   bf16* q = static_cast<bf16*>(q_);
   bf16* att = static_cast<bf16*>(att_);
   bf16* h = static_cast<bf16*>(h_);
-  const size_t layer_kv = size_t(n_pages_) * size_t(Hkv) * opt_.page_size * D;
+  const size_t layer_kv = kv_layer_elems();
   const float scale = 1.f / std::sqrt(float(D));
   cuda::embedding(static_cast<const bf16*>(embed_), tok_in_, x_, T, H, V, st);
   const size_t layer_rows = size_t(n_pages_) * size_t(Hkv) * opt_.page_size;

@@ -180,6 +180,10 @@ class CudaModel {
   void drop_graphs();
   int method_of(const SeqInput& s) const;  // its device_state's method id (0 without one)
   GpuMethodContext method_context() const;
+  // Elements of one layer's K (or V) cache: [pages][Hkv][page_size][D] bf16.
+  size_t kv_layer_elems() const {
+    return size_t(n_pages_) * size_t(cfg_.n_kv_heads) * size_t(opt_.page_size) * size_t(cfg_.head_dim);
+  }
   // Per-request methods (add_method): [0] = the model's own (buffers in the model's arena);
   // null entries are evicted ids, reused.
   std::vector<std::unique_ptr<GpuMethod>> methods_;

@@ -262,15 +262,14 @@ class GpuLycheeCluster final : public SelectingMethod {
     if (j == 0 && !lc_sync_.empty()) {
       // Every sparse layer's builds and inserts at once: they read chunks of tokens before
       // the current one, whose K every layer's cache holds (kc: this layer's; layer j' at
-      // kc + j' * layer_kv).
-      const int64_t layer_kv = ctx_.n_pages * Hkv * int64_t(ctx_.page_size) * ctx_.cfg.head_dim;
+      // kc + j' * kv_layer_elems).
       lc_builds_.clear();
       lc_ins_.clear();
       for (const LcSync& s : lc_sync_) {
         const int32_t* pt = sparse_->dev_page_table() + s.page_off;
         for (int jj = 0; jj < n_sparse; ++jj) {
           const int slot = s.req_slot * n_sparse + jj;
-          const cuda::bf16* kl = kc + jj * layer_kv;
+          const cuda::bf16* kl = kc + jj * ctx_.kv_layer_elems;
           if (s.n_old == 0) lc_builds_.push_back({slot, kl, pt, s.starts, s.n_new});
           else lc_ins_.push_back({slot, pt, s.n_old, s.starts + s.n_old + 1, s.n_new, kl});
         }

@@ -75,6 +75,7 @@ struct GpuMethodContext {
   int page_size = 16;
   int max_batch = 32;
   int64_t n_pages = 0;          // KV pool pages
+  int64_t kv_layer_elems = 0;   // one layer's K (or V) cache: layer l at cache + l * this
   int64_t seq_pages_cap = 0;    // most pages of one sequence
   int64_t max_step_tokens = 0;  // query rows per step
   bool deterministic = false;
