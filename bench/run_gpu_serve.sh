@@ -14,7 +14,11 @@
 #            C: bash bench/run_gpu_serve.sh stage   carry .stage/model.part01
 #            D: bash bench/run_gpu_serve.sh run     carry .stage/model.part02
 #            (E: bash bench/run_gpu_serve.sh peer: llama-server's runs alone, when D ran out of time;
-#             serve: the served loads of spade and llama-server without D's tests and engine steps)
+#             serve: the served loads of spade and llama-server without D's tests and engine steps;
+#             methods: each method of the mixed load served alone, the mixed loads, engine steps;
+#             sanitize: compute-sanitizer over the GPU tests, after A with SANITIZER_BUILD=1)
+#            Env: PEER_BUILD=0 skips llama-server's build; SANITIZER_BUILD=1 (A) starts the
+#            compute-sanitizer build in the background; RACECHECK=1 (A) racecheck on the main build.
 # Results: $OUT/serve_*.json, $OUT/engine_steps.json, $OUT/summary.txt (the table printed last).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -29,10 +33,24 @@ for p in .stage/model.part0*; do [ -f "$p" ] && cp "$p" /root/stage/; done
 phase=${1:-run}
 # The mixed load: requests spread evenly over nine methods.
 MIX="full;streaming:budget=64;quest:budget=64;tidal:budget=64;lessismore:budget=64;lycheedecode:budget=64;lycheecluster:budget=64;twilight:base=quest,budget=128;blasst"
+# compute-sanitizer racecheck: small tests of every kernel family (name:gtest filter); the
+# tests too slow under racecheck (sampling distributions, drawn chunks, graph replays of every
+# method) run under memcheck in the sanitize phase.
+RC_FAMILIES=(
+  "ops:CudaOps.Embedding:CudaOps.RmsNormWithRowGather:CudaOps.SwiGLU:CudaOps.QkvPostRopeAppend:CudaOps.SamplingGreedyAndFilters:CudaGemvFused.SwigluMatchesSeparateLaunches:CudaGemvFused.QkvPostMatchesSeparateLaunches"
+  "attention:CudaAttention.DecodeSmolLMShapeOddPage:CudaAttention.DecodeGroupOfEightAndOne:CudaAttention.PrefillPage32"
+  "sparse:CudaSparse.TokenListsPerHead:CudaSparse.QuestSelectAndAttend:CudaSparse.TopkRowsTiesAndNaN:CudaSparse.HybridDenseAndSparseHeads:CudaSparse.QuestTensorCoreScores"
+  "lycheecluster:CudaLycheeCluster.BuildExactSeparated:CudaLycheeCluster.InsertMatchesCpu:CudaLycheeCluster.CompactCsr:CudaLycheeCluster.BuildBatchAcrossRequestsAndLayers"
+  "twilight:CudaTwilight.PrunerChunk16VsCpu:CudaTwilight.Int4KeysFusedIntoAppend:CudaTwilight.QuestThenPrune"
+  "blasst:CudaBlasstDecode.OddPagesMhaAndHeadDim64:CudaBlasstDecode.PeakedScoresSkipMost:CudaSparseBlasst.NeverSkippingEqualsThePlainKernel:CudaBlasstPrefill.OffAndTinyLambdaEqualDense"
+  "selectors:CudaTidal.DecodeScoresMatchCpu:CudaLessIsMore.PerHeadScoresMatchCpu:CudaLycheeDecode.HybridKernelScoresAndPatterns:CudaOracle.GroupWeightsMatchCpu"
+  "model:CudaModel.RandomLlamaMatchesCpu"
+  "prefill:CudaAttention.PrefillWgmmaShapes:CudaAttention.PrefillCausalChunkedMixed:CudaBlasstPrefill.PlantedKeysMatchEmulationGqaChunked"
+)
 
 if [ "$phase" = build ]; then
   t0=$(date +%s)
-  if [ ! -x $PEER/build-cuda/bin/llama-server ] && [ ! -f /root/peer/building ]; then
+  if [ "${PEER_BUILD:-1}" = 1 ] && [ ! -x $PEER/build-cuda/bin/llama-server ] && [ ! -f /root/peer/building ]; then
     # In the background, detached: it outlives this call while the machine stays warm, and the
     # run phase waits for it.
     mkdir -p /root/peer && tar xzf .stage/llamacpp-src.tar.gz -C /root/peer && touch /root/peer/building
@@ -54,6 +72,16 @@ if [ "$phase" = build ]; then
     $B/libspade_cuda.a -L$CUDA_LIB -lcudart -lcublasLt -lcublas .deps-cuda/lib/libpcre2-8.a \
     .deps-cuda/lib/libopenblas.a .deps-cuda/lib/libz.a -lpthread -o $B/bench_tpot_batch >>"$OUT/build.log" 2>&1 || tail -20 "$OUT/build.log"
   echo "spade build: $(( $(date +%s) - t0 )) s"
+  if [ "${SANITIZER_BUILD:-0}" = 1 ] && [ ! -f /root/san/building ]; then
+    # The compute-sanitizer build (-DSPADE_CUDA_SANITIZER=ON: no setmaxnreg, line info), in
+    # the background for the sanitize phase: it outlives this call while the machine is warm.
+    mkdir -p /root/san && touch /root/san/building
+    setsid nohup bash -c "cmake -S . -B build-san -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+        -DSPADE_CUDA_SANITIZER=ON -DSPADE_PYTHON=OFF -DCMAKE_PREFIX_PATH=$ROOT/.deps-cuda -DBLA_VENDOR=OpenBLAS \
+        -DBLA_STATIC=ON $PKGCFG >/root/san/cmake.log 2>&1 && cmake --build build-san -j${SAN_JOBS:-10} \
+        --target spade_gpu_tests >/root/san/build.log 2>&1; echo \$? > /root/san/rc; rm -f /root/san/building" \
+        >/dev/null 2>&1 < /dev/null &
+  fi
   ls -la $B/spade $B/spade_gpu_tests $B/bench_tpot_batch 2>&1 | awk '{print $5, $NF}'
   # RACECHECK=1: compute-sanitizer racecheck over small tests of every kernel family, eight
   # processes side by side with the tests (the generic prefill kernel: the sanitizer does not
@@ -61,16 +89,6 @@ if [ "$phase" = build ]; then
   CS=$(command -v compute-sanitizer || echo $CUDA_HOME/compute-sanitizer/compute-sanitizer)
   RC_PIDS=()
   if [ "${RACECHECK:-0}" = 1 ] && [ -x "$CS" ]; then
-    RC_FAMILIES=(
-      "ops:CudaOps.Embedding:CudaOps.RmsNormWithRowGather:CudaOps.SwiGLU:CudaOps.QkvPostRopeAppend:CudaOps.SamplingGreedyAndFilters:CudaOps.SamplingRowsTakeTheirOwnParameters:CudaGemvFused.SwigluMatchesSeparateLaunches:CudaGemvFused.QkvPostMatchesSeparateLaunches"
-      "attention:CudaAttention.DecodeSmolLMShapeOddPage:CudaAttention.DecodeGroupOfEightAndOne:CudaAttention.PrefillPage32:CudaAttention.DecodeDrawnChunks"
-      "sparse:CudaSparse.TokenListsPerHead:CudaSparse.QuestSelectAndAttend:CudaSparse.TopkRowsTiesAndNaN:CudaSparse.HybridDenseAndSparseHeads:CudaSparse.QuestTensorCoreScores"
-      "lycheecluster:CudaLycheeCluster.BuildExactSeparated:CudaLycheeCluster.InsertMatchesCpu:CudaLycheeCluster.CompactCsr:CudaLycheeCluster.BuildBatchAcrossRequestsAndLayers"
-      "twilight:CudaTwilight.PrunerChunk16VsCpu:CudaTwilight.Int4KeysFusedIntoAppend:CudaTwilight.QuestThenPrune"
-      "blasst:CudaBlasstDecode.OddPagesMhaAndHeadDim64:CudaBlasstDecode.PeakedScoresSkipMost:CudaSparseBlasst.NeverSkippingEqualsThePlainKernel:CudaBlasstPrefill.OffAndTinyLambdaEqualDense"
-      "selectors:CudaTidal.DecodeScoresMatchCpu:CudaLessIsMore.PerHeadScoresMatchCpu:CudaLycheeDecode.HybridKernelScoresAndPatterns:CudaOracle.GroupWeightsMatchCpu"
-      "model:CudaModel.RandomLlamaMatchesCpu"
-    )
     for fam in "${RC_FAMILIES[@]}"; do
       name=${fam%%:*}; filt=${fam#*:}
       ( SPADE_ATTN_PREFILL=0 timeout ${RC_TIMEOUT:-240} $CS --tool racecheck --racecheck-report hazard \
@@ -92,6 +110,43 @@ if [ "$phase" = build ]; then
   exit 0
 fi
 [ "$phase" = stage ] && { ls -la /root/stage; exit 0; }
+
+# compute-sanitizer over the GPU tests, on the sanitizer build (started by `build` with
+# SANITIZER_BUILD=1), which runs every kernel, the wgmma / TMA prefill included: memcheck over
+# every test that needs no model file (SAN_SHARDS gtest shards side by side), and racecheck
+# over the kernel families (RC_FAMILIES, prefill on). Verdicts in $OUT/sanitize_summary.txt.
+if [ "$phase" = sanitize ]; then
+  t0=$(date +%s)
+  for i in $(seq 1 300); do [ -f /root/san/building ] || break; sleep 2; done
+  echo "sanitizer build rc=$(cat /root/san/rc 2>/dev/null) (waited $(( $(date +%s) - t0 )) s)"
+  [ -x build-san/spade_gpu_tests ] || { grep -E "error" /root/san/build.log | head; tail -5 /root/san/build.log; exit 1; }
+  CS=$(command -v compute-sanitizer || echo $CUDA_HOME/compute-sanitizer/compute-sanitizer)
+  N=${SAN_SHARDS:-10}; PIDS=()
+  for i in $(seq 0 $((N - 1))); do
+    ( GTEST_TOTAL_SHARDS=$N GTEST_SHARD_INDEX=$i timeout ${SAN_TIMEOUT:-420} $CS --tool memcheck --error-exitcode 9 \
+        ./build-san/spade_gpu_tests --gtest_filter="${SAN_FILTER:--CudaSmolLM2*:CudaMixedMethods.Every*}" \
+        > "$OUT/memcheck_$i.log" 2>&1; echo "memcheck shard $i rc=$?" >> "$OUT/memcheck_$i.log" ) &
+    PIDS+=($!)
+  done
+  for fam in "${RC_FAMILIES[@]}"; do
+    name=${fam%%:*}; filt=${fam#*:}
+    ( timeout ${SAN_TIMEOUT:-420} $CS --tool racecheck --racecheck-report hazard --error-exitcode 9 \
+        ./build-san/spade_gpu_tests --gtest_filter="$filt" > "$OUT/racecheck_$name.log" 2>&1
+      echo "racecheck $name rc=$?" >> "$OUT/racecheck_$name.log" ) &
+    PIDS+=($!)
+  done
+  wait "${PIDS[@]}"
+  {
+    echo "== compute-sanitizer on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), commit ${COMMIT:-?}, $(( $(date +%s) - t0 )) s"
+    for f in "$OUT"/memcheck_*.log "$OUT"/racecheck_*.log; do
+      echo "$(basename $f): $(grep -cE '^\[       OK' $f) ok, $(grep -cE '^\[  FAILED' $f) failed," \
+           "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $f | tail -1), $(tail -1 $f)," \
+           "unfinished: $(grep -E '^\[ RUN' $f | sed 's/.*RUN *\] //' | sort > /tmp/r; grep -E '^\[ *(OK|FAILED|SKIPPED) *\]' $f | sed 's/^\[[^]]*\] //; s/ (.*//' | sort > /tmp/d; comm -23 /tmp/r /tmp/d | tr '\n' ' ')"
+    done
+    grep -hE "^========= (Invalid|Race|Error|Program hit|Uninitialized|Leaked)" "$OUT"/memcheck_*.log "$OUT"/racecheck_*.log | sort | uniq -c | head -40
+  } | tee "$OUT/sanitize_summary.txt"
+  exit 0
+fi
 
 # ---- run
 M=/root/stage/s.gguf
@@ -238,7 +293,7 @@ fi
 
 # 5. llama-server, same client.
 for i in $(seq 1 90); do [ -f /root/peer/building ] || break; sleep 2; done
-if [ "$phase" = mixed ]; then
+if [ "$phase" = mixed ] || [ "$phase" = methods ]; then
   :
 elif [ -x $PEER/build-cuda/bin/llama-server ]; then
   $PEER/build-cuda/bin/llama-server -m $M -ngl 99 -fa on -np 256 -c $((256 * 640)) --cont-batching \

@@ -97,6 +97,17 @@ constexpr int kTileTraceMax = 1024;
   do {                      \
   } while (0)
 #endif
+// Register reallocation between the warpgroups. A compute-sanitizer build
+// (-DSPADE_CUDA_SANITIZER=ON) compiles it out: the tool's instrumentation cannot honour
+// setmaxnreg (the first launch dies with "illegal instruction"), so there every warp keeps
+// the launch bound's 168 registers and the consumers may spill; the logic is unchanged.
+#ifdef SPADE_NO_SETMAXNREG
+#define SPADE_SETMAXNREG(insn) \
+  do {                         \
+  } while (0)
+#else
+#define SPADE_SETMAXNREG(insn) asm volatile(insn ::: "memory")
+#endif
 #endif  // SPADE_WGMMA
 
 template <int ST, bool SKIP, bool KTMA>
@@ -162,7 +173,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
 
   if (warp >= 8) {
     // ---------------- producer warpgroup (warps 8-11) ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    SPADE_SETMAXNREG("setmaxnreg.dec.sync.aligned.u32 56;\n");
     const int ptid = tid - 256, pw = ptid >> 5;
     const int P = a.P;
     const int* pt = a.page_table + a.page_off[seq];
@@ -365,7 +376,7 @@ __global__ void __launch_bounds__(kPfThreads, 1)
     cp_async_wait<0>();
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  SPADE_SETMAXNREG("setmaxnreg.inc.sync.aligned.u32 224;\n");
 
   // ---------------- consumer warpgroups ----------------
   const int wg = warp >> 2, wl = warp & 3;
