@@ -232,6 +232,16 @@ fi  # run
 # Each method of the mixed load served alone, then the mixed load, short and long prompts, with
 # the engine's counters (graph replays, captures, eager steps) after each load.
 if [ "$phase" = methods ]; then
+  if [ "${NCU:-0}" = 1 ]; then
+    # Kernel times of one method's decode steps at the mixed load's shape (ncu, clocks left
+    # alone): each kernel's share of the step, to place the per-layer chains of the slow methods.
+    IFS=';' read -ra NM <<< "${NCU_METHODS:-full;twilight:base=quest,budget=128;lycheecluster:budget=64}"
+    for m in "${NM[@]}"; do
+      timeout 150 ncu --clock-control none --csv --metrics gpu__time_duration.sum ./$B/bench_tpot_batch /tmp/ncu.json \
+        --model smollm2-135m --lengths 320:63 --methods "$m" --steps 1 --warm 1 > /tmp/ncu_raw.csv 2>/dev/null
+      python3 bench/ncu_kernel_shares.py /tmp/ncu_raw.csv --label "$m" | tee -a "$OUT/ncu_kernel_shares.txt"
+    done
+  fi
   ./$B/spade serve --model $M --device cuda --port 18080 --max-batch 256 --max-queue 2048 --max-step-tokens 2048 \
     >"$OUT/spade_serve.log" 2>&1 &
   SP=$!

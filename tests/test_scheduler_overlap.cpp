@@ -6,11 +6,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <set>
 #include <thread>
 
 #include "engine/scheduler.h"
 #include "scheduler_test_util.h"
+#include "server/metrics_text.h"
 #include "test_util.h"
 
 using namespace spade;
@@ -74,6 +76,8 @@ class AsyncRunner final : public CpuStepModel {
     StepCounters c;
     c.replays = uint64_t(device_steps.load());
     c.eager = uint64_t(host_steps.load());
+    c.replay_host_s = 1e-6 * double(c.replays);  // 1 us and 0.1 ms per step: distinct values
+    c.graph_device_s = 1e-4 * double(c.replays);
     return c;
   }
   void release(PageTable& pt) override {
@@ -191,6 +195,15 @@ TEST(SchedulerOverlap, ManyRequestsWithStopsAndLengths) {
   EXPECT_EQ(m.graph_replays, uint64_t(runner.device_steps.load()));
   EXPECT_EQ(m.eager_steps, 0u);
   EXPECT_EQ(m.steps, m.graph_replays);
+  EXPECT_DOUBLE_EQ(m.replay_host_seconds, 1e-6 * double(m.graph_replays));
+  EXPECT_DOUBLE_EQ(m.graph_device_seconds, 1e-4 * double(m.graph_replays));
+  EXPECT_EQ(m.eager_host_seconds, 0.0);
+  // ... and into the Prometheus text.
+  const std::string text = server::prometheus_text(m, server::HttpCounts{}, "x");
+  char want[128];
+  std::snprintf(want, sizeof want, "spade_engine_runner_device_seconds_total{how=\"graph\"} %.10g\n",
+                1e-4 * double(m.graph_replays));
+  EXPECT_NE(text.find(want), std::string::npos) << text;
   EXPECT_LE(m.forward_seconds + m.sample_seconds, m.busy_seconds * 1.0001 + 1e-6);
 }
 

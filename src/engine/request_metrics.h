@@ -55,6 +55,9 @@ struct EngineMetrics {
   // The runner's steps by how they ran (StepModel::step_counters; 0 for the CPU runner).
   uint64_t graph_replays = 0, graph_captures = 0, graph_updates = 0, graph_instantiations = 0,
            eager_steps = 0;
+  // ... and their time (StepModel::StepCounters): host launching by path, device by path.
+  double eager_host_seconds = 0, capture_host_seconds = 0, replay_host_seconds = 0;
+  double eager_device_seconds = 0, graph_device_seconds = 0;
   uint64_t overlapped_steps = 0;
   uint64_t cache_corrections = 0;  // correction chunks run (EngineRequest::correction_every)  // device steps that delivered the previous step's tokens meanwhile
 

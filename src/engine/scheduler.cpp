@@ -192,6 +192,9 @@ EngineMetrics Scheduler::metrics() const {
   m.graph_updates = c.updates;
   m.graph_instantiations = c.instantiations;
   m.eager_steps = c.eager;
+  m.eager_host_seconds = c.eager_host_s, m.capture_host_seconds = c.capture_host_s;
+  m.replay_host_seconds = c.replay_host_s;
+  m.eager_device_seconds = c.eager_device_s, m.graph_device_seconds = c.graph_device_s;
   return m;
 }
 

@@ -77,8 +77,13 @@ class StepModel {
   // How the runner's steps ran (CUDA graphs): replays of a captured graph, captures (each then
   // instantiated or updated in place), and steps run eagerly (launch by launch). Safe to read
   // from any thread while steps run.
+  // Also the time by path: host seconds in launching (an eager step's launches; a capture with
+  // its update or instantiation and replay; a replay alone) and device seconds of the steps
+  // (CUDA events around each), eager and graph.
   struct StepCounters {
     uint64_t replays = 0, captures = 0, updates = 0, instantiations = 0, eager = 0;
+    double eager_host_s = 0, capture_host_s = 0, replay_host_s = 0;
+    double eager_device_s = 0, graph_device_s = 0;
   };
   virtual StepCounters step_counters() const { return {}; }
   // The runner's own counters of its methods for --stats, one line each (GPU: BLASST tiles

@@ -629,6 +629,11 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
                                cudaMemcpyHostToDevice, st));
   }
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev0_), st));
+  const auto t_host = std::chrono::steady_clock::now();
+  auto host_ns = [&] {
+    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - t_host).count());
+  };
   // Decode steps replay a graph captured for their launch shape (graph_key); sparse steps
   // too: every launch reads its step-dependent inputs (lengths, page tables, work items,
   // metadata updates) from device buffers at fixed addresses that prepare() refilled. Traced
@@ -644,8 +649,10 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
       drop_graphs();
       it = graphs_.end();
     }
-    if (it == graphs_.end() ||
-        (sample && !rows_mode_ && std::memcmp(&graph_sampling_, sp, sizeof(*sp)) != 0)) {
+    const bool captured =
+        it == graphs_.end() ||
+        (sample && !rows_mode_ && std::memcmp(&graph_sampling_, sp, sizeof(*sp)) != 0);
+    if (captured) {
       if (it != graphs_.end()) {
         cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(it->second));
         graphs_.erase(it);
@@ -696,13 +703,24 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
     }
     SPADE_CUDA(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graphs_[key]), st));
     ++graph_counters_.replays;
+    (captured ? graph_counters_.capture_host_ns : graph_counters_.replay_host_ns) += host_ns();
+    last_eager_ = false;
   } else {
     ++graph_counters_.eager;
     enqueue(sample, sp, step);
     for (const Group& g : groups_) g.m->warm = true;
     eager_T_.insert(T_);
+    graph_counters_.eager_host_ns += host_ns();
+    last_eager_ = true;
   }
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev1_), st));
+}
+
+void CudaModel::step_done() {
+  SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
+                                  static_cast<cudaEvent_t>(ev1_)));
+  const auto ns = uint64_t(double(last_ms_) * 1e6);
+  (last_eager_ ? graph_counters_.eager_device_ns : graph_counters_.graph_device_ns) += ns;
 }
 
 const std::vector<float>& CudaModel::forward(const std::vector<SeqInput>& batch,
@@ -713,8 +731,7 @@ const std::vector<float>& CudaModel::forward(const std::vector<SeqInput>& batch,
   SPADE_CUDA(cudaMemcpyAsync(logits_host_.data(), logits_, sizeof(float) * logits_host_.size(),
                              cudaMemcpyDeviceToHost, S_(stream_)));
   SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
-  SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
-                                  static_cast<cudaEvent_t>(ev1_)));
+  step_done();
   return logits_host_;
 }
 
@@ -727,8 +744,7 @@ std::vector<int32_t> CudaModel::forward_sample(const std::vector<SeqInput>& batc
   SPADE_CUDA(cudaMemcpyAsync(sampled_host_, sampled_, sizeof(int32_t) * size_t(R_),
                              cudaMemcpyDeviceToHost, S_(stream_)));
   SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
-  SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
-                                  static_cast<cudaEvent_t>(ev1_)));
+  step_done();
   return std::vector<int32_t>(sampled_host_, sampled_host_ + R_);
 }
 
@@ -757,8 +773,7 @@ void CudaModel::forward_sample_rows_launch(const std::vector<SeqInput>& batch,
 
 const std::vector<int32_t>& CudaModel::forward_sample_rows_wait() {
   SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
-  SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
-                                  static_cast<cudaEvent_t>(ev1_)));
+  step_done();
   sampled_rows_.assign(sampled_host_, sampled_host_ + R_);
   return sampled_rows_;
 }

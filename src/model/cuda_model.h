@@ -150,6 +150,9 @@ class CudaModel {
   // Steps by how they ran since construction (any thread may read them).
   struct GraphCounters {
     std::atomic<uint64_t> replays{0}, captures{0}, updates{0}, instantiations{0}, eager{0};
+    // Nanoseconds: host time in launch() by path, device time (events) of eager / graph steps.
+    std::atomic<uint64_t> eager_host_ns{0}, capture_host_ns{0}, replay_host_ns{0},
+        eager_device_ns{0}, graph_device_ns{0};
   };
   const GraphCounters& graph_counters() const { return graph_counters_; }
   // Whether the last step's decode attention drew its chunks (the DYN schedule: fastest for
@@ -255,6 +258,8 @@ class CudaModel {
   int T_ = 0, R_ = 0;
   std::vector<float> logits_host_;
   float last_ms_ = 0.f;
+  bool last_eager_ = false;  // how the last launch() ran (GraphCounters' device time)
+  void step_done();          // after the step's sync: last_ms_ and the device-time counters
   GraphCounters graph_counters_;
   // Captured steps by launch shape (graph_key) -> cudaGraphExec_t.
   std::map<std::vector<int>, void*> graphs_;

@@ -47,8 +47,15 @@ class CudaStepModel final : public StepModel {
   }
   StepCounters step_counters() const override {
     const CudaModel::GraphCounters& g = m_.graph_counters();
-    return {g.replays.load(), g.captures.load(), g.updates.load(), g.instantiations.load(),
-            g.eager.load()};
+    StepCounters c;
+    c.replays = g.replays.load(), c.captures = g.captures.load(), c.updates = g.updates.load();
+    c.instantiations = g.instantiations.load(), c.eager = g.eager.load();
+    c.eager_host_s = 1e-9 * double(g.eager_host_ns.load());
+    c.capture_host_s = 1e-9 * double(g.capture_host_ns.load());
+    c.replay_host_s = 1e-9 * double(g.replay_host_ns.load());
+    c.eager_device_s = 1e-9 * double(g.eager_device_ns.load());
+    c.graph_device_s = 1e-9 * double(g.graph_device_ns.load());
+    return c;
   }
   bool samples_on_device() const override { return true; }
   const std::vector<int32_t>& forward_sample(const std::vector<SeqInput>& batch,

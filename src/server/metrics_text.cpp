@@ -115,6 +115,16 @@ std::string prometheus_text(const EngineMetrics& m, const HttpCounts& http,
            "CUDA graphs captured for a new step shape.", double(m.graph_captures));
   o.metric("spade_engine_graph_updates_total", "counter",
            "Captured graphs applied to an instantiated graph of the same topology.", double(m.graph_updates));
+  o.head("spade_engine_runner_host_seconds_total", "counter",
+         "Host seconds the runner spent launching steps: eager launches, captures (with their "
+         "update or instantiation and replay), and replays alone.");
+  o.sample("spade_engine_runner_host_seconds_total", "how=\"eager\"", m.eager_host_seconds);
+  o.sample("spade_engine_runner_host_seconds_total", "how=\"capture\"", m.capture_host_seconds);
+  o.sample("spade_engine_runner_host_seconds_total", "how=\"graph_replay\"", m.replay_host_seconds);
+  o.head("spade_engine_runner_device_seconds_total", "counter",
+         "Device seconds of the runner's steps (CUDA events around each), eager and graph.");
+  o.sample("spade_engine_runner_device_seconds_total", "how=\"eager\"", m.eager_device_seconds);
+  o.sample("spade_engine_runner_device_seconds_total", "how=\"graph\"", m.graph_device_seconds);
 
   o.metric("spade_requests_running", "gauge", "Sequences in the running batch.", double(m.running));
   o.metric("spade_requests_waiting", "gauge", "Requests waiting for admission.", double(m.waiting));
