@@ -14,7 +14,8 @@
 //          the kept positions int32 [list][max_slots] in selection order and the kept count
 //   CTA = one (list, query head): 512 threads (2 CTAs per SM) with 16 weights each in
 //   registers (lists up to 8192 slots; 1024 threads x 8 when the grid has at most one CTA
-//   per SM), else 256 threads over shared / global memory.
+//   per SM; 128 threads x 16 for lists up to 2048 slots), else 256 threads over shared /
+//   global memory.
 //   Softmax: two block reductions (max; sum and the count of largest weights). The search is
 //   sparse::topp_binary_search step for step (double midpoints, its termination test): eight
 //   steps per pass over the weights (topp_tree_search.cuh: shared-memory atomics bin the
@@ -65,6 +66,9 @@ constexpr int kTpRegThreads = 512, kTpEpt = 16, kTpRegSlots = kTpRegThreads * kT
 // Grids that leave most SMs idle (B = 1: B * Hq CTAs) take 1024 threads x 8 weights per
 // CTA instead: half the serial work per thread between the barriers.
 constexpr int kTpWideThreads = 1024, kTpWideEpt = kTpRegSlots / kTpWideThreads;
+// Short lists (a small base budget: up to 2048 slots) take 128 threads x 16 weights: four
+// warps meet at each barrier instead of 16 or 32 mostly idle ones.
+constexpr int kTpNarrowThreads = 128, kTpNarrowSlots = kTpNarrowThreads * kTpEpt;
 constexpr int kTpMemThreads = 256;
 constexpr int kTpWarps = 32;  // partial slots (the most warps of a CTA)
 constexpr size_t kTpSmemMax = 192u << 10;       // fp32 weights: lists up to 49152 slots
@@ -515,7 +519,9 @@ void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
   TpArgs a{st.base_off, st.base_idx, st.gran, logits_, wglob_, mask_, counters_, thr_,
            kept_strided_, kept_cnt_, G, max_slots_, p_, eps_, 0, topp_bisection_only_ ? 1 : 0,
            trace_};
-  if (max_slots_ <= kTpRegSlots) {
+  if (max_slots_ <= kTpNarrowSlots) {
+    launch_pdl(twl_topp_kernel<kTpNarrowThreads, kTpEpt>, st.B * Hkv_ * G, kTpNarrowThreads, 0, s, a);
+  } else if (max_slots_ <= kTpRegSlots) {
     const int ctas = st.B * Hkv_ * G;
     if (ctas <= n_sms_)
       launch_pdl(twl_topp_kernel<kTpWideThreads, kTpWideEpt>, ctas, kTpWideThreads, 0, s, a);
