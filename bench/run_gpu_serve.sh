@@ -256,6 +256,13 @@ if [ "$phase" = methods ]; then
       --procs 8 --warmup 63 --methods "$m" --label "spade c=63 $m" --out "$OUT/serve_alone_${m%%:*}.json" | tee -a "$S"
     metrics_snap $U "alone $m"
   done
+  # LONG_ALONE: methods served alone on the long load too (default none), with their counters.
+  IFS=';' read -ra LONE <<< "${LONG_ALONE:-}"
+  for m in "${LONE[@]}"; do
+    timeout 60 python3 bench/bench_serve.py --url $U --num-prompts 63 --concurrency 63 --prompt-words 2700 --max-tokens 128 \
+      --procs 8 --warmup 0 --methods "$m" --label "spade c=63 long $m" --out "$OUT/serve_long_alone_${m%%:*}.json" | tee -a "$S"
+    metrics_snap $U "long alone $m"
+  done
   timeout 90 python3 bench/bench_serve.py --url $U --num-prompts 252 --concurrency 63 --prompt-words 50 --max-tokens 256 \
     --procs 8 --warmup 63 --methods "$MIX" --label "spade c=63 mixed" --out "$OUT/serve_mixed_short.json" | tee -a "$S"
   metrics_snap $U "mixed short"

@@ -78,9 +78,21 @@ CudaModel::CudaModel(const ModelConfig& c, const CudaModelOptions& opt, uint64_t
 }
 
 void CudaModel::drop_graphs() {
-  for (auto& [k, g] : graphs_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g));
+  for (auto& [k, g] : graphs_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g.exec));
   graphs_.clear();
   graph_class_last_.clear();
+}
+
+void CudaModel::evict_lru_graph() {
+  auto lru = graphs_.begin();
+  for (auto it = graphs_.begin(); it != graphs_.end(); ++it)
+    if (it->second.used < lru->second.used) lru = it;
+  if (lru == graphs_.end()) return;
+  // A class whose latest graph this is keeps no update base (the next capture instantiates).
+  for (auto c = graph_class_last_.begin(); c != graph_class_last_.end();)
+    c = c->second == lru->first ? graph_class_last_.erase(c) : std::next(c);
+  cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(lru->second.exec));
+  graphs_.erase(lru);
 }
 
 CudaModel::~CudaModel() {
@@ -645,16 +657,14 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
     graph_key(sample);
     const std::vector<int>& key = graph_key_;
     auto it = graphs_.find(key);
-    if (it == graphs_.end() && graphs_.size() >= 64) {  // bound the cache (shapes drift with L)
-      drop_graphs();
-      it = graphs_.end();
-    }
+    if (it == graphs_.end() && graphs_.size() >= size_t(std::max(1, opt_.max_graphs)))
+      evict_lru_graph();
     const bool captured =
         it == graphs_.end() ||
         (sample && !rows_mode_ && std::memcmp(&graph_sampling_, sp, sizeof(*sp)) != 0);
     if (captured) {
       if (it != graphs_.end()) {
-        cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(it->second));
+        cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(it->second.exec));
         graphs_.erase(it);
       }
       // First use of this batch size or of a method: run eagerly (plans GEMM algorithms and
@@ -682,8 +692,8 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
         auto old = graphs_.find(c->second);
         if (old != graphs_.end()) {
           cudaGraphExecUpdateResultInfo info;
-          if (cudaGraphExecUpdate(static_cast<cudaGraphExec_t>(old->second), g, &info) == cudaSuccess) {
-            ge = static_cast<cudaGraphExec_t>(old->second);
+          if (cudaGraphExecUpdate(static_cast<cudaGraphExec_t>(old->second.exec), g, &info) == cudaSuccess) {
+            ge = static_cast<cudaGraphExec_t>(old->second.exec);
             graphs_.erase(old);
           } else {
             (void)cudaGetLastError();  // not updatable (another topology): instantiate
@@ -695,13 +705,15 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
       else ++graph_counters_.instantiations;
       if (!ge) SPADE_CUDA(cudaGraphInstantiate(&ge, g, 0));
       SPADE_CUDA(cudaGraphDestroy(g));
-      graphs_[key] = ge;
+      graphs_[key].exec = ge;
       graph_class_last_[graph_class_] = key;
       if (sample && !rows_mode_) graph_sampling_ = *sp;
       // An eager run already did this step's work (the KV append is idempotent: the
       // replay below rewrites the same slots with the same values).
     }
-    SPADE_CUDA(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graphs_[key]), st));
+    CachedGraph& cg = graphs_[key];
+    cg.used = ++graph_clock_;
+    SPADE_CUDA(cudaGraphLaunch(static_cast<cudaGraphExec_t>(cg.exec), st));
     ++graph_counters_.replays;
     (captured ? graph_counters_.capture_host_ns : graph_counters_.replay_host_ns) += host_ns();
     last_eager_ = false;

@@ -46,6 +46,9 @@ struct CudaModelOptions {
   int64_t max_step_tokens = 2048;  // new tokens per forward() (prefill chunk cap)
   int64_t max_logit_rows = 0;    // 0: max(max_batch, 64)
   bool cuda_graphs = true;       // decode steps (all q_len == 1) replay a captured graph
+  // Captured graphs kept at once; a new launch shape past it evicts the least recently
+  // replayed one.
+  int max_graphs = 128;
   // Steps that take the decode GEMV (<= Gemm::small_m() tokens) fuse the next op into it
   // (gemm.h; the same values as the separate launches), a bit mask: kFuseSwiglu (gate|up +
   // SwiGLU, gemv_swiglu), kFuseQkvPost (qkv + qkv_post, gemv_qkv_post; not with q/k norms or
@@ -261,8 +264,17 @@ class CudaModel {
   bool last_eager_ = false;  // how the last launch() ran (GraphCounters' device time)
   void step_done();          // after the step's sync: last_ms_ and the device-time counters
   GraphCounters graph_counters_;
-  // Captured steps by launch shape (graph_key) -> cudaGraphExec_t.
-  std::map<std::vector<int>, void*> graphs_;
+  // Captured steps by launch shape (graph_key) -> cudaGraphExec_t and the launch() that last
+  // replayed it. At most opt_.max_graphs: a new shape then evicts the least recently used
+  // graph (a server's batch sizes and method mixes drift; dropping every graph at once would
+  // make the next shapes instantiate instead of updating a graph of their class).
+  struct CachedGraph {
+    void* exec = nullptr;
+    uint64_t used = 0;
+  };
+  std::map<std::vector<int>, CachedGraph> graphs_;
+  uint64_t graph_clock_ = 0;
+  void evict_lru_graph();
   std::vector<int> graph_key_;  // scratch
   void graph_key(bool sample);  // this step's launch shape into graph_key_
   // Graphs that cudaGraphExecUpdate may turn into one another: batch size, sampling, methods.

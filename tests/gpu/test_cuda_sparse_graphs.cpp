@@ -3,6 +3,7 @@
 // launch shapes change under them (a request crossing 1024 tokens re-plans the Quest stride and
 // the dense heads' work items; a batch-size change picks another graph).
 #include <cstring>
+#include <random>
 
 #include "../test_util.h"
 #include "gpu_model_util.h"
@@ -64,6 +65,48 @@ void compare_graphs(const std::string& spec, int na, int nb, int steps) {
   EXPECT_EQ(eager.graphs_captured(), 0);
   std::printf("[ sparse-graphs ] %s: %d steps, %d graphs captured, identical logits\n",
               spec.c_str(), steps, graphed.graphs_captured());
+}
+
+// The graph cache keeps max_graphs graphs and evicts the least recently replayed one: with
+// room for two, batch sizes 1, 2, 1, 2, 3 capture three graphs (3 evicts batch 1's, the older
+// replay), then batch 2 replays its graph without a capture and batch 1 captures again.
+TEST(CudaSparseGraphs, CacheEvictsTheLeastRecentlyReplayedGraph) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = tiny_config(Arch::Llama, 64, 4, 4096);
+  ModelWeights w = random_model(c, 78);
+  round_weights_bf16(w);
+  CudaModelOptions opt;
+  opt.max_tokens = 2048;
+  opt.max_batch = 4;
+  opt.max_graphs = 2;
+  CudaModel m(w, opt);
+  std::mt19937 rng(12);
+  PageTable pt[3];
+  std::vector<int64_t> rows;
+  for (PageTable& p : pt) {
+    const auto prompt = random_tokens(rng, 40, c.vocab);
+    m.forward({{&p, prompt.data(), 40, false, nullptr, nullptr}}, rows);
+  }
+  int32_t tok[3] = {1, 2, 3};
+  auto step = [&](int b) {
+    std::vector<SeqInput> batch;
+    for (int i = 0; i < b; ++i) batch.push_back({&pt[i], &tok[i], 1, false, nullptr, nullptr});
+    m.forward(batch, rows);
+  };
+  const auto& g = m.graph_counters();
+  for (int b : {1, 2, 1, 2}) step(b);
+  EXPECT_EQ(g.captures.load(), 2u);
+  EXPECT_EQ(m.graphs_captured(), 2);
+  step(3);  // evicts batch 1's graph (replayed before batch 2's last replay)
+  EXPECT_EQ(g.captures.load(), 3u);
+  EXPECT_EQ(m.graphs_captured(), 2);
+  step(2);  // kept: a replay
+  EXPECT_EQ(g.captures.load(), 3u);
+  step(1);  // evicted: captured again
+  EXPECT_EQ(g.captures.load(), 4u);
+  EXPECT_EQ(m.graphs_captured(), 2);
+  EXPECT_EQ(g.replays.load(), 7u);
+  for (PageTable& p : pt) m.release(p);
 }
 
 TEST(CudaSparseGraphs, ReplayEqualsEagerForEveryMethod) {
