@@ -1,5 +1,6 @@
 // GPU method conformance: one suite parameterized over every row of the GPU registry
-// (sparse/gpu/registry.h) and the stacks the GPU runs (quest+blasst, quest+twilight). A new GPU
+// (sparse/gpu/registry.h) and the stacks the GPU runs (quest+blasst; Twilight over every GPU
+// selector: quest, full, tidal, lessismore, lycheecluster). A new GPU
 // method without a spec here fails (GpuRegistryRowsHaveASpec). For each method, on a small
 // random model (bf16-rounded weights: the CPU runs fp32 on the values the GPU holds):
 //   - the CPU method and the GPU method build from the same spec, and the GPU description
@@ -10,8 +11,9 @@
 //     traced selection list (every selector but streaming, whose lists the device writes from
 //     the lengths) is well formed (strictly ascending, inside the context: token
 //     positions < L, or Quest pages < ceil(L / 16)) and no longer than the method's budget;
-//     for the methods whose selection is a function of the length alone (full, streaming),
-//     the decode logits agree with the CPU method's within 3e-2 at every step;
+//     for the methods whose selection is a function of the length alone (full, streaming;
+//     not under Twilight, whose top-p sets depend on the data), the decode logits agree with
+//     the CPU method's within 3e-2 at every step;
 //   - the request states count the decode rows (positive, and NL * Hkv * L per step for full);
 //   - every KV page returns to the pool.
 // The CPU agreement of the data-dependent selections under each method's near-tie rule (which
@@ -62,6 +64,11 @@ const std::map<std::string, std::string>& conformance_specs() {
       {"lycheecluster", "lycheecluster:budget=64,dense_layers=1"},
       {"quest+blasst", "quest+blasst:budget=64"},
       {"quest+twilight", "quest+twilight:budget=128"},
+      // Twilight over the other GPU selectors (layer 2, and 1 where dense_layers=1, pruned).
+      {"full+twilight", "full+twilight:dense_layers=1"},
+      {"tidal+twilight", "tidal+twilight:budget=64,dense_layers=1,selection_layers=1"},
+      {"lessismore+twilight", "twilight:base=lessismore,budget=64,dense_layers=1,selection_layers=1"},
+      {"lycheecluster+twilight", "lycheecluster+twilight:budget=64,dense_layers=1"},
   };
   return s;
 }
@@ -69,8 +76,9 @@ const std::map<std::string, std::string>& conformance_specs() {
 std::vector<std::string> conformance_names() {
   std::vector<std::string> n;
   for (const GpuMethodRow& r : gpu_methods()) n.push_back(r.name);
-  n.push_back("quest+blasst");
-  n.push_back("quest+twilight");
+  for (const char* s : {"quest+blasst", "quest+twilight", "full+twilight", "tidal+twilight",
+                        "lessismore+twilight", "lycheecluster+twilight"})
+    n.push_back(s);
   return n;
 }
 
@@ -115,9 +123,17 @@ TEST_P(CudaMethodConformance, AgreesWithTheCpuAndReturnsItsPages) {
   const std::string desc = opt.sparse.describe();
   EXPECT_FALSE(desc.empty());
   const std::string base = sparse::split_stack(sc.method).front();
+  const bool twilight = spec.find("twilight") != std::string::npos;
   EXPECT_TRUE(desc.rfind(base, 0) == 0 || desc.rfind("blasst over [" + base, 0) == 0 ||
-              (base == "quest" && desc.rfind("twilight", 0) == 0))
+              (twilight && desc.rfind("twilight", 0) == 0))
       << desc;
+  if (twilight) {
+    EXPECT_TRUE(opt.sparse.twilight_any() && opt.sparse.needs_int4_keys()) << desc;
+    const std::string over = spec.rfind("twilight:base=", 0) == 0
+                                 ? spec.substr(14, spec.find(',') - 14)
+                                 : base;
+    EXPECT_NE(desc.find("over [" + over), std::string::npos) << desc;
+  }
   CudaModel gpu(w, opt);
   const int64_t total = gpu.free_pages();
   CudaModel::QuestTrace trace;
@@ -131,8 +147,9 @@ TEST_P(CudaMethodConformance, AgreesWithTheCpuAndReturnsItsPages) {
     if (st[r] && st[r]->wants_token_text())
       for (int64_t i = 0; i < k; ++i) st[r]->append_token_text(text_of(ids[i]));
   };
-  // The CPU method runs where its selection is a function of the length alone.
-  const bool length_only = base == "full" || base == "streaming";
+  // The CPU method runs where its selection is a function of the length alone (Twilight's
+  // kept sets are not: test_cuda_twilight_model compares them with the CPU's).
+  const bool length_only = (base == "full" || base == "streaming") && !twilight;
   PageTable pd[2], pc[2], pg[2];
   std::vector<int64_t> rd, rc, rg;
   {

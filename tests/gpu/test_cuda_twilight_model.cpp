@@ -23,7 +23,15 @@
 //   tests; the dense comparison reaches 0.025): peaked (Llama D = 64) and flat
 //   (Qwen3 D = 128) attention, over every token and over Quest pages (budget < the context:
 //   the pages checked and teacher-forced first, tracing_quest.h).
-// - Option checks: base other than quest, budget=auto, head_combine=mean are clear errors.
+// - Twilight over the other GPU selectors (full, tidal, lessismore, lycheecluster):
+//   KeepAllOverEveryBaseEqualsDenseGpu: p = 1 with base budgets >= the context keeps every
+//   token, so the decode logits match the dense GPU path within 1e-2 (the wiring: the base's
+//   lists at their granularity, LessIsMore's shared list copied per KV head, LycheeCluster's
+//   lists compacted, full's chunk lists, the kept lists' attention); FullBaseKeptSetsMatchCpu
+//   TeacherForced: the teacher-forced kept-set comparison above over base=full (every token on
+//   both sides), peaked and flat attention.
+// - Option checks: bases without a GPU pruning path, budget=auto, head_combine=mean are clear
+//   errors; every GPU selector's stack parses to the selector with twilight_sel.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -171,19 +179,23 @@ class TracingTwilight final : public sparse::SparseMethod {
     ASSERT_GT(gpu->kept.size(), size_t(c.layer)) << "GPU kept lists missing, layer " << c.layer;
     const auto& gk = gpu->kept[size_t(c.layer)];
     const auto& gl = gpu->logits[size_t(c.layer)];
-    const auto& gs = gpu->sel.at(size_t(c.layer));
     sparse::Selection forced;
     forced.begin_per_head(Hkv, L);
     for (int h = 0; h < Hkv; ++h) {
       const size_t list = size_t(r) * Hkv + size_t(h);
       const auto& bt = base[size_t(h)];
       const int64_t n = int64_t(bt.size());
-      // The GPU's slot of every base token (its Quest pages, 16 slots each).
+      // The GPU's slot of every base token: 16 slots per entry of its Chunk16 list (Quest's
+      // traced pages; base=full: chunks 0, 1, ... of the whole context, so slot = token).
       std::map<int32_t, int64_t> slot_of;
-      const auto& pages = gs.at(list);
-      for (size_t e = 0; e < pages.size(); ++e)
-        for (int row = 0; row < 16; ++row)
-          if (int64_t(pages[e]) * 16 + row < L) slot_of[pages[e] * 16 + row] = int64_t(e) * 16 + row;
+      if (full_base) {
+        for (int64_t t = 0; t < L; ++t) slot_of[int32_t(t)] = t;
+      } else {
+        const auto& pages = gpu->sel.at(size_t(c.layer)).at(list);
+        for (size_t e = 0; e < pages.size(); ++e)
+          for (int row = 0; row < 16; ++row)
+            if (int64_t(pages[e]) * 16 + row < L) slot_of[pages[e] * 16 + row] = int64_t(e) * 16 + row;
+      }
       ASSERT_EQ(int64_t(slot_of.size()), n) << "base sets differ, layer " << c.layer;
       std::vector<int32_t> cs(sel.head(h), sel.head(h) + sel.count(h)), gset = gk.at(list);
       std::sort(cs.begin(), cs.end());
@@ -304,6 +316,7 @@ class TracingTwilight final : public sparse::SparseMethod {
   }
 
   const CudaModel::QuestTrace* gpu = nullptr;
+  bool full_base = false;  // the GPU's base is Twilight over full (chunk lists of the context)
   std::map<const PageTable*, int> req_of;
   mutable int rows = 0, identical = 0, near_tie = 0, bad = 0;
   mutable double max_err = 0, max_rel_err = 0, max_diff_frac = 0, kept_cpu = 0, kept_gpu = 0;
@@ -318,13 +331,23 @@ class TracingTwilight final : public sparse::SparseMethod {
 // steps. budget >= the context: both sides' base is every token. A smaller budget: the base is
 // TracingQuest (tracing_quest.h), whose pages are checked against the GPU's and replaced by them
 // up to near-ties first (the shorter request stays under the budget: its base is every token).
-void compare_twilight_traced(Arch arch, int D, double p, int dl, int budget) {
-  SCOPED_TRACE(testing::Message() << "twilight " << arch_name(arch) << " D=" << D << " budget=" << budget);
+// base = "full": Twilight over full attention on both sides (the GPU's chunk lists of the
+// whole context; budget unused).
+void compare_twilight_traced(Arch arch, int D, double p, int dl, int budget,
+                             const std::string& base = "quest") {
+  SCOPED_TRACE(testing::Message() << "twilight " << arch_name(arch) << " D=" << D << " base="
+                                  << base << " budget=" << budget);
   const ModelConfig c = tiny_config(arch, D);
   ModelWeights w = random_model(c, 17);
   round_weights_bf16(w);
   sparse::SparseConfig sc = tw_spec(p, dl);
-  sc.set("budget", std::to_string(budget));
+  const bool full = base == "full";
+  if (full) {
+    sc.set("base", "full");
+    sc.options.erase("budget");
+  } else {
+    sc.set("budget", std::to_string(budget));
+  }
   CudaModelOptions opt = tw_opts();
   opt.sparse = cuda_sparse_config(sc, c, 16);
   CudaModel gpu(w, opt);
@@ -332,7 +355,7 @@ void compare_twilight_traced(Arch arch, int D, double p, int dl, int budget) {
   KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
   CpuModel cpu(w, kv);
   const int na = 170, nb = 60, steps = 12;
-  const bool traced_base = budget < na;
+  const bool traced_base = !full && budget < na;
   std::shared_ptr<TracingQuest> quest;
   std::shared_ptr<const sparse::SparseMethod> tw;
   if (traced_base) {
@@ -345,6 +368,11 @@ void compare_twilight_traced(Arch arch, int D, double p, int dl, int budget) {
     tw = sparse::make_method(sc, c);
   }
   auto method = std::make_shared<TracingTwilight>(tw, dl);
+  method->full_base = full;
+  if (full) {
+    ASSERT_TRUE(opt.sparse.twilight_sel);
+    ASSERT_EQ(opt.sparse.method, CudaSparse::Method::None);
+  }
   sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
   // The logits' bound is the other teacher-forced selection tests' kTolLogits (5e-2; the dense
   // comparison reaches 0.025): attention over a few tens of tokens amplifies the bf16 / fp32
@@ -356,12 +384,12 @@ void compare_twilight_traced(Arch arch, int D, double p, int dl, int budget) {
         method->gpu = &trace;
         if (quest) quest->req_of = method->req_of, quest->gpu = &trace;
       });
-  std::printf("[ twilight-model ] %s D=%d p=%.2f budget=%d teacher-forced: %d kept sets (step, "
-              "layer, request, KV head): GPU vs CPU %d identical, %d explained by the logit "
+  std::printf("[ twilight-model ] %s D=%d p=%.2f base=%s budget=%d teacher-forced: %d kept sets "
+              "(step, layer, request, KV head): GPU vs CPU %d identical, %d explained by the logit "
               "error, %d bad; mean kept cpu %.1f gpu %.1f; largest logit error %.3g (%.3g of the "
               "row's max |logit|); at most %.1f%% of a set differs; worst decode logits rel err "
               "%.3g over %d steps\n",
-              arch_name(arch), D, p, budget, method->rows, method->identical, method->near_tie,
+              arch_name(arch), D, p, base.c_str(), full ? 0 : budget, method->rows, method->identical, method->near_tie,
               method->bad, method->kept_cpu / std::max(1, method->rows),
               method->kept_gpu / std::max(1, method->rows), method->max_err, method->max_rel_err,
               100 * method->max_diff_frac, worst, steps);
@@ -392,9 +420,89 @@ TEST(CudaTwilightModel, KeptSetsMatchCpuTeacherForced) {
   compare_twilight_traced(Arch::Qwen3, 128, 0.9, 1, 64);
 }
 
+// Twilight over full attention (no base selection: both sides prune every token of the
+// context), teacher-forced as above: the GPU's chunk lists of the context, pruned.
+TEST(CudaTwilightModel, FullBaseKeptSetsMatchCpuTeacherForced) {
+  SKIP_WITHOUT_GPU();
+  compare_twilight_traced(Arch::Llama, 64, 0.9, 1, 0, "full");
+  compare_twilight_traced(Arch::Qwen3, 128, 0.9, 1, 0, "full");
+}
+
+// p = 1 keeps every token of the base's lists (the threshold ends at 0, as in
+// KeepAllEqualsDenseGpu); with base budgets >= the context every base lists the whole context,
+// so each stack's decode logits are the dense GPU path's up to the split order (1e-2). Twilight
+// prunes layers >= 1 (dense_layers=1; Tidal / LessIsMore select in layer 1, which stays dense,
+// and layer 2 reuses). Request states with token text, as LycheeCluster needs them.
+TEST(CudaTwilightModel, KeepAllOverEveryBaseEqualsDenseGpu) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = tiny_config(Arch::Llama, 128);
+  ModelWeights w = random_model(c, 23);
+  round_weights_bf16(w);
+  CudaModel dense(w, tw_opts());
+  for (const char* spec : {"full+twilight:p=1,dense_layers=1",
+                           "tidal+twilight:p=1,budget=512,dense_layers=1,selection_layers=1",
+                           "twilight:base=lessismore,p=1,budget=512,dense_layers=1,selection_layers=1",
+                           "lycheecluster+twilight:p=1,budget=512,dense_layers=1",
+                           "quest+twilight:p=1,budget=512,dense_layers=1"}) {
+    SCOPED_TRACE(spec);
+    CudaModelOptions os = tw_opts();
+    os.sparse = cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);
+    ASSERT_TRUE(os.sparse.twilight_any());
+    CudaModel tw(w, os);
+    CudaModel::QuestTrace trace;
+    std::unique_ptr<sparse::MethodState> st[2] = {tw.new_request_state(0), tw.new_request_state(0)};
+    auto text = [&](int r, const int32_t* ids, int64_t k) {
+      if (st[r] && st[r]->wants_token_text())
+        for (int64_t i = 0; i < k; ++i) st[r]->append_token_text("w" + std::to_string(ids[i] % 97) + " ");
+    };
+    std::mt19937 rng(4);
+    auto a = random_tokens(rng, 90, c.vocab), b = random_tokens(rng, 33, c.vocab);
+    PageTable pd[2], ps[2];
+    std::vector<int64_t> r1, r2;
+    text(0, a.data(), 90);
+    text(1, b.data(), 33);
+    dense.forward({{&pd[0], a.data(), 90, false}, {&pd[1], b.data(), 33, false}}, r1);
+    tw.forward({{&ps[0], a.data(), 90, false, nullptr, st[0].get()},
+                {&ps[1], b.data(), 33, false, nullptr, st[1].get()}}, r2);
+    double worst = 0;
+    int64_t kept_lists = 0;
+    for (int s = 0; s < 8; ++s) {
+      int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
+      text(0, &ta, 1);
+      text(1, &tb, 1);
+      tw.quest_trace = s == 7 ? &trace : nullptr;  // the last step traced
+      std::vector<float> ld = dense.forward({{&pd[0], &ta, 1, false}, {&pd[1], &tb, 1, false}}, r1);
+      const auto& ls = tw.forward({{&ps[0], &ta, 1, false, nullptr, st[0].get()},
+                                   {&ps[1], &tb, 1, false, nullptr, st[1].get()}}, r2);
+      const double e = rel_err(ls, ld);
+      worst = std::max(worst, e);
+      EXPECT_LT(e, 1e-2) << "step " << s;
+    }
+    // The traced step pruned layer 2 (reuse / sparse), keeping every token of each context.
+    ASSERT_GT(trace.kept.size(), size_t(2));
+    ASSERT_EQ(trace.kept[2].size(), size_t(2 * c.n_kv_heads));
+    for (size_t i = 0; i < trace.kept[2].size(); ++i) {
+      const int64_t L = ps[i / size_t(c.n_kv_heads)].length;
+      std::vector<int32_t> k = trace.kept[2][i];
+      std::sort(k.begin(), k.end());
+      EXPECT_EQ(int64_t(k.size()), L) << "list " << i;
+      for (size_t j = 0; j < k.size(); ++j) ASSERT_EQ(k[j], int32_t(j)) << "list " << i;
+      ++kept_lists;
+    }
+    std::printf("[ twilight-model ] %s: worst logits rel err vs dense GPU %.3g, %lld kept "
+                "lists = the whole context\n",
+                spec, worst, static_cast<long long>(kept_lists));
+    tw.quest_trace = nullptr;
+    for (int r = 0; r < 2; ++r) tw.release(ps[r]);
+    st[0].reset();
+    st[1].reset();
+  }
+}
+
 TEST(CudaTwilightModel, UnsupportedOptionsAreClearErrors) {
   const ModelConfig c = tiny_config(Arch::Llama, 64);
-  expect_cuda_config_error("twilight:base=full,budget=1024", "base=quest", c);
+  expect_cuda_config_error("twilight:base=streaming,budget=1024", "base=quest, full", c);
+  expect_cuda_config_error("tidal+twilight", "explicit budget", c);
   expect_cuda_config_error("twilight", "explicit budget", c);
   expect_cuda_config_error("twilight:budget=1024,head_combine=mean", "head_combine=union", c);
   const CudaSparse t =
@@ -403,6 +511,36 @@ TEST(CudaTwilightModel, UnsupportedOptionsAreClearErrors) {
   EXPECT_EQ(t.budget, 1024);
   EXPECT_EQ(t.dense_layers, 2);  // the CPU method's default
   EXPECT_DOUBLE_EQ(t.twilight_p, 0.8);
+  EXPECT_FALSE(t.twilight_sel);
+  EXPECT_TRUE(t.needs_int4_keys() && t.needs_quest_meta());
+}
+
+// Twilight stacks over every GPU selector: the selector's own form with twilight_sel, the
+// INT4 keys, Twilight's p and dense_layers, and a description naming both.
+TEST(CudaTwilightModel, StacksOverEveryGpuSelector) {
+  const ModelConfig c = tiny_config(Arch::Llama, 64);
+  using M = CudaSparse::Method;
+  for (auto [spec, method, name] :
+       {std::tuple{"full+twilight:p=0.8", M::None, "full"},
+        std::tuple{"twilight:base=full,p=0.8", M::None, "full"},
+        std::tuple{"tidal+twilight:budget=256,p=0.8,dense_layers=1,selection_layers=1", M::Tidal, "tidal"},
+        std::tuple{"twilight:base=tidal,budget=256,p=0.8,dense_layers=1,selection_layers=1", M::Tidal, "tidal"},
+        std::tuple{"lessismore+twilight:budget=256,p=0.8,dense_layers=1,selection_layers=1", M::LessIsMore, "lessismore"},
+        std::tuple{"lycheecluster+twilight:budget=256,p=0.8,dense_layers=1", M::LycheeCluster, "lycheecluster"}}) {
+    SCOPED_TRACE(spec);
+    const CudaSparse t = cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);
+    EXPECT_EQ(t.method, method);
+    EXPECT_TRUE(t.twilight_sel && t.twilight_any() && t.needs_int4_keys());
+    EXPECT_FALSE(t.needs_quest_meta());
+    EXPECT_DOUBLE_EQ(t.twilight_p, 0.8);
+    const bool full = method == M::None;
+    EXPECT_EQ(t.twilight_dense_layers, full ? 2 : 1);
+    if (full) EXPECT_EQ(t.dense_layers, c.n_layers);  // every layer is full's dense one
+    else EXPECT_EQ(t.budget, 256);
+    const std::string d = t.describe();
+    EXPECT_EQ(d.rfind("twilight p=0.8", 0), 0u) << d;
+    EXPECT_NE(d.find(std::string("over [") + name), std::string::npos) << d;
+  }
 }
 
 }  // namespace

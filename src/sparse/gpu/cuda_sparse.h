@@ -72,14 +72,28 @@ struct CudaSparse {
   // space, pooling, seeding, center dtype, grouping and ranking). budget and dense_layers
   // above mirror lc.budget and lc.dense_layers.
   sparse::LycheeClusterParams lc;
-  // twilight (base quest, budget = the Quest budget): top-p mass and bisection resolution
+  // twilight: top-p mass and bisection resolution. Over quest (`quest+twilight`,
+  // twilight:base=quest) the method is Twilight (budget = the Quest budget, dense_layers shared).
+  // Over another GPU selector X (`X+twilight`, twilight:base=X; X = full, tidal, lessismore,
+  // lycheecluster) `method` is X's with twilight_sel set: X selects as it does alone and every
+  // layer >= twilight_dense_layers that X does not run dense with scores (Tidal / LessIsMore
+  // selection layers) prunes X's lists (sparse/gpu/twilight_stage.h), or the whole context in
+  // X's dense layers (the CPU prunes the base's dense selection too). Full: dense_layers =
+  // n_layers (every layer is the base's dense one).
   double twilight_p = 0.95, twilight_eps = 1e-6;
+  bool twilight_sel = false;
+  int twilight_dense_layers = 0;  // twilight_sel: leading layers Twilight does not prune
+  bool twilight_any() const { return method == Method::Twilight || twilight_sel; }
+  // Leading layers Twilight does not prune (over quest: the shared dense_layers).
+  int twilight_dense() const {
+    return method == Method::Twilight ? dense_layers : twilight_dense_layers;
+  }
   // Quest selects (quest itself, or twilight's base).
   bool quest_base() const { return method == Method::Quest || method == Method::Twilight; }
   // Per-page data the model keeps on every KV append for this method (method.h
   // GpuPageHooks): Quest's key min/max per page, Twilight's INT4 copy of the keys.
   bool needs_quest_meta() const { return quest_base(); }
-  bool needs_int4_keys() const { return method == Method::Twilight; }
+  bool needs_int4_keys() const { return twilight_any(); }
 };
 // The GPU form of a sparse::SparseConfig, through the same option table and checks as the
 // CPU method (sparse/registry.h). "full" -> Method::None; methods without a GPU path and

@@ -5,11 +5,13 @@
 #include "model/cuda_methods.h"
 #include "sparse/gpu/cuda_sparse.h"
 #include "sparse/gpu/registry.h"
+#include "sparse/gpu/twilight_stage.h"
 #include "backend/cuda/sparse_attention.h"
 #include "sparse/methods/blasst.h"
 #include "sparse/methods/lessismore.h"
 #include "sparse/methods/lycheecluster.h"
 #include "sparse/methods/lycheedecode.h"
+#include "sparse/methods/twilight.h"
 #include "sparse/registry.h"
 
 namespace spade {
@@ -38,6 +40,12 @@ std::string CudaSparse::describe() const {
                              : std::string("off"),
                ", prefill ", !blasst_prefill ? std::string("dense (prefill=1 turns skipping on)")
                              : blasst_lambda_text(*this, true) + cuda_prefill_tiles_text(head_dim));
+  }
+  if (twilight_sel) {
+    CudaSparse base = *this;
+    base.twilight_sel = false;
+    if (base.method == Method::None) base.dense_layers = 0;
+    return twilight_stage_describe(*this, base.describe());
   }
   // The method's own line (its class in src/sparse/gpu/, through the GPU registry).
   return find_gpu_method(*this).kind->describe(*this);
@@ -159,13 +167,37 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
     return r;
   }
   if (info.name == "twilight") {
-    // GPU: base quest with an explicit budget, the union of the heads' top-p sets, INT4 keys.
-    SPADE_CHECK(o.str("base") == "quest", "--device cuda: twilight runs over base=quest only "
-                "(got base=", o.str("base"), ")");
-    SPADE_CHECK(!o.is_auto("budget"), "--device cuda: twilight needs an explicit budget (the "
-                "Quest budget; budget=auto grows it with the context)");
+    // GPU: the union of the heads' top-p sets on INT4 keys, over a GPU selector with an
+    // explicit budget (full needs none).
+    const std::string tb = o.str("base");
+    SPADE_CHECK(tb == "quest" || tb == "full" || tb == "tidal" || tb == "lessismore" ||
+                    tb == "lycheecluster",
+                "--device cuda: twilight runs over base=quest, full, tidal, lessismore or "
+                "lycheecluster (got base=", tb, ")");
+    SPADE_CHECK(tb == "full" || !o.is_auto("budget"), "--device cuda: twilight needs an explicit "
+                "budget (the base's; budget=auto grows it with the context)");
     SPADE_CHECK(o.str("head_combine") == "union" && o.str("keys") == "int4",
                 "--device cuda: twilight supports head_combine=union keys=int4 only");
+    if (tb != "quest") {
+      // Twilight over another selector: the base's GPU form, which prunes its lists.
+      sparse::SparseConfig bc;
+      bc.method = tb;
+      bc.options = sparse::route_to_base("twilight", sparse::twilight_own_options(), tb,
+                                         sparse::given_options(o));
+      CudaSparse b = cuda_sparse_config(bc, model, kv_page_size);
+      SPADE_CHECK(!b.blasst_any() && !b.twilight_any(), "--device cuda: twilight base '", tb,
+                  "' must be a GPU selector");
+      b.twilight_sel = true;
+      b.twilight_p = o.number("p");
+      b.twilight_eps = o.number("eps");
+      b.twilight_dense_layers = int(o.integer("dense_layers"));
+      if (b.method == CudaSparse::Method::None) b.dense_layers = model.n_layers;  // full
+      SPADE_CHECK(b.twilight_dense_layers >= b.dense_layers || kv_page_size % 16 == 0,
+                  "--device cuda: twilight over ", tb, " prunes whole contexts in 16-token "
+                  "chunks and needs a KV page size divisible by 16 (got ", kv_page_size, ")");
+      b.head_dim = model.head_dim;
+      return b;
+    }
     for (const auto& [k, v] : cfg.options)
       SPADE_CHECK((k != "group" || v == "max") && (k != "page_size" || v == "16"),
                   "--device cuda: twilight's quest base supports group=max page_size=16 only");
@@ -176,6 +208,7 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
     r.dense_layers = int(o.integer("dense_layers"));
     r.twilight_p = o.number("p");
     r.twilight_eps = o.number("eps");
+    r.twilight_dense_layers = r.dense_layers;
     r.quest_fast = scores == "fast" ? 1 : 0;
     SPADE_CHECK(r.budget >= 16 && r.budget <= (int64_t(1) << 30), "sparse budget out of range");
     return r;

@@ -9,7 +9,9 @@
 // i32 per-head top-k [max_batch * Hq][n_uni], f32 merge keys [max_batch][seq_pages_cap *
 // page_size], i32 merged top-k [max_batch][n_uni] (n_uni = budget - recent - sinks), + 5 x
 // 256 B; the lists hold max_batch * min(budget, max_context) entries; the long-row top-k
-// scratch (rows of max_batch * Hq, k = n_uni) where it applies.
+// scratch (rows of max_batch * Hq, k = n_uni) where it applies; Twilight's stage when stacked
+// (`lessismore+twilight`: SelectingMethod::twilight_bytes; the one list of a request is
+// copied per KV head and pruned per KV head in the reuse layers).
 #if defined(SPADE_HAVE_CUDA)
 #include <algorithm>
 
@@ -41,7 +43,8 @@ class GpuLessIsMore final : public TokenTopKMethod {
                        size_t(mb * Hq * nu) * 4 + size_t(mb) * size_t(c * P) * 4 +
                        size_t(mb * nu) * 4 + 5 * 256;
     return base_bytes(ctx, sp) + lists_bytes(ctx, cap(ctx, sp), 1) + own +
-           topk_bytes(ctx, k_of(sp), ctx.cfg.n_heads);
+           topk_bytes(ctx, k_of(sp), ctx.cfg.n_heads) +
+           twilight_bytes(ctx, sp, cap(ctx, sp), 1, cuda::SelGran::Token);
   }
   static std::string describe_spec(const CudaSparse& sp) {
     return cat("lessismore budget=", sp.budget, " recent=", sp.recent, " sinks=", sp.sinks, " ",

@@ -24,7 +24,9 @@
 // LcIndexGpu (LcIndexGpu::arena_bytes for max_batch * n_sparse slots of up to max_chunks
 // chunks: chunk bounds, coarse / fine centers), i32 lists [max_batch * Hkv][cap] and their
 // lengths and offsets [max_batch * Hkv], i32 slot table [n_sparse][max_batch], + 3 x 256 B;
-// a pinned host mirror of the slot table.
+// a pinned host mirror of the slot table; Twilight's stage when stacked
+// (`lycheecluster+twilight`: SelectingMethod::twilight_bytes; the search's lists are compacted
+// to CSR, then pruned).
 #if defined(SPADE_HAVE_CUDA)
 #include <algorithm>
 #include <cmath>
@@ -137,7 +139,8 @@ class GpuLycheeCluster final : public SelectingMethod {
     return std::max<int64_t>(1, int64_t(ctx.max_batch) * ctx.cfg.n_kv_heads * s.cap);
   }
   static size_t arena_bytes_of(const GpuMethodContext& ctx, const CudaSparse& sp) {
-    return base_bytes(ctx, sp) + lists_bytes(ctx, cap(ctx, sp), 1) + lc_arena_bytes(ctx, sp);
+    return base_bytes(ctx, sp) + lists_bytes(ctx, cap(ctx, sp), 1) + lc_arena_bytes(ctx, sp) +
+           twilight_bytes(ctx, sp, cap(ctx, sp), ctx.cfg.n_kv_heads, cuda::SelGran::Token);
   }
   static std::string describe_spec(const CudaSparse& sp) {
     const auto& p = sp.lc;
@@ -252,10 +255,11 @@ class GpuLycheeCluster final : public SelectingMethod {
                                cudaMemcpyHostToDevice, st));
   }
 
-  void attend_lists(int l, const void* q, const void* kc_, const void* vc_, void* att,
-                    float scale) override {
+  // The layer's index work (at the first sparse layer: every build and insert of the step)
+  // and its search into the strided lists lc_lists_ / lc_counts_.
+  void search_layer(int l, const void* q, const void* kc_) {
     const sparse::LycheeClusterParams& p = sp_.lc;
-    const int Hkv = ctx_.cfg.n_kv_heads, n_sparse = ctx_.cfg.n_layers - p.dense_layers;
+    const int n_sparse = ctx_.cfg.n_layers - p.dense_layers;
     const int j = l - p.dense_layers;
     const cuda::bf16* kc = static_cast<const cuda::bf16*>(kc_);
     cudaStream_t st = S_(run_);
@@ -287,6 +291,23 @@ class GpuLycheeCluster final : public SelectingMethod {
     a.sink = p.sink, a.cap = lc_cap_;
     a.lists = lc_lists_, a.counts = lc_counts_;
     lc_->search(a, st);
+  }
+
+  TwilightBaseLists twilight_base(int l, const void* q, const void* kc) override {
+    search_layer(l, q, kc);
+    // The pruner reads CSR lists.
+    cuda::LcIndexGpu::compact(lc_lists_, lc_counts_, step_B_ * ctx_.cfg.n_kv_heads, lc_cap_,
+                              sel_off_, sel_idx_, S_(run_));
+    if (trace) trace_lists(l);
+    return SelectingMethod::twilight_base(l, q, kc);
+  }
+
+  void attend_lists(int l, const void* q, const void* kc_, const void* vc_, void* att,
+                    float scale) override {
+    const int Hkv = ctx_.cfg.n_kv_heads;
+    cudaStream_t st = S_(run_);
+    search_layer(l, q, kc_);
+    const cuda::bf16* kc = static_cast<const cuda::bf16*>(kc_);
     if (trace) {  // the trace reads CSR lists
       cuda::LcIndexGpu::compact(lc_lists_, lc_counts_, step_B_ * Hkv, lc_cap_, sel_off_, sel_idx_, st);
       trace_lists(l);

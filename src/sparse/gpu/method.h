@@ -57,7 +57,9 @@ struct GpuSelectionTrace {
   std::vector<std::vector<std::vector<float>>> scores;
   // Twilight: the pruner's kept token positions [layer][b * Hkv + h] (selection order) and
   // its estimated logits [layer][(b * Hkv + h) * G + g][slot] (slot = 16 * entry + row of
-  // the layer's Quest list in sel; slots past the context are -inf).
+  // the layer's Chunk16 list (Quest's in sel; full: chunk u = tokens [16u, 16u + 16)), or the
+  // entry of a Token list (tidal, lessismore, lycheecluster: the base list of KV head h);
+  // slots past the context or the list are -inf or stale: read the first list-length ones).
   std::vector<std::vector<std::vector<int32_t>>> kept;
   std::vector<std::vector<std::vector<float>>> logits;
 };

@@ -27,7 +27,9 @@ size_t GpuQuest::quest_bytes(const GpuMethodContext& ctx) {
 }
 
 size_t GpuQuest::arena_bytes_of(const GpuMethodContext& ctx, const CudaSparse& sp) {
-  return base_bytes(ctx, sp) + lists_bytes(ctx, quest_sel_cap(ctx, sp), 1) + quest_bytes(ctx);
+  return base_bytes(ctx, sp) + lists_bytes(ctx, quest_sel_cap(ctx, sp), 1) + quest_bytes(ctx) +
+         twilight_bytes(ctx, sp, quest_sel_cap(ctx, sp), ctx.cfg.n_kv_heads,
+                        cuda::SelGran::Chunk16);
 }
 
 std::string GpuQuest::describe_spec(const CudaSparse& sp) {
@@ -53,13 +55,11 @@ void GpuQuest::alloc_state(cuda::DeviceArena& A) {
 void GpuQuest::list_entries(const SeqInput* seqs, int n, bool& any_sparse) {
   const int P = ctx_.page_size, Hkv = ctx_.cfg.n_kv_heads;
   const int64_t kp = sp_.budget / 16;
-  plan_kept_max_.clear();
   for (int i = 0; i < n; ++i) {
     const int64_t L = seqs[i].pages->length + 1;
     const int np = int((L + P - 1) / P);
     any_sparse |= kp < np;
     for (int h = 0; h < Hkv; ++h) plan_max_entries_.push_back(int(std::min<int64_t>(kp, np)));
-    for (int h = 0; h < Hkv; ++h) plan_kept_max_.push_back(int(std::min<int64_t>(kp * 16, L)));
   }
 }
 
@@ -80,6 +80,11 @@ void GpuQuest::select_pages(int l, const void* q) {
   qa.csr_off = sel_off_;
   cuda::quest_select(qa, S_(run_));
   if (trace) trace_lists(l);
+}
+
+TwilightBaseLists GpuQuest::twilight_base(int l, const void* q, const void* kc) {
+  select_pages(l, q);
+  return SelectingMethod::twilight_base(l, q, kc);
 }
 
 void GpuQuest::attend_lists(int l, const void* q, const void* kc, const void* vc, void* att,

@@ -1,12 +1,12 @@
 // Quest on the GPU (the CPU's QuestMethod with group=max and page_size == KV page size == 16):
 // per-page key min/max kept by the model on every KV append (GpuPageHooks::quest_meta), page
 // scores + radix top-k writing the CSR lists (Chunk16 entries: pages), attention over them.
-// Twilight (twilight.cpp) prunes this selection further.
+// Twilight (twilight.cpp, selecting.h's TwilightStage) prunes this selection further.
 //
 // Layout / bytes (after SelectingMethod's lists, selecting.h): f32 page scores
 // [max_batch * Hkv][seq_pages_cap] + 256 B; lists of at most max(1, min(budget / 16,
-// seq_pages_cap)) pages per (request, KV head). Reads the model's bf16 metadata
-// [L][pages][Hkv][2][D].
+// seq_pages_cap)) pages per (request, KV head); with Twilight (twilight_any), its stage
+// (SelectingMethod::twilight_bytes). Reads the model's bf16 metadata [L][pages][Hkv][2][D].
 #pragma once
 #if defined(SPADE_HAVE_CUDA)
 #include <string>
@@ -35,9 +35,10 @@ class GpuQuest : public SelectingMethod {
                     float scale) override;
   // The layer's page selection into the CSR lists (and the trace).
   void select_pages(int layer, const void* q);
+  // Twilight over Quest: the layer's page selection (Chunk16 lists).
+  TwilightBaseLists twilight_base(int layer, const void* q, const void* kc) override;
 
   float* quest_scores_ = nullptr;
-  std::vector<int> plan_kept_max_;  // per list: its tokens (Twilight's kept-list bounds)
 };
 
 }  // namespace spade

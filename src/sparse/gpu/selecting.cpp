@@ -3,7 +3,8 @@
 // workspace (SparseAttention::arena_bytes with kSparseMaxSplit splits and n_patterns plans)
 // + 4 MiB; TokenTopKMethod's long-row top-k scratch: cuda::topk_long_scratch_bytes(max_batch *
 // score_rows rows of seq_pages_cap * page_size, k) + 256 B where the one-pass top-k does not
-// cover the longest row. Here: the decode step's list plan (the dense kernel when every list
+// cover the longest row; Twilight's stage over the selector: twilight_bytes() (selecting.h,
+// twilight_stage.h). Here: the decode step's list plan (the dense kernel when every list
 // covers its context, the CPU's set_dense), the rows each request reads, the attention over
 // the lists, the token top-k and the test traces.
 #if defined(SPADE_HAVE_CUDA)
@@ -31,8 +32,35 @@ size_t SelectingMethod::lists_bytes(const GpuMethodContext& ctx, int64_t sel_cap
   return b;
 }
 
+namespace {
+// Twilight over a selector: the most base tokens of one list, whether the lists are shared
+// by a request's KV heads, whether it also prunes whole contexts (the selector's dense layers
+// at or above twilight_dense_layers).
+struct TwlShape {
+  int64_t slots = 0;
+  bool shared = false, full = false;
+};
+TwlShape twl_shape(const GpuMethodContext& ctx, const CudaSparse& sp, int64_t sel_cap,
+                   int lists_per_req, cuda::SelGran gran) {
+  TwlShape t;
+  const int64_t lists = int64_t(ctx.max_batch) * std::max(1, lists_per_req);
+  t.slots = std::max<int64_t>(1, sel_cap / lists) * (gran == cuda::SelGran::Chunk16 ? 16 : 1);
+  t.shared = lists_per_req == 1 && ctx.cfg.n_kv_heads > 1;
+  t.full = sp.twilight_dense() < std::min(sp.dense_layers, ctx.cfg.n_layers);
+  return t;
+}
+}  // namespace
+
+size_t SelectingMethod::twilight_bytes(const GpuMethodContext& ctx, const CudaSparse& sp,
+                                       int64_t sel_cap, int lists_per_req, cuda::SelGran gran) {
+  if (!sp.twilight_any()) return 0;
+  const TwlShape t = twl_shape(ctx, sp, sel_cap, lists_per_req, gran);
+  return TwilightStage::arena_bytes(ctx, t.slots, t.shared, t.full);
+}
+
 SelectingMethod::~SelectingMethod() {
   quiesce();
+  twl_.reset();
   sparse_.reset();
 }
 
@@ -44,6 +72,13 @@ void SelectingMethod::check() const {
               " > 16 is not supported");
   SPADE_CHECK(sp_.dense_layers >= 0 && sp_.dense_layers <= c.n_layers,
               "sparse dense_layers outside [0, ", c.n_layers, "]");
+  if (sp_.twilight_any()) {
+    SPADE_CHECK(ctx_.hooks.k_int4, "--device cuda: this model keeps no INT4 key copy, so '",
+                sp_.describe(), "' cannot run on it (build the model with the method, or with "
+                "CudaModelOptions::any_method)");
+    SPADE_CHECK(sp_.twilight_dense() >= 0 && sp_.twilight_dense() <= c.n_layers,
+                "twilight dense_layers outside [0, ", c.n_layers, "]");
+  }
 }
 
 void SelectingMethod::alloc(cuda::DeviceArena& A) {
@@ -56,11 +91,16 @@ void SelectingMethod::alloc(cuda::DeviceArena& A) {
   alloc_state(A);
   sel_off_ = A.alloc_n<int32_t>(size_t(mb * Hkv + 1), "selection offsets");
   sel_idx_ = A.alloc_n<int32_t>(size_t(std::max<int64_t>(1, sel_cap())), "selection entries");
+  if (sp_.twilight_any()) {
+    const TwlShape t = twl_shape(ctx_, sp_, sel_cap(), lists_per_req(), gran());
+    twl_full_ = t.full;
+    twl_ = std::make_unique<TwilightStage>(A, ctx_, sp_, t.slots, t.shared, t.full);
+  }
 }
 
 void SelectingMethod::plan_lists(const SeqInput* seqs, int n, bool decode) {
   const ModelConfig& c = ctx_.cfg;
-  if (!decode || sp_.dense_layers >= c.n_layers) return;
+  if (!decode || (sp_.dense_layers >= c.n_layers && !twl_full_)) return;
   const int P = ctx_.page_size;
   std::vector<cuda::SparseSeq>& sseq = plan_seqs_;
   sseq.resize(size_t(n));
@@ -80,6 +120,22 @@ void SelectingMethod::plan_lists(const SeqInput* seqs, int n, bool decode) {
   // Every list covering the whole context: the dense kernel (the CPU's set_dense).
   if (!any_sparse) return;
   plan_kernels(ctx_.stream);
+  if (twl_) {
+    // Kept lists: bounded by each (request, KV head)'s base tokens (the whole context where
+    // Twilight also prunes the selector's dense layers).
+    const int lpr = lists_per_req(), Hkv = c.n_kv_heads;
+    const bool chunk = gran() == cuda::SelGran::Chunk16;
+    plan_kept_max_.clear();
+    for (int i = 0; i < n; ++i) {
+      const int64_t L = sseq[size_t(i)].kv_len;
+      for (int h = 0; h < Hkv; ++h) {
+        const int64_t e = plan_max_entries_[size_t(i) * size_t(lpr) + size_t(lpr == 1 ? 0 : h)];
+        const int64_t tokens = twl_full_ ? L : std::min<int64_t>(chunk ? e * 16 : e, L);
+        plan_kept_max_.push_back(int(std::max<int64_t>(1, tokens)));
+      }
+    }
+    twl_->plan(plan_seqs_, plan_kept_max_, ctx_.stream);
+  }
   sparse_step_ = true;
   step_B_ = n;
   // Rounded up (within the score buffer's stride) so that the Quest launches, and a graph
@@ -111,8 +167,30 @@ int64_t SelectingMethod::list_rows(int, int64_t L) const {
 
 void SelectingMethod::attend(int l, const void* q, const void* kc, const void* vc, void* att,
                              float scale) {
-  if (sparse_step_ && l >= sp_.dense_layers) attend_lists(l, q, kc, vc, att, scale);
+  if (sparse_step_ && twl_ && l >= sp_.twilight_dense() &&
+      (l >= sp_.dense_layers || twl_full_))
+    attend_pruned(l, q, kc, vc, att, scale);
+  else if (sparse_step_ && l >= sp_.dense_layers) attend_lists(l, q, kc, vc, att, scale);
   else attend_dense(l, q, kc, vc, att, scale);
+}
+
+TwilightBaseLists SelectingMethod::twilight_base(int, const void*, const void*) {
+  TwilightBaseLists b;
+  b.off = sel_off_, b.idx = sel_idx_, b.gran = gran();
+  b.shared = lists_per_req() == 1 && ctx_.cfg.n_kv_heads > 1;
+  return b;
+}
+
+void SelectingMethod::attend_pruned(int l, const void* q, const void* kc, const void* vc,
+                                    void* att, float scale) {
+  // The selector's dense layers: every chunk of the context (the CPU prunes the base's dense
+  // selection too); else the selector's lists of this layer.
+  TwilightBaseLists b = l < sp_.dense_layers ? twl_->full_lists(step_B_, sparse_->dev_kv_len(), run_)
+                                             : twilight_base(l, q, kc);
+  b.page_table = sparse_->dev_page_table();
+  b.page_off = sparse_->dev_page_off();
+  b.kv_len = sparse_->dev_kv_len();
+  twl_->attend(b, step_B_, l, q, kc, vc, att, scale, run_, sel_skip(l), trace);
 }
 
 void SelectingMethod::attend_lists(int l, const void* q, const void* kc, const void* vc,
@@ -131,6 +209,7 @@ void SelectingMethod::append_graph_key(std::vector<int>& k) const {
   k.push_back(step_B_);
   k.push_back(step_max_pages_);
   for (int n : sparse_->pattern_items()) k.push_back(n);
+  if (twl_) twl_->append_graph_key(k);
 }
 
 void SelectingMethod::trace_lists(int layer) {

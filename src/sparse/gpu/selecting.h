@@ -7,7 +7,10 @@
 // [max_batch * Hkv + 1] and entries [sel_cap] (sel_cap: the subclass's bound on a step's
 // entries), + a SparseAttention of kSparseMaxSplit splits over the KV pool for max_batch
 // sequences (n_patterns dense-head patterns) + 4 MiB; then the subclass's own buffers, in
-// the order alloc_state() takes them. TokenTopKMethod's scores are f32 rows of
+// the order alloc_state() takes them; then, for Twilight over the selector
+// (CudaSparse::twilight_any), its pruning stage (twilight_stage.h; twilight_bytes(): lists of
+// at most sel_cap / (max_batch * lists_per_req) entries, x 16 tokens for Chunk16, or the
+// longest context where Twilight prunes the selector's dense layers). TokenTopKMethod's scores are f32 rows of
 // seq_pages_cap * page_size (the longest context) each, score_rows rows per sequence; the
 // long-row two-stage top-k scratch exists only where cuda::topk_long_applies.
 #pragma once
@@ -17,6 +20,7 @@
 
 #include "backend/cuda/sparse_attention.h"
 #include "sparse/gpu/method.h"
+#include "sparse/gpu/twilight_stage.h"
 
 namespace spade {
 
@@ -34,6 +38,10 @@ class SelectingMethod : public GpuMethod {
   static constexpr int kSparseMaxSplit = 256;
   // Bytes of the lists and the attention over them (see the top of this file).
   static size_t lists_bytes(const GpuMethodContext& ctx, int64_t sel_cap, int n_patterns);
+  // Bytes of Twilight's stage over this selector (0 unless sp.twilight_any()): sel_cap,
+  // lists_per_req and gran as the object's sel_cap(), lists_per_req(), gran().
+  static size_t twilight_bytes(const GpuMethodContext& ctx, const CudaSparse& sp,
+                               int64_t sel_cap, int lists_per_req, cuda::SelGran gran);
 
   void check() const override;
   void alloc(cuda::DeviceArena& A) final;
@@ -54,7 +62,7 @@ class SelectingMethod : public GpuMethod {
   // its context (any_sparse; else the step runs dense). Default: min(budget, L) tokens.
   virtual void list_entries(const SeqInput* seqs, int n, bool& any_sparse);
   // Whether a step's lists are used even when they cover every context (Twilight prunes).
-  virtual bool always_sparse() const { return false; }
+  virtual bool always_sparse() const { return twl_ != nullptr; }
   // The SparseAttention plan(s) of the step.
   virtual void plan_kernels(void* stream);
   // Rows one request of context L reads in sparse layer l (>= dense_layers).
@@ -64,6 +72,15 @@ class SelectingMethod : public GpuMethod {
                             float scale);
   // Tests: the step's CSR lists of this layer into trace->sel.
   void trace_lists(int layer);
+  // Twilight over this selector: layer `layer`'s lists as the pruner reads them, after the
+  // selector's work of the layer (Quest's page selection, LycheeCluster's search). Default:
+  // the CSR lists (sel_off_, sel_idx_) at gran(), shared when lists_per_req() == 1, written
+  // before the layer (begin_step or a selection layer).
+  virtual TwilightBaseLists twilight_base(int layer, const void* q, const void* kc);
+  // Layer l >= twilight_dense_layers of a sparse step: Twilight's pruning of the selector's
+  // lists (the whole context in the selector's dense layers), then attention over the kept.
+  void attend_pruned(int layer, const void* q, const void* kc, const void* vc, void* att,
+                     float scale);
 
   std::unique_ptr<cuda::SparseAttention> sparse_;
   int32_t* sel_off_ = nullptr;
@@ -71,6 +88,11 @@ class SelectingMethod : public GpuMethod {
   // This step (host planning vectors: cleared, never reallocated once warm).
   std::vector<cuda::SparseSeq> plan_seqs_;
   std::vector<int> plan_max_entries_;
+  // Twilight over this selector (null without it); twl_full_: it also prunes whole contexts
+  // (the selector's dense layers at or above twilight_dense_layers).
+  std::unique_ptr<TwilightStage> twl_;
+  bool twl_full_ = false;
+  std::vector<int> plan_kept_max_;  // per (request, KV head): its base tokens (kept bounds)
 };
 
 class TokenTopKMethod : public SelectingMethod {

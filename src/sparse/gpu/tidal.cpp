@@ -7,7 +7,9 @@
 // Layout / bytes (after SelectingMethod's lists, selecting.h): f32 group-mean scores
 // [max_batch * Hkv][seq_pages_cap * page_size], i32 row lengths [max_batch * Hkv], i32 strided
 // top-k [max_batch * Hkv][k] (k = min(budget, max_context)), + 3 x 256 B; the lists hold
-// max_batch * Hkv * k entries; the long-row top-k scratch where it applies.
+// max_batch * Hkv * k entries; the long-row top-k scratch where it applies; Twilight's stage
+// over the token lists when stacked (`tidal+twilight`: SelectingMethod::twilight_bytes; the
+// reuse layers' lists are pruned, the selection layers stay dense with their scores).
 #if defined(SPADE_HAVE_CUDA)
 #include <algorithm>
 
@@ -39,7 +41,8 @@ class GpuTidal final : public TokenTopKMethod {
     const size_t own = size_t(mb * Hkv) * size_t(ctx.seq_pages_cap * P) * 4 +
                        size_t(mb * Hkv) * 4 + size_t(mb * Hkv * k) * 4 + 3 * 256;
     return base_bytes(ctx, sp) + lists_bytes(ctx, cap(ctx, sp), 1) + own +
-           topk_bytes(ctx, k_of(ctx, sp), ctx.cfg.n_kv_heads);
+           topk_bytes(ctx, k_of(ctx, sp), ctx.cfg.n_kv_heads) +
+           twilight_bytes(ctx, sp, cap(ctx, sp), ctx.cfg.n_kv_heads, cuda::SelGran::Token);
   }
   static std::string describe_spec(const CudaSparse& sp) {
     return cat("tidal budget=", sp.budget, " ", sp.schedule.describe(),
