@@ -33,7 +33,11 @@ TEST(EvalRunner, CpuDevicePlacesEveryRunOnTheCpu) {
 TEST(EvalRunner, CudaDeviceFollowsHasCudaPathAndTheGpuConfig) {
   EXPECT_TRUE(has_cuda_path("quest+blasst"));  // a stack: every stage has one
   EXPECT_TRUE(has_cuda_path("quest+twilight+blasst"));
-  EXPECT_FALSE(has_cuda_path("oracle-topp+blasst"));
+  // Every CPU method has a GPU path (oracle-topp since issue 37 item 6); unknown names none.
+  EXPECT_TRUE(has_cuda_path("oracle-topp"));
+  EXPECT_TRUE(has_cuda_path("oracle-topp+blasst"));
+  EXPECT_FALSE(has_cuda_path("no-such-method"));
+  EXPECT_FALSE(has_cuda_path("quest+no-such-method"));
   const auto runs = expand_methods("full;quest;oracle-topp;oracle-topk;streaming", {64, 128});
   // No GPU config check: has_cuda_path alone decides.
   const auto p = place_runs(runs, Device::CUDA);
@@ -57,7 +61,9 @@ TEST(EvalRunner, CudaDeviceFollowsHasCudaPathAndTheGpuConfig) {
   const std::string line = placement_line(runs, q);
   EXPECT_EQ(line.rfind("GPU: full, quest:budget=64, ", 0), 0u) << line;
   EXPECT_NE(line.find("; CPU: quest:budget=128 (quest: not on the GPU)"), std::string::npos) << line;
-  EXPECT_NE(line.find("oracle-topp (no GPU path)"), std::string::npos) << line;
+  // oracle-topp runs on the GPU: named before the CPU part.
+  EXPECT_LT(line.find("oracle-topp"), line.find("; CPU:")) << line;
+  EXPECT_EQ(line.find("no GPU path"), std::string::npos) << line;
   EXPECT_EQ(placement_line(runs, place_runs(runs, Device::CPU)).rfind("CPU: full, ", 0), 0u);
 }
 

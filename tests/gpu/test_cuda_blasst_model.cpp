@@ -211,7 +211,11 @@ TEST(CudaBlasstModel, OptionsMapOrFailClearly) {
   auto expect_error = [&](const std::string& spec, const char* what) {
     expect_cuda_config_error(spec, what, c);
   };
-  expect_error("blasst:base=oracle-topp", "no GPU path");
+  {  // oracle-topp has a GPU path (issue 37 item 6): BLASST over it skips in its list launches.
+    const CudaSparse o = cuda_sparse_config(sparse::SparseConfig::parse_spec("blasst:base=oracle-topp"), c, 16);
+    EXPECT_EQ(o.method, CudaSparse::Method::OracleTopP);
+    EXPECT_TRUE(o.blasst_sel);
+  }
   expect_error("blasst:tile=32", "fixed by the GPU kernels");
   for (const char* spec : {"blasst:base=quest,budget=512", "quest+blasst:budget=512"}) {
     const CudaSparse q = cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);

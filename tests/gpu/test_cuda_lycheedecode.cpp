@@ -174,8 +174,33 @@ TEST(CudaLycheeDecode, OptionsMapOrFailClearly) {
   EXPECT_EQ(t.budget, 256);
   ASSERT_EQ(t.retrieval.size(), 4u);
   EXPECT_EQ(t.retrieval[1], (std::vector<uint8_t>{0, 1}));
-  expect_cuda_config_error("lycheedecode:roles=RR/SR/RS/SS,mode=topp", "mode=topk block=1", c);
-  expect_cuda_config_error("lycheedecode:roles=RR/SR/RS/SS,block=64", "mode=topk block=1", c);
+  // Every mode and block size maps (issue 37 item 6).
+  const CudaSparse tp = cuda_sparse_config(
+      sparse::SparseConfig::parse_spec("lycheedecode:roles=RR/SR/RS/SS,mode=topp,p=0.9,block=64"), c, 16);
+  EXPECT_EQ(tp.method, CudaSparse::Method::LycheeDecode);
+  EXPECT_EQ(tp.ld_mode, 2);
+  EXPECT_DOUBLE_EQ(tp.ld_p, 0.9);
+  EXPECT_EQ(tp.ld_block, 64);
+  EXPECT_TRUE(tp.ld_rule());
+  EXPECT_NE(tp.describe().find("mode=topp p=0.9 block=64"), std::string::npos) << tp.describe();
+  const CudaSparse th = cuda_sparse_config(
+      sparse::SparseConfig::parse_spec("lycheedecode:roles=RR/SR/RS/SS,mode=threshold,tau=1e-3"), c, 16);
+  EXPECT_EQ(th.ld_mode, 3);
+  EXPECT_DOUBLE_EQ(th.ld_tau, 1e-3);
+  EXPECT_EQ(th.ld_block, 1);
+  const CudaSparse ra = cuda_sparse_config(
+      sparse::SparseConfig::parse_spec("lycheedecode:roles=RR/SR/RS/SS,mode=ratio,ratio=0.25,block=16"), c, 16);
+  EXPECT_EQ(ra.ld_mode, 1);
+  EXPECT_DOUBLE_EQ(ra.ld_ratio, 0.25);
+  EXPECT_EQ(ra.ld_block, 16);
+  const CudaSparse tk = cuda_sparse_config(
+      sparse::SparseConfig::parse_spec("lycheedecode:roles=RR/SR/RS/SS,budget=100,block=64"), c, 16);
+  EXPECT_EQ(tk.ld_mode, 0);
+  EXPECT_EQ(tk.budget, 100);
+  EXPECT_TRUE(tk.ld_rule());
+  EXPECT_FALSE(t.ld_rule());  // topk on tokens: the token top-k path
+  // What the GPU still cannot run stays a clear error (the CPU's option checks first).
+  expect_cuda_config_error("lycheedecode:roles=RR/SR/RS/SS,mode=topp,p=0", "outside (0, 1]", c);
   // Cache correction maps: the decode loop runs it (sparse/cache_correction.h).
   EXPECT_NO_THROW(cuda_sparse_config(
       sparse::SparseConfig::parse_spec("lycheedecode:roles=RR/SR/RS/SS,correction=1,correction_every=8"), c, 16));

@@ -69,6 +69,11 @@ const std::map<std::string, std::string>& conformance_specs() {
       {"tidal+twilight", "tidal+twilight:budget=64,dense_layers=1,selection_layers=1"},
       {"lessismore+twilight", "twilight:base=lessismore,budget=64,dense_layers=1,selection_layers=1"},
       {"lycheecluster+twilight", "lycheecluster+twilight:budget=64,dense_layers=1"},
+      {"oracle-topp", "oracle-topp:p=0.9"},
+      // LycheeDecode's other selection modes and block sizes (issue 37 item 6).
+      {"lycheedecode/topp", "lycheedecode:roles=RR/SR/RS,mode=topp,p=0.9,block=64"},
+      {"lycheedecode/threshold", "lycheedecode:roles=RR/SR/RS,mode=threshold,tau=0.002"},
+      {"lycheedecode/ratio", "lycheedecode:roles=RR/SR/RS,mode=ratio,ratio=0.2,block=16"},
   };
   return s;
 }
@@ -77,7 +82,8 @@ std::vector<std::string> conformance_names() {
   std::vector<std::string> n;
   for (const GpuMethodRow& r : gpu_methods()) n.push_back(r.name);
   for (const char* s : {"quest+blasst", "quest+twilight", "full+twilight", "tidal+twilight",
-                        "lessismore+twilight", "lycheecluster+twilight"})
+                        "lessismore+twilight", "lycheecluster+twilight", "lycheedecode/topp",
+                        "lycheedecode/threshold", "lycheedecode/ratio"})
     n.push_back(s);
   return n;
 }

@@ -164,7 +164,15 @@ TEST(CudaOracle, OptionsMap) {
   EXPECT_EQ(t.method, CudaSparse::Method::OracleTopK);
   EXPECT_EQ(t.budget, 256);
   EXPECT_EQ(t.dense_layers, 0);
-  expect_cuda_config_error("oracle-topp", "no GPU path", c);
+  // oracle-topp (issue 37 item 6): p, group and dense_layers map.
+  const CudaSparse p =
+      cuda_sparse_config(sparse::SparseConfig::parse_spec("oracle-topp:p=0.8,group=mean,dense_layers=1"), c, 16);
+  EXPECT_EQ(p.method, CudaSparse::Method::OracleTopP);
+  EXPECT_DOUBLE_EQ(p.oracle_p, 0.8);
+  EXPECT_FALSE(p.oracle_union);
+  EXPECT_EQ(p.dense_layers, 1);
+  EXPECT_TRUE(cuda_sparse_config(sparse::SparseConfig::parse_spec("oracle-topp"), c, 16).oracle_union);
+  EXPECT_EQ(p.describe().rfind("oracle-topp p=0.8 group=mean", 0), 0u) << p.describe();
 }
 
 }  // namespace

@@ -31,6 +31,7 @@
 #include "gpu_model_util.h"
 #include "tracing_quest.h"
 #include "model/cpu_model.h"
+#include "model/cuda_methods.h"
 #include "model/cuda_model.h"
 #include "sparse/methods/quest.h"
 #include "sparse/registry.h"
@@ -192,7 +193,11 @@ TEST(CudaSparseModel, MethodsWithoutGpuPathAreClearErrors) {
   auto expect_error = [&](const std::string& spec, const char* what) {
     expect_cuda_config_error(spec, what, c);
   };
-  expect_error("oracle-topp", "no GPU path");
+  // Every CPU method has a GPU path (oracle-topp since issue 37 item 6); the GPU refuses
+  // options it cannot run, with the reason.
+  EXPECT_EQ(cuda_sparse_config(sparse::SparseConfig::parse_spec("oracle-topp"), c, 16).method,
+            CudaSparse::Method::OracleTopP);
+  EXPECT_NE(cuda_method_list().find("oracle-topp"), std::string::npos);
   expect_error("quest:group=sum", "group=max");
   expect_error("quest:page_size=32", "page_size 16");
   expect_error("quest:budget=8", "budget");

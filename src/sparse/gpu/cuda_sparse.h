@@ -31,7 +31,7 @@ constexpr double kBlasstDefaultGpuDecodeA = 4.128;
 struct CudaSparse {
   enum class Method {
     None, Streaming, Quest, Tidal, LessIsMore, LycheeDecode, OracleTopK, Blasst, Twilight,
-    LycheeCluster
+    LycheeCluster, OracleTopP
   };
   Method method = Method::None;
   int64_t budget = 0;
@@ -57,15 +57,26 @@ struct CudaSparse {
   // lessismore: merged tokens besides the sinks and the recency window.
   int64_t lim_unified() const { return budget - recent - sinks; }
   // lycheedecode: retrieval[layer][h] = 1 for retrieval heads (the rest are sparse heads),
-  // mode topk with block 1 (budget = tokens per sparse head), roles in identity order.
+  // roles in identity order. Its selection rule (sparse::LdRule): ld_mode 0 topk (budget =
+  // tokens per sparse head; 0 in the other modes), 1 ratio, 2 topp, 3 threshold, on units
+  // of ld_block tokens. topk on tokens ranks by score (the token top-k); every other rule
+  // runs the rule kernels (backend/cuda/rule_select.h) on the retrieval heads' weights.
   std::vector<std::vector<uint8_t>> retrieval;
   std::string roles_source;
+  int ld_mode = 0, ld_block = 1;
+  double ld_p = 0.99, ld_tau = 1e-4, ld_ratio = 0.3;
+  bool ld_rule() const { return ld_mode != 0 || ld_block != 1; }
+  // oracle-topp: each query head's smallest true top set reaching oracle_p, the KV head
+  // reading their union (oracle_union), or the smallest top set of the group weights W
+  // reaching oracle_p * G (group=mean).
+  double oracle_p = 0.95;
+  bool oracle_union = true;
   std::string describe() const;
   // Attends over selection lists (streaming, quest); BLASST skips inside the dense kernels.
   bool selects() const {
     return method == Method::Streaming || quest_base() || scheduled() ||
            method == Method::LycheeDecode || method == Method::OracleTopK ||
-           method == Method::LycheeCluster;
+           method == Method::LycheeCluster || method == Method::OracleTopP;
   }
   // lycheecluster: the CPU method's parameters (budget, budget_mode, sink, buffer,
   // dense_layers, chunking, index and search options; the GPU supports the defaults' bound

@@ -129,8 +129,8 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
   if (info.name == "lycheedecode") {
     const auto& ld = static_cast<const sparse::LycheeDecodeMethod&>(*method);
     const sparse::LdRule& rule = ld.rule();
-    SPADE_CHECK(rule.mode == sparse::LdMode::TopK && rule.block == 1, "--device cuda: lycheedecode "
-                "supports mode=topk block=1 only (got ", rule.describe(), ")");
+    // Every mode (topk, ratio, topp, threshold) and block size of the CPU method: topk on
+    // tokens ranks by score, the others run the rule kernels (backend/cuda/rule_select.h).
     // Cache correction (correction=1) needs nothing of the method: the decode loop re-feeds
     // the tokens as a dense chunk (sparse/cache_correction.h).
     const sparse::HeadRoles& roles = ld.roles();
@@ -138,13 +138,32 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
                 "identity order (reordered weights are a CPU-only layout)");
     SPADE_CHECK(roles.n_kv_heads <= 32, "--device cuda: lycheedecode supports up to 32 KV heads");
     r.method = CudaSparse::Method::LycheeDecode;
-    r.budget = rule.budget;
+    r.ld_mode = rule.mode == sparse::LdMode::TopK    ? 0
+                : rule.mode == sparse::LdMode::Ratio ? 1
+                : rule.mode == sparse::LdMode::TopP  ? 2
+                                                     : 3;
+    r.ld_block = rule.block;
+    r.ld_p = rule.p;
+    r.ld_tau = rule.tau;
+    r.ld_ratio = rule.ratio;
+    SPADE_CHECK(rule.block >= 1 && rule.block <= (1 << 16), "lycheedecode block out of range");
+    r.budget = r.ld_mode == 0 ? rule.budget : 0;
     r.roles_source = roles.source;
     r.retrieval.assign(size_t(roles.n_layers), std::vector<uint8_t>(size_t(roles.n_kv_heads), 0));
     for (int l = 0; l < roles.n_layers; ++l)
       for (int h = 0; h < roles.n_kv_heads; ++h)
         r.retrieval[size_t(l)][size_t(h)] = roles.is_retrieval(l, h) ? 1 : 0;
-    SPADE_CHECK(r.budget > 0 && r.budget <= (int64_t(1) << 30), "sparse budget out of range");
+    SPADE_CHECK(r.ld_mode != 0 || (r.budget > 0 && r.budget <= (int64_t(1) << 30)),
+                "sparse budget out of range");
+    return r;
+  }
+  if (info.name == "oracle-topp") {
+    // The true per-head weights (full attention), then each query head's smallest top set
+    // reaching p (the KV head reads their union) or the group weights' (group=mean).
+    r.method = CudaSparse::Method::OracleTopP;
+    r.oracle_p = o.number("p");
+    r.oracle_union = o.str("group") == "union";
+    r.dense_layers = int(o.integer("dense_layers"));
     return r;
   }
   if (info.name == "lycheecluster") {

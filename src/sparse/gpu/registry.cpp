@@ -27,6 +27,7 @@ const std::vector<GpuMethodRow>& gpu_methods() {
       {"blasst", M::Blasst, SPADE_GPU(gpu_blasst)},
       {"twilight", M::Twilight, SPADE_GPU(gpu_twilight)},
       {"lycheecluster", M::LycheeCluster, SPADE_GPU(gpu_lycheecluster)},
+      {"oracle-topp", M::OracleTopP, SPADE_GPU(gpu_oracle_topp)},
   };
   return table;
 }

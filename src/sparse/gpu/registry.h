@@ -34,7 +34,8 @@ std::unique_ptr<GpuMethod> make_gpu_method(const GpuMethodContext& ctx, const Cu
 #if defined(SPADE_HAVE_CUDA)
 // Each method file's kind (src/sparse/gpu/<name>.cpp), named by its registry row.
 extern const GpuMethodKind gpu_full, gpu_streaming, gpu_quest, gpu_tidal, gpu_lessismore,
-    gpu_lycheedecode, gpu_oracle_topk, gpu_blasst, gpu_twilight, gpu_lycheecluster;
+    gpu_lycheedecode, gpu_oracle_topk, gpu_blasst, gpu_twilight, gpu_lycheecluster,
+    gpu_oracle_topp;
 #endif
 
 struct GpuMethodRow {
