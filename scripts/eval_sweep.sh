@@ -17,7 +17,11 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 spade=${1:-$root/build/spade}
 model=${2:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 kinds=${3:-tasks ppl agree recall}
-methods=${METHODS:-full;streaming;quest;tidal;lessismore;lycheecluster;twilight;blasst;oracle-topk}
+# Twilight runs once over the paper's conservative Quest base, budget max(8192, L/4) (section
+# 5.1; 8192 up to 32K tokens, so at SmolLM2's 8K context the base is the whole context), not
+# at the small budgets (there it could only lose to Quest): its density column is the fraction
+# its top-p keeps. budget=8192 rather than auto, so the same spec runs with DEVICE=cuda.
+methods=${METHODS:-full;streaming;quest;tidal;lessismore;lycheecluster;twilight:budget=8192;blasst;oracle-topk}
 budgets=${BUDGETS:-128,512}
 lengths=${LENGTHS:-2048,4096}
 samples=${SAMPLES:-2}

@@ -147,6 +147,39 @@ TEST(EvalMethods, BudgetsExpandOnlyMethodsThatTakeOne) {
   EXPECT_THROW(expand_methods("quest;quest", {1}), spade::Error);
 }
 
+// Twilight is configured as the paper configures it (issue 37 item 4): over a conservative
+// base (budget=auto = max(8192, L/4), or an explicit budget >= 8192), run once rather than
+// crossed with the small budgets of the other methods; the sweep script's default list does so.
+TEST(EvalMethods, TwilightRunsOnceOverTheConservativeBase) {
+  const auto r = expand_methods("twilight:budget=auto;twilight:base=tidal,budget=8192;quest",
+                                {128, 512});
+  ASSERT_EQ(r.size(), 4u);
+  EXPECT_EQ(r[0].label, "twilight:budget=auto");
+  EXPECT_EQ(r[0].budget, -1);
+  EXPECT_EQ(r[0].config.options.at("budget"), "auto");
+  EXPECT_EQ(r[1].label, "twilight:base=tidal,budget=8192");
+  EXPECT_EQ(r[1].budget, 8192);
+  EXPECT_EQ(r[2].label, "quest:budget=128");
+  // scripts/eval_sweep.sh's default methods, at its default budgets.
+  std::ifstream in(std::string(SPADE_SOURCE_DIR) + "/scripts/eval_sweep.sh");
+  ASSERT_TRUE(in) << "scripts/eval_sweep.sh";
+  std::string line, list;
+  const std::string key = "methods=${METHODS:-";
+  while (std::getline(in, line))
+    if (line.rfind(key, 0) == 0) list = line.substr(key.size(), line.rfind('}') - key.size());
+  ASSERT_FALSE(list.empty());
+  int twilight = 0;
+  for (const auto& m : expand_methods(list, {128, 512})) {
+    if (m.name != "twilight") continue;
+    ++twilight;
+    EXPECT_TRUE(m.budget < 0 || m.budget >= 8192) << m.label << ": Twilight over a small base";
+    EXPECT_TRUE(m.budget >= 0 || m.config.options.count("budget") == 0 ||
+                m.config.options.at("budget") == "auto")
+        << m.label;
+  }
+  EXPECT_EQ(twilight, 1) << list;
+}
+
 TEST(EvalResults, ResumeSkipsRecordedKeysAndReportRenders) {
   const std::string path = testing::TempDir() + "spade_eval_results_test.json";
   std::remove(path.c_str());

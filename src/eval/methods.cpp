@@ -35,7 +35,9 @@ std::vector<MethodRun> expand_methods(const std::string& list, const std::vector
     const bool takes_budget = method_takes_budget(c.method, c.options);
     if (!takes_budget || c.options.count("budget")) {
       MethodRun r{spec, c.method, -1, c};
-      if (c.options.count("budget")) r.budget = sparse::parse_int(c.options.at("budget"), spec);
+      // budget=auto (Twilight's max(8192, L/4) base): once, with no budget of its own.
+      if (c.options.count("budget") && c.options.at("budget") != "auto")
+        r.budget = sparse::parse_int(c.options.at("budget"), spec);
       out.push_back(r);
       continue;
     }

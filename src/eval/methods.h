@@ -1,7 +1,7 @@
 // The method list of a `spade eval` sweep: ';'-separated specs NAME[:k=v,...] (as in
 // `spade needle --methods`) crossed with a budget list. A method that takes a budget and
 // was given none runs once per budget; the others (full, oracle-topp, blasst, a spec that
-// sets its budget) run once. Each run has a label, its spec with the budget written in,
+// sets its budget, budget=auto included) run once. Each run has a label, its spec with the budget written in,
 // that names it in the results.
 #pragma once
 #include <cstdint>
