@@ -65,7 +65,8 @@ const char* kHelp = R"(usage: spade eval tasks|ppl|agree|recall --model M --text
            where each method's free-running text first diverges, and along the reference's
            tokens (teacher forced) per-step KL(full || method) (over full's top 1024 tokens
            plus one tail bucket: a lower bound), its means per --window steps (256), top-1
-           agreement, perplexity, density; --recall: recall (CPU)
+           agreement, perplexity, density; --recall: recall (CPU); --follow-text: teacher
+           forced along the text's own continuation instead of full attention's tokens
   report   rewrite the Markdown report of a results JSON
 
 common options:
@@ -516,18 +517,25 @@ int run_longgen(const Args& a, const std::string& cmd) {
       a.has("--lengths") ? s.lengths : std::vector<int64_t>{std::min<int64_t>(2048, cfg.max_context - P)};
   const int64_t window = a.integer("--window", 256);
   const bool recall = a.has("--recall");
+  // --follow-text: teacher forcing along the text after the prompt (full attention teacher
+  // forced on it is the KL reference) instead of full attention's greedy tokens, which a small
+  // model soon turns into a loop of one line (issue 37: cache correction measured on such a
+  // loop raised the KL; along the text it lowers it).
+  const bool follow = a.has("--follow-text");
   SPADE_CHECK(P >= 1 && window >= 1, "--prompt-tokens and --window must be >= 1");
   const int64_t maxG = *std::max_element(gens.begin(), gens.end());
   SPADE_CHECK(*std::min_element(gens.begin(), gens.end()) >= 2, "--lengths (tokens generated) must be >= 2");
   SPADE_CHECK(P + maxG <= cfg.max_context, "--prompt-tokens ", P, " + ", maxG, " generated tokens exceed the context ",
               cfg.max_context);
   const std::vector<int32_t> toks = s.tok->encode(s.text, false, false);
-  SPADE_CHECK(int64_t(toks.size()) > P, "the text has ", toks.size(), " tokens, need ", P + 1);
+  const int64_t span = P + (follow ? maxG : 0);  // text tokens a sample reads
+  SPADE_CHECK(int64_t(toks.size()) > span, "the text has ", toks.size(), " tokens, need ", span + 1);
   const std::string out = a.str("--out", "eval_longgen.json");
   json meta = s.meta;
   meta["prompt_tokens"] = P;
   meta["kl_top_k"] = kLongGenTopK;
   meta["window"] = window;
+  meta["reference"] = follow ? "text" : "full";
   ResultFile file = open_results(out, "longgen", meta, cmd);
   s.ro.max_prompt = P;
   s.ro.max_new = maxG + 16;
@@ -538,11 +546,11 @@ int run_longgen(const Args& a, const std::string& cmd) {
     for (int k = 0; k < s.samples; ++k) {
       std::vector<size_t> todo;
       for (size_t m = 0; m < s.runs.size(); ++m)
-        if (file.has(key_of("longgen", "text", G, k, s.runs[m].label))) prog.skip();
+        if (file.has(key_of("longgen", follow ? "follow" : "text", G, k, s.runs[m].label))) prog.skip();
         else todo.push_back(m);
       if (todo.empty()) continue;
       Rng r(mix_seed(s.seed, "longgen", P, k));
-      const int64_t off = int64_t(r.below(uint64_t(int64_t(toks.size()) - P)));
+      const int64_t off = int64_t(r.below(uint64_t(int64_t(toks.size()) - span)));
       const std::vector<int32_t> prompt(toks.begin() + off, toks.begin() + off + P);
       runner.set_prompt(prompt);
       DecodeOptions opt;
@@ -550,22 +558,30 @@ int run_longgen(const Args& a, const std::string& cmd) {
       // Full attention's tokens and compact distributions, once per backend.
       struct Ref {
         DecodeResult r;
-        std::vector<TopLogp> top;
-        double nll = 0;  // of its own (argmax) tokens, steps >= 1
+        std::vector<int32_t> text;  // --follow-text: the G tokens after the prompt
+        std::vector<TopLogp> top;   // along the teacher-forcing tokens
+        double nll = 0;  // of the teacher-forcing tokens (its own argmax tokens), steps >= 1
+        const std::vector<int32_t>& forced() const { return text.empty() ? r.tokens : text; }
       };
       std::map<bool, Ref> refs;
       std::vector<float> tmp;
       for (size_t m : todo) {
         if (!refs.count(runner.gpu(m))) {
           Ref& R = refs[runner.gpu(m)];
-          opt.on_logits = [&](int64_t i, const float* lg) {
+          DecodeOptions ro = opt;
+          if (follow) {
+            R.r = runner.decode_full(m, opt);  // full attention's greedy tokens (divergence)
+            R.text.assign(toks.begin() + off + P, toks.begin() + off + P + G);
+            ro.forced = &R.text;
+          }
+          ro.on_logits = [&](int64_t i, const float* lg) {
             log_softmax_into(lg, V, tmp);
             R.top.push_back(top_logp(tmp, kLongGenTopK));
-            if (i > 0) R.nll -= double(R.top.back().logp[0]);
+            if (i > 0) R.nll -= double(tmp[size_t(R.forced()[size_t(i)])]);
           };
-          R.r = runner.decode_full(m, opt);
-          opt.on_logits = nullptr;
-          R.nll /= double(std::max<size_t>(1, R.r.tokens.size() - 1));
+          const DecodeResult fr = runner.decode_full(m, ro);
+          if (!follow) R.r = fr;
+          R.nll /= double(std::max<size_t>(1, R.forced().size() - 1));
         }
         const Ref& ref = refs.at(runner.gpu(m));
         const DecodeResult free_run = runner.decode(m, opt);
@@ -574,8 +590,8 @@ int run_longgen(const Args& a, const std::string& cmd) {
                ref.r.tokens[div] == free_run.tokens[div])
           ++div;
         DecodeOptions tf;
-        tf.max_new = int64_t(ref.r.tokens.size());
-        tf.forced = &ref.r.tokens;
+        tf.max_new = int64_t(ref.forced().size());
+        tf.forced = &ref.forced();
         tf.measure_recall = recall && !runner.gpu(m);
         std::vector<double> kl;
         double top1 = 0, nll = 0;
@@ -583,7 +599,7 @@ int run_longgen(const Args& a, const std::string& cmd) {
           if (i == 0) return;  // step 0 comes from the dense prefill, not the method's decode
           log_softmax_into(lg, V, tmp);
           kl.push_back(bucket_kl(ref.top[size_t(i)], tmp));
-          const int32_t want = ref.r.tokens[size_t(i)];
+          const int32_t want = ref.forced()[size_t(i)];
           nll -= double(tmp[size_t(want)]);
           top1 += size_t(std::max_element(tmp.begin(), tmp.end()) - tmp.begin()) == size_t(want);
         };
@@ -592,8 +608,9 @@ int run_longgen(const Args& a, const std::string& cmd) {
         double kl_mean = 0;
         for (double v : kl) kl_mean += v;
         kl_mean /= n;
-        json rec = {{"key", key_of("longgen", "text", G, k, s.runs[m].label)},
+        json rec = {{"key", key_of("longgen", follow ? "follow" : "text", G, k, s.runs[m].label)},
                     {"length", G},
+                    {"reference", follow ? "text" : "full"},
                     {"sample", k},
                     {"prompt_offset", off},
                     {"prompt_tokens", P},
@@ -738,7 +755,7 @@ int run(int argc, char** argv) {
          {"--model", "--text", "--methods", "--budgets", "--lengths", "--samples", "--seed",
           "--out", "--md", "--threads", "--device", "--page-size", "--prefill-chunk", "--tasks", "--max-new",
           "--decode", "--prompt-tokens", "--window", "--cpu-weights"},
-         {"--help", "--recall", "--deterministic"});
+         {"--help", "--recall", "--deterministic", "--follow-text"});
   if (a.has("--help") || a.positional().empty()) {
     std::fputs(kHelp, a.has("--help") ? stdout : stderr);
     if (a.has("--help")) {

@@ -449,6 +449,7 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
         in.tokens = r->tokens.data() + r->pt.length;
         in.n_tokens = n;
         in.attention = r->attn && r->correcting == 0 ? &r->guarded : nullptr;  // correction: dense
+        in.dense = r->correcting > 0;  // also on the GPU, where a one-token piece looks like a decode row
         in.device_state = r->dev_state.get();
         in.all_logits = scoring;
         batch_.push_back(in);

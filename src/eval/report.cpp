@@ -306,7 +306,9 @@ std::string longgen_report(const json& doc) {
   std::string s = header(doc, "spade eval longgen");
   s += backend_section(rs);
   s += "A short prompt (an excerpt of the text), then the given number of generated tokens "
-       "(EOS ignored); full attention's greedy tokens are the reference. Free running: tokens "
+       "(EOS ignored); full attention's greedy tokens are the reference (with --follow-text, "
+       "records with \"reference\": \"text\": the text's own continuation, full attention "
+       "teacher forced along it). Free running: tokens "
        "until the method's text first diverges. Teacher forced along the reference: mean "
        "per-step KL(full || method) over full's top 1024 tokens plus one tail bucket (a lower "
        "bound of the full KL; per-window means in the JSON), top-1 agreement, perplexity of the "

@@ -133,7 +133,7 @@ const std::vector<float>& CpuModel::forward(const std::vector<SeqInput>& batch,
       const int64_t p0 = s.pages->length;
       for (int64_t t = 0; t < s.n_tokens; ++t)
         kv_.write(l, *s.pages, p0 + t, k + (r + t) * Hkv * D, v + (r + t) * Hkv * D);
-      if (s.attention)
+      if (s.attention && !s.dense)
         (*s.attention)(l, *s.pages, q + r * Hq * D, p0, s.n_tokens, att + r * Hq * D);
       else
         dense_attention(l, *s.pages, q + r * Hq * D, p0, s.n_tokens, att + r * Hq * D);

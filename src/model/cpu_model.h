@@ -31,6 +31,11 @@ struct SeqInput {
   // CudaModel only: the per-request state of a GPU method that keeps one
   // (CudaModel::new_request_state; LycheeCluster), the same object on every step of the request.
   sparse::MethodState* device_state = nullptr;
+  // Dense attention whatever the length: a cache-correction chunk (sparse/cache_correction.h).
+  // The CPU model ignores `attention`; CudaModel plans it as a prefill row, never as a sparse
+  // decode row, also when it holds one token (correction_every=1, or a chunk split by the
+  // scheduler's token budget).
+  bool dense = false;
 };
 
 class CpuModel {

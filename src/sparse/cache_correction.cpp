@@ -19,6 +19,7 @@ bool CacheCorrection::after_decode(const Forward& forward, PageTable& pt, int32_
   const int64_t end = pt.length;
   pt.length = end - n;  // the chunk rewrites positions [end - n, end)
   SeqInput in{&pt, pending_.data(), n, false, nullptr, device_state};
+  in.dense = true;  // a one-token chunk (every = 1) must not be taken for a sparse decode row
   try {
     forward(in);
   } catch (...) {

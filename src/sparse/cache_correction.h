@@ -16,7 +16,8 @@ namespace spade::sparse {
 class CacheCorrection {
  public:
   // The model's forward pass over one sequence input (its pages, tokens, count; dense
-  // attention: SeqInput::attention null), logits dropped.
+  // attention: SeqInput::attention null and SeqInput::dense set, so that CudaModel does not
+  // plan a one-token chunk as a sparse decode row), logits dropped.
   using Forward = std::function<void(const SeqInput&)>;
   // every >= 1.
   explicit CacheCorrection(int64_t every);

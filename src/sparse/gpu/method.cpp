@@ -119,7 +119,8 @@ void GpuMethod::plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n) {
   attn_->plan(plan_aseq_, st, 0, /*wait=*/false);
   sparse_step_ = false;
   bool decode = true;
-  for (int i = 0; i < n; ++i) decode = decode && seqs[i].n_tokens == 1;
+  // A one-token cache-correction chunk (SeqInput::dense) is no decode row: it attends densely.
+  for (int i = 0; i < n; ++i) decode = decode && seqs[i].n_tokens == 1 && !seqs[i].dense;
   plan_lists(seqs, n, decode);
   count_rows(seqs, n);
 }
@@ -133,7 +134,8 @@ void GpuMethod::count_rows(const SeqInput* seqs, int n) {
   const int NL = c.n_layers, Hkv = c.n_kv_heads;
   for (int i = 0; i < n; ++i) {
     auto* g = dynamic_cast<GpuRequestState*>(seqs[i].device_state);
-    if (!g || seqs[i].n_tokens != 1) continue;  // decode rows only (a prefill chunk is dense)
+    // Decode rows only (a prefill or correction chunk is dense).
+    if (!g || seqs[i].n_tokens != 1 || seqs[i].dense) continue;
     const int64_t L = seqs[i].pages->length + 1;
     if (!sparse_step_) {
       g->attended += int64_t(NL) * Hkv * L;
