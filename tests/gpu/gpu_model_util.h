@@ -175,6 +175,78 @@ inline bool differ_by_near_ties(const std::vector<int32_t>& g, const std::vector
   return true;
 }
 
+// Top-p sets (the smallest best-first prefix of values v, by value descending and ties by
+// the lower position, whose sum reaches a target: the CPU's oracle-topp and LycheeDecode
+// topp): before[t] = the CPU's mass ranked before t, so t is in the CPU's set iff
+// before[t] < target. A token whose membership differs between the GPU's set and the CPU's
+// is a near-tie when before[t] lies within l1 + M(t) + 1e-6 of the target: l1 = the row's
+// sum of |GPU value - CPU value| (how far the GPU's running sums can drift), M(t) = the
+// mass of the other positions within 2 err of v[t] (err = the row's largest |GPU - CPU|
+// value: those may rank on either side of t under rounding).
+struct MassRanks {
+  std::vector<double> before;
+  explicit MassRanks(const std::vector<float>& v) : before(v.size()) {
+    std::vector<int32_t> o(v.size());
+    for (size_t i = 0; i < o.size(); ++i) o[i] = int32_t(i);
+    std::stable_sort(o.begin(), o.end(), [&](int32_t a, int32_t b) { return v[size_t(a)] > v[size_t(b)]; });
+    double acc = 0;
+    for (int32_t i : o) before[size_t(i)] = acc, acc += v[size_t(i)];
+  }
+  bool in_set(int32_t t, double target) const { return before[size_t(t)] < target; }
+  bool near(const std::vector<float>& v, int32_t t, double target, float err, double l1) const {
+    double m = 0;
+    for (size_t j = 0; j < v.size(); ++j)
+      if (int32_t(j) != t && std::fabs(v[j] - v[size_t(t)]) <= 2.f * err) m += v[j];
+    return std::fabs(before[size_t(t)] - target) <= l1 + m + 1e-6;
+  }
+};
+
+// One row of a top-p union (oracle-topp group=union: one per query head of the KV head; a
+// single row otherwise): the CPU's and the GPU's values over the same positions.
+struct TopPRow {
+  const std::vector<float>* cpu;
+  const std::vector<float>* gpu;
+};
+// Whether the sorted sets g (GPU) and c (CPU), each the union over `rows` of the row's
+// top-p set at `target`, differ only by near-ties (MassRanks): a token only the GPU keeps is
+// a near-tie in some row; one only the CPU keeps, in every row whose CPU set holds it.
+// *frac: the differing tokens / 2 over the CPU set's size; *max_err: the largest |GPU - CPU|.
+inline bool topp_sets_near_ties(const std::vector<int32_t>& g, const std::vector<int32_t>& c,
+                                const std::vector<TopPRow>& rows, double target, double* frac,
+                                double* max_err) {
+  std::vector<MassRanks> ranks;
+  std::vector<float> err(rows.size(), 0.f);
+  std::vector<double> l1(rows.size(), 0.0);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto &a = *rows[i].cpu, &b = *rows[i].gpu;
+    if (a.size() != b.size()) return false;
+    for (size_t j = 0; j < a.size(); ++j) {
+      const float e = std::fabs(a[j] - b[j]);
+      err[i] = std::max(err[i], e);
+      l1[i] += e;
+    }
+    *max_err = std::max(*max_err, double(err[i]));
+    ranks.emplace_back(a);
+  }
+  std::vector<int32_t> only_g, only_c;
+  std::set_difference(g.begin(), g.end(), c.begin(), c.end(), std::back_inserter(only_g));
+  std::set_difference(c.begin(), c.end(), g.begin(), g.end(), std::back_inserter(only_c));
+  *frac = double(only_g.size() + only_c.size()) / 2.0 / double(std::max<size_t>(1, c.size()));
+  const int64_t L = rows.empty() ? 0 : int64_t(rows[0].cpu->size());
+  for (int32_t t : only_g) {
+    if (t < 0 || t >= L) return false;
+    bool ok = false;
+    for (size_t i = 0; i < rows.size() && !ok; ++i)
+      ok = ranks[i].near(*rows[i].cpu, t, target, err[i], l1[i]);
+    if (!ok) return false;
+  }
+  for (int32_t t : only_c)
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (ranks[i].in_set(t, target) && !ranks[i].near(*rows[i].cpu, t, target, err[i], l1[i]))
+        return false;
+  return true;
+}
+
 // The selection model tests' run (TidalDecode, LessIsMore, LycheeDecode, oracle-topk): two
 // requests of na / nb random tokens (rng seeded with `seed`) prefilled together on the CPU,
 // through sessions s0 / s1 of a tracing method, and on `gpu` (tracing into `trace`); the dense

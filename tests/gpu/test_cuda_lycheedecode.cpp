@@ -19,6 +19,7 @@
 #include <set>
 
 #include "../test_util.h"
+#include "backend/cuda/rule_select.h"
 #include "backend/cuda/sparse_attention.h"
 #include "gpu_model_util.h"
 #include "gpu_util.h"
@@ -123,6 +124,176 @@ TEST(CudaLycheeDecode, HybridKernelScoresAndPatterns) {
   check_hybrid(9, 3, 64, {2000, 33}, {{0, 0, 1}, {1, 0, 0}}, 2);  // SmolLM2's heads
 }
 
+// ---------------------------------------------------------------- rule kernels
+// (backend/cuda/rule_select.h: LycheeDecode's topk / ratio / topp / threshold modes on units
+// of `block` tokens and oracle-topp's union, issue 37 item 6.)
+
+sparse::LdRule rule_of(int mode, int block) {
+  sparse::LdRule r;
+  r.mode = mode == 0 ? sparse::LdMode::TopK : mode == 1 ? sparse::LdMode::Ratio
+           : mode == 2 ? sparse::LdMode::TopP : sparse::LdMode::Threshold;
+  r.budget = 100;
+  r.ratio = 0.3;
+  r.p = 0.9;
+  r.tau = 2e-3;
+  r.block = block;
+  return r;
+}
+
+cuda::RuleParams params_of(const sparse::LdRule& r) {
+  cuda::RuleParams p;
+  p.mode = r.mode == sparse::LdMode::TopK ? cuda::RuleMode::TopK
+           : r.mode == sparse::LdMode::Ratio ? cuda::RuleMode::Ratio
+           : r.mode == sparse::LdMode::TopP ? cuda::RuleMode::TopP : cuda::RuleMode::Threshold;
+  p.block = r.block;
+  p.k_units = (std::max<int64_t>(1, r.budget) + r.block - 1) / r.block;
+  p.ratio = r.ratio;
+  p.mass = r.p;
+  p.tau = r.tau;
+  return p;
+}
+
+// The CPU's ld_select over unit weights u[0..U) of a context of L tokens: the kept units
+// (ascending). Units are ranked as ld_select ranks them (block 1 over u; the unit count of
+// topk and ratio as ld_select computes it for `block`).
+std::vector<int32_t> cpu_units(const std::vector<float>& u, int64_t L, const sparse::LdRule& r) {
+  sparse::LdRule r1 = r;
+  r1.block = 1;
+  if (r.mode == sparse::LdMode::Ratio) {
+    r1.mode = sparse::LdMode::TopK;
+    r1.budget = (std::max<int64_t>(1, int64_t(std::ceil(r.ratio * double(L)))) + r.block - 1) / r.block;
+  } else if (r.mode == sparse::LdMode::TopK) {
+    r1.budget = (std::max<int64_t>(1, r.budget) + r.block - 1) / r.block;
+  }
+  sparse::SelectScratch sc;
+  std::vector<int32_t> out;
+  sparse::ld_select(u.data(), int64_t(u.size()), r1, sc, out);
+  return out;
+}
+
+// Lists of B requests x Hkv heads, each the union of `cpl` criteria rows of random unit
+// weights (ties: values on a coarse grid, so that many units tie), through rule_criteria,
+// rule_lists and counted_compact_lists: every list must equal the union of the CPU's sets.
+void check_rule_lists(int mode, int block, bool ties, bool expand, int cpl, std::mt19937& rng) {
+  const sparse::LdRule rule = rule_of(mode, block);
+  SCOPED_TRACE(testing::Message() << rule.describe() << " ties=" << ties << " expand=" << expand
+                                  << " rows per list=" << cpl);
+  const std::vector<int> lens = {1, 50, 300, 4099};
+  const int B = int(lens.size()), Hkv = 2, rows = B * Hkv * cpl;
+  const int64_t ld = 4099 + 5;
+  std::vector<float> u(size_t(rows) * size_t(ld), 0.f);
+  std::normal_distribution<float> nd(0.f, 1.5f);
+  std::vector<std::vector<float>> rowv(static_cast<size_t>(rows));
+  for (int r = 0; r < rows; ++r) {
+    const int L = lens[size_t(r / (Hkv * cpl))], U = (L + block - 1) / block;
+    std::vector<float>& v = rowv[size_t(r)];
+    v.resize(size_t(U));
+    double sum = 0;
+    for (auto& x : v) {
+      x = std::exp(nd(rng));
+      if (ties) x = std::round(x * 2.f) / 2.f + 0.5f;
+      sum += x;
+    }
+    for (auto& x : v) x = float(double(x) / sum);
+    std::copy(v.begin(), v.end(), u.begin() + int64_t(r) * ld);
+  }
+  DevBuf<float> du(u);
+  DevBuf<int32_t> dlen(std::vector<int32_t>(lens.begin(), lens.end()));
+  DevBuf<cuda::RuleCrit> dcrit{static_cast<size_t>(rows)};
+  DevBuf<int32_t> dstr(size_t(B * Hkv) * size_t(ld)), dcnt(size_t(B * Hkv)),
+      doff(size_t(B * Hkv) + 1), didx(size_t(B * Hkv) * size_t(ld));
+  cuda::rule_criteria(du.p, ld, dlen.p, rows, Hkv * cpl, ~0u, params_of(rule), dcrit.p, 0);
+  cuda::rule_lists(du.p, ld, dcrit.p, dlen.p, B, Hkv, cpl, ~0u, block, expand, dstr.p, ld, dcnt.p, 0);
+  cuda::counted_compact_lists(dstr.p, ld, dcnt.p, B * Hkv, doff.p, didx.p, 0);
+  const auto off = doff.download(), idx = didx.download();
+  for (int l = 0; l < B * Hkv; ++l) {
+    const int L = lens[size_t(l / Hkv)];
+    std::vector<int32_t> want;
+    for (int g = 0; g < cpl; ++g) {
+      const std::vector<int32_t> s = cpu_units(rowv[size_t(l * cpl + g)], L, rule);
+      want.insert(want.end(), s.begin(), s.end());
+    }
+    std::sort(want.begin(), want.end());
+    want.erase(std::unique(want.begin(), want.end()), want.end());
+    if (expand) {
+      std::vector<int32_t> t;
+      for (int32_t x : want)
+        for (int j = x * block; j < std::min(L, (x + 1) * block); ++j) t.push_back(j);
+      want = t;
+    }
+    const std::vector<int32_t> got(idx.begin() + off[size_t(l)], idx.begin() + off[size_t(l) + 1]);
+    EXPECT_EQ(got, want) << "list " << l << " (L " << L << ")";
+  }
+  // A head mask leaves the other heads' lists alone (LycheeDecode's sparse heads).
+  DevBuf<int32_t> dcnt2(std::vector<int32_t>(size_t(B * Hkv), -7));
+  cuda::rule_lists(du.p, ld, dcrit.p, dlen.p, B, Hkv, cpl, 1u, block, expand, dstr.p, ld, dcnt2.p, 0);
+  const auto cnt2 = dcnt2.download(), cnt = dcnt.download();
+  for (int l = 0; l < B * Hkv; ++l)
+    EXPECT_EQ(cnt2[size_t(l)], l % Hkv == 0 ? cnt[size_t(l)] : -7) << "list " << l;
+}
+
+TEST(CudaLycheeDecode, RuleKernelsMatchTheCpuSelection) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(12);
+  for (int block : {1, 7, 16, 64})
+    for (int mode = 0; mode < 4; ++mode)
+      for (bool ties : {false, true}) {
+        check_rule_lists(mode, block, ties, block > 1, 1, rng);
+        if (block > 1) check_rule_lists(mode, block, ties, false, 1, rng);
+      }
+  // oracle-topp group=union: each of G rows' top-p set, unioned per list.
+  for (bool ties : {false, true}) check_rule_lists(2, 1, ties, false, 4, rng);
+}
+
+// rule_unit_weights: the CPU's ld_group_weights softmax of a row of logits (float exp,
+// double sum, float reciprocal) and ld_select's unit sums; rows outside the head mask are
+// not written; block 1 in place.
+TEST(CudaLycheeDecode, RuleUnitWeightsMatchTheCpuSoftmax) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<int> lens = {1, 77, 5000};
+  const int B = int(lens.size()), Hkv = 2;
+  const int64_t ld = 5003;
+  std::mt19937 rng(5);
+  std::vector<float> sc = randn(size_t(B * Hkv) * size_t(ld), rng, 4.f);
+  for (int block : {1, 7, 64})
+    for (bool in_place : {false, true}) {
+      if (in_place && block != 1) continue;
+      SCOPED_TRACE(testing::Message() << "block " << block << (in_place ? " in place" : ""));
+      DevBuf<float> dsc(sc), out(sc.size());
+      out.poison();
+      DevBuf<int32_t> dlen(std::vector<int32_t>(lens.begin(), lens.end()));
+      float* dst = in_place ? dsc.p : out.p;
+      cuda::rule_unit_weights(dsc.p, ld, dlen.p, B * Hkv, Hkv, 1u, block, dst, 0);
+      const auto got = in_place ? dsc.download() : out.download();
+      double worst = 0;
+      for (int r = 0; r < B * Hkv; ++r) {
+        const int L = lens[size_t(r / Hkv)], U = (L + block - 1) / block;
+        const float* x = sc.data() + int64_t(r) * ld;
+        const float* g = got.data() + int64_t(r) * ld;
+        if (r % Hkv != 0) {  // head 1: not in the mask
+          for (int i = 0; i < U; ++i) {
+            if (in_place) ASSERT_EQ(g[i], x[i]) << "row " << r;
+            else ASSERT_TRUE(std::isnan(g[i])) << "row " << r << " written";
+          }
+          continue;
+        }
+        float mx = -INFINITY;
+        for (int j = 0; j < L; ++j) mx = std::max(mx, x[j]);
+        std::vector<float> w(static_cast<size_t>(L));
+        double sum = 0;
+        for (int j = 0; j < L; ++j) sum += (w[size_t(j)] = std::exp(x[j] - mx));
+        const float inv = float(1.0 / sum);
+        for (auto& v : w) v *= inv;
+        for (int i = 0; i < U; ++i) {
+          double s = 0;
+          for (int j = i * block; j < std::min(L, (i + 1) * block); ++j) s += w[size_t(j)];
+          worst = std::max(worst, std::fabs(g[i] - s) / std::max(1e-30, s));
+        }
+      }
+      EXPECT_LT(worst, 1e-5) << "worst relative error of a unit weight";
+    }
+}
+
 // ---------------------------------------------------------------- model
 
 constexpr double kTolLogits = 5e-2;
@@ -164,6 +335,51 @@ TEST(CudaLycheeDecode, ModelMatchesCpuSession) {
   // layers 0 (2 heads), 1 (1), 2 (1).
   compare_model(64, "lycheedecode:roles=RR/SR/RS/SS,budget=48", 200, 90, 10, 4);
   compare_model(128, "lycheedecode:roles=RR/SS/RS/SS,budget=64", 300, 120, 8, 3);
+}
+
+// The other selection rules (issue 37 item 6): mode topp / threshold / ratio and blocks of
+// 64 (Block64 lists), 16 (Chunk16) and 7 tokens (token lists), against the CPU under each
+// rule's near-ties (TracingLycheeRule, tracing_lychee.h), then the logits within kTolLogits.
+void compare_model_rule(int D, const std::string& spec, int na, int nb, int steps, int sel_rows) {
+  SCOPED_TRACE(testing::Message() << "D=" << D << " " << spec);
+  const ModelConfig c = tiny_config(Arch::Llama, D, 4, 2048);
+  ModelWeights w = random_model(c, 77);
+  round_weights_bf16(w);
+  const sparse::SparseConfig sc = sparse::SparseConfig::parse_spec(spec);
+  const CudaModelOptions opt = small_sparse_options(sc, c);
+  ASSERT_EQ(opt.sparse.method, CudaSparse::Method::LycheeDecode);
+  ASSERT_TRUE(opt.sparse.ld_rule());
+  CudaModel gpu(w, opt);
+  CudaModel::QuestTrace trace;
+  KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
+  CpuModel cpu(w, kv);
+  auto method = std::make_shared<TracingLycheeRule>(sparse::make_method(sc, c));
+  sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
+  const double worst = traced_decode_compare(
+      cpu, s0, s1, gpu, trace, na, nb, steps, kTolLogits, 8, [&](const PageTable* pc) {
+        method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
+        method->gpu = &trace;
+      });
+  std::printf("[ lycheedecode-rule ] D=%d %s: %d sets, %d identical, %d near-tie, %d bad; "
+              "largest unit weight error %.3g; at most %.1f%% of a set swapped; worst decode "
+              "logits rel err %.3g over %d steps\n",
+              D, spec.c_str(), method->rows, method->identical, method->near_tie, method->bad,
+              method->max_err, 100 * method->max_diff_frac, worst, steps);
+  EXPECT_EQ(method->bad, 0);
+  EXPECT_GT(method->identical, 0);
+  EXPECT_LE(method->max_diff_frac, 0.1);
+  EXPECT_EQ(method->rows, steps * 2 * sel_rows);  // 2 requests
+}
+
+TEST(CudaLycheeDecode, RuleModesMatchCpuSession) {
+  SKIP_WITHOUT_GPU();
+  // Roles as ModelMatchesCpuSession: sets made per step in layers 0 (2 heads), 1 (1), 2 (1).
+  compare_model_rule(64, "lycheedecode:roles=RR/SR/RS/SS,mode=topp,p=0.9", 200, 90, 8, 4);
+  compare_model_rule(64, "lycheedecode:roles=RR/SR/RS/SS,mode=topp,p=0.8,block=64", 300, 150, 8, 4);
+  compare_model_rule(64, "lycheedecode:roles=RR/SR/RS/SS,mode=threshold,tau=3e-3", 200, 90, 8, 4);
+  compare_model_rule(64, "lycheedecode:roles=RR/SR/RS/SS,mode=ratio,ratio=0.25,block=16", 200, 90, 8, 4);
+  compare_model_rule(64, "lycheedecode:roles=RR/SR/RS/SS,budget=64,block=7", 200, 90, 8, 4);
+  compare_model_rule(128, "lycheedecode:roles=RR/SS/RS/SS,mode=topp,p=0.9,block=64", 300, 120, 6, 3);
 }
 
 TEST(CudaLycheeDecode, OptionsMapOrFailClearly) {
