@@ -47,13 +47,15 @@ struct AttnSeq;
 
 // Tests: when set, each sparse decode step copies every sparse layer's selection to the host:
 // sel[layer][b * lists + h] = the ascending page indices (Quest) or token positions read
-// (LessIsMore: sel[layer][b], the one shared list; layers that ran dense keep an empty list).
+// (LessIsMore: sel[layer][b], the one shared list; LycheeDecode's block / chunk lists expanded
+// to their tokens; layers that ran dense keep an empty list).
 // Forces a sync per layer.
 struct GpuSelectionTrace {
   std::vector<std::vector<std::vector<int32_t>>> sel;
   // Tidal: each selection layer's group-mean scores [layer][b * Hkv + h][kv_len of b];
-  // LessIsMore: per query head [layer][b * Hq + hq][kv_len of b]; oracle-topk: the group
-  // weights W [layer][b * Hkv + h][kv_len of b].
+  // LessIsMore: per query head [layer][b * Hq + hq][kv_len of b]; oracle-topk and
+  // oracle-topp group=mean: the group weights W [layer][b * Hkv + h][kv_len of b];
+  // oracle-topp group=union: each query head's true weights [layer][b * Hq + hq][kv_len of b].
   std::vector<std::vector<std::vector<float>>> scores;
   // Twilight: the pruner's kept token positions [layer][b * Hkv + h] (selection order) and
   // its estimated logits [layer][(b * Hkv + h) * G + g][slot] (slot = 16 * entry + row of
@@ -214,9 +216,10 @@ class GpuRequestState final : public sparse::MethodState {
   // The method's live counter it holds (tells one model's methods from another's).
   const std::atomic<int>* counter() const { return live_.get(); }
   // Decode rows its method's lists held (GpuMethod::plan): exact where the host sizes the
-  // lists (streaming, tidal, lessismore, lycheedecode, oracle-topk, dense layers; quest counts
-  // whole 16-token pages), an upper bound where the device prunes or skips further
-  // (twilight, lycheecluster, blasst).
+  // lists (streaming, tidal, lessismore, lycheedecode topk / ratio, oracle-topk, dense layers;
+  // quest counts whole 16-token pages), an upper bound where the device sizes, prunes or
+  // skips further (lycheedecode topp / threshold, oracle-topp, twilight, lycheecluster,
+  // blasst).
   int64_t attended_rows() const override { return attended; }
   int64_t attended = 0;
 
