@@ -180,6 +180,25 @@ TEST(EvalMethods, TwilightRunsOnceOverTheConservativeBase) {
   EXPECT_EQ(twilight, 1) << list;
 }
 
+// Twilight's kept fraction is in the reports: the agree report shows the density (it had
+// none) and every report the sparse layers' density (Twilight's kept fraction where it prunes).
+TEST(EvalResults, ReportsShowTheKeptFraction) {
+  const std::string path = testing::TempDir() + "spade_eval_density_test.json";
+  std::remove(path.c_str());
+  ResultFile f(path, "agree", {{"model", "m"}}, "spade eval agree x");
+  f.add({{"key", "k1"}, {"task", "niah_single_number"}, {"length", 2048}, {"method", "full"},
+         {"first_divergence", 16}, {"kl_mean", 0.0}, {"density", 1.0}, {"sparse_density", 1.0}});
+  f.add({{"key", "k2"}, {"task", "niah_single_number"}, {"length", 2048},
+         {"method", "twilight:budget=8192"}, {"first_divergence", 9}, {"kl_mean", 0.01},
+         {"density", 0.4321}, {"sparse_density", 0.2468}});
+  const std::string md = markdown_report(f.doc());
+  EXPECT_NE(md.find("## Density (attended / context"), std::string::npos) << md;
+  EXPECT_NE(md.find("| twilight:budget=8192 | 0.432 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("Twilight: the fraction its top-p keeps"), std::string::npos) << md;
+  EXPECT_NE(md.find("| twilight:budget=8192 | 0.247 |"), std::string::npos) << md;
+  std::remove(path.c_str());
+}
+
 TEST(EvalResults, ResumeSkipsRecordedKeysAndReportRenders) {
   const std::string path = testing::TempDir() + "spade_eval_results_test.json";
   std::remove(path.c_str());

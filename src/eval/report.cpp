@@ -93,6 +93,11 @@ double num(const json& r, const char* k) {
   return r.contains(k) && r.at(k).is_number() ? r.at(k).get<double>() : NAN;
 }
 
+// The sparse layers' density: Twilight's kept fraction where it prunes (its base budget,
+// max(8192, L/4) in the sweep, says nothing of what it attends).
+const char* const kSparseDensityTitle =
+    "Density of the sparse layers (Twilight: the fraction its top-p keeps where it prunes)";
+
 // "## title" and the method x length table of field `key` (empty when no record has it).
 std::string field_section(const json& rs, const std::string& title, const char* key, int prec,
                           const std::string& corner) {
@@ -250,6 +255,7 @@ std::string tasks_report(const json& doc) {
   s += "## Density (attended / context, mean over layers, KV heads and steps)\n\n";
   s += table(rs, "method", "length", [](const json& r) { return num(r, "density"); }, nullptr, 3,
              "method \\ length");
+  s += field_section(rs, kSparseDensityTitle, "sparse_density", 3, "method \\ length");
   // Tasks full attention does not solve.
   std::map<std::pair<std::string, std::string>, Mean> full;
   for (const auto& r : rs)
@@ -281,6 +287,7 @@ std::string ppl_report(const json& doc) {
   s += "## Density\n\n";
   s += table(rs, "method", "length", [](const json& r) { return num(r, "density"); }, nullptr, 3,
              "method \\ prefix");
+  s += field_section(rs, kSparseDensityTitle, "sparse_density", 3, "method \\ prefix");
   return s;
 }
 
@@ -298,6 +305,9 @@ std::string agree_report(const json& doc) {
   s += field_section(rs, "Top-1 agreement (teacher forced)", "top1_agreement", 3, corner);
   s += field_section(rs, "Output identical to full attention's", "same_output", 2, corner);
   s += field_section(rs, "Task score", "score", 3, corner);
+  s += field_section(rs, "Density (attended / context, mean over layers, KV heads and steps)",
+                     "density", 3, corner);
+  s += field_section(rs, kSparseDensityTitle, "sparse_density", 3, corner);
   return s;
 }
 
@@ -320,6 +330,7 @@ std::string longgen_report(const json& doc) {
   s += field_section(rs, "Top-1 agreement (teacher forced)", "top1_agreement", 3, rows);
   s += field_section(rs, "Perplexity of the reference tokens", "ppl", 3, rows);
   s += field_section(rs, "Density", "density", 3, rows);
+  s += field_section(rs, kSparseDensityTitle, "sparse_density", 3, rows);
   s += field_section(rs, "Full attention's perplexity of its own tokens", "ppl_full", 3, rows);
   s += field_section(rs, "Recall (sparse layers)", "sparse_recall", 4, rows);
   return s;
