@@ -577,7 +577,9 @@ int run_longgen(const Args& a, const std::string& cmd) {
           ro.on_logits = [&](int64_t i, const float* lg) {
             log_softmax_into(lg, V, tmp);
             R.top.push_back(top_logp(tmp, kLongGenTopK));
-            if (i > 0) R.nll -= double(tmp[size_t(R.forced()[size_t(i)])]);
+            // The token of step i: the text's, or (greedy, not chosen yet) the argmax.
+            if (i > 0)
+              R.nll -= follow ? double(tmp[size_t(R.text[size_t(i)])]) : double(R.top.back().logp[0]);
           };
           const DecodeResult fr = runner.decode_full(m, ro);
           if (!follow) R.r = fr;
@@ -599,8 +601,9 @@ int run_longgen(const Args& a, const std::string& cmd) {
           if (i == 0) return;  // step 0 comes from the dense prefill, not the method's decode
           log_softmax_into(lg, V, tmp);
           kl.push_back(bucket_kl(ref.top[size_t(i)], tmp));
-          const int32_t want = ref.forced()[size_t(i)];
-          nll -= double(tmp[size_t(want)]);
+          nll -= double(tmp[size_t(ref.forced()[size_t(i)])]);
+          // Top-1 agreement with full attention's argmax (the forced token unless --follow-text).
+          const int32_t want = ref.top[size_t(i)].ids[0];
           top1 += size_t(std::max_element(tmp.begin(), tmp.end()) - tmp.begin()) == size_t(want);
         };
         const DecodeResult forced = runner.decode(m, tf);

@@ -10,7 +10,11 @@ and 160 generated tokens per sample, full attention as the reference.
   window fraction the method reads;
 - blasst counts only its kept tiles: density < 1 while its KL stays small;
 - the Markdown report has its sections; a resumed run adds nothing; prompt + generated tokens
-  past the model's context is a clear error.
+  past the model's context is a clear error;
+- --follow-text: teacher forced along the text after the prompt ("reference": "text"): full
+  attention against itself has KL 0, top-1 1 and the text's perplexity as its own, which is
+  higher than that of its greedy tokens; cache correction after every token reports its
+  corrections.
 """
 import argparse
 import json
@@ -78,6 +82,30 @@ def main():
         bad = subprocess.run(cmd[:-2] + ["--out", os.path.join(tmp, "x.json"), "--lengths", "600"],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode != 0 and "exceed the context" in bad.stderr, bad.stderr
+        # --follow-text
+        fol = os.path.join(tmp, "follow.json")
+        tidal = "tidal:budget=16,dense_layers=1,selection_layers=1"
+        cmdf = [spade, "eval", "longgen", "--model", MODEL, "--text", text, "--methods",
+                f"full;{tidal};{tidal},correction=1,correction_every=1", "--lengths", "160",
+                "--samples", "2", "--prompt-tokens", "16", "--window", "40", "--follow-text",
+                "--out", fol]
+        p = subprocess.run(cmdf, capture_output=True, text=True, timeout=240)
+        assert p.returncode == 0, p.stderr
+        doc = json.load(open(fol))
+        assert doc["meta"]["reference"] == "text", doc["meta"]
+        fr = doc["results"]
+        assert len(fr) == 6, len(fr)
+        greedy_ppl = {r["sample"]: r["ppl_full"] for r in recs}
+        for r in fr:
+            assert r["reference"] == "text" and r["key"].startswith("longgen|follow|160|"), r["key"]
+            assert len(r["kl_windows"]) == 4 and r["kl_mean"] >= 0
+            assert r["ppl_full"] > greedy_ppl[r["sample"]], (r["ppl_full"], greedy_ppl)
+            if r["method"] == "full":
+                assert r["first_divergence"] == 160 and r["kl_mean"] == 0 and r["top1_agreement"] == 1
+                assert abs(r["ppl"] - r["ppl_full"]) < 1e-9 * r["ppl"]
+            else:
+                assert r["density"] < 1 and r["kl_mean"] > 0, r
+                assert r["corrections"] == (159 if "correction=1" in r["method"] else 0), r
     print("eval longgen e2e: ok")
     return 0
 
