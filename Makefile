@@ -5,6 +5,10 @@ BUILD ?= build
 MODEL ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
 JOBS ?= $(shell nproc)
 FUZZ_SECONDS ?= 20
+# GPUs the CUDA build targets (cmake/cuda_archs.cmake): auto (this machine's GPU, or every
+# supported one without a GPU), all, hopper, or a CMake list such as "80-real;86-real". CI
+# compiles for Hopper only (the fat build takes several times longer).
+CUDA_ARCHS ?= $(if $(CI),hopper,auto)
 
 .PHONY: deps build model run test test-cpu test-sanitize fuzz gpu-test clean
 
@@ -12,7 +16,7 @@ deps:
 	@bash scripts/install_deps.sh
 
 build: deps
-	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release "-DSPADE_CUDA_ARCHS=$(CUDA_ARCHS)" >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
 
 model:

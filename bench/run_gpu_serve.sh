@@ -18,7 +18,9 @@
 #             methods: each method of the mixed load served alone, the mixed loads, engine steps;
 #             sanitize: compute-sanitizer over the GPU tests, after A with SANITIZER_BUILD=1)
 #            Env: PEER_BUILD=0 skips llama-server's build; SANITIZER_BUILD=1 (A) starts the
-#            compute-sanitizer build in the background; RACECHECK=1 (A) racecheck on the main build.
+#            compute-sanitizer build in the background; RACECHECK=1 (A) racecheck on the main build;
+#            FAT_BUILD=1 (A) compiles the CUDA library for every supported GPU in the background
+#            (sanitize reports it); EMULATE="86 80" (A) runs the GPU tests as those GPUs too.
 # Results: $OUT/serve_*.json, $OUT/engine_steps.json, $OUT/summary.txt (the table printed last).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -97,10 +99,34 @@ if [ "$phase" = build ]; then
       RC_PIDS+=($!)
     done
   fi
+  if [ "${FAT_BUILD:-0}" = 1 ] && [ ! -f /root/fat/building ]; then
+    # The CUDA library for every supported GPU (SPADE_CUDA_ARCHS=all), in the background: the
+    # sanitize phase reports whether it compiled.
+    mkdir -p /root/fat && touch /root/fat/building
+    setsid nohup bash -c "cmake -S . -B build-fat -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPADE_CUDA_ARCHS=all \
+        -DSPADE_PYTHON=OFF -DCMAKE_PREFIX_PATH=$ROOT/.deps-cuda -DBLA_VENDOR=OpenBLAS -DBLA_STATIC=ON $PKGCFG \
+        >/root/fat/cmake.log 2>&1 && cmake --build build-fat -j${FAT_JOBS:-6} --target spade_cuda \
+        >/root/fat/build.log 2>&1; echo \$? > /root/fat/rc; rm -f /root/fat/building" >/dev/null 2>&1 < /dev/null &
+  fi
+  # EMULATE="86 80": the GPU tests again, side by side, as a GPU of that compute capability
+  # (SPADE_EMULATE_CC: its shared memory per block, no PDL / TMA / wgmma: the generic paths).
+  EM_PIDS=()
+  for cc in ${EMULATE:-}; do
+    ( SPADE_EMULATE_CC=$cc timeout ${TEST_TIMEOUT:-330} ./$B/spade_gpu_tests \
+        --gtest_filter="${GTEST_FILTER:--CudaSmolLM2*:CudaMixedMethods.Every*}" > "$OUT/gpu_tests_emulate$cc.log" 2>&1
+      echo "emulated sm_$cc gpu tests rc=$?" >> "$OUT/gpu_tests_emulate$cc.log" ) &
+    EM_PIDS+=($!)
+  done
   # Every GPU test (those that need the model file skip here; the run phase runs them).
   timeout ${TEST_TIMEOUT:-330} ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:--CudaSmolLM2*:CudaMixedMethods.Every*}" \
     > "$OUT/gpu_tests_all.log" 2>&1; echo "gpu tests rc=$? after $(( $(date +%s) - t0 )) s"
   grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests ran|SKIPPED \]" "$OUT/gpu_tests_all.log" | sort | uniq -c | sort -rn | head -40
+  [ ${#EM_PIDS[@]} -gt 0 ] && wait "${EM_PIDS[@]}"
+  for cc in ${EMULATE:-}; do
+    f="$OUT/gpu_tests_emulate$cc.log"
+    echo "emulated sm_$cc: $(grep -cE '^\[       OK' $f) ok, $(tail -1 $f)"
+    grep -E "^\[  FAILED  \]" $f | sort -u | head -30
+  done
   [ ${#RC_PIDS[@]} -gt 0 ] && wait "${RC_PIDS[@]}"  # the racecheck processes (not llama's build)
   for f in "$OUT"/racecheck_*.log; do
     [ -f "$f" ] && echo "$(basename $f): $(grep -cE '^\[       OK' $f) ok, $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' $f | tail -1), $(tail -1 $f)"
@@ -145,6 +171,12 @@ if [ "$phase" = sanitize ]; then
     done
     grep -hE "^========= (Invalid|Race|Error|Program hit|Uninitialized|Leaked)" "$OUT"/memcheck_*.log "$OUT"/racecheck_*.log | sort | uniq -c | head -40
   } | tee "$OUT/sanitize_summary.txt"
+  if [ -d /root/fat ]; then
+    for i in $(seq 1 120); do [ -f /root/fat/building ] || break; sleep 2; done
+    echo "fat CUDA build (SPADE_CUDA_ARCHS=all): rc=$(cat /root/fat/rc 2>/dev/null), $(grep -m1 'CUDA architectures' /root/fat/cmake.log)"
+    grep -E "error" /root/fat/build.log | head -10; tail -2 /root/fat/build.log
+    cp /root/fat/build.log "$OUT/fat_build.log" 2>/dev/null
+  fi
   exit 0
 fi
 

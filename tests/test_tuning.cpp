@@ -42,6 +42,7 @@ TEST(Tuning, DefaultsWhenUnsetOrEmpty) {
     EXPECT_EQ(t.attn_decode, -1);
     EXPECT_EQ(t.attn_prefill, -1);
     EXPECT_EQ(t.twilight_est_tiles, -1);
+    EXPECT_EQ(t.emulate_cc, 0);
   }
 }
 
@@ -55,7 +56,8 @@ TEST(Tuning, EveryVariableReachesItsField) {
                           {"SPADE_PREFILL_TMA", "0"},
                           {"SPADE_ATTN_DECODE", "4"},
                           {"SPADE_ATTN_PREFILL", "0"},
-                          {"SPADE_TWL_EST_TPW", "12"}});
+                          {"SPADE_TWL_EST_TPW", "12"},
+                          {"SPADE_EMULATE_CC", "86"}});
   EXPECT_EQ(t.threads, 3);
   EXPECT_TRUE(t.deterministic);
   EXPECT_EQ(t.fused_gemv, 2);
@@ -66,6 +68,7 @@ TEST(Tuning, EveryVariableReachesItsField) {
   EXPECT_EQ(t.attn_decode, 4);
   EXPECT_EQ(t.attn_prefill, 0);
   EXPECT_EQ(t.twilight_est_tiles, 12);
+  EXPECT_EQ(t.emulate_cc, 86);
   EXPECT_FALSE(parse({{"SPADE_DETERMINISTIC", "0"}}).deterministic);
 }
 
@@ -79,4 +82,6 @@ TEST(Tuning, BadValuesAreClearErrors) {
   expect_error({{"SPADE_ATTN_PREFILL", "3"}}, "SPADE_ATTN_PREFILL must be an integer in [0, 2]");
   expect_error({{"SPADE_TWL_EST_TPW", "0"}}, "SPADE_TWL_EST_TPW");
   expect_error({{"SPADE_ATTN_DECODE", " 1"}}, "SPADE_ATTN_DECODE");
+  expect_error({{"SPADE_EMULATE_CC", "90"}}, "SPADE_EMULATE_CC must be an integer in [80, 89]");
+  expect_error({{"SPADE_EMULATE_CC", "85"}}, "SPADE_EMULATE_CC must be 80, 86 or 89, got 85");
 }

@@ -136,6 +136,7 @@ GpuMethodContext CudaModel::method_context() const {
 void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   const ModelConfig& c = cfg_;
   SPADE_CHECK(cuda::device_available(), "--device cuda: no CUDA device is available");
+  cuda::check_device_supported();
   SPADE_CHECK(c.head_dim == 64 || c.head_dim == 128, "CUDA backend: head_dim ", c.head_dim,
               " is not supported (64 and 128 are)");
   const int64_t H = c.hidden, D = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads, F = c.ffn,

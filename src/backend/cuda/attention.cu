@@ -462,6 +462,9 @@ void set_smem(K kernel, size_t bytes) {
 
 template <int D>
 int decode_occupancy() {
+  // (D = 128 needs 100 KB: not on sm_86 / 89, where only the v3 variants run; a v2 launch
+  // there is refused in run().)
+  if (DecodeCfg<D>::kSmemTotal > smem_optin_bytes()) return 1;
   set_smem(decode_v2_kernel<D>, DecodeCfg<D>::kSmemTotal);
   int n = 0;
   SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -561,9 +564,10 @@ AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim
   tickets_ = arena.alloc_n<int>(n_tickets, "attention chunk tickets");
   SPADE_CUDA(cudaMemset(tickets_, 0, sizeof(int) * n_tickets));
   tmaps_ = std::make_unique<TensorMaps>();
-  {  // TMA decode needs pages of whole 16-row boxes and a driver that encodes tensor maps
+  {  // TMA decode needs Hopper or newer, pages of whole 16-row boxes and a driver that
+     // encodes tensor maps
     CUtensorMap probe;
-    tma_ok_ = P % 16 == 0 && encode_kv_tensor_map(&probe, meta_dev_, D);
+    tma_ok_ = cc_major() >= 9 && P % 16 == 0 && encode_kv_tensor_map(&probe, meta_dev_, D);
   }
   variant_occupancy(0);  // sets the v2 decode kernel's shared-memory limit
   set_decode_kernel(env_decode_kernel());
@@ -653,7 +657,9 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
   B_ = B;
   // Deterministic with the auto kernel: one static variant whatever the batch (the warps of a
   // CTA, hence each split's summation order, are fixed).
-  variant_ = !decode ? 0 : deterministic_ && decode_kernel_ == 1 ? 1 : resolve_variant(B, max_kv);
+  variant_ = !decode                                   ? 0
+             : deterministic_ && decode_kernel_ == 1 ? fitting_variant(1)
+                                                     : resolve_variant(B, max_kv);
   n_items_ = n;
   n_split_ = ns;
   total_q_ = total_q;
@@ -711,6 +717,9 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
     }
     launch_decode_v3(D_, variant_, a, dim3(Hkv_, n_items_), s, tmk, tmv);
   } else if (decode_) {
+    SPADE_CHECK((D_ == 64 ? DecodeCfg<64>::kSmemTotal : DecodeCfg<128>::kSmemTotal) <= smem_optin_bytes(),
+                "attention: the v2 decode kernel (SPADE_ATTN_DECODE=0) needs more shared memory "
+                "per block than this GPU's ", smem_optin_bytes() >> 10, " KB at head_dim ", D_);
     if (D_ == 64)
       launch_pdl(decode_v2_kernel<64>, grid, DecodeCfg<64>::kThreads, DecodeCfg<64>::kSmemTotal, s, a);
     else

@@ -169,6 +169,7 @@ class AttentionWorkspace {
   struct TensorMaps;
   std::unique_ptr<TensorMaps> tmaps_;
   int resolve_variant(int B, int max_kv) const;
+  int fitting_variant(int v) const;
   int auto_variant(int B, int max_kv) const;
   int split_for(int variant, int B, int max_kv) const;  // one wave (v3), as documented above
   int dyn_split(int variant, int B, int max_kv) const;

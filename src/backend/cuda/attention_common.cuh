@@ -60,6 +60,8 @@ struct DecodeVariant {
 };
 int decode_v3_count();
 DecodeVariant decode_v3_variant(int v);
+// Dynamic shared memory of variant v at head dim D.
+size_t decode_v3_smem(int D, int v);
 // CTAs per SM for variant v at head dim D.
 int decode_v3_occupancy(int D, int v);
 // tmk/tmv: tensor maps of the K/V caches (rows of D bf16, 128-byte swizzle, box 64 x 16) for
@@ -84,8 +86,20 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                "r"(valid ? 16 : 0));
 }
+// Hopper-only PTX (mbarrier try_wait / expect_tx, bulk tensor copies): compiled for the
+// compute capability 9.0+ device passes; the device passes of older targets (the fat binary's
+// sm_80 / 86 / 89 images) get a trap instead, and the host never launches those instances
+// there (AttentionWorkspace's TMA variants need cc_major() >= 9, the wgmma prefill 9.0).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define SPADE_SM90_ONLY(...) __trap()
+#else
+#define SPADE_SM90_ONLY(...) __VA_ARGS__
+#endif
 // Spins until the mbarrier's phase with the given parity has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+#else
   uint32_t ok = 0;
   do {
     asm volatile(
@@ -95,20 +109,22 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (!ok);
+#endif
 }
 // mbarrier arrive that also expects `bytes` of transaction (TMA) completion.
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
+  SPADE_SM90_ONLY(asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                               "r"(bytes)
+                               : "memory"));
 }
 // One TMA box of a 2-D tensor map (encode_kv_tensor_map: {64 columns, 16 rows}, 128-byte
 // swizzle) at coordinates (c0 = column, c1 = row) into shared memory dst, completing on bar.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
                                             uint32_t bar) {
-  asm volatile(
+  SPADE_SM90_ONLY(asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
+      : "memory"));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -67,7 +67,7 @@ struct DecCfg {
 };
 
 __device__ __forceinline__ void mbar_init1(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+  SPADE_SM90_ONLY(asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory"));
 }
 
 // Byte offset of (row r, column col % 8 == 0) in a chunk tile. v3: [TK][D] with 16-byte chunk
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(W * 32)
   if constexpr (TMA) {
     if (lane == 0) {
       for (int st = 0; st < S; ++st) mbar_init1(bar_of(st));
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      SPADE_SM90_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
     }
     __syncwarp();
   }
@@ -526,6 +526,11 @@ constexpr DecodeVariant kVariants[] = {
     {"v4_w8s3", 8, 3, 16, true, false},
     {"v3d_w4s3", 4, 3, 16, false, true},  // v3 with chunks drawn from a counter (DYN)
     {"v3d_w8s3", 8, 3, 16, false, true},
+    // Two-stage rings for GPUs with 99 KB of shared memory per block (sm_86 / 89: w4s3 needs
+    // 101 KB at D = 128): 69 KB. Auto takes them only where the 3-stage ring does not fit
+    // (AttentionWorkspace::fitting_variant); D = 64 runs its 3-stage ring (51 KB) everywhere.
+    {"v3_w4s2", 4, 2, 16, false, false},
+    {"v3d_w4s2", 4, 2, 16, false, true},
 };
 // Measured and dropped (docs/cuda.md): a 2-warp 6-stage TMA variant (-10..-16%), the
 // cp.async L2::256B prefetch hint (-3..-7%), 4-warp 2-stage and 2-warp 4-stage rings.
@@ -577,6 +582,13 @@ void dispatch(int D, int v, bool tma, bool skip, bool emit, bool allow_dyn, F&& 
     if (dyn) return f(Inst<64, 4, 3, 16, false, false, false, true>{});
     return f(Inst<64, 4, 3, 16, false>{});
   }
+  if (dv.stages == 2) {
+    if (emit && dyn) return f(Inst<128, 4, 2, 16, false, false, true, true>{});
+    if (emit) return f(Inst<128, 4, 2, 16, false, false, true>{});
+    if (skip) return f(Inst<128, 4, 2, 16, false, true>{});
+    if (dyn) return f(Inst<128, 4, 2, 16, false, false, false, true>{});
+    return f(Inst<128, 4, 2, 16, false>{});
+  }
   if (dv.warps == 8) {
     if (emit && dyn) return f(Inst<128, 8, 3, 16, false, false, true, true>{});
     if (emit) return f(Inst<128, 8, 3, 16, false, false, true>{});
@@ -597,6 +609,11 @@ void dispatch(int D, int v, bool tma, bool skip, bool emit, bool allow_dyn, F&& 
 
 int decode_v3_count() { return kNumVariants; }
 DecodeVariant decode_v3_variant(int v) { return kVariants[(v >= 1 && v <= kNumVariants ? v : 1) - 1]; }
+size_t decode_v3_smem(int D, int v) {
+  size_t n = 0;
+  dispatch(D, v, false, false, false, false, [&](auto inst) { n = decltype(inst)::C::kSmem; });
+  return n;
+}
 int decode_v3_occupancy(int D, int v) {
   int n = 0;
   dispatch(D, v, true, false, false, true, [&](auto inst) { n = decltype(inst)::occupancy(); });

@@ -721,12 +721,8 @@ bool prefill_wgmma_ok(int D) {
   if (D != kPfD) return false;
   static int ok = -1;
   if (ok < 0) {
-    int dev = 0, major = 0, minor = 0;
-    SPADE_CUDA(cudaGetDevice(&dev));
-    SPADE_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    SPADE_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     ok = 0;
-    if (major == 9 && minor == 0) {
+    if (cc_major() == 9 && cc_minor() == 0) {
       // The sm_90a image must be the one in use: the plain compute_90 PTX has no wgmma.
       int* d = nullptr;
       int h = 0;

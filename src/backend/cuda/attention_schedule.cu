@@ -68,7 +68,23 @@ int AttentionWorkspace::decode_warps() const {
 }
 
 int AttentionWorkspace::resolve_variant(int B, int max_kv) const {
-  return decode_kernel_ == 0 ? 0 : decode_kernel_ == 1 ? auto_variant(B, max_kv) : decode_kernel_ - 1;
+  return decode_kernel_ == 0 ? 0 : decode_kernel_ == 1 ? fitting_variant(auto_variant(B, max_kv))
+                                                       : decode_kernel_ - 1;
+}
+
+// Variant v, or its nearest twin whose shared memory the device allows per block
+// (smem_optin_bytes): 8 warps -> 4 warps, then a 3-stage ring -> 2 stages (same static / drawn
+// schedule); at Hopper's and A100's limits every auto pick fits as it is.
+int AttentionWorkspace::fitting_variant(int v) const {
+  const size_t lim = smem_optin_bytes();
+  auto fits = [&](int x) { return decode_v3_smem(D_, x) <= lim; };
+  if (fits(v)) return v;
+  const bool dyn = decode_v3_variant(v).dyn;
+  const int w4s3 = dyn ? 5 : 1, w4s2 = dyn ? 8 : 7;
+  if (fits(w4s3)) return w4s3;
+  SPADE_CHECK(fits(w4s2), "attention: no decode kernel fits the GPU's ", lim >> 10,
+              " KB of shared memory per block (head_dim ", D_, ")");
+  return w4s2;
 }
 
 int AttentionWorkspace::choose_split(int B, int max_kv) const {

@@ -1,6 +1,7 @@
 #include "backend/cuda/cuda_common.h"
 #include "core/tuning.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 namespace spade::cuda {
@@ -68,13 +69,43 @@ void* DeviceArena::alloc(size_t bytes, const char* what) {
   return p;
 }
 
+namespace {
+int device_attr(cudaDeviceAttr a) {
+  int dev = 0, v = 0;
+  SPADE_CUDA(cudaGetDevice(&dev));
+  SPADE_CUDA(cudaDeviceGetAttribute(&v, a, dev));
+  return v;
+}
+}  // namespace
+
+int cc_major() {
+  static const int v = tuning().emulate_cc ? tuning().emulate_cc / 10
+                                           : device_attr(cudaDevAttrComputeCapabilityMajor);
+  return v;
+}
+
+int cc_minor() {
+  static const int v = tuning().emulate_cc ? tuning().emulate_cc % 10
+                                           : device_attr(cudaDevAttrComputeCapabilityMinor);
+  return v;
+}
+
+size_t smem_optin_bytes() {
+  static const size_t v = [] {
+    size_t b = size_t(device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin));
+    const int e = tuning().emulate_cc;
+    if (e) b = std::min(b, size_t(e == 80 ? 163 : 99) << 10);  // A100; RTX 30xx / 40xx, L40S
+    return b;
+  }();
+  return v;
+}
+
 bool pdl_enabled() {
   static const bool on = [] {
     if (!tuning().pdl) return false;
-    int dev = 0, major = 0;
+    int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-    return major >= 9;
+    return cc_major() >= 9;
   }();
   return on;
 }

@@ -42,6 +42,16 @@ bool device_available();
 // "NVIDIA H100 80GB HBM3, 132 SMs, 79.2 GiB"
 std::string device_summary();
 int sm_count();
+// The current device's compute capability, read once (SPADE_EMULATE_CC: the emulated one).
+int cc_major();
+int cc_minor();
+// Dynamic shared memory one block may opt in to (cudaFuncAttributeMaxDynamicSharedMemorySize):
+// 227 KB on Hopper, 163 KB on A100, 99 KB on sm_86 / 89 (SPADE_EMULATE_CC: the emulated one's).
+size_t smem_optin_bytes();
+// Throws spade::Error, naming the GPU and what this build targets, when the current device
+// cannot run this build's kernels: compute capability below 8.0 (no bf16 tensor cores), or
+// no kernel image for it in the binary (SPADE_CUDA_ARCHS at build time). Checked once.
+void check_device_supported();
 // Whether launch_pdl (pdl.cuh) launches with programmatic stream serialization: SPADE_PDL
 // unset or not "0", and a device of compute capability 9.0 or newer.
 bool pdl_enabled();

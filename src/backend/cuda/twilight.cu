@@ -111,6 +111,12 @@ struct RedSmem {
   double2 d[2][kTpWarps];
 };
 
+// kTpSmemMax within what the device gives a block, past the kernel's static shared memory
+// (A100: 163 KB in all; sm_86 / 89: 99 KB).
+size_t tp_smem_max() {
+  return std::min(kTpSmemMax, smem_optin_bytes() - sizeof(RedSmem) - sizeof(TreeSmem) - 1024);
+}
+
 // Block reduction; every thread gets the same result (lane i of every warp takes warp i's
 // partial, then the same fixed shuffle tree). Partials double-buffered (parity): one barrier
 // per reduction.
@@ -488,7 +494,7 @@ TwilightPruner::TwilightPruner(DeviceArena& arena, int max_batch, int Hq, int Hk
   SPADE_CUDA(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, dev));
   const size_t lists = size_t(max_batch) * Hkv, G = size_t(Hq / Hkv), ms = size_t(max_slots_);
   logits_ = arena.alloc_n<float>(lists * G * ms, "twilight logits");
-  if (ms > size_t(kTpRegSlots) && ms * 4 > kTpSmemMax)
+  if (ms > size_t(kTpRegSlots) && ms * 4 > tp_smem_max())
     wglob_ = arena.alloc_n<float>(lists * G * ms, "twilight weights");
   mask_ = arena.alloc_n<uint32_t>(lists * G * ((ms + 31) / 32), "twilight kept masks");
   counters_ = arena.alloc_n<int>(lists, "twilight list counters");
@@ -510,7 +516,7 @@ size_t TwilightPruner::arena_bytes(int max_batch, int Hq, int Hkv, int max_slots
   const size_t lists = size_t(max_batch) * Hkv, G = size_t(Hq / Hkv);
   const size_t ms = size_t((max_slots + 15) / 16 * 16);
   size_t b = lists * G * ms * 4 + lists * G * ((ms + 31) / 32) * 4 + lists * ms * 4 * 2 + lists * (G * 4 + 20) + 4096;
-  if (ms > size_t(kTpRegSlots) && ms * 4 > kTpSmemMax) b += lists * G * ms * 4;
+  if (ms > size_t(kTpRegSlots) && ms * 4 > tp_smem_max()) b += lists * G * ms * 4;
   return b;
 }
 
@@ -529,12 +535,12 @@ void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
       launch_pdl(twl_topp_kernel<kTpRegThreads, kTpEpt>, ctas, kTpRegThreads, 0, s, a);
   } else {
     const size_t smem = size_t(max_slots_) * 4;
-    a.use_smem = smem <= kTpSmemMax ? 1 : 0;
+    a.use_smem = smem <= tp_smem_max() ? 1 : 0;
     SPADE_CHECK(a.use_smem || wglob_, "twilight: no weight buffer");
     static bool attr_done = false;
     if (!attr_done) {
       SPADE_CUDA(cudaFuncSetAttribute(twl_topp_kernel<kTpMemThreads, 0>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, int(kTpSmemMax)));
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, int(tp_smem_max())));
       attr_done = true;
     }
     launch_pdl(twl_topp_kernel<kTpMemThreads, 0>, st.B * Hkv_ * G, kTpMemThreads, a.use_smem ? smem : 0, s, a);
