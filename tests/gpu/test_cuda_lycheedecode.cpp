@@ -367,7 +367,9 @@ void compare_model_rule(int D, const std::string& spec, int na, int nb, int step
               method->max_err, 100 * method->max_diff_frac, worst, steps);
   EXPECT_EQ(method->bad, 0);
   EXPECT_GT(method->identical, 0);
-  EXPECT_LE(method->max_diff_frac, 0.1);
+  // Near-ties swap at most 10% of a set, or one unit (sets of a few blocks).
+  EXPECT_TRUE(method->max_diff_frac <= 0.1 || method->max_diff_units <= 1)
+      << method->max_diff_frac << " of a set, " << method->max_diff_units << " units";
   EXPECT_EQ(method->rows, steps * 2 * sel_rows);  // 2 requests
 }
 

@@ -163,6 +163,12 @@ class TracingLycheeRule final : public sparse::SparseMethod, public TracedSets {
                  std::fabs(cu[size_t(x)] - best) <= 2.f * err);
       }
       max_diff_frac = std::max(max_diff_frac, frac);
+      {
+        std::vector<int32_t> d;
+        std::set_symmetric_difference(gun.begin(), gun.end(), cun.begin(), cun.end(),
+                                      std::back_inserter(d));
+        max_diff_units = std::max(max_diff_units, int(d.size() + 1) / 2);
+      }
       if (!tie) {
         ++bad;
         ADD_FAILURE() << "step " << c.step << " layer " << c.layer << " request " << r << " head "
@@ -174,6 +180,9 @@ class TracingLycheeRule final : public sparse::SparseMethod, public TracedSets {
       st.all[size_t(h)] = int64_t(g_h.size()) == L;
     }
   }
+  // The most units a near-tie swapped in one set (sets of a few 64-token blocks swap a large
+  // fraction with one unit).
+  mutable int max_diff_units = 0;
 
  private:
   std::shared_ptr<const sparse::SparseMethod> inner_;
