@@ -1,7 +1,8 @@
 // The GPU methods that attend over selection lists (every one but full and BLASST over full):
 // SelectingMethod plans the lists of a decode step and attends over them with SparseAttention;
-// TokenTopKMethod adds what the token top-k selectors (TidalDecode, LessIsMore, LycheeDecode,
-// oracle-topk) share: score rows, the per-row top-k, the long-row scratch, the score traces.
+// TokenTopKMethod adds what the token selectors (TidalDecode, LessIsMore, LycheeDecode,
+// oracle-topk, oracle-topp) share: score rows, the per-row top-k, the long-row scratch, the
+// score traces (LycheeDecode's rules and oracle-topp select with backend/cuda/rule_select.h).
 //
 // Layout / bytes (after the base's, method.h): lists_bytes() = the CSR lists, i32 offsets
 // [max_batch * Hkv + 1] and entries [sel_cap] (sel_cap: the subclass's bound on a step's
