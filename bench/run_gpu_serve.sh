@@ -264,6 +264,11 @@ fi  # run
 # Each method of the mixed load served alone, then the mixed load, short and long prompts, with
 # the engine's counters (graph replays, captures, eager steps) after each load.
 if [ "$phase" = methods ]; then
+  if [ "${MODEL_TESTS:-0}" = 1 ]; then  # the GPU tests that need the model file first
+    SPADE_MODEL=$M timeout ${MODEL_TEST_TIMEOUT:-150} ./$B/spade_gpu_tests \
+      --gtest_filter="${GTEST_FILTER:-CudaSmolLM2*:CudaMixedMethods*:CudaModel.SmolLM2*:CudaScheduler*}" 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED)|FAILED|tests ran|mixed-methods" | tail -20
+  fi
   if [ "${NCU:-0}" = 1 ]; then
     # Kernel times of one method's decode steps at the mixed load's shape (ncu, clocks left
     # alone): each kernel's share of the step, to place the per-layer chains of the slow methods.
