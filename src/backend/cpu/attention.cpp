@@ -6,6 +6,15 @@
 #include <cmath>
 #include <cstring>
 
+#include "backend/cpu/qgemv.h"
+#include "core/thread_pool.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define SPADE_ATT_X86 1
+#include <immintrin.h>
+#define SPADE_ATT_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
 namespace spade::cpu {
 
 void attend_gathered(const float* Q, const float* K, const float* V, const int64_t* limit,
@@ -58,34 +67,50 @@ void attention_dense(const KVPool& kv, int layer, const PageTable& pt, const flo
   const int64_t D = kv.layout().head_dim;
   const int G = Hq / Hkv;
   const int64_t L = p0 + T;
-  // Query blocks bound the score scratch to kBlock*G*L floats.
-  const int64_t kBlock = 256;
-  float* K = AttentionScratch::ensure(sc.k, size_t(L * D));
-  float* V = AttentionScratch::ensure(sc.v, size_t(L * D));
-  for (int h = 0; h < Hkv; ++h) {
-    gather_kv_prefix(kv, layer, pt, h, L, K, V);
-    for (int64_t t0 = 0; t0 < T; t0 += kBlock) {
+  if (T == 1) {  // decode: the in-place kernel attention_selected runs for a dense selection
+    sparse::Selection all;
+    all.set_dense(Hkv, L);
+    decode_attention(kv, layer, pt, q, Hq, scale, all, out, sc);
+    return;
+  }
+  // Every head's K/V history gathered once; then (head, query block) items spread over the
+  // pool, each with the calling thread's own scratch. Query blocks bound the score scratch to
+  // kBlock*G*L floats per thread.
+  const int64_t kBlock = 64;
+  float* K = AttentionScratch::ensure(sc.k, size_t(Hkv * L * D));
+  float* V = AttentionScratch::ensure(sc.v, size_t(Hkv * L * D));
+  ThreadPool& pool = ThreadPool::global();
+  pool.parallel_for(Hkv, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h)
+      gather_kv_prefix(kv, layer, pt, int(h), L, K + h * L * D, V + h * L * D);
+  });
+  const int64_t blocks = (T + kBlock - 1) / kBlock;
+  pool.parallel_for(Hkv * blocks, 1, [&](int64_t i0, int64_t i1) {
+    thread_local AttentionScratch ts;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int h = int(item / blocks);
+      const int64_t t0 = (item % blocks) * kBlock;
       const int64_t tb = std::min(kBlock, T - t0);
       const int64_t M = tb * G;
-      float* Q = AttentionScratch::ensure(sc.q, size_t(M * D));
-      float* O = AttentionScratch::ensure(sc.o, size_t(M * D));
-      int64_t* lim = AttentionScratch::ensure(sc.limit, size_t(M));
+      float* Q = AttentionScratch::ensure(ts.q, size_t(M * D));
+      float* O = AttentionScratch::ensure(ts.o, size_t(M * D));
+      int64_t* lim = AttentionScratch::ensure(ts.limit, size_t(M));
       // Keys beyond the block's last token are never visible: shrink L for the block.
       const int64_t Lb = p0 + t0 + tb;
-      float* S = AttentionScratch::ensure(sc.s, size_t(M * Lb));
+      float* S = AttentionScratch::ensure(ts.s, size_t(M * Lb));
       for (int64_t t = 0; t < tb; ++t)
         for (int g = 0; g < G; ++g) {
           std::memcpy(Q + (t * G + g) * D, q + ((t0 + t) * Hq + h * G + g) * D,
                       sizeof(float) * size_t(D));
           lim[t * G + g] = p0 + t0 + t + 1;
         }
-      attend_gathered(Q, K, V, lim, M, Lb, D, scale, S, O);
+      attend_gathered(Q, K + h * L * D, V + h * L * D, lim, M, Lb, D, scale, S, O);
       for (int64_t t = 0; t < tb; ++t)
         for (int g = 0; g < G; ++g)
           std::memcpy(out + ((t0 + t) * Hq + h * G + g) * D, O + (t * G + g) * D,
                       sizeof(float) * size_t(D));
     }
-  }
+  });
 }
 
 void gather_kv_runs(const KVPool& kv, int layer, const PageTable& pt, int head,
@@ -103,43 +128,232 @@ void gather_kv_runs(const KVPool& kv, int layer, const PageTable& pt, int head,
   }
 }
 
-void attention_selected(const KVPool& kv, int layer, const PageTable& pt, const float* q, int Hq,
-                        float scale, const sparse::Selection& sel, float* out,
-                        AttentionScratch& sc, float* logits) {
+namespace {
+
+// One chunk of rows of one KV head: rows' K and V pointers, the G queries of the head.
+struct DecodeChunk {
+  const float* const* k;  // [len] row pointers
+  const float* const* v;
+  int64_t len;
+  const float* q;  // [G, D]
+  int G;
+  int64_t D;
+  float scale;
+  float* s;     // scratch [G, len]
+  float* part;  // out: [G, D + 2]: unnormalized sum of p v, then max score, then sum of p
+  float* logits;  // optional: scaled scores, row g at logits + g * ld
+  int64_t ld;
+};
+
+// Softmax pieces of one score row: max, exp in place, sum (double, as attend_gathered).
+inline void chunk_softmax(float* s, int64_t len, float* mx_out, float* sum_out) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < len; ++i) mx = std::max(mx, s[i]);
+  double sum = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  *mx_out = mx;
+  *sum_out = float(sum);
+}
+
+void chunk_scalar(const DecodeChunk& c) {
+  const int64_t D = c.D, len = c.len;
+  for (int64_t i = 0; i < len; ++i)
+    for (int g = 0; g < c.G; ++g) {
+      const float* q = c.q + g * D;
+      const float* k = c.k[i];
+      float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+      int64_t d = 0;
+      for (; d + 4 <= D; d += 4) {
+        a0 += q[d] * k[d];
+        a1 += q[d + 1] * k[d + 1];
+        a2 += q[d + 2] * k[d + 2];
+        a3 += q[d + 3] * k[d + 3];
+      }
+      for (; d < D; ++d) a0 += q[d] * k[d];
+      c.s[g * len + i] = ((a0 + a1) + (a2 + a3)) * c.scale;
+    }
+  for (int g = 0; g < c.G; ++g) {
+    float* s = c.s + g * len;
+    if (c.logits) std::memcpy(c.logits + g * c.ld, s, sizeof(float) * size_t(len));
+    float* part = c.part + g * (D + 2);
+    chunk_softmax(s, len, part + D, part + D + 1);
+    std::fill(part, part + D, 0.f);
+    for (int64_t i = 0; i < len; ++i) {
+      const float p = s[i];
+      const float* v = c.v[i];
+      for (int64_t d = 0; d < D; ++d) part[d] += p * v[d];
+    }
+  }
+}
+
+#if SPADE_ATT_X86
+SPADE_ATT_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// part[d0, d0 + 8 NV) = sum_i p[i] v[i][d0, d0 + 8 NV), the accumulators in registers.
+template <int NV>
+SPADE_ATT_AVX2 inline void pv_avx2(const float* p, const float* const* v, int64_t len, int64_t d0,
+                                   float* part) {
+  __m256 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < len; ++i) {
+    const __m256 pi = _mm256_set1_ps(p[i]);
+    const float* vi = v[i] + d0;
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(part + d0 + 8 * j, acc[j]);
+}
+
+// D a multiple of 8.
+SPADE_ATT_AVX2 void chunk_avx2(const DecodeChunk& c) {
+  const int64_t D = c.D, len = c.len;
+  for (int64_t i = 0; i < len; ++i) {
+    const float* k = c.k[i];
+    for (int g = 0; g < c.G; ++g) {
+      const float* q = c.q + g * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+      }
+      if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+      c.s[g * len + i] = hsum8(_mm256_add_ps(a0, a1)) * c.scale;
+    }
+  }
+  for (int g = 0; g < c.G; ++g) {
+    float* s = c.s + g * len;
+    if (c.logits) std::memcpy(c.logits + g * c.ld, s, sizeof(float) * size_t(len));
+    float* part = c.part + g * (D + 2);
+    chunk_softmax(s, len, part + D, part + D + 1);
+    // Weighted V sum, 64 columns at a time in registers.
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) pv_avx2<8>(s, c.v, len, d0, part);
+    switch ((D - d0) / 8) {
+      case 1: pv_avx2<1>(s, c.v, len, d0, part); break;
+      case 2: pv_avx2<2>(s, c.v, len, d0, part); break;
+      case 3: pv_avx2<3>(s, c.v, len, d0, part); break;
+      case 4: pv_avx2<4>(s, c.v, len, d0, part); break;
+      case 5: pv_avx2<5>(s, c.v, len, d0, part); break;
+      case 6: pv_avx2<6>(s, c.v, len, d0, part); break;
+      case 7: pv_avx2<7>(s, c.v, len, d0, part); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+void decode_attention(const KVPool& kv, int layer, const PageTable& pt, const float* q, int Hq,
+                      float scale, const sparse::Selection& sel, float* out,
+                      AttentionScratch& sc, float* logits) {
   const int Hkv = kv.layout().n_kv_heads;
-  const int64_t D = kv.layout().head_dim;
+  const int64_t D = kv.layout().head_dim, P = kv.layout().page_size;
   const int G = Hq / Hkv;
   const int64_t L = sel.length;
-  // (pt.length may lag: the layer loop bumps it after the last layer.)
-  SPADE_CHECK(sel.n_kv_heads == Hkv && L <= pt.capacity(kv.layout().page_size),
+  SPADE_CHECK(sel.n_kv_heads == Hkv && L <= pt.capacity(int(P)),
               "attention_selected: selection for ", sel.n_kv_heads, " heads / ", L,
-              " tokens, cache has ", Hkv, " heads / room for ",
-              pt.capacity(kv.layout().page_size), " tokens");
+              " tokens, cache has ", Hkv, " heads / room for ", pt.capacity(int(P)), " tokens");
   SPADE_CHECK(!logits || sel.uniform(), "attention_selected: logits need a uniform selection");
-  int64_t max_n = 0;
-  for (int h = 0; h < Hkv; ++h) max_n = std::max(max_n, sel.count(h));
-  float* K = AttentionScratch::ensure(sc.k, size_t(std::max<int64_t>(1, max_n) * D));
-  float* V = AttentionScratch::ensure(sc.v, size_t(std::max<int64_t>(1, max_n) * D));
-  float* Q = AttentionScratch::ensure(sc.q, size_t(G * D));
-  float* O = AttentionScratch::ensure(sc.o, size_t(G * D));
-  float* S = AttentionScratch::ensure(sc.s, size_t(G * std::max<int64_t>(1, max_n)));
-  int64_t* lim = AttentionScratch::ensure(sc.limit, size_t(G));
+  // Work items: (head, chunk) pairs, head-major; item_base[h] is head h's first.
+  int64_t item_base[65];
+  SPADE_CHECK(Hkv <= 64, "decode_attention: more than 64 KV heads");
+  int64_t items = 0;
   for (int h = 0; h < Hkv; ++h) {
     const int64_t n = sel.count(h);
     SPADE_CHECK(n > 0, "attention_selected: KV head ", h, " of layer ", layer,
                 " selects no token");
-    if (sel.dense())
-      gather_kv_prefix(kv, layer, pt, h, n, K, V);
-    else
-      gather_kv_runs(kv, layer, pt, h, sel.head(h), n, K, V);
-    std::memcpy(Q, q + int64_t(h) * G * D, sizeof(float) * size_t(G * D));
-    for (int g = 0; g < G; ++g) lim[g] = n;
-    if (logits)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, G, int(n), int(D), scale, Q, int(D), K,
-                  int(D), 0.f, logits + int64_t(h) * G * n, int(n));
-    attend_gathered(Q, K, V, lim, G, n, D, scale, S, O);
-    std::memcpy(out + int64_t(h) * G * D, O, sizeof(float) * size_t(G * D));
+    item_base[h] = items;
+    items += (n + kDecodeChunk - 1) / kDecodeChunk;
   }
+  item_base[Hkv] = items;
+  const int64_t part_stride = int64_t(G) * (D + 2);
+  float* parts = AttentionScratch::ensure(sc.part, size_t(items * part_stride));
+#if SPADE_ATT_X86
+  const bool avx2 = D % 8 == 0 && simd_level() != SimdLevel::Scalar;
+#endif
+  const int64_t ld = logits ? sel.count(0) : 0;
+  auto run = [&](int64_t it0, int64_t it1) {
+    thread_local std::vector<const float*> ptrs;
+    thread_local std::vector<float> scores;
+    if (ptrs.size() < size_t(2 * kDecodeChunk)) ptrs.resize(size_t(2 * kDecodeChunk));
+    if (scores.size() < size_t(G * kDecodeChunk)) scores.resize(size_t(G * kDecodeChunk));
+    int h = 0;
+    for (int64_t it = it0; it < it1; ++it) {
+      while (item_base[h + 1] <= it) ++h;
+      const int64_t n = sel.count(h), r0 = (it - item_base[h]) * kDecodeChunk;
+      const int64_t len = std::min(kDecodeChunk, n - r0);
+      const float** kp = ptrs.data();
+      const float** vp = ptrs.data() + kDecodeChunk;
+      const int64_t head_off = int64_t(h) * P * D;
+      if (sel.dense()) {
+        // Consecutive positions: walk pages and slots without a division per row.
+        int64_t page = r0 / P, slot = r0 % P;
+        for (int64_t i = 0; i < len; ++i) {
+          const int32_t id = pt.pages[size_t(page)];
+          kp[i] = kv.k_page(layer, id) + head_off + slot * D;
+          vp[i] = kv.v_page(layer, id) + head_off + slot * D;
+          if (++slot == P) slot = 0, ++page;
+        }
+      } else {
+        const int32_t* pos = sel.head(h) + r0;
+        for (int64_t i = 0; i < len; ++i) {
+          kp[i] = kv.k_row(layer, pt, pos[i], h);
+          vp[i] = kv.v_row(layer, pt, pos[i], h);
+        }
+      }
+      DecodeChunk c{kp, vp, len, q + int64_t(h) * G * D, G, D, scale, scores.data(),
+                    parts + it * part_stride,
+                    logits ? logits + int64_t(h) * G * ld + r0 : nullptr, ld};
+#if SPADE_ATT_X86
+      if (avx2) {
+        chunk_avx2(c);
+        continue;
+      }
+#endif
+      chunk_scalar(c);
+    }
+  };
+  // Short histories stay on the calling thread: a hand-off costs more than their work.
+  int64_t total_rows = 0;
+  for (int h = 0; h < Hkv; ++h) total_rows += sel.count(h);
+  if (total_rows < 2 * kDecodeChunk)
+    run(0, items);
+  else
+    // (Through a one-reference lambda: std::function keeps that without allocating.)
+    ThreadPool::global().parallel_for(items, 1, [&run](int64_t a, int64_t b) { run(a, b); });
+  // Merge each head's chunks in order.
+  for (int h = 0; h < Hkv; ++h)
+    for (int g = 0; g < G; ++g) {
+      float mx = -INFINITY;
+      for (int64_t it = item_base[h]; it < item_base[h + 1]; ++it)
+        mx = std::max(mx, parts[it * part_stride + g * (D + 2) + D]);
+      float* o = out + (int64_t(h) * G + g) * D;
+      std::fill(o, o + D, 0.f);
+      double den = 0;
+      for (int64_t it = item_base[h]; it < item_base[h + 1]; ++it) {
+        const float* part = parts + it * part_stride + g * (D + 2);
+        const float w = std::exp(part[D] - mx);
+        den += double(w) * double(part[D + 1]);
+        for (int64_t d = 0; d < D; ++d) o[d] += w * part[d];
+      }
+      const float inv = float(1.0 / den);
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+}
+
+void attention_selected(const KVPool& kv, int layer, const PageTable& pt, const float* q, int Hq,
+                        float scale, const sparse::Selection& sel, float* out,
+                        AttentionScratch& sc, float* logits) {
+  decode_attention(kv, layer, pt, q, Hq, scale, sel, out, sc, logits);
 }
 
 void attention_weights_full(const KVPool& kv, int layer, const PageTable& pt, const float* q,

@@ -15,6 +15,7 @@ namespace spade::cpu {
 // decode allocates nothing.
 struct AttentionScratch {
   std::vector<float> q, k, v, s, o;
+  std::vector<float> part;  // decode: per (head, chunk) softmax partials
   std::vector<int64_t> limit;
   template <typename T>
   static T* ensure(std::vector<T>& b, size_t n) {
@@ -49,14 +50,27 @@ void gather_kv_runs(const KVPool& kv, int layer, const PageTable& pt, int head,
                     const int32_t* positions, int64_t n, float* K, float* V);
 
 // Attention of one decode token (query heads q [Hq, D], its K/V already in the cache) over
-// exactly the rows `sel` names: for each KV head h its rows are gathered once and all G
-// query heads of h attend them with exact softmax (attend_gathered). out [Hq, D].
-// A Dense selection runs the same arithmetic as attention_dense for T = 1 (bit-identical).
+// exactly the rows `sel` names, read in place from the paged cache (no copy of the history):
+// decode_attention_rows per KV head. out [Hq, D]. Every selection, dense or listed, runs the
+// same arithmetic for the same rows, and attention_dense for T = 1 runs it too
+// (bit-identical).
 // `logits` (optional, only for a uniform selection of n rows per head): receives the
 // scaled scores q.k*scale [Hq, n] before the softmax, column j = j-th selected row.
 void attention_selected(const KVPool& kv, int layer, const PageTable& pt, const float* q, int Hq,
                         float scale, const sparse::Selection& sel, float* out,
                         AttentionScratch& scratch, float* logits = nullptr);
+
+// The decode kernel: the G query heads of KV head `head` (q [G, D]) attend rows i in [0, n)
+// of the cache, row i at position positions[i] (positions null: position i), with exact
+// softmax in fp32 (sums in double). Rows are taken in fixed chunks of kDecodeChunk (scores,
+// their max, exp, the weighted V sum per chunk), then the chunks merge in order, so the result
+// depends only on the rows, never on the thread count. Chunks of all heads are spread over
+// ThreadPool::global(). `logits` (optional) receives the scaled scores [G, n] per head at
+// logits + head * G * ld.
+constexpr int64_t kDecodeChunk = 256;
+void decode_attention(const KVPool& kv, int layer, const PageTable& pt, const float* q, int Hq,
+                      float scale, const sparse::Selection& sel, float* out,
+                      AttentionScratch& scratch, float* logits = nullptr);
 
 // Measurement, not attention: the true full-attention softmax weights w [Hq, L] of one
 // decode query over every cached position [0, L) of `pt`. Used by the oracle methods and

@@ -13,8 +13,11 @@ namespace spade::cpu {
 void matmul(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
             int64_t K) {
   if (M > 1) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(M), int(N), int(K), 1.f, x, int(K),
-                w, int(K), 0.f, y, int(N));
+    // Output columns split over the pool (BLAS itself runs single-threaded).
+    ThreadPool::global().parallel_for(N, 64, [&](int64_t n0, int64_t n1) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(M), int(n1 - n0), int(K), 1.f, x,
+                  int(K), w + n0 * K, int(K), 0.f, y + n0, int(N));
+    });
     if (bias)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
