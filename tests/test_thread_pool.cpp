@@ -3,32 +3,23 @@
 // threads serialize, and the BLAS library is made single-threaded.
 #include <gtest/gtest.h>
 
-#include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <regex>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "core/thread_pool.h"
+#include "smollm2_model.h"
 
+using spade::process_threads;
 using spade::ThreadPool;
-
-namespace {
-
-// Threads of this process (Linux), -1 where /proc is not there.
-int process_threads() {
-  DIR* d = opendir("/proc/self/task");
-  if (!d) return -1;
-  int n = 0;
-  while (dirent* e = readdir(d))
-    if (e->d_name[0] != '.') ++n;
-  closedir(d);
-  return n;
-}
-
-}  // namespace
 
 TEST(ThreadPool, EveryIndexOnceOverManyJobs) {
   ThreadPool pool(4);
@@ -132,5 +123,35 @@ TEST(ThreadPool, StartsAndStopsBeforeItsWorkersRun) {
     std::atomic<int64_t> sum{0};
     if (rep % 2) pool.parallel_for(30, 1, [&](int64_t b, int64_t e) { sum.fetch_add(e - b); });
     EXPECT_EQ(sum.load(), rep % 2 ? 30 : 0);
+  }
+}
+
+// `spade generate --threads N --stats` reports the threads the process has at the end of the
+// run: N, OpenBLAS's own included (they are ended; spade splits BLAS calls over its pool).
+TEST(ThreadPoolCli, ThreadsNIsEveryThread) {
+  if (!std::ifstream(spade::test::smollm2_path()).good())
+    GTEST_SKIP() << spade::test::kSmolLM2 << " not present; fetch it with `bash scripts/fetch_model.sh`";
+  char self[4096] = {};
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  ASSERT_GT(len, 0);
+  std::string dir(self, size_t(len));
+  const std::string spade = dir.substr(0, dir.rfind('/')) + "/spade";
+  if (!std::ifstream(spade).good()) GTEST_SKIP() << spade << " not built";
+  for (int n : {1, 2, 3}) {
+    const std::string cmd = spade + " generate --model " + spade::test::smollm2_path() +
+                            " --prompt 'Count to ten:' -n 8 --stats --threads " +
+                            std::to_string(n) + " 2>&1 >/dev/null";
+    std::string err;
+    FILE* p = popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    char buf[4096];
+    size_t got;
+    while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) err.append(buf, got);
+    ASSERT_EQ(pclose(p), 0) << cmd << "\n" << err;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(err, m, std::regex(R"(\| threads (\d+) \(process (-?\d+)\))")))
+        << err;
+    EXPECT_EQ(std::stoi(m[1]), n);
+    EXPECT_EQ(std::stoi(m[2]), n) << "threads in the process at the end of `--threads " << n << "`";
   }
 }

@@ -447,12 +447,12 @@ int run(int argc, char** argv) {
     // The summary: one line (prefill and decode rates, stop reason), the method's means above.
     std::fprintf(stderr,
                  "[spade] stop %s | prompt %lld tokens, %.1f tok/s prefill | generated %lld "
-                 "tokens, %.1f tok/s decode | model load %.2f s | threads %d\n",
+                 "tokens, %.1f tok/s decode | model load %.2f s | threads %d (process %d)\n",
                  stop_reason_name(st.stop_reason), (long long)st.prompt_tokens,
                  st.prompt_tokens / std::max(1e-9, st.prefill_seconds),
                  (long long)st.generated_tokens,
                  decode_rate(st, session ? session->totals().measure_seconds : 0.0), load_s,
-                 ThreadPool::global().size());
+                 ThreadPool::global().size(), process_threads());
     if (scfg.measure_recall && session)
       std::fprintf(stderr, "[spade] decode speed excludes %.2f s of recall measurement\n",
                    session->totals().measure_seconds);

@@ -1,6 +1,7 @@
 #include "core/thread_pool.h"
 #include "core/tuning.h"
 
+#include <dirent.h>
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -47,6 +48,16 @@ bool blas_single_threaded() {
   if (auto shutdown = reinterpret_cast<ShutdownFn>(dlsym(RTLD_DEFAULT, "blas_thread_shutdown_")))
     shutdown();
   return true;
+}
+
+int process_threads() {
+  DIR* d = opendir("/proc/self/task");
+  if (!d) return -1;
+  int n = 0;
+  while (const dirent* e = readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  closedir(d);
+  return n;
 }
 
 ThreadPool::ThreadPool(int n_threads) {

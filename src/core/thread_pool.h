@@ -74,4 +74,7 @@ class ThreadPool {
 // Returns whether OpenBLAS was found.
 bool blas_single_threaded();
 
+// Threads of this process right now (Linux: /proc/self/task), -1 where that is unknown.
+int process_threads();
+
 }  // namespace spade
