@@ -1,95 +1,194 @@
 #!/usr/bin/env python3
-"""CPU decode on a quantized GGUF, spade vs llama.cpp (issue 43): decode tok/s after a
-~128-token prompt with 1 thread, and peak RSS, in interleaved pairs (spade, llama.cpp, spade,
-...) so a load on the machine hits both alike; medians go to a JSON in bench/results/.
+"""CPU decode and prefill on a quantized GGUF, spade vs llama.cpp (issue 43), with 1 and 2
+threads, after a short (~128-token) and a long (~6,800-token) prompt; peak RSS of each run.
+Runs go in interleaved pairs (spade, llama.cpp, spade, ...) so a load on the machine hits both
+alike; medians and the issue's bars go to a JSON in bench/results/.
 
-    python3 bench/cpu_decode_quant.py --llama-bench ../peer/llama.cpp/build-cpu/bin/llama-bench \
-        [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--pairs 5] [--out bench/results/X.json]
+    python3 bench/cpu_decode_quant.py --llama-bench ../peer/llama.cpp/build-cpu/bin/llama-bench \\
+        [--spade build-cpu/spade] [--threads 1,2] [--pairs 3] [--long-pairs 2] [--lock F] [--out X.json]
 
-spade: `spade generate --prompt-file P --ignore-eos -n 128 --threads 1 --stats` (P is the
-first ~128 tokens of tests/fixtures/sparse/genesis_1_3.txt), once natively (the default) and
-once with --cpu-weights f32 per pair; llama.cpp: `llama-bench -p 0 -n 128 -d 128 -t 1 -r 1`
-(decode of 128 tokens after a 128-token context). Peak RSS from /usr/bin/time -f %M.
+spade: `spade generate --prompt-file P --ignore-eos -n N --threads T --stats`, natively (the
+default for a quantized GGUF) and, on the short prompt, with --cpu-weights f32 (the reference);
+P is the first words of tests/fixtures/sparse/genesis_1_3.txt, repeated for the long prompt.
+Its --stats line gives prefill and decode tok/s and the threads the process had.
+llama.cpp: `llama-bench -p 0 -n N -d DEPTH -t T -r 1 --progress`: decode of N tokens after a
+DEPTH-token context; its prefill of that context is not timed by llama-bench, so it is timed
+here from the progress lines around it ("depth run" ... "generation run").
+Peak RSS from /usr/bin/time -f %M. llama-bench keeps a copy of the context's KV state for
+reuse across repetitions (llama_state_seq_get_data), which its peak RSS includes; the JSON
+gives an estimate of that copy (f16 K and V of every layer for DEPTH tokens) beside it.
 """
-import argparse, datetime, hashlib, json, os, platform, re, statistics, subprocess, tempfile
+import argparse, datetime, hashlib, json, os, platform, re, statistics, subprocess, tempfile, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BARS = {"decode_short": 1.0, "decode_long": 1.5, "prefill": 1.5, "rss": 1.5}
 
 
-def timed(cmd):
-    r = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb=%M"] + cmd, capture_output=True,
-                       text=True, check=True)
-    rss = int(re.search(r"maxrss_kb=(\d+)", r.stderr).group(1))
-    return r, rss / 1024.0
+LOCK = []  # ["flock", PATH] with --lock: each run holds the lock builds take
+
+
+def run_timed(cmd):
+    """Runs cmd under /usr/bin/time; returns (stdout, [(t, stderr line)], peak RSS MiB)."""
+    p = subprocess.Popen(LOCK + ["/usr/bin/time", "-f", "maxrss_kb=%M"] + cmd, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in p.stderr:
+        lines.append((time.monotonic(), line))
+    out = p.stdout.read()
+    if p.wait() != 0:
+        raise RuntimeError("%s failed:\n%s" % (" ".join(cmd), "".join(l for _, l in lines)[-3000:]))
+    rss = next(int(m.group(1)) for _, l in lines for m in [re.search(r"maxrss_kb=(\d+)", l)] if m)
+    return out, lines, rss / 1024.0
+
+
+def run_spade(a, prompt_file, n, threads, extra):
+    _, lines, rss = run_timed([a.spade, "generate", "--model", a.model, "--prompt-file", prompt_file,
+                               "--ignore-eos", "-n", str(n), "--threads", str(threads), "--stats"] + extra)
+    err = "".join(l for _, l in lines)
+    m = re.search(r"prompt (\d+) tokens, ([\d.]+) tok/s prefill \| generated (\d+) tokens, ([\d.]+) tok/s "
+                  r"decode .*\| threads (\d+) \(process (-?\d+)\)", err)
+    if not m:
+        raise RuntimeError("no --stats line:\n" + err[-2000:])
+    return {"prompt_tokens": int(m.group(1)), "prefill_tok_s": float(m.group(2)),
+            "decode_tok_s": float(m.group(4)), "process_threads": int(m.group(6)),
+            "peak_rss_mib": round(rss, 1)}
+
+
+def run_llama(a, depth, n, threads):
+    out, lines, rss = run_timed([a.llama_bench, "-m", a.model, "-p", "0", "-n", str(n), "-d", str(depth),
+                                 "-t", str(threads), "-r", "1", "--progress", "-o", "json"])
+    # "benchmark 1/1: depth run 1/1", then (after the prefill) "benchmark 1/1: generation run 1/1"
+    # ("warmup generation run" comes before both).
+    t_depth = next(t for t, l in lines if re.search(r"benchmark \d+/\d+: depth run", l))
+    t_gen = next(t for t, l in lines if re.search(r"benchmark \d+/\d+: generation run", l) and t >= t_depth)
+    return {"prompt_tokens": depth, "prefill_tok_s": round(depth / (t_gen - t_depth), 2),
+            "decode_tok_s": json.loads(out)[0]["avg_ts"], "peak_rss_mib": round(rss, 1)}
+
+
+def med(runs, key):
+    return statistics.median(r[key] for r in runs)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--spade", default=os.path.join(ROOT, "build/spade"))
+    ap.add_argument("--spade", default=os.path.join(ROOT, "build-cpu/spade"))
     ap.add_argument("--llama-bench", required=True)
     ap.add_argument("--model", default=os.path.join(ROOT, "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--pairs", type=int, default=3, help="pairs per thread count, short prompt")
+    ap.add_argument("--long-pairs", type=int, default=2, help="pairs per thread count, long prompt")
+    ap.add_argument("--n", type=int, default=128, help="tokens decoded after the short prompt")
+    ap.add_argument("--long-n", type=int, default=32, help="tokens decoded after the long prompt")
+    ap.add_argument("--short-words", type=int, default=95)   # 111 tokens with SmolLM2's tokenizer
+    ap.add_argument("--long-words", type=int, default=5790)  # 6,801 tokens
+    ap.add_argument("--spade-cuda", help="a CUDA-enabled spade binary: one short run for its RSS")
     ap.add_argument("--llama-src", default=os.path.join(ROOT, ".stage/llamacpp-src.tar.gz"))
+    ap.add_argument("--lock", help="a lock file each run holds (flock), e.g. the one builds on this "
+                                   "machine take, so no build of those runs beside a timed run")
     ap.add_argument("--out")
     a = ap.parse_args()
-    text = open(os.path.join(ROOT, "tests/fixtures/sparse/genesis_1_3.txt")).read()
-    prompt = " ".join(text.split()[:95])  # ~128 tokens with SmolLM2's tokenizer
-    pf = tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False)
-    pf.write(prompt)
-    pf.close()
-    runs = {"spade_native": [], "spade_f32": [], "llama_cpp": []}
-    prompt_tokens = None
-    for _ in range(a.pairs):
-        for key, extra in (("spade_native", []), ("llama_cpp", None), ("spade_f32", ["--cpu-weights", "f32"])):
-            if extra is None:
-                cmd = [a.llama_bench, "-m", a.model, "-p", "0", "-n", str(a.n), "-d", "128", "-t", "1",
-                       "-r", "1", "-o", "json"]
-                r, rss = timed(cmd)
-                tps = json.loads(r.stdout)[0]["avg_ts"]
-            else:
-                cmd = [a.spade, "generate", "--model", a.model, "--prompt-file", pf.name, "--ignore-eos",
-                       "-n", str(a.n), "--threads", "1", "--stats"] + extra
-                r, rss = timed(cmd)
-                m = re.search(r"prompt (\d+) tokens.*generated (\d+) tokens, ([\d.]+) tok/s decode", r.stderr)
-                prompt_tokens = int(m.group(1))
-                tps = float(m.group(3))
-            runs[key].append({"decode_tok_s": tps, "peak_rss_mib": round(rss, 1)})
-            print(key, runs[key][-1], flush=True)
-    os.unlink(pf.name)
-    med = {k: {"decode_tok_s": statistics.median(x["decode_tok_s"] for x in v),
-               "peak_rss_mib": statistics.median(x["peak_rss_mib"] for x in v)} for k, v in runs.items()}
+    if a.lock:
+        LOCK[:] = ["flock", a.lock]
+    words = open(os.path.join(ROOT, "tests/fixtures/sparse/genesis_1_3.txt")).read().split()
+    prompts = {}
+    for name, count in (("short", a.short_words), ("long", a.long_words)):
+        w = []
+        while len(w) < count:
+            w += words
+        f = tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False)
+        f.write(" ".join(w[:count]))
+        f.close()
+        prompts[name] = f.name
+    threads = [int(t) for t in a.threads.split(",")]
+    cases = {}
+    try:
+        for t in threads:
+            for length, n, pairs in (("short", a.n, a.pairs), ("long", a.long_n, a.long_pairs)):
+                if pairs <= 0:
+                    continue
+                runs = {"spade_native": [], "llama_cpp": []}
+                if length == "short":
+                    runs["spade_f32"] = []
+                depth = None
+                for _ in range(pairs):
+                    r = run_spade(a, prompts[length], n, t, [])
+                    runs["spade_native"].append(r)
+                    depth = r["prompt_tokens"]
+                    print("t=%d %s spade_native" % (t, length), r, flush=True)
+                    r = run_llama(a, depth, n, t)
+                    runs["llama_cpp"].append(r)
+                    print("t=%d %s llama_cpp" % (t, length), r, flush=True)
+                    if length == "short":
+                        r = run_spade(a, prompts[length], n, t, ["--cpu-weights", "f32"])
+                        runs["spade_f32"].append(r)
+                        print("t=%d %s spade_f32" % (t, length), r, flush=True)
+                m = {k: {key: med(v, key) for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_mib")}
+                     for k, v in runs.items()}
+                # llama-bench's copy of the context's state: f16 K and V, every layer, `depth` tokens
+                # (SmolLM2-135M: 30 layers, 3 KV heads x 64).
+                state_mib = depth * 30 * 2 * 192 * 2 / 2**20
+                sn, lc = m["spade_native"], m["llama_cpp"]
+                ratios = {"decode": round(sn["decode_tok_s"] / lc["decode_tok_s"], 3),
+                          "prefill": round(sn["prefill_tok_s"] / lc["prefill_tok_s"], 3),
+                          "rss": round(sn["peak_rss_mib"] / lc["peak_rss_mib"], 3),
+                          "rss_vs_llama_less_state_copy": round(
+                              sn["peak_rss_mib"] / (lc["peak_rss_mib"] - state_mib), 3)}
+                bar_decode = BARS["decode_short" if length == "short" else "decode_long"]
+                cases["%s_t%d" % (length, t)] = {
+                    "threads": t, "context_tokens": depth, "decoded_tokens": n, "pairs": pairs,
+                    "median": m, "spade_native_over_llama_cpp": ratios,
+                    "llama_bench_state_copy_mib_estimate": round(state_mib, 1),
+                    "bars": {"decode": {"bar": bar_decode, "met": ratios["decode"] >= bar_decode},
+                             "prefill": {"bar": BARS["prefill"], "met": ratios["prefill"] >= BARS["prefill"]},
+                             "rss": {"bar": BARS["rss"], "met": ratios["rss"] <= BARS["rss"]},
+                             "one_thread_per_thread": all(r["process_threads"] == t for r in runs["spade_native"])},
+                    "runs": runs}
+        cuda_rss = None
+        if a.spade_cuda:
+            b = argparse.Namespace(**vars(a))
+            b.spade = a.spade_cuda
+            cuda_rss = run_spade(b, prompts["short"], a.n, 1, [])
+            print("cuda-enabled binary, short, 1 thread", cuda_rss, flush=True)
+    finally:
+        for f in prompts.values():
+            os.unlink(f)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     spade_commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                                   text=True).stdout.strip()
     src_sha = hashlib.sha256(open(a.llama_src, "rb").read()).hexdigest() if os.path.exists(a.llama_src) else None
     res = {
-        "what": "CPU decode tok/s after a 128-token prompt, 1 thread, and peak RSS (issue 43)",
+        "what": "CPU decode and prefill tok/s and peak RSS, spade vs llama.cpp, 1 and 2 threads, short and "
+                "~6,800-token contexts (issue 43)",
         "date": datetime.date.today().isoformat(),
         "machine": {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform()},
         "model": os.path.relpath(a.model, ROOT),
         "spade_commit": spade_commit,
+        "spade_binary": os.path.relpath(a.spade, ROOT) + " (SPADE_CUDA=OFF build)",
         "llama_cpp": {"source": "llama-cpp-python 0.3.36 sdist (../shared/tools/llamacpp_src.sh); "
                                 "its build reports commit 'unknown' (no git in the sdist); PEERS.md: 0c1e57098",
                       "tarball_sha256": src_sha,
                       "build": "cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON, target llama-bench"},
         "commands": {
-            "spade": "spade generate --model M --prompt-file P --ignore-eos -n %d --threads 1 --stats "
-                     "[--cpu-weights f32]; P: %d tokens" % (a.n, prompt_tokens),
-            "llama_cpp": "llama-bench -m M -p 0 -n %d -d 128 -t 1 -r 1 -o json" % a.n,
+            "spade": "spade generate --model M --prompt-file P --ignore-eos -n N --threads T --stats "
+                     "[--cpu-weights f32]",
+            "llama_cpp": "llama-bench -m M -p 0 -n N -d DEPTH -t T -r 1 --progress -o json "
+                         "(DEPTH = spade's prompt tokens; prefill timed between its 'depth run' and "
+                         "'generation run' progress lines)",
             "rss": "/usr/bin/time -f %M",
-            "reproduce": "python3 bench/cpu_decode_quant.py --llama-bench PATH --pairs %d" % a.pairs},
-        "pairs": a.pairs,
-        "median": med,
-        "spade_native_over_llama_cpp": round(med["spade_native"]["decode_tok_s"] / med["llama_cpp"]["decode_tok_s"], 3),
-        "rss_spade_native_over_llama_cpp": round(med["spade_native"]["peak_rss_mib"] / med["llama_cpp"]["peak_rss_mib"], 3),
-        "runs": runs,
+            "reproduce": "python3 bench/cpu_decode_quant.py --llama-bench PATH --threads %s --pairs %d "
+                         "--long-pairs %d%s" % (a.threads, a.pairs, a.long_pairs,
+                                                " --lock " + a.lock if a.lock else "")},
+        "bars": BARS,
+        "cases": cases,
     }
+    if cuda_rss:
+        res["cuda_enabled_binary_short_t1"] = dict(cuda_rss, binary=os.path.relpath(a.spade_cuda, ROOT))
     out = a.out or os.path.join(ROOT, "bench/results/cpu_decode_quant_%s.json" % res["date"].replace("-", ""))
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
         f.write("\n")
-    print(json.dumps(med, indent=1))
+    for k, c in cases.items():
+        print(k, json.dumps(c["spade_native_over_llama_cpp"]), json.dumps(c["bars"]))
     print("wrote", out)
 
 

@@ -322,10 +322,10 @@ void decode_attention(const KVPool& kv, int layer, const PageTable& pt, const fl
       chunk_scalar(c);
     }
   };
-  // Short histories stay on the calling thread: a hand-off costs more than their work.
+  // Very short histories stay on the calling thread: a hand-off costs more than their work.
   int64_t total_rows = 0;
   for (int h = 0; h < Hkv; ++h) total_rows += sel.count(h);
-  if (total_rows < 2 * kDecodeChunk)
+  if (items < 2 || total_rows < 256)
     run(0, items);
   else
     // (Through a one-reference lambda: std::function keeps that without allocating.)

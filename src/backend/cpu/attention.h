@@ -67,7 +67,7 @@ void attention_selected(const KVPool& kv, int layer, const PageTable& pt, const 
 // depends only on the rows, never on the thread count. Chunks of all heads are spread over
 // ThreadPool::global(). `logits` (optional) receives the scaled scores [G, n] per head at
 // logits + head * G * ld.
-constexpr int64_t kDecodeChunk = 256;
+constexpr int64_t kDecodeChunk = 128;
 void decode_attention(const KVPool& kv, int layer, const PageTable& pt, const float* q, int Hq,
                       float scale, const sparse::Selection& sel, float* out,
                       AttentionScratch& scratch, float* logits = nullptr);
