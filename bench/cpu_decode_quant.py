@@ -147,8 +147,11 @@ def main():
         if a.spade_cuda:
             b = argparse.Namespace(**vars(a))
             b.spade = a.spade_cuda
-            cuda_rss = run_spade(b, prompts["short"], a.n, 1, [])
-            print("cuda-enabled binary, short, 1 thread", cuda_rss, flush=True)
+            try:
+                cuda_rss = run_spade(b, prompts["short"], a.n, 1, [])
+                print("cuda-enabled binary, short, 1 thread", cuda_rss, flush=True)
+            except (RuntimeError, OSError) as e:
+                print("cuda-enabled binary did not run:", e, flush=True)
     finally:
         for f in prompts.values():
             os.unlink(f)
