@@ -151,8 +151,8 @@ if [ "$phase" = sanitize ]; then
   t0=$(date +%s)
   # The TMA loads (cp.async.bulk.tensor on a __grid_constant__ tensor map) die with "illegal
   # instruction" under the tool; the wgmma prefill's cp.async path runs clean. So the TMA load
-  # path stays outside the sanitizer (SAN_PREFILL_TMA=1 tries it anyway).
-  export SPADE_PREFILL_TMA=${SAN_PREFILL_TMA:-0}
+  # path stays outside the sanitizer (SAN_TMA=1 tries it anyway).
+  export SPADE_TMA=${SAN_TMA:-0}
   for i in $(seq 1 300); do [ -f /root/san/building ] || break; sleep 2; done
   echo "sanitizer build rc=$(cat /root/san/rc 2>/dev/null) (waited $(( $(date +%s) - t0 )) s)"
   [ -x build-san/spade_gpu_tests ] || { grep -E "error" /root/san/build.log | head; tail -5 /root/san/build.log; exit 1; }

@@ -39,6 +39,7 @@ TEST(Tuning, DefaultsWhenUnsetOrEmpty) {
     EXPECT_TRUE(t.pdl);
     EXPECT_TRUE(t.gemv_rotate);
     EXPECT_TRUE(t.prefill_tma);
+    EXPECT_TRUE(t.tma);
     EXPECT_EQ(t.attn_decode, -1);
     EXPECT_EQ(t.attn_prefill, -1);
     EXPECT_EQ(t.twilight_est_tiles, -1);
@@ -54,6 +55,7 @@ TEST(Tuning, EveryVariableReachesItsField) {
                           {"SPADE_PDL", "0"},
                           {"SPADE_GEMV_ROTATE", "0"},
                           {"SPADE_PREFILL_TMA", "0"},
+                          {"SPADE_TMA", "0"},
                           {"SPADE_ATTN_DECODE", "4"},
                           {"SPADE_ATTN_PREFILL", "0"},
                           {"SPADE_TWL_EST_TPW", "12"},
@@ -65,6 +67,7 @@ TEST(Tuning, EveryVariableReachesItsField) {
   EXPECT_FALSE(t.pdl);
   EXPECT_FALSE(t.gemv_rotate);
   EXPECT_FALSE(t.prefill_tma);
+  EXPECT_FALSE(t.tma);
   EXPECT_EQ(t.attn_decode, 4);
   EXPECT_EQ(t.attn_prefill, 0);
   EXPECT_EQ(t.twilight_est_tiles, 12);

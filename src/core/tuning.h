@@ -21,6 +21,7 @@ struct Tuning {
   bool pdl = true;                 // SPADE_PDL=0: no programmatic dependent launch
   bool gemv_rotate = true;         // SPADE_GEMV_ROTATE=0: the decode GEMV without its row rotation
   bool prefill_tma = true;         // SPADE_PREFILL_TMA=0: prefill K/V tiles by cp.async, not TMA
+  bool tma = true;                 // SPADE_TMA=0: no TMA load anywhere (prefill, v4 decode twins)
   int attn_decode = -1;            // SPADE_ATTN_DECODE: decode attention variant, >= 0
   int attn_prefill = -1;           // SPADE_ATTN_PREFILL: prefill kernel, 0 (generic) .. 2
   int twilight_est_tiles = -1;     // SPADE_TWL_EST_TPW: Twilight estimate tiles per warp, >= 1
@@ -65,6 +66,7 @@ inline Tuning parse_tuning(const tuning_detail::Getenv& get) {
   t.pdl = switch_var(get, "SPADE_PDL", true);
   t.gemv_rotate = switch_var(get, "SPADE_GEMV_ROTATE", true);
   t.prefill_tma = switch_var(get, "SPADE_PREFILL_TMA", true);
+  t.tma = switch_var(get, "SPADE_TMA", true);
   t.attn_decode = int_var(get, "SPADE_ATTN_DECODE", 0, 64, -1);
   t.attn_prefill = int_var(get, "SPADE_ATTN_PREFILL", 0, 2, -1);
   t.twilight_est_tiles = int_var(get, "SPADE_TWL_EST_TPW", 1, 1 << 20, -1);

@@ -567,7 +567,8 @@ AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim
   {  // TMA decode needs Hopper or newer, pages of whole 16-row boxes and a driver that
      // encodes tensor maps
     CUtensorMap probe;
-    tma_ok_ = cc_major() >= 9 && P % 16 == 0 && encode_kv_tensor_map(&probe, meta_dev_, D);
+    tma_ok_ = cc_major() >= 9 && tuning().tma && P % 16 == 0 &&
+              encode_kv_tensor_map(&probe, meta_dev_, D);
   }
   variant_occupancy(0);  // sets the v2 decode kernel's shared-memory limit
   set_decode_kernel(env_decode_kernel());

@@ -749,7 +749,7 @@ void launch_pf(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* 
 
 // K and V tiles by TMA when tensor maps are given (SPADE_PREFILL_TMA=0: cp.async, for A/B runs).
 bool prefill_tma() {
-  return tuning().prefill_tma;
+  return tuning().prefill_tma && tuning().tma;
 }
 
 }  // namespace
