@@ -17,14 +17,87 @@
 
 namespace spade::cpu {
 
+namespace {
+
+#if SPADE_ATT_X86
+// exp of 8 floats: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), a degree-5 polynomial for
+// e^r (Cephes expf, within 2 ulp of the true value), 2^n built in the exponent bits. Inputs
+// below -88.38 (and -inf) give 0, as the softmax wants for masked scores.
+SPADE_ATT_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  const __m256 fx = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// One softmax row's pieces: its max (returned in *mx), exp(s - max) in place, the sum in
+// double. The tail goes through the same vector code (padded with -inf), so every element's
+// value is the same wherever it sits in the row.
+SPADE_ATT_AVX2 double exp_row_avx2(float* s, int64_t n, float* mx_out) {
+  __m256 m8 = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + i));
+  float mx = -INFINITY;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  for (float v : lanes) mx = std::max(mx, v);
+  for (int64_t k = i; k < n; ++k) mx = std::max(mx, s[k]);
+  *mx_out = mx;
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256d d0 = _mm256_setzero_pd(), d1 = _mm256_setzero_pd();
+  auto step = [&](__m256 v) SPADE_ATT_AVX2 {
+    const __m256 e = exp8(_mm256_sub_ps(v, m));
+    d0 = _mm256_add_pd(d0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    d1 = _mm256_add_pd(d1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    return e;
+  };
+  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, step(_mm256_loadu_ps(s + i)));
+  if (i < n) {
+    alignas(32) float tail[8];
+    for (int k = 0; k < 8; ++k) tail[k] = i + k < n ? s[i + k] : -INFINITY;
+    _mm256_store_ps(tail, step(_mm256_load_ps(tail)));
+    for (int64_t k = i; k < n; ++k) s[k] = tail[k - i];
+  }
+  alignas(32) double acc[4];
+  _mm256_store_pd(acc, _mm256_add_pd(d0, d1));
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+#endif
+
+}  // namespace
+
 void attend_gathered(const float* Q, const float* K, const float* V, const int64_t* limit,
                      int64_t M, int64_t L, int64_t D, float scale, float* s, float* O) {
   // S = Q K^T (all L columns; columns past a row's limit are ignored below).
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(M), int(L), int(D), scale, Q, int(D),
               K, int(D), 0.f, s, int(L));
+#if SPADE_ATT_X86
+  const bool avx2 = simd_level() != SimdLevel::Scalar;
+#endif
   for (int64_t r = 0; r < M; ++r) {
     float* row = s + r * L;
     const int64_t n = limit[r];
+#if SPADE_ATT_X86
+    if (avx2) {
+      float mx;
+      const float inv = float(1.0 / exp_row_avx2(row, n, &mx));
+      for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+      for (int64_t j = n; j < L; ++j) row[j] = 0.f;
+      continue;
+    }
+#endif
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
     double sum = 0;
@@ -197,7 +270,7 @@ SPADE_ATT_AVX2 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// part[d0, d0 + 8 NV) = sum_i p[i] v[i][d0, d0 + 8 NV), the accumulators in registers.
+// part[d0, d0 + 8 NV) = sum_i p[i] v[i][d0, d0 + 8 NV).
 template <int NV>
 SPADE_ATT_AVX2 inline void pv_avx2(const float* p, const float* const* v, int64_t len, int64_t d0,
                                    float* part) {
@@ -211,11 +284,92 @@ SPADE_ATT_AVX2 inline void pv_avx2(const float* p, const float* const* v, int64_
   for (int j = 0; j < NV; ++j) _mm256_storeu_ps(part + d0 + 8 * j, acc[j]);
 }
 
+// The same for 64 columns, the eight accumulators written out so they stay in registers (g++
+// -O2 does not unroll the loop above, and kept them in memory).
+SPADE_ATT_AVX2 inline void pv64_avx2(const float* p, const float* const* v, int64_t len,
+                                     int64_t d0, float* part) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t i = 0; i < len; ++i) {
+    const __m256 pi = _mm256_set1_ps(p[i]);
+    const float* vi = v[i] + d0;
+    a0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi), a0);
+    a1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 8), a1);
+    a2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 16), a2);
+    a3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 24), a3);
+    a4 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 32), a4);
+    a5 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 40), a5);
+    a6 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 48), a6);
+    a7 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 56), a7);
+  }
+  float* o = part + d0;
+  _mm256_storeu_ps(o, a0);
+  _mm256_storeu_ps(o + 8, a1);
+  _mm256_storeu_ps(o + 16, a2);
+  _mm256_storeu_ps(o + 24, a3);
+  _mm256_storeu_ps(o + 32, a4);
+  _mm256_storeu_ps(o + 40, a5);
+  _mm256_storeu_ps(o + 48, a6);
+  _mm256_storeu_ps(o + 56, a7);
+}
+
+// q . k over 64 columns, four accumulators.
+SPADE_ATT_AVX2 inline __m256 dot64_avx2(const float* q, const float* k) {
+  __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+  __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(k + 8));
+  __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(q + 16), _mm256_loadu_ps(k + 16));
+  __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(q + 24), _mm256_loadu_ps(k + 24));
+  a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 32), _mm256_loadu_ps(k + 32), a0);
+  a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 40), _mm256_loadu_ps(k + 40), a1);
+  a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 48), _mm256_loadu_ps(k + 48), a2);
+  a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 56), _mm256_loadu_ps(k + 56), a3);
+  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
+// Eight vectors' lane sums as one vector: out[r] = sum of v[r]'s lanes.
+SPADE_ATT_AVX2 inline __m256 hsum8x8(const __m256 v[8]) {
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // s0123 lanes: [r0 r1 r2 r3 | r0 r1 r2 r3] halves; likewise s4567 for r4..r7.
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
 // D a multiple of 8.
 SPADE_ATT_AVX2 void chunk_avx2(const DecodeChunk& c) {
   const int64_t D = c.D, len = c.len;
-  for (int64_t i = 0; i < len; ++i) {
+  // The history sits in pages of page_size rows per head (4 KB for 16 rows of D = 64), which
+  // the hardware prefetchers do not follow from one to the next: rows kPrefetchRows ahead
+  // are prefetched by hand, K and V (V is read right after, in the weighted sum).
+  constexpr int64_t kPrefetchRows = 8;
+  const int64_t row_bytes = D * int64_t(sizeof(float));
+  auto prefetch_row = [&](int64_t i) SPADE_ATT_AVX2 {
+    if (i >= len) return;
+    const char* kn = reinterpret_cast<const char*>(c.k[i]);
+    const char* vn = reinterpret_cast<const char*>(c.v[i]);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(kn + b, _MM_HINT_T0);
+      _mm_prefetch(vn + b, _MM_HINT_T0);
+    }
+  };
+  int64_t i0 = 0;
+  if (D == 64) {
+    // Eight rows at a time: eight dot vectors reduced together (no horizontal sum per row).
+    for (; i0 + 8 <= len; i0 += 8) {
+      for (int64_t r = 0; r < 8; ++r) prefetch_row(i0 + r + kPrefetchRows);
+      for (int g = 0; g < c.G; ++g) {
+        const float* q = c.q + g * D;
+        __m256 d[8];
+        for (int r = 0; r < 8; ++r) d[r] = dot64_avx2(q, c.k[i0 + r]);
+        _mm256_storeu_ps(c.s + g * len + i0,
+                         _mm256_mul_ps(hsum8x8(d), _mm256_set1_ps(c.scale)));
+      }
+    }
+  }
+  for (int64_t i = i0; i < len; ++i) {
     const float* k = c.k[i];
+    prefetch_row(i + kPrefetchRows);
     for (int g = 0; g < c.G; ++g) {
       const float* q = c.q + g * D;
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -232,10 +386,10 @@ SPADE_ATT_AVX2 void chunk_avx2(const DecodeChunk& c) {
     float* s = c.s + g * len;
     if (c.logits) std::memcpy(c.logits + g * c.ld, s, sizeof(float) * size_t(len));
     float* part = c.part + g * (D + 2);
-    chunk_softmax(s, len, part + D, part + D + 1);
+    part[D + 1] = float(exp_row_avx2(s, len, part + D));
     // Weighted V sum, 64 columns at a time in registers.
     int64_t d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) pv_avx2<8>(s, c.v, len, d0, part);
+    for (; d0 + 64 <= D; d0 += 64) pv64_avx2(s, c.v, len, d0, part);
     switch ((D - d0) / 8) {
       case 1: pv_avx2<1>(s, c.v, len, d0, part); break;
       case 2: pv_avx2<2>(s, c.v, len, d0, part); break;
