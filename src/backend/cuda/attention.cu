@@ -511,8 +511,18 @@ bool AttentionWorkspace::prefill_wgmma_active() const {
   return prefill_kernel_ >= 1 && prefill_wgmma_ok(D_);
 }
 
+bool AttentionWorkspace::decode_kernel_fits(int v, int D) {
+  const size_t need = v == 1   ? 0
+                      : v == 0 ? (D == 64 ? DecodeCfg<64>::kSmemTotal : DecodeCfg<128>::kSmemTotal)
+                               : decode_v3_smem(D, v - 1);
+  return need <= smem_optin_bytes();
+}
+
 void AttentionWorkspace::set_decode_kernel(int v) {
   SPADE_CHECK(v >= 0 && v < decode_kernel_count(), "attention: no decode kernel ", v);
+  SPADE_CHECK(decode_kernel_fits(v, D_), "attention: decode kernel ", decode_kernel_name(v),
+              " needs more shared memory per block than this GPU's ", smem_optin_bytes() >> 10,
+              " KB at head_dim ", D_, " (auto picks one that fits)");
   decode_kernel_ = v;
 }
 

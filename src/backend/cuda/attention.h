@@ -133,6 +133,9 @@ class AttentionWorkspace {
   bool draws_chunks() const;
   static int decode_kernel_count();
   static const char* decode_kernel_name(int v);
+  // Whether decode kernel v (as above; auto always) fits the device's shared memory per block
+  // at head dim D (smem_optin_bytes: the 8-warp and v2 kernels need more than sm_86 / 89 give).
+  static bool decode_kernel_fits(int v, int D);
   // Prefill kernel: 2 = wgmma with a 3-stage K/V ring and P V one tile behind (the default),
   // 1 = wgmma with a 2-stage ring (D = 128 on compute capability 9.0 with the sm_90a image;
   // else falls back), 0 = the generic mma.sync kernel (v2). Env: SPADE_ATTN_PREFILL=0|1|2.
