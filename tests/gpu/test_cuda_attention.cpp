@@ -189,7 +189,7 @@ TEST(CudaAttention, AutoDrawsChunksOnlyWherePlanned) {
     ws.plan(batch, 0);
   };
   // Hopper's auto rule (8-warp CTAs need 197 KB of shared memory; sm_86 / 89 run others).
-  if (!cuda::AttentionWorkspace::decode_kernel_fits(2, D)) GTEST_SKIP() << "no 8-warp decode here";
+  if (!cuda::AttentionWorkspace::decode_kernel_fits(3, D)) GTEST_SKIP() << "no 8-warp decode here";
   const int slots4 = cuda::sm_count() * 2;  // 4-warp CTAs per SM: 2 (101 KB of shared memory)
   plan(1, 70000);
   EXPECT_EQ(std::string(cuda::AttentionWorkspace::decode_kernel_name(ws.decode_variant() + 1)), "v3d_w8s3");
