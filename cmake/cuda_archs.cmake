@@ -1,6 +1,7 @@
 # spade_cuda_architectures(spec nvcc out): the CMAKE_CUDA_ARCHITECTURES list for SPADE_CUDA_ARCHS.
 #   auto    the GPUs of this machine (nvidia-smi: compute capability 9.0 -> 90a, the wgmma/TMA
-#           kernels; others -> their own machine code); every supported GPU when none is found
+#           kernels; others -> their own machine code); Hopper when none is found (a machine
+#           without a GPU builds fast; `all` is the portable binary)
 #   all     sm_80 (A100), 86 (RTX 30xx, A10, A40), 89 (RTX 40xx, L4, L40S), 90a (H100, H200),
 #           and 100 / 120 (Blackwell) when this nvcc has them, plus PTX of the newest target
 #   hopper  sm_90a + compute_90 PTX
@@ -44,7 +45,8 @@ function(spade_cuda_architectures spec nvcc out)
       endforeach()
     endif()
     if(NOT r)
-      set(r "${every}")
+      set(r "90a-real;90-virtual")
+      message(STATUS "spade: no GPU found, building for Hopper (SPADE_CUDA_ARCHS=all: every GPU)")
     endif()
   else()
     set(r "${spec}")
