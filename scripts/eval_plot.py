@@ -9,6 +9,10 @@
   longgen: KL and tokens until first divergence vs budget per generated length, and the KL
           along the generation (the per-window means, averaged over samples) per method
 
+Every point is the mean over the samples of its (method, length, budget) with an error bar of
+one standard error of that mean (none with one sample); each panel's title gives the samples
+per point.
+
 Usage: python3 scripts/eval_plot.py RESULTS.json [OUT.png]   (needs python3-matplotlib)
 """
 import json
@@ -17,14 +21,37 @@ import sys
 from collections import OrderedDict, defaultdict
 
 
+def finite(xs):
+    return [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+
+
 def mean(xs):
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    xs = finite(xs)
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+class Point:
+    """The mean of a point's samples, the ends of its error bar (mean -/+ one standard error,
+    through `transform` when one is given: perplexity = exp(mean NLL)), and the sample count."""
+
+    def __init__(self, xs, transform=None):
+        xs = finite(xs)
+        self.n = len(xs)
+        m = mean(xs)
+        se = 0.0
+        if self.n >= 2:
+            var = sum((x - m) ** 2 for x in xs) / (self.n - 1)
+            se = math.sqrt(var / self.n)
+        f = transform or (lambda v: v)
+        self.value, self.lo, self.hi = f(m), f(m - se), f(m + se)
+
+    def yerr(self):
+        return [self.value - self.lo, self.hi - self.value]
+
+
 def grouped(results, field, transform=None):
-    """{method_name: {length: {budget: mean(field)}}}, budget None for budget-less methods;
-    methods keyed by their label without the budget."""
+    """{method_name: {length: {budget: Point}}}, budget None for budget-less methods; methods
+    keyed by their label without the budget."""
     acc = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for r in results:
         if field not in r:
@@ -33,9 +60,17 @@ def grouped(results, field, transform=None):
         acc[label][r["length"]][r.get("budget")].append(r[field])
     out = OrderedDict()
     for label, by_len in acc.items():
-        out[label] = {L: {b: (transform(mean(v)) if transform else mean(v)) for b, v in bb.items()}
-                      for L, bb in by_len.items()}
+        out[label] = {L: {b: Point(v, transform) for b, v in bb.items()} for L, bb in by_len.items()}
     return out
+
+
+def sample_counts(points):
+    """' (n = 3 samples per point)' or ' (n = 2-5 ...)' over the points drawn."""
+    ns = sorted({p.n for p in points})
+    if not ns:
+        return ""
+    span = str(ns[0]) if ns[0] == ns[-1] else f"{ns[0]}-{ns[-1]}"
+    return f" (n = {span} sample{'s' if ns[-1] != 1 else ''} per point)"
 
 
 COLORS = {}
@@ -57,13 +92,22 @@ def strip_budget(r):
 
 def panel_vs_budget(ax, data, length, ylabel, title):
     budgets = sorted({b for m in data.values() for b in m.get(length, {}) if b is not None})
+    drawn = []
     for label, by_len in data.items():
         pts = by_len.get(length, {})
         if None in pts:
-            ax.axhline(pts[None], linestyle="--", linewidth=1.2, color=color(label), label=label)
+            p = pts[None]
+            ax.axhline(p.value, linestyle="--", linewidth=1.2, color=color(label), label=label)
+            if p.hi > p.lo:
+                ax.axhspan(p.lo, p.hi, color=color(label), alpha=0.12)
+            drawn.append(p)
         xs = [b for b in budgets if b in pts]
         if xs:
-            ax.plot(xs, [pts[b] for b in xs], marker="o", color=color(label), label=label)
+            ps = [pts[b] for b in xs]
+            ax.errorbar(xs, [p.value for p in ps], yerr=list(zip(*[p.yerr() for p in ps])),
+                        marker="o", capsize=3, color=color(label), label=label)
+            drawn += ps
+    title += sample_counts(drawn)
     if budgets:
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets)
@@ -82,11 +126,16 @@ def panel_vs_length(ax, results, field, ylabel, title):
             acc[(strip_budget(r), r.get("budget"))][r["length"]].append(r[field])
     budgets = sorted({b for (_, b) in acc if b is not None})
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]
+    drawn = []
     for (group, b), by_len in acc.items():
         xs = sorted(by_len)
         mk, ls = styles[budgets.index(b) % len(styles)] if b is not None else ("x", "-")
-        ax.plot(xs, [mean(by_len[x]) for x in xs], marker=mk, linestyle=ls, color=color(group),
-                label=f"{group} {b}" if b is not None else group)
+        ps = [Point(by_len[x]) for x in xs]
+        ax.errorbar(xs, [p.value for p in ps], yerr=list(zip(*[p.yerr() for p in ps])), marker=mk,
+                    linestyle=ls, capsize=3, color=color(group),
+                    label=f"{group} {b}" if b is not None else group)
+        drawn += ps
+    title += sample_counts(drawn)
     if budgets:
         title += "\n(budgets: " + ", ".join(
             f"{b} {styles[i % len(styles)][0]}{styles[i % len(styles)][1]}" for i, b in enumerate(budgets)) + ")"
@@ -106,13 +155,17 @@ def panel_drift(ax, rs, window):
     steps = longest - 1  # teacher-forced steps after the prefill's
     for label, runs in acc.items():
         n = min(len(w) for _, w in runs)
-        ys = [mean([w[i] for _, w in runs]) for i in range(n)]
+        ps = [Point([w[i] for _, w in runs]) for i in range(n)]
         xs = [(i * window + min(steps, (i + 1) * window)) / 2 for i in range(n)]
-        ax.plot(xs, ys, marker=".", label=label, color=color(runs[0][0]))
+        ax.plot(xs, [p.value for p in ps], marker=".", label=label, color=color(runs[0][0]))
+        if any(p.hi > p.lo for p in ps):
+            ax.fill_between(xs, [p.lo for p in ps], [p.hi for p in ps], color=color(runs[0][0]),
+                            alpha=0.15)
     ax.set_xlabel("generated token")
     ax.set_ylabel(f"KL(full || method), mean per {window} tokens")
     ax.set_yscale("symlog", linthresh=1e-4)
-    ax.set_title(f"KL along the generation ({longest} tokens, {len(next(iter(acc.values()), []))} samples)")
+    ax.set_title(f"KL along the generation ({longest} tokens, {len(next(iter(acc.values()), []))} "
+                 "samples; band: one standard error)")
     ax.grid(alpha=0.3)
 
 

@@ -15,6 +15,7 @@ PKGS=(
   bible-kjv-text                     # long real text (haystacks, perplexity)
   bible-kjv                          # the `bible` reader of that text (scripts/main_job.sh)
   python3-torch python3-venv         # CPU torch 1.13 for tests/python/test_hardkuma.py (below)
+  python3-matplotlib                 # scripts/eval_plot.py (and its test)
 )
 missing=()
 for p in "${PKGS[@]}"; do
