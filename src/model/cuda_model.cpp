@@ -137,6 +137,7 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   const ModelConfig& c = cfg_;
   SPADE_CHECK(cuda::device_available(), "--device cuda: no CUDA device is available");
   cuda::check_device_supported();
+  SPADE_CHECK(opt_.max_graphs >= 1, "CudaModelOptions::max_graphs must be >= 1, got ", opt_.max_graphs);
   SPADE_CHECK(c.head_dim == 64 || c.head_dim == 128, "CUDA backend: head_dim ", c.head_dim,
               " is not supported (64 and 128 are)");
   const int64_t H = c.hidden, D = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads, F = c.ffn,
@@ -658,8 +659,6 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
     graph_key(sample);
     const std::vector<int>& key = graph_key_;
     auto it = graphs_.find(key);
-    if (it == graphs_.end() && graphs_.size() >= size_t(std::max(1, opt_.max_graphs)))
-      evict_lru_graph();
     const bool captured =
         it == graphs_.end() ||
         (sample && !rows_mode_ && std::memcmp(&graph_sampling_, sp, sizeof(*sp)) != 0);
@@ -704,7 +703,12 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
       ++graph_counters_.captures;
       if (ge) ++graph_counters_.updates;
       else ++graph_counters_.instantiations;
-      if (!ge) SPADE_CUDA(cudaGraphInstantiate(&ge, g, 0));
+      if (!ge) {
+        // A new entry: past max_graphs, the least recently replayed graph goes first (after
+        // the update attempt, so the class's update base is not the one evicted).
+        if (graphs_.size() >= size_t(opt_.max_graphs)) evict_lru_graph();
+        SPADE_CUDA(cudaGraphInstantiate(&ge, g, 0));
+      }
       SPADE_CUDA(cudaGraphDestroy(g));
       graphs_[key].exec = ge;
       graph_class_last_[graph_class_] = key;

@@ -116,13 +116,14 @@ std::string prometheus_text(const EngineMetrics& m, const HttpCounts& http,
   o.metric("spade_engine_graph_updates_total", "counter",
            "Captured graphs applied to an instantiated graph of the same topology.", double(m.graph_updates));
   o.head("spade_engine_runner_host_seconds_total", "counter",
-         "Host seconds the runner spent launching steps: eager launches, captures (with their "
-         "update or instantiation and replay), and replays alone.");
+         "Host seconds the runner spent launching steps: eager launches, captures (with a first "
+         "use's eager warm-up, the update or instantiation, and the replay), and replays alone.");
   o.sample("spade_engine_runner_host_seconds_total", "how=\"eager\"", m.eager_host_seconds);
   o.sample("spade_engine_runner_host_seconds_total", "how=\"capture\"", m.capture_host_seconds);
   o.sample("spade_engine_runner_host_seconds_total", "how=\"graph_replay\"", m.replay_host_seconds);
   o.head("spade_engine_runner_device_seconds_total", "counter",
-         "Device seconds of the runner's steps (CUDA events around each), eager and graph.");
+         "Device seconds of the runner's steps (CUDA events around each), eager and graph; a graph "
+         "step that captured includes the host's capture time, which the device waits for.");
   o.sample("spade_engine_runner_device_seconds_total", "how=\"eager\"", m.eager_device_seconds);
   o.sample("spade_engine_runner_device_seconds_total", "how=\"graph\"", m.graph_device_seconds);
 

@@ -457,7 +457,7 @@ constexpr auto prefill_v2_skip_kernel = attn_kernel<D, 4, 1, 2, (D == 128 ? 32 :
 
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
-  SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  set_max_dynamic_smem(kernel, int(bytes));
 }
 
 template <int D>

@@ -543,12 +543,12 @@ struct Inst {
   static void prepare() {
     static bool done = false;
     if (!done) {
-      SPADE_CUDA(cudaFuncSetAttribute(decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT, DYN>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmem)));
+      set_max_dynamic_smem(decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT, DYN>, int(C::kSmem));
       done = true;
     }
   }
   static int occupancy() {
+    if (C::kSmem > smem_optin_bytes()) return 0;  // does not fit this GPU (never launched here)
     prepare();
     int n = 0;
     SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(

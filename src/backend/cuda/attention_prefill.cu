@@ -709,8 +709,7 @@ template <int ST, bool SKIP, bool KTMA>
 void prepare_prefill() {
   static bool done = false;
   if (!done) {
-    SPADE_CUDA(cudaFuncSetAttribute(prefill_wgmma_kernel<ST, SKIP, KTMA>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(pf_smem<ST>())));
+    set_max_dynamic_smem(prefill_wgmma_kernel<ST, SKIP, KTMA>, int(pf_smem<ST>()));
     done = true;
   }
 }

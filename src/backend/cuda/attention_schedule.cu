@@ -39,9 +39,11 @@ const char* AttentionWorkspace::decode_kernel_name(int v) {
 // which static runs without) 1401-1404 vs 1421-1422, 128K B = 32 5568-5583 vs 5631-5635; at
 // batch 1 a second wave is slower (128K: 185.4-185.6 vs 183.5-184.6).
 int AttentionWorkspace::auto_variant(int B, int max_kv) const {
+  // (Each candidate as the device's shared memory allows: fitting_variant.)
   const bool few_pairs = int64_t(B) * Hkv_ <= 8;
-  if (may_draw() && dyn_split(few_pairs ? 6 : 5, B, max_kv) > 0) return few_pairs ? 6 : 5;
-  return few_pairs && max_kv <= 65536 ? 2 : 1;
+  const int drawn = fitting_variant(few_pairs ? 6 : 5);
+  if (may_draw() && dyn_split(drawn, B, max_kv) > 0) return drawn;
+  return fitting_variant(few_pairs && max_kv <= 65536 ? 2 : 1);
 }
 
 // The split count of a DYN variant, 0 where drawing does not pay: the pairs must fit one wave
@@ -68,8 +70,7 @@ int AttentionWorkspace::decode_warps() const {
 }
 
 int AttentionWorkspace::resolve_variant(int B, int max_kv) const {
-  return decode_kernel_ == 0 ? 0 : decode_kernel_ == 1 ? fitting_variant(auto_variant(B, max_kv))
-                                                       : decode_kernel_ - 1;
+  return decode_kernel_ == 0 ? 0 : decode_kernel_ == 1 ? auto_variant(B, max_kv) : decode_kernel_ - 1;
 }
 
 // Variant v, or its nearest twin whose shared memory the device allows per block

@@ -516,9 +516,9 @@ void launch_dpl(int D, T&& f) {
 
 namespace lc_detail {
 void set_build_sort_smem(int bytes) {
-  SPADE_CUDA(cudaFuncSetAttribute(km_reseed_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  SPADE_CUDA(cudaFuncSetAttribute(lc_renumber_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  SPADE_CUDA(cudaFuncSetAttribute(lc_lists_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  set_max_dynamic_smem(km_reseed_kernel, bytes);
+  set_max_dynamic_smem(lc_renumber_kernel, bytes);
+  set_max_dynamic_smem(lc_lists_kernel, bytes);
 }
 }  // namespace lc_detail
 

@@ -628,7 +628,7 @@ void LcIndexGpu::search(const LcSearchArgs& a, cudaStream_t s) const {
   // dynamic part grows (a threshold on the dynamic part alone misses the ~4.5 KB static).
   static size_t set_bytes = 0;
   if (smem > set_bytes) {
-    SPADE_CUDA(cudaFuncSetAttribute(lc_search_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    set_max_dynamic_smem(lc_search_kernel, int(smem));
     set_bytes = smem;
   }
   launch_pdl(lc_search_kernel, dim3(cfg_.Hkv, a.B), kSearchThreads, smem, s, k);

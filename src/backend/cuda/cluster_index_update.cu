@@ -340,8 +340,7 @@ void LcIndexGpu::insert_batch(const std::vector<LcInsert>& reqs, const bf16* k_c
                    cfg_.D, H, cfg_.P};
   const size_t smem = size_t(kInsStageRows) * size_t(cfg_.D) * sizeof(bf16);
   static const bool smem_ok = [] {
-    SPADE_CUDA(cudaFuncSetAttribute(lc_insert_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kInsStageRows * 256 * int(sizeof(bf16))));
+    set_max_dynamic_smem(lc_insert_kernel, kInsStageRows * 256 * int(sizeof(bf16)));
     return true;
   }();
   (void)smem_ok;

@@ -48,6 +48,15 @@ int cc_minor();
 // Dynamic shared memory one block may opt in to (cudaFuncAttributeMaxDynamicSharedMemorySize):
 // 227 KB on Hopper, 163 KB on A100, 99 KB on sm_86 / 89 (SPADE_EMULATE_CC: the emulated one's).
 size_t smem_optin_bytes();
+// Raises `kernel`'s dynamic shared-memory limit to `bytes` (every kernel that needs more than
+// 48 KB goes through here): a request past what the device gives a block (smem_optin_bytes,
+// the emulated GPU's under SPADE_EMULATE_CC) is a clear error naming both sizes.
+template <typename K>
+void set_max_dynamic_smem(K kernel, size_t bytes) {
+  SPADE_CHECK(bytes <= smem_optin_bytes(), "CUDA: a kernel needs ", bytes >> 10,
+              " KB of shared memory per block; this GPU gives ", smem_optin_bytes() >> 10, " KB");
+  SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
 // Throws spade::Error, naming the GPU and what this build targets, when the current device
 // cannot run this build's kernels: compute capability below 8.0 (no bf16 tensor cores), or
 // no kernel image for it in the binary (SPADE_CUDA_ARCHS at build time). Checked once.

@@ -159,8 +159,7 @@ void lessismore_select(const LessIsMoreArgs& a, cudaStream_t s) {
   const size_t smem = size_t(np2) * 8;
   static bool attr_done = false;
   if (!attr_done) {
-    SPADE_CUDA(cudaFuncSetAttribute(lim_rank_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kLessIsMoreMaxUnified * 8));
+    set_max_dynamic_smem(lim_rank_kernel, kLessIsMoreMaxUnified * 8);
     attr_done = true;
   }
   launch_pdl(lim_rank_kernel, a.B * a.Hq, kRankThreads, smem, s, a, np2);

@@ -164,8 +164,7 @@ void launch_mma(const QuestArgs& a, cudaStream_t s) {
   using C = MCfg<D>;
   static bool done = false;
   if (!done) {
-    SPADE_CUDA(cudaFuncSetAttribute(quest_score_mma_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(C::kSmem)));
+    set_max_dynamic_smem(quest_score_mma_kernel<D>, int(C::kSmem));
     done = true;
   }
   // Chunks per CTA: about one wave of 2 CTAs per SM, 4..64 chunks each.

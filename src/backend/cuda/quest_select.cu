@@ -316,9 +316,18 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
 }
 
 // Dynamic shared memory of the top-k kernels: keys of rows up to kTopkCache entries (plus the
-// padding of topk_slot: 165 KB).
+// padding of topk_slot: 165 KB), or fewer where the device gives a block less (A100: 163 KB,
+// sm_86 / 89: 99 KB): topk_cache_max(). Longer rows read their keys from global memory.
 constexpr int kTopkCache = 40960;
 constexpr size_t topk_smem_bytes(int cache) { return size_t(cache + (cache >> 5) + 1) * 4; }
+int topk_cache_max() {
+  static const int c = [] {
+    const int64_t words = int64_t(smem_optin_bytes() - 1024) / 4;  // 1 KB for static shared memory
+    const int64_t fit = (words - 1) * 32 / 33 / 32 * 32;         // topk_smem_bytes(fit) <= 4 * words
+    return int(std::min<int64_t>(kTopkCache, fit));
+  }();
+  return c;
+}
 
 __global__ void __launch_bounds__(kTopkThreads) quest_topk_kernel(const QuestArgs a, int cache) {
   pdl_begin();  // pdl.cuh: first, before any global access
@@ -441,7 +450,7 @@ void quest_score(const QuestArgs& a, cudaStream_t s) {
   auto go = [&](auto kernel) {
     bool& done = attr_done[a.D == 128][GH];
     if (!done) {
-      SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 << 10));
+      set_max_dynamic_smem(kernel, 96 << 10);
       done = true;
     }
     launch_pdl(kernel, grid, kQThreads, smem, s, a);
@@ -471,11 +480,10 @@ template <typename K>
 int topk_cache_attr(K kernel, int64_t max_n) {
   static bool done = false;
   if (!done) {
-    SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(topk_smem_bytes(kTopkCache))));
+    set_max_dynamic_smem(kernel, topk_smem_bytes(topk_cache_max()));
     done = true;
   }
-  return int(std::min<int64_t>(max_n, kTopkCache));
+  return int(std::min<int64_t>(max_n, topk_cache_max()));
 }
 
 void quest_topk(const QuestArgs& a, cudaStream_t s) {
@@ -498,13 +506,14 @@ void topk_rows(const float* scores, int64_t ld, const int32_t* n, int n_rows, in
 }
 
 namespace {
-constexpr int kTopkChunk = 32768;  // stage-1 chunk: cached in shared memory
-int topk_long_chunks(int64_t ld) { return int((ld + kTopkChunk - 1) / kTopkChunk); }
+constexpr int kTopkChunkMax = 32768;  // stage-1 chunk: cached in shared memory
+int topk_chunk() { return std::min(kTopkChunkMax, topk_cache_max()); }
+int topk_long_chunks(int64_t ld) { return int((ld + topk_chunk() - 1) / topk_chunk()); }
 }  // namespace
 
 bool topk_long_applies(int64_t ld, int k) {
-  return ld > kTopkCache && k >= 1 && k <= kTopkChunk &&
-         int64_t(topk_long_chunks(ld)) * k <= kTopkCache;
+  return ld > topk_cache_max() && k >= 1 && k <= topk_chunk() &&
+         int64_t(topk_long_chunks(ld)) * k <= topk_cache_max();
 }
 
 size_t topk_long_scratch_bytes(int n_rows, int64_t ld, int k) {
@@ -525,9 +534,9 @@ void topk_rows_long(const float* scores, int64_t ld, const int32_t* n, int n_row
   int32_t* cp = reinterpret_cast<int32_t*>(p + align(cand * 4));
   int32_t* n2 = reinterpret_cast<int32_t*>(p + align(cand * 4) + align(cand * 4));
   int32_t* idx2 = n2 + (align(size_t(n_rows) * 4) / 4);
-  const int c1 = topk_cache_attr(topk_chunks_kernel, kTopkChunk);
+  const int c1 = topk_cache_attr(topk_chunks_kernel, topk_chunk());
   launch_pdl(topk_chunks_kernel, dim3(unsigned(nc), unsigned(n_rows)), kTopkThreads, topk_smem_bytes(c1), s, 
-      scores, ld, n, k, kTopkChunk, nc, cs, cp, n2);
+      scores, ld, n, k, topk_chunk(), nc, cs, cp, n2);
   SPADE_CUDA_LAUNCH();
   topk_rows(cs, int64_t(nc) * k, n2, n_rows, k, idx2, s);
   launch_pdl(topk_long_map_kernel, n_rows, 256, 0, s, n, k, nc, cp, idx2, out);

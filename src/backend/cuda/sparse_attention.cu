@@ -447,34 +447,43 @@ __global__ void __launch_bounds__(W * 32) sparse_decode_kernel(const SpArgs a) {
 }
 
 constexpr int kW = 4, kS = 3;
+// D = 128 with a 3-stage ring takes 101 KB of shared memory, 2 KB past what sm_86 / 89 give a
+// block: there the ring has 2 stages (69 KB). Every other GPU (and D = 64) runs 3.
+bool two_stage(int D) { return D == 128 && SpCfg<128, kW, kS>::kSmem > smem_optin_bytes(); }
 
 // Raises the instance's dynamic shared-memory limit (once). Must run before an occupancy
 // query too: without it the query answers for the default 48 KB limit (0 CTAs/SM), and a plan
 // made before the first launch cut its work into other splits than every later plan (a
 // different summation order: not bit-identical).
-template <int D, bool TOKEN, bool SKIP>
+template <int D, int S, bool TOKEN, bool SKIP>
 void prepare_one() {
   static bool done = false;
   if (!done) {
-    SPADE_CUDA(cudaFuncSetAttribute(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(SpCfg<D, kW, kS>::kSmem)));
+    set_max_dynamic_smem(sparse_decode_kernel<D, kW, S, TOKEN, SKIP>, SpCfg<D, kW, S>::kSmem);
     done = true;
   }
 }
 
-template <int D, bool TOKEN, bool SKIP>
+template <int D, int S, bool TOKEN, bool SKIP>
 void launch_one(const SpArgs& a, int n_items, cudaStream_t s) {
-  using C = SpCfg<D, kW, kS>;
-  prepare_one<D, TOKEN, SKIP>();
-  launch_pdl(sparse_decode_kernel<D, kW, kS, TOKEN, SKIP>, n_items, C::kThreads, C::kSmem, s, a);
+  using C = SpCfg<D, kW, S>;
+  prepare_one<D, S, TOKEN, SKIP>();
+  launch_pdl(sparse_decode_kernel<D, kW, S, TOKEN, SKIP>, n_items, C::kThreads, C::kSmem, s, a);
   SPADE_CUDA_LAUNCH();
+}
+
+template <int D, int S>
+void launch_ds(const SpArgs& a, bool tok, bool skip, int n, cudaStream_t s) {
+  if (skip) tok ? launch_one<D, S, true, true>(a, n, s) : launch_one<D, S, false, true>(a, n, s);
+  else tok ? launch_one<D, S, true, false>(a, n, s) : launch_one<D, S, false, false>(a, n, s);
 }
 
 template <int D>
 void launch_d(const SpArgs& a, bool tok, bool skip, int n, cudaStream_t s) {
-  if (skip) tok ? launch_one<D, true, true>(a, n, s) : launch_one<D, false, true>(a, n, s);
-  else tok ? launch_one<D, true, false>(a, n, s) : launch_one<D, false, false>(a, n, s);
+  if constexpr (D == 128) {
+    if (two_stage(D)) return launch_ds<D, 2>(a, tok, skip, n, s);
+  }
+  launch_ds<D, kS>(a, tok, skip, n, s);
 }
 
 // CTAs of the sparse kernel (token instance) per SM, and the work items one launch may hold:
@@ -483,12 +492,16 @@ void launch_d(const SpArgs& a, bool tok, bool skip, int n, cudaStream_t s) {
 // list.
 int sparse_ctas_per_sm(int D) {
   int n = 0;
-  if (D == 128) {
-    prepare_one<128, true, false>();
+  if (two_stage(D)) {
+    prepare_one<128, 2, true, false>();
+    SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<128, kW, 2, true, false>,
+                                                             kW * 32, SpCfg<128, kW, 2>::kSmem));
+  } else if (D == 128) {
+    prepare_one<128, kS, true, false>();
     SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<128, kW, kS, true, false>,
                                                              kW * 32, SpCfg<128, kW, kS>::kSmem));
   } else {
-    prepare_one<64, true, false>();
+    prepare_one<64, kS, true, false>();
     SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_decode_kernel<64, kW, kS, true, false>,
                                                              kW * 32, SpCfg<64, kW, kS>::kSmem));
   }

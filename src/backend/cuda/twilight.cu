@@ -539,8 +539,7 @@ void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
     SPADE_CHECK(a.use_smem || wglob_, "twilight: no weight buffer");
     static bool attr_done = false;
     if (!attr_done) {
-      SPADE_CUDA(cudaFuncSetAttribute(twl_topp_kernel<kTpMemThreads, 0>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, int(tp_smem_max())));
+      set_max_dynamic_smem(twl_topp_kernel<kTpMemThreads, 0>, int(tp_smem_max()));
       attr_done = true;
     }
     launch_pdl(twl_topp_kernel<kTpMemThreads, 0>, st.B * Hkv_ * G, kTpMemThreads, a.use_smem ? smem : 0, s, a);
