@@ -685,16 +685,31 @@ def graceful_shutdown(srv, args):
     results = {}
 
     ended = {}
+    # The signal goes once every request has streamed its first token (provably in flight), not
+    # after a fixed sleep: the CPU decodes stories260k at ~10K tokens/s, so 450 tokens can end
+    # well within 0.15 s.
+    started = [threading.Event() for _ in range(3)]
 
     def run(i):
-        results[i] = stream_all(sd, "/v1/completions", {"prompt": STORY, "max_tokens": 450, "stream": True,
-                                                        "ignore_eos": True, "temperature": 0})
+        s = Stream(sd, "/v1/completions", {"prompt": STORY, "max_tokens": 450, "stream": True,
+                                           "ignore_eos": True, "temperature": 0})
+        events, finish = [], None
+        for ev in s.events():
+            started[i].set()
+            events.append(ev)
+            if ev != "[DONE]":
+                for ch in ev.get("choices", []):
+                    finish = ch.get("finish_reason") or finish
+        s.close()
+        started[i].set()
+        results[i] = ("", events, finish, None)
         ended[i] = time.time()
 
     ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in ts:
         t.start()
-    time.sleep(0.15)
+    for e in started:
+        e.wait(60)
     t_signal = time.time()
     sd.proc.send_signal(signal.SIGTERM)
     time.sleep(0.1)
