@@ -545,6 +545,43 @@ TEST(CudaSparse, TopkRowsTiesAndNaN) {
   }
 }
 
+// Short rows (<= 256 entries: the rank-counting path of topk_row) and rows just past it
+// (the radix passes), k from 1 to n - 1, heavy ties, NaN, -0 and -inf: the CPU's sets.
+TEST(CudaSparse, TopkShortRowsTiesAndNaN) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(62);
+  const std::vector<int> ns = {2, 5, 31, 32, 33, 100, 255, 256, 257, 300};
+  for (int k : {1, 4, 7, 64, 255}) {
+    SCOPED_TRACE(testing::Message() << "k=" << k);
+    const int64_t ld = 300;
+    const int rows = int(ns.size());
+    std::vector<float> sc(size_t(rows) * ld, 0.f);
+    std::vector<int32_t> n(ns.begin(), ns.end());
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < ns[size_t(r)]; ++i) {
+        float x = float(int(rng() % 9)) - 4.f;
+        if (r % 3 == 2) x = std::normal_distribution<float>(0.f, 1.f)(rng);
+        if (rng() % 29 == 0) x = NAN;
+        if (rng() % 23 == 0) x = -0.f;
+        if (rng() % 19 == 0) x = -INFINITY;
+        sc[size_t(r) * ld + i] = x;
+      }
+    DevBuf<float> dsc(sc);
+    DevBuf<int32_t> dn(n), dout(size_t(rows) * k);
+    dout.poison();
+    cuda::topk_rows(dsc.p, ld, dn.p, rows, k, dout.p, 0);
+    auto got = dout.download();
+    std::vector<int32_t> tmp;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t kk = sparse::top_k_range(sc.data() + size_t(r) * ld, 0, ns[size_t(r)], k, tmp);
+      std::vector<int32_t> want(tmp.begin(), tmp.begin() + kk);
+      std::sort(want.begin(), want.end());
+      std::vector<int32_t> g(got.begin() + int64_t(r) * k, got.begin() + int64_t(r) * k + kk);
+      EXPECT_EQ(g, want) << "row " << r << " n=" << ns[size_t(r)];
+    }
+  }
+}
+
 // Written for the fixed 8-bit digit passes the top-k had before (commit a9210d4 made them
 // range-adaptive): rows whose k-th key's bin was taken whole after pass 1 (top byte: k
 // positive keys among negatives), pass 2 (second byte: 250.x among 150.x) and pass 3 (third

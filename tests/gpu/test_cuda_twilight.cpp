@@ -570,6 +570,40 @@ TEST(CudaTwilight, PrunerTokenListsVsCpu) {
   report("twilight token", ag);
 }
 
+// Lists of <= 512 slots take the warp-per-head top-p (twilight_topp_warp.cu): its
+// thresholds must equal the step-per-pass bisection's bit for bit (run_prune_case) and its
+// kept sets the CPU's, at 128 / 256 / 512 slots, G = 3, 4, 8 and 16, both granularities, eps
+// shallow and deep.
+TEST(CudaTwilight, PrunerShortListsVsCpu) {
+  SKIP_WITHOUT_GPU();
+  Agreement ag;
+  PruneCase c;  // G = 4, Chunk16: 8 pages = 128 slots
+  c.lens = {300, 1000, 129, 64};
+  c.base_entries = 8;
+  run_prune_case(c, 61, ag);
+  c.q_scale = 0.3f;
+  run_prune_case(c, 62, ag);
+  c.Hq = 9, c.Hkv = 3, c.D = 64;  // SmolLM2's heads (G = 3), 32 pages = 512 slots
+  c.base_entries = 32;
+  c.lens = {2000, 513, 700};
+  c.q_scale = 1.5f;
+  run_prune_case(c, 63, ag);
+  PruneCase t;  // Token lists
+  t.gran = SelGran::Token;
+  t.Hq = 32, t.Hkv = 4;  // G = 8
+  t.lens = {900, 250, 3000};
+  t.base_entries = 200;
+  run_prune_case(t, 64, ag);
+  t.base_entries = 500;
+  t.eps = 1e-10;  // past the tree's exact depth
+  run_prune_case(t, 65, ag);
+  t.Hq = 32, t.Hkv = 2;  // G = 16
+  t.base_entries = 100;
+  t.eps = 1e-3;
+  run_prune_case(t, 66, ag);
+  report("twilight short lists", ag);
+}
+
 // eps sets how deep Algorithm 1 goes: 1e-3 ends within the first tree pass (many searches
 // stop on the undecided span), 1e-10 goes past the tree's exact depth (29 steps) into the
 // step-per-pass loop.

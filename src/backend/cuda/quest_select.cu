@@ -27,7 +27,8 @@
 //   over the remaining key range (shared-memory atomics; they stop once the boundary bin is
 //   one key wide or taken whole) find the class of the k-th largest key; a block scan over
 //   position order then keeps every key above the class and the lowest-index keys in it,
-//   i.e. exactly the CPU's ranks_before order (higher score, then lower position).
+//   i.e. exactly the CPU's ranks_before order (higher score, then lower position). Rows of
+//   <= 256 entries skip the passes: each entry's rank is counted directly (topk_row_by_rank).
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -198,9 +199,50 @@ __device__ __forceinline__ int topk_slot(int i) { return i + (i >> 5); }
 // digits from the top (the kernel before) spent their first passes on the sign and exponent
 // bits that scores of one magnitude share; an adaptive range needs 1-3 passes.
 constexpr int kTopkBins = 2048;
+
+// Rows of at most kTopkRankMax entries (a 300-token context's tokens, or its pages): no
+// histogram passes. Four threads per entry count the keys ranked before it (higher key, or
+// the same key at a lower index: the CPU's ranks_before order), each over a quarter of the
+// row held in shared memory; an entry is taken when fewer than k rank before it. Ballots then
+// write the taken indices ascending. ~n^2 / 4 compares per thread group, two barriers: at
+// n = 256 far less than the radix passes' fixed cost (histogram clears, block scans).
+constexpr int kTopkRankMax = kTopkThreads / 4;
+__device__ void topk_row_by_rank(const float* __restrict__ sc, int n, int k,
+                                 int32_t* __restrict__ out) {
+  __shared__ uint32_t s_keys[kTopkRankMax];
+  __shared__ int s_cnt[kTopkThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int e = tid >> 2, q = tid & 3;
+  if (tid < n) s_keys[tid] = order_key(sc[tid]);
+  __syncthreads();
+  int before = 0;
+  if (e < n) {
+    const uint32_t u = s_keys[e];
+    const int j0 = q * n / 4, j1 = (q + 1) * n / 4;
+    for (int j = j0; j < j1; ++j) {
+      const uint32_t v = s_keys[j];
+      before += (v > u) | ((v == u) & (j < e));
+    }
+  }
+  before += __shfl_xor_sync(0xffffffffu, before, 1);
+  before += __shfl_xor_sync(0xffffffffu, before, 2);
+  const unsigned taken = __ballot_sync(0xffffffffu, q == 0 && e < n && before < k);
+  if (lane == 0) s_cnt[warp] = __popc(taken);
+  __syncthreads();
+  if (q == 0 && e < n && before < k) {
+    int pos = __popc(taken & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) pos += s_cnt[w];
+    out[pos] = e;
+  }
+}
+
 template <bool CACHED>
 __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __restrict__ out,
                          uint32_t* skeys) {
+  if (n <= kTopkRankMax) {  // uniform over the block
+    topk_row_by_rank(sc, n, k, out);
+    return;
+  }
   // Two histograms and two result slots, alternating between passes: the next pass's
   // histogram is cleared while this one fills.
   __shared__ uint32_t hist[2][kTopkBins];
@@ -318,11 +360,14 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
 // Dynamic shared memory of the top-k kernels: keys of rows up to kTopkCache entries (plus the
 // padding of topk_slot: 165 KB), or fewer where the device gives a block less (A100: 163 KB,
 // sm_86 / 89: 99 KB): topk_cache_max(). Longer rows read their keys from global memory.
+// The limit covers static + dynamic bytes: kTopkStatic bounds the kernels' static arrays (the
+// two histograms, 16 KB, and < 2 KB of scan / rank slots; set_max_dynamic_smem checks the sum).
 constexpr int kTopkCache = 40960;
+constexpr size_t kTopkStatic = 18 << 10;
 constexpr size_t topk_smem_bytes(int cache) { return size_t(cache + (cache >> 5) + 1) * 4; }
 int topk_cache_max() {
   static const int c = [] {
-    const int64_t words = int64_t(smem_optin_bytes() - 1024) / 4;  // 1 KB for static shared memory
+    const int64_t words = int64_t(smem_optin_bytes() - kTopkStatic) / 4;
     const int64_t fit = (words - 1) * 32 / 33 / 32 * 32;         // topk_smem_bytes(fit) <= 4 * words
     return int(std::min<int64_t>(kTopkCache, fit));
   }();

@@ -56,12 +56,16 @@ __device__ __forceinline__ void tree_bins_clear(TreeBins& b, int tid, int nt) {
 // (a float atomicAdd on shared memory is a compare-and-swap loop): the low word's add
 // returns the old value, whose overflow carries into the high word. Weights of at least
 // 2^-29 are exact; smaller ones lose their bits below 2^-52 (truncation).
-__device__ __forceinline__ void tree_bin_add_mass(TreeBins& b, int j, float v) {
+// A weight v in [0, 1] as 2^-52 units (truncated below 2^-52).
+__device__ __forceinline__ unsigned long long topp_fixed52(float v) {
   const unsigned u = __float_as_uint(v);
   const int e = int(u >> 23);  // biased exponent; v = m * 2^(e - 150), m = 24-bit mantissa
   const unsigned long long m = e ? (u & 0x7fffffu) | 0x800000u : (u & 0x7fffffu);
   const int sh = max(e, 1) - 150 + 52;  // v * 2^52 = m * 2^sh
-  const unsigned long long w = sh >= 0 ? m << sh : (sh > -64 ? m >> -sh : 0ull);
+  return sh >= 0 ? m << sh : (sh > -64 ? m >> -sh : 0ull);
+}
+__device__ __forceinline__ void tree_bin_add_mass(TreeBins& b, int j, float v) {
+  const unsigned long long w = topp_fixed52(v);
   const unsigned lo = unsigned(w), hi = unsigned(w >> 32);
   const unsigned old = atomicAdd(&b.mass_lo[j], lo);
   const unsigned carry = old + lo < old ? 1u : 0u;

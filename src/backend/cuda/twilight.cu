@@ -35,6 +35,7 @@
 #include "backend/cuda/int4_keys.cuh"
 #include "backend/cuda/topp_tree_search.cuh"
 #include "backend/cuda/twilight.h"
+#include "backend/cuda/twilight_topp_warp.h"
 #include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
@@ -522,6 +523,14 @@ size_t TwilightPruner::arena_bytes(int max_batch, int Hq, int Hkv, int max_slots
 
 void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
   const int G = Hq_ / Hkv_;
+  // Short lists (<= 512 slots): a warp per query head (twilight_topp_warp.cu), same result.
+  // The bisection-only reference keeps the CTA-per-head kernel.
+  if (!topp_bisection_only_ && !trace_ && topp_warp_applies(max_slots_, G)) {
+    const ToppWarpArgs w{st.base_off, st.base_idx, st.gran, logits_, thr_, kept_strided_,
+                         kept_cnt_, G, max_slots_, p_, eps_};
+    topp_warp(w, st.B * Hkv_, s);
+    return;
+  }
   TpArgs a{st.base_off, st.base_idx, st.gran, logits_, wglob_, mask_, counters_, thr_,
            kept_strided_, kept_cnt_, G, max_slots_, p_, eps_, 0, topp_bisection_only_ ? 1 : 0,
            trace_};

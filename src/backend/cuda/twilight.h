@@ -19,7 +19,8 @@
 //      sparse::topp_binary_search (same double bisection, same termination test), eight
 //      steps per pass over the weights (an interval tree, topp_tree_search.cuh); each writes
 //      its kept mask, and the last CTA of the list compacts the union of { w_g >= t_g } in
-//      selection order into kept_strided[list][slot].
+//      selection order into kept_strided[list][slot]. Lists of <= 512 slots: one CTA per
+//      list, a warp per query head, the same thresholds (twilight_topp_warp.h).
 // run() = 1 + 2: the attention reads the strided lists with their counts (sel_cnt).
 //   3. compact (optional): kept_strided + kept_count -> CSR kept_off[B * Hkv + 1] / kept_idx.
 // Only head_combine=union is implemented (the CPU method's default).
