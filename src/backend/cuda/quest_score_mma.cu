@@ -14,7 +14,9 @@
 // tile (8 KB at D = 128) streamed by one warp through its own 3-stage cp.async ring (rows
 // swizzled for ldmatrix; page ids one chunk ahead), mma.sync m16n8k16 with the G <= 16 rows of
 // A in registers (2D/16 k-steps), then the max over the G rows by shuffles; lanes 0..3 write
-// the 16 scores. Shared memory: 8 KB A + 4 x 3 x 8 KB ring + 1 KB = 105 KB (2 CTAs per SM).
+// the 16 scores. Shared memory: 8 KB A + 4 x 3 x 8 KB ring + 1 KB = 105 KB (2 CTAs per SM);
+// where a block gets less (sm_86 / 89: 99 KB) a 2-stage ring, 73 KB at D = 128 (the same
+// products and sums in the same order: the same scores).
 // Bytes: the metadata rows (the floor) + 4 B per score; FLOPs 2 * 16 * 2D per page-head
 // (padded rows): ~1/8 of the tensor-core rate at HBM speed, so memory-bound.
 #include <cmath>
@@ -27,9 +29,9 @@ namespace spade::cuda {
 namespace {
 using namespace attn_detail;
 
-constexpr int kMW = 4, kMS = 3;  // warps per CTA, ring stages
+constexpr int kMW = 4;  // warps per CTA
 
-template <int D>
+template <int D, int kMS>  // kMS: ring stages
 struct MCfg {
   static constexpr int K2 = 2 * D;            // columns of A and of a metadata row
   static constexpr int CH = K2 / 8;           // 16-byte pieces per row
@@ -38,10 +40,10 @@ struct MCfg {
   static constexpr size_t kSmem = 1024 + kA + size_t(kMW) * kMS * kTile * 2;
 };
 
-template <int D>
+template <int D, int kMS>
 __global__ void __launch_bounds__(kMW * 32) quest_score_mma_kernel(const QuestArgs a, int cpc) {
   pdl_begin();  // pdl.cuh: first, before any global access
-  using C = MCfg<D>;
+  using C = MCfg<D, kMS>;
   constexpr int K2 = C::K2, CH = C::CH;
   extern __shared__ __align__(1024) unsigned char smem_dyn[];
   unsigned char* smem_raw = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
@@ -159,12 +161,12 @@ __global__ void __launch_bounds__(kMW * 32) quest_score_mma_kernel(const QuestAr
   cp_async_wait<0>();
 }
 
-template <int D>
+template <int D, int kMS>
 void launch_mma(const QuestArgs& a, cudaStream_t s) {
-  using C = MCfg<D>;
+  using C = MCfg<D, kMS>;
   static bool done = false;
   if (!done) {
-    set_max_dynamic_smem(quest_score_mma_kernel<D>, int(C::kSmem));
+    set_max_dynamic_smem(quest_score_mma_kernel<D, kMS>, int(C::kSmem));
     done = true;
   }
   // Chunks per CTA: about one wave of 2 CTAs per SM, 4..64 chunks each.
@@ -174,7 +176,7 @@ void launch_mma(const QuestArgs& a, cudaStream_t s) {
   const int cpc = int(std::min<int64_t>(64, std::max<int64_t>(4, (total + slots - 1) / slots)));
   dim3 grid((n_ch + cpc - 1) / cpc, a.Hkv, a.B);
   if (grid.x == 0) return;
-  launch_pdl(quest_score_mma_kernel<D>, grid, kMW * 32, C::kSmem, s, a, cpc);
+  launch_pdl(quest_score_mma_kernel<D, kMS>, grid, kMW * 32, C::kSmem, s, a, cpc);
   SPADE_CUDA_LAUNCH();
 }
 
@@ -183,8 +185,14 @@ void launch_mma(const QuestArgs& a, cudaStream_t s) {
 void quest_score_fast(const QuestArgs& a, cudaStream_t s) {
   SPADE_CHECK(a.D == 64 || a.D == 128, "quest_score (tensor cores): head dim ", a.D);
   SPADE_CHECK(a.Hq % a.Hkv == 0 && a.Hq / a.Hkv <= 16, "quest_score (tensor cores): G must be <= 16");
-  if (a.D == 128) launch_mma<128>(a, s);
-  else launch_mma<64>(a, s);
+  // The 3-stage ring where the device's shared memory per block allows it (static: 0 B).
+  if (a.D == 128) {
+    if (MCfg<128, 3>::kSmem <= smem_optin_bytes()) launch_mma<128, 3>(a, s);
+    else launch_mma<128, 2>(a, s);
+  } else {
+    if (MCfg<64, 3>::kSmem <= smem_optin_bytes()) launch_mma<64, 3>(a, s);
+    else launch_mma<64, 2>(a, s);
+  }
 }
 
 }  // namespace spade::cuda
