@@ -10,6 +10,9 @@
 //                        from ClusterIndex::search, several budgets / k_g / GQA groups;
 //                        data without near-ties (random q); ties rank the lower id first on
 //                        both sides
+//   SearchMatchesCpuFromGlobalMemory  the same with the build's block sorts and the search's
+//                        working arrays in global memory (LcIndexConfig::spill_smem: the path
+//                        of GPUs with too little shared memory per block for them)
 //   InsertMatchesCpu     lazy updates (several batches of new chunks) leave an index EXACTLY
 //                        equal to the CPU's after the same inserts; searches still agree;
 //                        D = 128, 64, 256
@@ -345,8 +348,11 @@ TEST(CudaLycheeCluster, BuildStructured) {
   }
 }
 
-TEST(CudaLycheeCluster, SearchMatchesCpu) {
-  SKIP_WITHOUT_GPU();
+namespace {
+// spill: the build's block sorts and the search's working arrays in global memory (the path of
+// GPUs whose shared memory per block is too small for them, e.g. sm_86 / 89 past ~4K chunks).
+void search_matches_cpu(bool spill) {
+  SCOPED_TRACE(spill ? "working arrays in global memory" : "working arrays in shared memory");
   std::mt19937 rng(13);
   const int Hkv = 2, D = 128, P = 16, sink = 16;
   const int64_t L = 12000;
@@ -357,12 +363,25 @@ TEST(CudaLycheeCluster, SearchMatchesCpu) {
   auto pg = upload(K, rng);
   const auto cpu = cpu_build(K, st, M);
   cuda::DeviceArena arena(size_t(512) << 20);
-  cuda::LcIndexGpu g(arena, cfg_for(Hkv, D, P, 2048));
+  cuda::LcIndexConfig cfg = cfg_for(Hkv, D, P, 2048);
+  cfg.spill_smem = spill;
+  cuda::LcIndexGpu g(arena, cfg);
   g.build(0, pg.cache->p, pg.pt->p, st.data(), M, nullptr);
   for (int h = 0; h < Hkv; ++h) expect_same_index(g, 0, h, cpu[size_t(h)], D);
   for (int Hq : {2, 8})
     for (int64_t budget : {int64_t(128), int64_t(1024), int64_t(4000)})
       for (int topk : {0, 3}) check_search(g, cpu, st, L, Hq, D, sink, rng, budget, topk, 3);
+}
+}  // namespace
+
+TEST(CudaLycheeCluster, SearchMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  search_matches_cpu(false);
+}
+
+TEST(CudaLycheeCluster, SearchMatchesCpuFromGlobalMemory) {
+  SKIP_WITHOUT_GPU();
+  search_matches_cpu(true);
 }
 
 namespace {

@@ -106,11 +106,22 @@ LcIndexGpu::LcIndexGpu(DeviceArena* arena, const LcIndexConfig& cfg) : cfg_(cfg)
   }
   take(sbuf_, size_t(SG) * (C + 1), "lc staged starts");
   sort_cap_ = pow2_at_least(C);
+  // The build's block sorts (pow2(chunks) u64 keys per head) beyond the device's shared memory
+  // per block (sm_86 / 89: more than 8192 chunks) sort keys in global memory.
+  const bool sort_global = cfg.spill_smem || size_t(sort_cap_) * 8 > build_sort_smem_limit();
+  if (sort_global) take(sort_keys_, size_t(H) * sort_cap_, "lc build sort keys");
+  // The search's working arrays past the device's shared memory per block (sm_86 / 89: more than
+  // ~4K chunks): a region per (request, KV head) of a search (search_batch requests).
+  search_stride_ = search_scratch_stride(F, C, D, cfg.spill_smem);
+  if (search_stride_) {
+    search_ctas_ = (cfg.search_batch > 0 ? std::min(cfg.search_batch, S) : S) * cfg.Hkv;
+    take(search_scratch_, size_t(search_ctas_) * search_stride_, "lc search scratch");
+  }
   if (!arena) return;
   SPADE_CUDA(cudaMemset(n_chunks_, 0, SH * sizeof(int32_t)));
   SPADE_CUDA(cudaMemset(n_fine_, 0, SH * sizeof(int32_t)));
   SPADE_CUDA(cudaMemset(n_coarse_, 0, SH * sizeof(int32_t)));
-  const int big = int(std::min<size_t>(size_t(sort_cap_) * 8, 200 * 1024));
+  const int big = int(std::min<size_t>(size_t(sort_cap_) * 8, build_sort_smem_limit()));
   set_build_sort_smem(big);
 }
 

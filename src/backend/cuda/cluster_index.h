@@ -55,6 +55,14 @@ struct LcIndexConfig {
   // Build scratch in (slot, head) pairs: build_batch() builds this many heads per launch
   // sequence (a multiple of Hkv; 0 = Hkv, one slot at a time).
   int build_heads = 0;
+  // Requests of one search() at most (0: slots). Where a block's shared memory cannot hold the
+  // search's working arrays (sm_86 / 89 beyond ~4K chunks; never on Hopper up to 16384 chunks and
+  // 8 query heads per KV head), they live in a global scratch of search_batch * Hkv regions of
+  // up to ~210 KB.
+  int search_batch = 0;
+  // Tests: the search's working arrays (but q) and the build's block sorts in global memory, as
+  // where the GPU's shared memory per block is too small for them (the same results).
+  bool spill_smem = false;
 };
 
 // One (request, layer) index to build: chunks [0, n_chunks) of `starts` (host, n_chunks + 1
@@ -201,6 +209,11 @@ class LcIndexGpu {
   int32_t* ctl_ = nullptr;         // [2][build_heads][8]: N, K, active, changed, Kout, ...
   void* grp_ = nullptr;            // lc_detail::LcGroupDev [build_heads / Hkv]
   int32_t* sbuf_ = nullptr;        // [build_heads / Hkv][max_chunks + 1] staged starts
+  unsigned long long* sort_keys_ = nullptr;  // [build_heads][sort_cap_]: block sorts past the
+                                             // device's shared memory (else null)
+  char* search_scratch_ = nullptr;  // [search_ctas_][search_stride_] (else null): search()
+  size_t search_stride_ = 0;
+  int search_ctas_ = 0;
   void* stage_ = nullptr;          // pinned host staging of build_batch (grows)
   size_t stage_bytes_ = 0;
   void* stage_ev_ = nullptr;       // cudaEvent_t: the last build_batch's uploads were issued

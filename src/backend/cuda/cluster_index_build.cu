@@ -234,10 +234,20 @@ __global__ void km_normalize_kernel(KmArgs a, const int* remap, int final_pass) 
     if (lane + 32 * j < a.D) c[lane + 32 * j] = n > 0 ? __fmul_rn(v[j], fi) : v[j];
 }
 
+// The sort keys of a block-sort kernel's CTA: its dynamic shared memory, or (gkeys non-null:
+// pow2(N) * 8 bytes above what the device gives a block) its own gstride keys of gkeys in
+// global memory (the same sort: its barriers order global memory within the block too).
+__device__ __forceinline__ unsigned long long* sort_keys(unsigned long long* gkeys, int64_t gstride) {
+  extern __shared__ unsigned long long sort_smem[];
+  return gkeys ? gkeys + int64_t(blockIdx.x) * gstride : sort_smem;
+}
+
 // km_reseed_kernel: empty clusters (k ascending) take the worst-fitting points (lowest best
-// sim, ties lowest i), each once. CTA per head, 1024 threads; shared: pow2(N) u64 sort keys.
-__global__ void __launch_bounds__(1024) km_reseed_kernel(KmArgs a) {
-  extern __shared__ unsigned long long keys[];
+// sim, ties lowest i), each once. CTA per head, 1024 threads; shared: pow2(N) u64 sort keys
+// (sort_keys).
+__global__ void __launch_bounds__(1024) km_reseed_kernel(KmArgs a, unsigned long long* gkeys,
+                                                         int64_t gstride) {
+  unsigned long long* keys = sort_keys(gkeys, gstride);
   __shared__ int sh[33];
   const int h = blockIdx.x;
   const int* ctl = a.ctl + h * 8;
@@ -327,12 +337,13 @@ __global__ void lc_coarse_params_kernel(const int* ctlF, int* ctlG, int H, int m
 // (newid, gof, assignments, accumulators) is per vh = blockIdx of the (group, head).
 
 // lc_renumber_kernel: fine ids sorted stably by coarse unit -> newid, gof, first; n_fine,
-//   n_coarse. CTA per (group, head); shared pow2(NF) u64 keys.
+//   n_coarse. CTA per (group, head); shared pow2(NF) u64 keys (sort_keys).
 __global__ void __launch_bounds__(1024) lc_renumber_kernel(SlotPtrs s, const LcGroupDev* grp,
                                                            const int* ctlF, const int* ctlG,
                                                            const int* gassign, int64_t ldN,
-                                                           int* newid, int* gof) {
-  extern __shared__ unsigned long long keys[];
+                                                           int* newid, int* gof,
+                                                           unsigned long long* gkeys, int64_t gstride) {
+  unsigned long long* keys = sort_keys(gkeys, gstride);
   const int h = blockIdx.x;  // vh
   const int64_t sh = slot_head(grp, h, s.Hkv);
   const int NF = ctlF[h * 8 + 4], G = ctlG[h * 8 + 4];
@@ -357,11 +368,12 @@ __global__ void __launch_bounds__(1024) lc_renumber_kernel(SlotPtrs s, const LcG
 
 // lc_lists_kernel: chunk -> fine (renumbered), per-fine chunk lists in position order
 //   (head, tail, next, count). CTA per (group, head); shared pow2(M) u64 keys (fine << 32 |
-//   chunk).
+//   chunk; sort_keys).
 __global__ void __launch_bounds__(1024) lc_lists_kernel(SlotPtrs s, const LcGroupDev* grp,
                                                         const int* fassign, int64_t ldN,
-                                                        const int* newid) {
-  extern __shared__ unsigned long long keys[];
+                                                        const int* newid, unsigned long long* gkeys,
+                                                        int64_t gstride) {
+  unsigned long long* keys = sort_keys(gkeys, gstride);
   const int h = blockIdx.x;  // vh
   const int M = grp[h / s.Hkv].M;
   const int64_t sh = slot_head(grp, h, s.Hkv);
@@ -515,6 +527,7 @@ void launch_dpl(int D, T&& f) {
 }  // namespace
 
 namespace lc_detail {
+size_t build_sort_smem_limit() { return std::min<size_t>(200 * 1024, smem_optin_bytes() - 1024); }
 void set_build_sort_smem(int bytes) {
   set_max_dynamic_smem(km_reseed_kernel, bytes);
   set_max_dynamic_smem(lc_renumber_kernel, bytes);
@@ -523,10 +536,27 @@ void set_build_sort_smem(int bytes) {
 }  // namespace lc_detail
 
 namespace {
-void run_kmeans(const KmArgs& a, int H, int maxN, int maxK, int iterations, int D, cudaStream_t s) {
+// Keys of a block sort over n entries: dynamic shared memory where pow2(n) keys fit the device's
+// block (build_sort_smem_limit), else the CTA's keys of `global` (null smem bytes).
+struct SortPlace {
+  size_t smem = 0;
+  unsigned long long* g = nullptr;
+  int64_t stride = 0;
+};
+// spill (LcIndexConfig::spill_smem, tests): always the global keys.
+SortPlace sort_place(int n, unsigned long long* global, int cap, bool spill) {
+  const size_t b = size_t(pow2_at_least(n)) * 8;
+  if (!spill && b <= build_sort_smem_limit()) return {b, nullptr, 0};
+  SPADE_CHECK(global && pow2_at_least(n) <= cap, "LcIndexGpu: a block sort of ", n,
+              " keys has no global-memory keys");
+  return {0, global, cap};
+}
+
+void run_kmeans(const KmArgs& a, int H, int maxN, int maxK, int iterations, int D,
+                unsigned long long* gkeys, int gcap, bool spill, cudaStream_t s) {
   const dim3 gN((maxN + 255) / 256, H), gK(maxK, H), gA((maxN + kAP - 1) / kAP, H);
   const dim3 gNd(unsigned((int64_t(maxN) * D + 255) / 256), H);
-  const size_t sortb = size_t(pow2_at_least(maxN)) * 8;
+  const SortPlace sp = sort_place(maxN, gkeys, gcap, spill);
   km_init_kernel<<<gN, 256, 0, s>>>(a);
   km_seed_kernel<<<gK, 32, 0, s>>>(a);
   km_assign_kernel<<<gA, 256, 0, s>>>(a, 0);
@@ -537,7 +567,7 @@ void run_kmeans(const KmArgs& a, int H, int maxN, int maxK, int iterations, int 
       SPADE_CUDA(cudaMemsetAsync(a.cnt, 0, sizeof(int) * size_t(H) * a.ldK, s));
       km_accum_kernel<<<gNd, 256, 0, s>>>(a, 0);
       km_normalize_kernel<decltype(dpl)::value><<<gK, 32, 0, s>>>(a, nullptr, 0);
-      km_reseed_kernel<<<H, 1024, sortb, s>>>(a);
+      km_reseed_kernel<<<H, 1024, sp.smem, s>>>(a, sp.g, sp.stride);
       km_assign_kernel<<<gA, 256, 0, s>>>(a, 0);
       km_control_kernel<<<(H + 127) / 128, 128, 0, s>>>(a.ctl, H);
     }
@@ -643,7 +673,7 @@ void LcIndexGpu::build_group(const LcBuild* b, int nb, void* host, cudaStream_t 
   mark(1);
   // Fine level.
   KmArgs fa{X_, ld, C_, int64_t(F) * D, sum_, cnt_, F, fassign_, best_, C, ctl_, FC_, int64_t(F) * D, D};
-  run_kmeans(fa, H, maxM, maxK, cfg_.iterations, D, s);
+  run_kmeans(fa, H, maxM, maxK, cfg_.iterations, D, sort_keys_, sort_cap_, cfg_.spill_smem, s);
   launch_dpl(D, [&](auto dpl) {
     km_remap_kernel<<<H, 1024, 0, s>>>(fa, remap_);
     km_normalize_kernel<decltype(dpl)::value><<<dim3(maxK, H), 32, 0, s>>>(fa, remap_, 1);
@@ -654,7 +684,7 @@ void LcIndexGpu::build_group(const LcBuild* b, int nb, void* host, cudaStream_t 
   int* ctlG = ctl_ + H * 8;
   lc_coarse_params_kernel<<<(H + 127) / 128, 128, 0, s>>>(ctl_, ctlG, H, cfg_.max_coarse);
   KmArgs ga{FC_, int64_t(F) * D, C_, int64_t(F) * D, sum_, cnt_, F, gassign_, best_, C, ctlG, GC_, int64_t(G) * D, D};
-  run_kmeans(ga, H, maxK, maxP, cfg_.iterations, D, s);
+  run_kmeans(ga, H, maxK, maxP, cfg_.iterations, D, sort_keys_, sort_cap_, cfg_.spill_smem, s);
   launch_dpl(D, [&](auto dpl) {
     km_remap_kernel<<<H, 1024, 0, s>>>(ga, remap_);
     km_normalize_kernel<decltype(dpl)::value><<<dim3(maxP, H), 32, 0, s>>>(ga, remap_, 1);
@@ -663,8 +693,10 @@ void LcIndexGpu::build_group(const LcBuild* b, int nb, void* host, cudaStream_t 
   SPADE_CUDA_LAUNCH();
   mark(3);
   // Assembly.
-  lc_renumber_kernel<<<H, 1024, size_t(pow2_at_least(maxK)) * 8, s>>>(sp, grp_dev, ctl_, ctlG, gassign_, C, newid_, gof_);
-  lc_lists_kernel<<<H, 1024, size_t(pow2_at_least(maxM)) * 8, s>>>(sp, grp_dev, fassign_, C, newid_);
+  const SortPlace pk = sort_place(maxK, sort_keys_, sort_cap_, cfg_.spill_smem),
+                  pm = sort_place(maxM, sort_keys_, sort_cap_, cfg_.spill_smem);
+  lc_renumber_kernel<<<H, 1024, pk.smem, s>>>(sp, grp_dev, ctl_, ctlG, gassign_, C, newid_, gof_, pk.g, pk.stride);
+  lc_lists_kernel<<<H, 1024, pm.smem, s>>>(sp, grp_dev, fassign_, C, newid_, pm.g, pm.stride);
   SPADE_CUDA_LAUNCH();
   SPADE_CUDA(cudaMemsetAsync(acc_, 0, sizeof(double) * size_t(H) * (F + G) * D, s));
   SPADE_CUDA(cudaMemsetAsync(rad2_, 0, sizeof(unsigned long long) * size_t(H) * (F + G), s));

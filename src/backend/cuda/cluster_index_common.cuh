@@ -182,5 +182,15 @@ __device__ __forceinline__ int64_t slot_head(const LcGroupDev* g, int vh, int Hk
 // Sets the dynamic shared-memory limit of the build's block-sort kernels (km_reseed,
 // lc_renumber, lc_lists; cluster_index_build.cu) to `bytes`; called by the constructor.
 void set_build_sort_smem(int bytes);
+// The most dynamic shared memory those kernels take (200 KB, or the device's per-block limit
+// less 1 KB for their static arrays: sm_86 / 89 98 KB); a sort of more keys (pow2(n) * 8 bytes)
+// runs over keys in global memory (LcIndexGpu's sort_keys_).
+size_t build_sort_smem_limit();
+// The dynamic shared memory lc_search_kernel may take (cluster_index_search.cu): 220 KB, or the
+// device's per-block limit less the kernel's static arrays.
+size_t search_smem_cap();
+// Bytes of global scratch per (request, KV head) the search needs where its working arrays at
+// up to 8 query heads per KV head do not fit search_smem_cap (0: they fit; spill: always).
+size_t search_scratch_stride(int maxF, int maxC, int D, bool spill);
 
 }  // namespace spade::cuda::lc_detail

@@ -22,9 +22,14 @@ struct SearchK {
   const float *fr, *gr;
   const int32_t *gtok, *gfirst, *fhead, *fnch, *cnext;
   int maxF, maxG, maxC, D, Hkv;
-  int64_t off_cand, off_flat, off_q, off_lens, off_flag;  // shared-memory layout (bytes)
+  // Working arrays (search_smem_layout): bytes into dynamic shared memory, or (< 0) at byte
+  // -1 - off of the CTA's region of gscratch (gstride bytes per (request, KV head)) where the
+  // shared memory of a block is too small (sm_86 / 89 at more than ~4K chunks).
+  int64_t off_keys, off_cand, off_flat, off_q, off_lens, off_flag;
   int64_t off_next, off_starts;  // staged chunk links and starts; -1 = not staged (too big)
   int64_t off_fmeta;  // candidates' chunk counts and first chunks [2][maxF] i32; -1 = not kept
+  char* gscratch;
+  int64_t gstride;
 };
 
 // Shared-memory layout of lc_search_kernel (bytes, 16-aligned regions): keys [pow2(maxF)] u64 |
@@ -34,10 +39,70 @@ struct SearchK {
 // i32, copied in with cp.async at the start so the list walks of the flatten phase read shared
 // memory instead of chasing pointers through DRAM | (if it still fits) the candidates' chunk
 // counts and first chunks [2][maxF] i32, loaded during the sort (the flatten's reads).
+// Where the block's shared memory (search_smem_cap: kStageLimit, or the device's per-block limit
+// less the kernel's static arrays) cannot hold the first six, q stays there and the others follow
+// by how often they are read (keys, cand, flag, lens, flat) while they fit; the rest live in the
+// CTA's region of the global scratch (LcIndexGpu's search_scratch_, search_scratch_stride bytes
+// per (request, KV head)), read and written by the same code (the block's barriers order its
+// global accesses too): the same lists, more slowly.
 constexpr size_t kStageLimit = 220 * 1024;
-inline size_t search_smem_layout(SearchK& k, int G) {
-  auto al = [](size_t x) { return (x + 15) / 16 * 16; };
+inline size_t al16(size_t x) { return (x + 15) / 16 * 16; }
+struct SearchArrays {  // bytes of the working arrays
+  size_t keys, cand, flat, q, lens, flag;
+};
+inline SearchArrays search_arrays(int maxF, int maxC, int G, int D) {
+  return {al16(size_t(pow2_at_least(maxF)) * 8), al16(size_t(maxF) * 4),
+          al16(std::max(size_t(maxC), size_t(256)) * 4),  // flat: >= 256 (output ranks)
+          al16(size_t((G + 3) / 4 * 4) * D * 4),          // q rows padded to 4 heads (zeros)
+          al16(size_t(maxC) * 2), al16(size_t(maxC))};
+}
+// spill (LcIndexConfig::spill_smem, tests): the fallback with only q in shared memory.
+inline size_t search_smem_layout(SearchK& k, int G, bool spill) {
+  size_t cap = search_smem_cap();
+  const SearchArrays A = search_arrays(k.maxF, k.maxC, G, k.D);
+  if (spill || A.keys + A.cand + A.flat + A.q + A.lens + A.flag > cap) {
+    // Global fallback: every array but q has its place in the CTA's region; q, then the others
+    // in order of use, take shared memory while it lasts.
+    if (spill) cap = std::min(cap, A.q);
+    SPADE_CHECK(k.gscratch, "LcIndexGpu::search: ", G, " query heads per KV head need more shared "
+                "memory than this GPU's ", cap >> 10, " KB per block (the index's global scratch "
+                "was sized for up to 8)");
+    size_t o = 0;
+    k.off_q = 0;
+    o += A.q;
+    SPADE_CHECK(o <= cap, "LcIndexGpu::search: q does not fit the GPU's shared memory");
+    const int64_t g_keys = 0, g_cand = g_keys + int64_t(A.keys), g_flat = g_cand + int64_t(A.cand),
+                  g_lens = g_flat + int64_t(A.flat), g_flag = g_lens + int64_t(A.lens);
+    auto place = [&](int64_t& off, size_t bytes, int64_t goff) {
+      if (o + bytes <= cap) {
+        off = int64_t(o);
+        o += bytes;
+      } else {
+        off = -1 - goff;
+      }
+    };
+    place(k.off_keys, A.keys, g_keys);
+    place(k.off_cand, A.cand, g_cand);
+    place(k.off_flag, A.flag, g_flag);
+    place(k.off_lens, A.lens, g_lens);
+    place(k.off_flat, A.flat, g_flat);
+    k.off_next = k.off_starts = k.off_fmeta = -1;
+    const size_t staged = al16(size_t(k.maxC) * 4) + al16(size_t(k.maxC + 1) * 4);
+    if (o + staged <= cap) {
+      k.off_next = int64_t(o);
+      o += al16(size_t(k.maxC) * 4);
+      k.off_starts = int64_t(o);
+      o += al16(size_t(k.maxC + 1) * 4);
+    }
+    if (o + al16(size_t(k.maxF) * 8) <= cap) {
+      k.off_fmeta = int64_t(o);
+      o += al16(size_t(k.maxF) * 8);
+    }
+    return o;
+  }
+  auto al = al16;
   size_t o = al(size_t(pow2_at_least(k.maxF)) * 8);
+  k.off_keys = 0;
   k.off_cand = int64_t(o);
   o += al(size_t(k.maxF) * 4);
   k.off_flat = int64_t(o);
@@ -51,13 +116,13 @@ inline size_t search_smem_layout(SearchK& k, int G) {
   o += al(size_t(k.maxC));
   const size_t staged = al(size_t(k.maxC) * 4) + al(size_t(k.maxC + 1) * 4);
   k.off_next = k.off_starts = k.off_fmeta = -1;
-  if (o + staged <= kStageLimit) {
+  if (o + staged <= cap) {
     k.off_next = int64_t(o);
     o += al(size_t(k.maxC) * 4);
     k.off_starts = int64_t(o);
     o += al(size_t(k.maxC + 1) * 4);
   }
-  if (o + al(size_t(k.maxF) * 8) <= kStageLimit) {
+  if (o + al(size_t(k.maxF) * 8) <= cap) {
     k.off_fmeta = int64_t(o);
     o += al(size_t(k.maxF) * 8);
   }
@@ -225,12 +290,15 @@ __global__ void __launch_bounds__(kSearchThreads) lc_search_kernel(SearchK k) {
   const int n2max = pow2_at_least(k.maxF);
   (void)n2max;
   char* smem_b = reinterpret_cast<char*>(smem_u64);
-  unsigned long long* keys = smem_u64;                                  // [pow2(maxF)]
-  int32_t* cand = reinterpret_cast<int32_t*>(smem_b + k.off_cand);     // [maxF]
-  int32_t* flat = reinterpret_cast<int32_t*>(smem_b + k.off_flat);     // [maxC]
-  float* q = reinterpret_cast<float*>(smem_b + k.off_q);               // [G][D]
-  int16_t* lens = reinterpret_cast<int16_t*>(smem_b + k.off_lens);     // [maxC]
-  uint8_t* flag = reinterpret_cast<uint8_t*>(smem_b + k.off_flag);     // [maxC] chosen chunks
+  // Each array in shared memory or in this CTA's region of the global scratch (SearchK).
+  char* gcta = k.gscratch ? k.gscratch + (int64_t(b) * k.Hkv + h) * k.gstride : nullptr;
+  auto at = [&](int64_t off) { return off >= 0 ? smem_b + off : gcta + (-1 - off); };
+  unsigned long long* keys = reinterpret_cast<unsigned long long*>(at(k.off_keys));  // [pow2(maxF)]
+  int32_t* cand = reinterpret_cast<int32_t*>(at(k.off_cand));     // [maxF]
+  int32_t* flat = reinterpret_cast<int32_t*>(at(k.off_flat));     // [maxC]
+  float* q = reinterpret_cast<float*>(at(k.off_q));               // [G][D]
+  int16_t* lens = reinterpret_cast<int16_t*>(at(k.off_lens));     // [maxC]
+  uint8_t* flag = reinterpret_cast<uint8_t*>(at(k.off_flag));     // [maxC] chosen chunks
   __shared__ float qn[64];
   __shared__ __align__(16) uint32_t gkey[64];  // okey of the coarse bounds (0 past NG)
   __shared__ int gorder[64], goff[65], keep[64], gtok[64], gfirst[65];
@@ -618,12 +686,32 @@ __global__ void lc_compact_kernel(const int32_t* lists, const int32_t* counts, i
 
 }  // namespace
 
+namespace lc_detail {
+size_t search_smem_cap() {
+  static const size_t v = [] {
+    cudaFuncAttributes fa{};
+    SPADE_CUDA(cudaFuncGetAttributes(&fa, lc_search_kernel));
+    const size_t lim = smem_optin_bytes() > fa.sharedSizeBytes ? smem_optin_bytes() - fa.sharedSizeBytes : 0;
+    return std::min(kStageLimit, lim / 16 * 16);
+  }();
+  return v;
+}
+size_t search_scratch_stride(int maxF, int maxC, int D, bool spill) {
+  const SearchArrays A = search_arrays(maxF, maxC, 8, D);
+  if (!spill && A.keys + A.cand + A.flat + A.q + A.lens + A.flag <= search_smem_cap()) return 0;
+  return align_up(A.keys + A.cand + A.flat + A.lens + A.flag, 256);
+}
+}  // namespace lc_detail
+
 void LcIndexGpu::search(const LcSearchArgs& a, cudaStream_t s) const {
   SPADE_CHECK(a.Hq % cfg_.Hkv == 0 && a.Hq / cfg_.Hkv <= 64, "LcIndexGpu::search: bad Hq");
+  SPADE_CHECK(!search_scratch_ || a.B <= search_ctas_ / cfg_.Hkv, "LcIndexGpu::search: ", a.B,
+              " requests, the global scratch holds ", search_ctas_ / cfg_.Hkv, " (search_batch)");
   SearchK k{a, starts_, n_chunks_, n_fine_, n_coarse_, fc_, gc_, fr_, gr_, gtok_, gfirst_,
-            fhead_, fnch_, cnext_, max_fine_, cfg_.max_coarse, cfg_.max_chunks, cfg_.D, cfg_.Hkv};
+            fhead_, fnch_, cnext_, max_fine_, cfg_.max_coarse, cfg_.max_chunks, cfg_.D, cfg_.Hkv,
+            0, 0, 0, 0, 0, 0, -1, -1, -1, search_scratch_, int64_t(search_stride_)};  // layout below
   const int G = a.Hq / cfg_.Hkv;
-  const size_t smem = search_smem_layout(k, G);
+  const size_t smem = search_smem_layout(k, G, cfg_.spill_smem);
   // The opt-in covers dynamic + static shared memory above 48 KB: raise it whenever the
   // dynamic part grows (a threshold on the dynamic part alone misses the ~4.5 KB static).
   static size_t set_bytes = 0;

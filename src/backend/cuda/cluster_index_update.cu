@@ -41,8 +41,8 @@ __device__ SlotPtrs slot_ptrs(const SlotPtrs& z, int slot) {  // z: the pointers
 // lc_insert_kernel: inserts, for each request r of the batch (blockIdx.y), its chunks
 //   n_old .. n_old + n_new - 1 in order. CTA per (KV head, request), 256 threads.
 //   reads  the new chunks' K rows once (2*D B per token; staged together in dynamic shared
-//          memory with cp.async when they fit kInsStageRows rows, else read from global memory
-//          where used), every coarse center and the chosen unit's fine centers (2*D B each)
+//          memory with cp.async when they fit stage_rows rows, else read from global memory
+//          where used: the same values in the same order), every coarse center and the chosen unit's fine centers (2*D B each)
 //   writes per chunk the two nodes' fp16 center (2*D B), radius, counters, the chunk's links;
 //          head 0's CTA appends the chunk end to the slot's starts.
 //   Pooling, norms and distances in double in the CPU's order; similarities fp32 dots
@@ -54,6 +54,8 @@ __device__ SlotPtrs slot_ptrs(const SlotPtrs& z, int slot) {  // z: the pointers
 // chunk is pooled by warps 0-3 while warps 4-7 compute the radii; K rows are read 8 values per
 // load, with the staged / paged choice made per row (ncu: the per-element choice kept the page
 // index division inside the distance loop, the radii were ~45% of the kernel).
+// stage_rows (<= kInsStageRows): K rows the launch's dynamic shared memory holds (ins_dyn_max():
+// as many as the device's per-block limit leaves beside the static arrays).
 constexpr int kInsThreads = 256, kInsStageRows = 256, kInsNW = kInsThreads / 32, kInsPoolThreads = 128;
 
 // The 8-dim pieces [d0, d0 + 128) of node n's piece-major fp16 center: one round of loads.
@@ -131,9 +133,10 @@ __device__ __forceinline__ int ins_block_argmax(float bsim, int bk, float* wb, i
   return kk;
 }
 
-__global__ void __launch_bounds__(kInsThreads, 1) lc_insert_kernel(SlotPtrs z, InsertBatch batch) {
+__global__ void __launch_bounds__(kInsThreads, 1) lc_insert_kernel(SlotPtrs z, InsertBatch batch,
+                                                                    int stage_rows) {
   extern __shared__ __align__(16) unsigned char ins_dyn[];
-  bf16* kr = reinterpret_cast<bf16*>(ins_dyn);  // [kInsStageRows][D] staged K rows
+  bf16* kr = reinterpret_cast<bf16*>(ins_dyn);  // [stage_rows][D] staged K rows
   const InsertReq& rq = batch.r[blockIdx.y];
   const SlotPtrs s = slot_ptrs(z, rq.slot);
   int32_t* starts_rw = const_cast<int32_t*>(s.starts);
@@ -154,7 +157,7 @@ __global__ void __launch_bounds__(kInsThreads, 1) lc_insert_kernel(SlotPtrs z, I
   // Every new chunk's K rows in one round of cp.async (none of them change during the flush).
   const int b0 = starts_rw[rq.n_old];
   const int nrows = rq.ends[rq.n_new - 1] - b0;
-  const bool staged = nrows <= kInsStageRows;
+  const bool staged = nrows <= stage_rows;
   if (staged) {
     const int pcs = D / 8;
     for (int x = t; x < nrows * pcs; x += blockDim.x) {
@@ -318,6 +321,21 @@ __global__ void __launch_bounds__(kInsThreads, 1) lc_insert_kernel(SlotPtrs z, I
   }
 }
 
+// The kernel's static shared memory and the dynamic part its launches may take (set once):
+// kInsStageRows rows of the largest D, or what the device's per-block limit leaves (sm_86 / 89:
+// 99 KB, ~85 KB of it dynamic).
+size_t ins_dyn_max() {
+  static const size_t v = [] {
+    cudaFuncAttributes fa{};
+    SPADE_CUDA(cudaFuncGetAttributes(&fa, lc_insert_kernel));
+    const size_t lim = smem_optin_bytes() > fa.sharedSizeBytes ? smem_optin_bytes() - fa.sharedSizeBytes : 0;
+    const size_t dyn = std::min(size_t(kInsStageRows) * 256 * sizeof(bf16), lim / 16 * 16);
+    set_max_dynamic_smem(lc_insert_kernel, dyn);
+    return dyn;
+  }();
+  return v;
+}
+
 }  // namespace
 
 void LcIndexGpu::insert(int slot, const bf16* k_cache, const int32_t* page_table, int n_old,
@@ -338,18 +356,17 @@ void LcIndexGpu::insert_batch(const std::vector<LcInsert>& reqs, const bf16* k_c
   const SlotPtrs z{starts_, n_chunks_, n_fine_, n_coarse_, fc_, fr_, ftok_, fcnt_, fhead_, ftail_, fnch_,
                    gc_, gr_, gtok_, gcnt_, gfirst_, cnext_, cfine_, max_fine_, cfg_.max_coarse, C,
                    cfg_.D, H, cfg_.P};
-  const size_t smem = size_t(kInsStageRows) * size_t(cfg_.D) * sizeof(bf16);
-  static const bool smem_ok = [] {
-    set_max_dynamic_smem(lc_insert_kernel, kInsStageRows * 256 * int(sizeof(bf16)));
-    return true;
-  }();
-  (void)smem_ok;
+  // K rows staged per launch: up to kInsStageRows, fewer where the device gives a block less
+  // shared memory (D = 256 on sm_86 / 89: ~170); a flush with more rows reads the paged cache.
+  const int stage_rows =
+      int(std::min<size_t>(kInsStageRows, ins_dyn_max() / (size_t(cfg_.D) * sizeof(bf16))));
+  const size_t smem = size_t(stage_rows) * size_t(cfg_.D) * sizeof(bf16);
   // Rounds of <= kMax chunks per request, <= kReq requests per launch.
   for (int done = 0;; done += InsertReq::kMax) {
     InsertBatch ib{};
     int n = 0;
     auto flush = [&] {
-      if (n) lc_insert_kernel<<<dim3(H, n), kInsThreads, smem, s>>>(z, ib);
+      if (n) lc_insert_kernel<<<dim3(H, n), kInsThreads, smem, s>>>(z, ib, stage_rows);
       n = 0;
     };
     bool any = false;

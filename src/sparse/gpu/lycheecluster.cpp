@@ -91,6 +91,7 @@ LcShape lc_shape(const CudaSparse& sp, const ModelConfig& c, int64_t seq_tokens,
               "request; a context of ", ctx, " tokens in chunks of >= ", min_len, " tokens needs ",
               chunks, " (lower the context or --max-tokens, or raise min_chunk)");
   s.index.slots = std::max(1, max_batch * s.n_sparse);
+  s.index.search_batch = std::max(1, max_batch);  // a layer's search: one slot per request
   s.index.Hkv = c.n_kv_heads;
   s.index.D = c.head_dim;
   s.index.P = P;
