@@ -125,6 +125,7 @@ GpuMethodContext CudaModel::method_context() const {
   x.max_batch = opt_.max_batch;
   x.n_pages = n_pages_;
   x.kv_layer_elems = int64_t(kv_layer_elems());
+  x.k_cache = k_cache_;  // null while only sizing (before the KV pool exists)
   x.seq_pages_cap = seq_pages_cap_;
   x.max_step_tokens = opt_.max_step_tokens;
   x.deterministic = opt_.deterministic;
@@ -652,7 +653,6 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
   // too: every launch reads its step-dependent inputs (lengths, page tables, work items,
   // metadata updates) from device buffers at fixed addresses that prepare() refilled. Traced
   // steps (tests) copy to the host between layers and run eagerly.
-  // LycheeCluster steps that build or update an index run eagerly (host-driven launches).
   bool graphable = opt_.cuda_graphs && !quest_trace && T_ == int(order_.size());
   for (const Group& g : groups_) graphable = graphable && g.m->graphable();
   if (graphable) {

@@ -10,11 +10,13 @@
 //   sync: the first step past that builds the index over every chunk closed by the tokens
 //     before the current one (the CPU's rule: their K is in every layer's cache when the step
 //     begins); later, once >= buffer tokens wait behind the index, the chunks closed since
-//     are inserted (lazy update). Chunking runs on the host (token text). At the first sparse
-//     layer, one build_batch covers every sparse layer of every request that builds (a few
+//     are inserted (lazy update). Chunking runs on the host (token text). In the step's
+//     plan, one build_batch covers every sparse layer of every request that builds (a few
 //     launch sequences instead of one per request and layer) and one insert_batch every
-//     insert. Steps that sync run eagerly; the others replay CUDA graphs (every launch reads
-//     fixed device addresses);
+//     insert, on the model's stream ahead of the step's launches: their shapes are the host's
+//     (chunk counts), so they run eagerly, while the step itself still replays its CUDA graph
+//     (every launch reads fixed device addresses; an index sync used to make the whole step,
+//     every method of a mixed batch included, run eagerly);
 //   search per (request, KV head) -> sink + chosen chunks + un-indexed tail (Token lists at a
 //     fixed stride, with their lengths), which SparseAttention reads in place (compacted to
 //     CSR only for a trace).
@@ -165,8 +167,6 @@ class GpuLycheeCluster final : public SelectingMethod {
     return std::make_unique<LcRequestState>(lc_slots_, slot);
   }
   bool keeps_request_state() const override { return true; }
-  // Steps that build or update an index run eagerly (host-driven launches).
-  bool graphable() const override { return decode() && lc_sync_.empty(); }
 
  private:
   int64_t sel_cap() const override { return cap(ctx_, sp_); }
@@ -193,7 +193,33 @@ class GpuLycheeCluster final : public SelectingMethod {
 
   void plan_lists(const SeqInput* seqs, int n, bool decode) override {
     lc_sync_.clear();
-    SelectingMethod::plan_lists(seqs, n, decode);
+    SelectingMethod::plan_lists(seqs, n, decode);  // the step's page table is on its way
+    sync_indexes();
+  }
+
+  // Every sparse layer's builds and inserts of this step, eagerly on the model's stream (the
+  // step's launches, graph or not, follow in stream order). They read chunks of tokens before
+  // the current one, whose K every layer's cache holds.
+  void sync_indexes() {
+    if (lc_sync_.empty()) return;
+    const int n_sparse = ctx_.cfg.n_layers - sp_.lc.dense_layers;
+    SPADE_CHECK(ctx_.k_cache, "lycheecluster: no KV cache in the method context");
+    const cuda::bf16* k0 = static_cast<const cuda::bf16*>(ctx_.k_cache) +
+                           int64_t(sp_.lc.dense_layers) * ctx_.kv_layer_elems;
+    lc_builds_.clear();
+    lc_ins_.clear();
+    for (const LcSync& s : lc_sync_) {
+      const int32_t* pt = sparse_->dev_page_table() + s.page_off;
+      for (int jj = 0; jj < n_sparse; ++jj) {
+        const int slot = s.req_slot * n_sparse + jj;
+        const cuda::bf16* kl = k0 + jj * ctx_.kv_layer_elems;
+        if (s.n_old == 0) lc_builds_.push_back({slot, kl, pt, s.starts, s.n_new});
+        else lc_ins_.push_back({slot, pt, s.n_old, s.starts + s.n_old + 1, s.n_new, kl});
+      }
+    }
+    cudaStream_t st = S_(ctx_.stream);
+    if (!lc_builds_.empty()) lc_->build_batch(lc_builds_, st);
+    if (!lc_ins_.empty()) lc_->insert_batch(lc_ins_, nullptr, st);
   }
 
   int64_t list_rows(int, int64_t L) const override {
@@ -256,32 +282,12 @@ class GpuLycheeCluster final : public SelectingMethod {
                                cudaMemcpyHostToDevice, st));
   }
 
-  // The layer's index work (at the first sparse layer: every build and insert of the step)
-  // and its search into the strided lists lc_lists_ / lc_counts_.
-  void search_layer(int l, const void* q, const void* kc_) {
+  // The layer's search into the strided lists lc_lists_ / lc_counts_ (the indexes were
+  // synced in the plan).
+  void search_layer(int l, const void* q) {
     const sparse::LycheeClusterParams& p = sp_.lc;
-    const int n_sparse = ctx_.cfg.n_layers - p.dense_layers;
     const int j = l - p.dense_layers;
-    const cuda::bf16* kc = static_cast<const cuda::bf16*>(kc_);
     cudaStream_t st = S_(run_);
-    if (j == 0 && !lc_sync_.empty()) {
-      // Every sparse layer's builds and inserts at once: they read chunks of tokens before
-      // the current one, whose K every layer's cache holds (kc: this layer's; layer j' at
-      // kc + j' * kv_layer_elems).
-      lc_builds_.clear();
-      lc_ins_.clear();
-      for (const LcSync& s : lc_sync_) {
-        const int32_t* pt = sparse_->dev_page_table() + s.page_off;
-        for (int jj = 0; jj < n_sparse; ++jj) {
-          const int slot = s.req_slot * n_sparse + jj;
-          const cuda::bf16* kl = kc + jj * ctx_.kv_layer_elems;
-          if (s.n_old == 0) lc_builds_.push_back({slot, kl, pt, s.starts, s.n_new});
-          else lc_ins_.push_back({slot, pt, s.n_old, s.starts + s.n_old + 1, s.n_new, kl});
-        }
-      }
-      if (!lc_builds_.empty()) lc_->build_batch(lc_builds_, st);
-      if (!lc_ins_.empty()) lc_->insert_batch(lc_ins_, nullptr, st);
-    }
     cuda::LcSearchArgs a;
     a.q = static_cast<const cuda::bf16*>(q);
     a.slot = lc_slot_dev_ + int64_t(j) * ctx_.max_batch;
@@ -295,7 +301,7 @@ class GpuLycheeCluster final : public SelectingMethod {
   }
 
   TwilightBaseLists twilight_base(int l, const void* q, const void* kc) override {
-    search_layer(l, q, kc);
+    search_layer(l, q);
     // The pruner reads CSR lists.
     cuda::LcIndexGpu::compact(lc_lists_, lc_counts_, step_B_ * ctx_.cfg.n_kv_heads, lc_cap_,
                               sel_off_, sel_idx_, S_(run_));
@@ -307,7 +313,7 @@ class GpuLycheeCluster final : public SelectingMethod {
                     float scale) override {
     const int Hkv = ctx_.cfg.n_kv_heads;
     cudaStream_t st = S_(run_);
-    search_layer(l, q, kc_);
+    search_layer(l, q);
     const cuda::bf16* kc = static_cast<const cuda::bf16*>(kc_);
     if (trace) {  // the trace reads CSR lists
       cuda::LcIndexGpu::compact(lc_lists_, lc_counts_, step_B_ * Hkv, lc_cap_, sel_off_, sel_idx_, st);

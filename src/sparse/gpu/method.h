@@ -82,6 +82,7 @@ struct GpuMethodContext {
   int64_t kv_layer_elems = 0;   // one layer's K (or V) cache: layer l at cache + l * this
   int64_t seq_pages_cap = 0;    // most pages of one sequence
   int64_t max_step_tokens = 0;  // query rows per step
+  const void* k_cache = nullptr;  // bf16 [L][pages][Hkv][P][D]: layer l at + l * kv_layer_elems
   bool deterministic = false;
   void* stream = nullptr;       // cudaStream_t: the model's step stream
   GpuPageHooks hooks;
