@@ -49,12 +49,18 @@ int cc_minor();
 // 227 KB on Hopper, 163 KB on A100, 99 KB on sm_86 / 89 (SPADE_EMULATE_CC: the emulated one's).
 size_t smem_optin_bytes();
 // Raises `kernel`'s dynamic shared-memory limit to `bytes` (every kernel that needs more than
-// 48 KB goes through here): a request past what the device gives a block (smem_optin_bytes,
-// the emulated GPU's under SPADE_EMULATE_CC) is a clear error naming both sizes.
+// 48 KB goes through here): a request that, with the kernel's static shared memory, passes what
+// the device gives a block (smem_optin_bytes, the emulated GPU's under SPADE_EMULATE_CC; a real
+// GPU refuses dynamic bytes above the limit less the static ones) is a clear error naming the
+// sizes.
 template <typename K>
 void set_max_dynamic_smem(K kernel, size_t bytes) {
-  SPADE_CHECK(bytes <= smem_optin_bytes(), "CUDA: a kernel needs ", bytes >> 10,
-              " KB of shared memory per block; this GPU gives ", smem_optin_bytes() >> 10, " KB");
+  cudaFuncAttributes fa{};
+  SPADE_CUDA(cudaFuncGetAttributes(&fa, kernel));
+  const size_t stat = fa.sharedSizeBytes;
+  SPADE_CHECK(bytes + stat <= smem_optin_bytes(), "CUDA: a kernel needs ", (bytes + stat + 1023) >> 10,
+              " KB of shared memory per block (", (stat + 1023) >> 10, " KB static); this GPU gives ",
+              smem_optin_bytes() >> 10, " KB");
   SPADE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 // Throws spade::Error, naming the GPU and what this build targets, when the current device

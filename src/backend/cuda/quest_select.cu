@@ -360,14 +360,14 @@ __device__ void topk_row(const float* __restrict__ sc, int n, int k, int32_t* __
 // Dynamic shared memory of the top-k kernels: keys of rows up to kTopkCache entries (plus the
 // padding of topk_slot: 165 KB), or fewer where the device gives a block less (A100: 163 KB,
 // sm_86 / 89: 99 KB): topk_cache_max(). Longer rows read their keys from global memory.
-// The limit covers static + dynamic bytes: kTopkStatic bounds the kernels' static arrays (the
-// two histograms, 16 KB, and < 2 KB of scan / rank slots; set_max_dynamic_smem checks the sum).
+// The limit covers static + dynamic bytes: topk_static_bytes() (the kernels' static arrays,
+// ~35 KB: each topk_row instantiation has its own histograms) comes off it.
 constexpr int kTopkCache = 40960;
-constexpr size_t kTopkStatic = 18 << 10;
 constexpr size_t topk_smem_bytes(int cache) { return size_t(cache + (cache >> 5) + 1) * 4; }
+size_t topk_static_bytes();
 int topk_cache_max() {
   static const int c = [] {
-    const int64_t words = int64_t(smem_optin_bytes() - kTopkStatic) / 4;
+    const int64_t words = int64_t(smem_optin_bytes() - topk_static_bytes()) / 4;
     const int64_t fit = (words - 1) * 32 / 33 / 32 * 32;         // topk_smem_bytes(fit) <= 4 * words
     return int(std::min<int64_t>(kTopkCache, fit));
   }();
@@ -471,6 +471,18 @@ __global__ void topk_long_map_kernel(const int32_t* n, int k, int n_chunks, cons
   const int32_t* pos = cp + int64_t(row) * n_chunks * k;
   const int32_t* ix = idx2 + int64_t(row) * k;
   for (int i = threadIdx.x; i < k; i += blockDim.x) o[i] = pos[ix[i]];
+}
+
+size_t topk_static_bytes() {
+  size_t b = 0;
+  for (const void* f : {reinterpret_cast<const void*>(quest_topk_kernel),
+                        reinterpret_cast<const void*>(topk_rows_kernel),
+                        reinterpret_cast<const void*>(topk_chunks_kernel)}) {
+    cudaFuncAttributes fa{};
+    SPADE_CUDA(cudaFuncGetAttributes(&fa, f));
+    b = std::max(b, size_t(fa.sharedSizeBytes));
+  }
+  return b;
 }
 
 }  // namespace
