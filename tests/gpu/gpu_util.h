@@ -54,7 +54,7 @@ inline std::vector<__nv_bfloat16> to_bf16(const std::vector<float>& v) {
   std::vector<__nv_bfloat16> r(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
     uint16_t b = f32_to_bf16(v[i]);
-    std::memcpy(&r[i], &b, 2);
+    std::memcpy(static_cast<void*>(&r[i]), &b, 2);
   }
   return r;
 }
