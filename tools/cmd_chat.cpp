@@ -18,6 +18,7 @@
 #include <string>
 
 #include "args.h"
+#include "kv_args.h"
 #include "command.h"
 #include "progress.h"
 #include "sampling_args.h"
@@ -57,6 +58,9 @@ exits.
   --cpu-weights f32|native  CPU weights: native (the default for quantized GGUF files) multiplies
                         by the weights as stored, no fp32 copy; f32 dequantizes them at load
                         (the reference; the default for other models)
+  --kv-dtype f32|bf16|f16  CPU KV cache element type (default bf16: half the bytes a decode
+                        step reads; f32 is the reference; f16 is llama.cpp's); the GPU cache
+                        is bf16
   --device cpu|cuda     where the model runs (default cpu; cuda: CUDA builds)
   --sparse NAME[:k=v,..] sparse attention method for the answers' decode steps (default full;
                         `spade generate --help` lists them); --budget N, --sparse-opt k=v,...
@@ -114,7 +118,7 @@ int run(int argc, char** argv) {
          {"--model", "--system", "--thinking", "-n", "--max-tokens", "--temperature", "--top-k",
           "--top-p", "--min-p", "--repeat-penalty", "--seed", "--threads", "--device", "--cpu-weights", "--sparse",
           "--budget", "--sparse-opt", "--sparse-config", "--ctx-size", "--tokenizer",
-          "--progress-after"},
+          "--progress-after", "--kv-dtype"},
          {"--help", "--no-cache-reuse", "--stats", "--deterministic", "--ignore-eos"});
   if (a.has("--help")) {
     std::fputs(help_text().c_str(), stdout);
@@ -125,9 +129,10 @@ int run(int argc, char** argv) {
   (void)sampling_from_args(a);  // flags checked before the model loads
   const double progress_after = a.number("--progress-after", 2);
   SPADE_CHECK(!std::isnan(progress_after), "--progress-after expects a number of seconds");
-  const sparse::SparseConfig scfg = sparse_from_args(a, argc, argv);
+  const sparse::SparseConfig scfg = sparse_from_args(a);
   const std::string device = a.str("--device", "cpu");
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '", device, "'");
+  const KvDtype kv_dtype = kv_dtype_from_args(a, device);
   nlohmann::json extra = nlohmann::json::object();
   if (a.has("--thinking")) {
     const std::string t = a.str("--thinking");
@@ -152,6 +157,7 @@ int run(int argc, char** argv) {
   SPADE_CHECK(ctx >= 1 && ctx <= cfg.max_context, "--ctx-size must be in [1, ", cfg.max_context,
               "] (the model's context), got ", ctx);
   ro.kv_pages = (ctx + 15) / 16 + 1;
+  ro.kv_dtype = kv_dtype;
   ro.max_batch = 1;
   ro.max_step_tokens = 1024;
   ro.deterministic = a.has("--deterministic");

@@ -15,6 +15,7 @@
 #include "command.h"
 #include "progress.h"
 #include "sampling_args.h"
+#include "kv_args.h"
 #include "sparse_args.h"
 #include "tokenizer_args.h"
 #include "core/thread_pool.h"
@@ -71,6 +72,9 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   --cpu-weights f32|native  CPU weights: native (the default for quantized GGUF files) multiplies
                         by the weights as stored, no fp32 copy; f32 dequantizes them at load
                         (the reference; the default for other models)
+  --kv-dtype f32|bf16|f16  CPU KV cache element type (default bf16: half the bytes a decode
+                        step reads; f32 is the reference; f16 is llama.cpp's); the GPU cache
+                        is bf16
   --device cpu|cuda     where the model runs (default cpu; cuda: bf16 weights on the GPU,
                         dense attention or --sparse streaming|quest|tidal|lessismore|lycheedecode|
                         twilight|blasst; quest on the GPU
@@ -291,7 +295,7 @@ int run(int argc, char** argv) {
           "--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed",
           "--threads", "--page-size", "--prefill-chunk", "--sparse", "--budget", "--sparse-opt",
           "--sparse-config", "--device", "--synthetic", "--prompt-len", "--ctx-size", "--tokenizer",
-          "--stats-jsonl", "--progress-after", "--cpu-weights"},
+          "--stats-jsonl", "--progress-after", "--cpu-weights", "--kv-dtype"},
          {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats", "--stats-steps", "--recall",
           "--deterministic"});
   if (a.has("--help")) {
@@ -303,7 +307,7 @@ int run(int argc, char** argv) {
   const double progress_after = a.number("--progress-after", 2);
   SPADE_CHECK(!std::isnan(progress_after), "--progress-after expects a number of seconds");
   // Sparse configuration: JSON file, then flags.
-  sparse::SparseConfig scfg = sparse_from_args(a, argc, argv);
+  sparse::SparseConfig scfg = sparse_from_args(a);
   if (a.has("--recall")) scfg.measure_recall = true;
   const std::string device = a.str("--device", a.has("--synthetic") ? "cuda" : "cpu");
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda");
@@ -313,6 +317,7 @@ int run(int argc, char** argv) {
               scfg.method, "' has no GPU path (GPU methods: ", cuda_method_list(),
               "; the others run with --device cpu)");
   SPADE_CHECK(device == "cpu" || !scfg.measure_recall, "--recall is CPU-only (--device cpu)");
+  const KvDtype kv_dtype = kv_dtype_from_args(a, device);
   if (a.has("--synthetic")) return run_synthetic(a, scfg);
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   SPADE_CHECK(a.has("--prompt") != a.has("--prompt-file"),
@@ -367,6 +372,7 @@ int run(int argc, char** argv) {
   ro.device = device;
   ro.page_size = int(page_size);
   ro.kv_pages = (tokens + page_size - 1) / page_size;
+  ro.kv_dtype = kv_dtype;
   ro.max_batch = 1;
   ro.max_step_tokens = device == "cuda" ? std::min<int64_t>(opt.prefill_chunk, 8192) : opt.prefill_chunk;
   ro.deterministic = a.has("--deterministic");

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "args.h"
+#include "kv_args.h"
 #include "command.h"
 #include "core/thread_pool.h"
 #include "engine/sampler.h"
@@ -42,6 +43,7 @@ const char* kHelp = R"(usage: spade needle --model PATH --haystack-file F --need
   --system TEXT         system message
   --threads N           CPU threads (default: all cores)
   --page-size N         KV page size (default 16)
+  --kv-dtype f32|bf16|f16  KV cache element type (default bf16; f32 the reference)
   --prefill-chunk N     prompt tokens per forward pass (default 1024)
   --prompt-out F        write the rendered prompt text to F
 )";
@@ -77,7 +79,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--haystack-file", "--needle", "--question", "--expect", "--depth",
           "--context-tokens", "--methods", "--budget", "-n", "--max-tokens", "--system",
-          "--threads", "--page-size", "--prefill-chunk", "--prompt-out"},
+          "--threads", "--page-size", "--prefill-chunk", "--prompt-out", "--kv-dtype"},
          {"--help", "--recall"});
   if (a.has("--help")) {
     std::fputs(kHelp, stdout);
@@ -154,6 +156,7 @@ int run(int argc, char** argv) {
   // One dense prefill into a pool with room for the prompt and one method's decode.
   KVLayout layout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, int(a.integer("--page-size", 16))};
   SPADE_CHECK(layout.page_size > 0, "--page-size must be positive");
+  layout.dtype = kv_dtype_from_args(a, "cpu");
   const int64_t P = layout.page_size;
   KVPool kv(layout, (int64_t(prompt.size()) + P - 1) / P + (n_new + P - 1) / P + 2);
   CpuModel model(*weights, kv);

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "args.h"
+#include "kv_args.h"
 #include "sparse_args.h"
 #include "command.h"
 #include "core/thread_pool.h"
@@ -55,6 +56,9 @@ Sampling follows the OpenAI API: a request without "temperature" samples at 1.0 
   --cpu-weights f32|native  CPU weights: native (the default for quantized GGUF files)
                           multiplies by the weights as stored, no fp32 copy; f32 dequantizes
                           them at load (the reference; the default for other models)
+  --kv-dtype f32|bf16|f16 CPU KV cache element type (default bf16: half the bytes a decode
+                          step reads; f32 is the reference; f16 is llama.cpp's); the GPU
+                          cache is bf16
   --device cpu|cuda       where the model runs (default cpu). cuda (CUDA builds): bf16
                           weights and the KV cache on the GPU; each request runs its own
                           method (its "sparse" field, else --sparse) if the method has a
@@ -95,7 +99,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--tokenizer", "--model-name", "--host", "--port", "--api-key", "--max-batch", "--max-queue",
           "--max-step-tokens", "--ctx-size", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
-          "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device", "--cpu-weights",
+          "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device", "--cpu-weights", "--kv-dtype",
           "--max-connections", "--header-timeout",
           "--shutdown-timeout"},
          {"--help", "--deterministic", "--quiet"});
@@ -117,6 +121,7 @@ int run(int argc, char** argv) {
   if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
   const std::string path = a.str("--model");
   const bool on_cpu = a.str("--device", "cpu") == "cpu";
+  const KvDtype kv_dtype = kv_dtype_from_args(a, a.str("--device", "cpu"));
   SPADE_CHECK(on_cpu || !a.has("--cpu-weights"), "--cpu-weights is for --device cpu");
   auto weights = load_model(
       path, on_cpu ? parse_cpu_weights(a.str("--cpu-weights", "auto")) : CpuWeights::F32);
@@ -147,10 +152,11 @@ int run(int argc, char** argv) {
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '", device, "'");
   // The CPU pool also backs the sparse sessions; on the GPU the pool lives on the device and
   // the host pool is not allocated.
-  const sparse::SparseConfig sc = sparse_from_args(a, argc, argv);
+  const sparse::SparseConfig sc = sparse_from_args(a);
   RunnerOptions ro;
   ro.device = device;
   ro.kv_pages = pages;
+  ro.kv_dtype = kv_dtype;
   ro.page_size = layout.page_size;
   ro.max_batch = so.max_batch;
   ro.max_step_tokens = so.max_step_tokens;

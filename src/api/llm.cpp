@@ -42,6 +42,9 @@ LLM::LLM(const std::string& model, const LLMOptions& o) : impl_(std::make_unique
   Impl& m = *impl_;
   const bool cpu = o.device == "cpu";
   SPADE_CHECK(cpu || o.cpu_weights == "auto", "cpu_weights is for device \"cpu\"");
+  const KvDtype kv_dtype = parse_kv_dtype(o.kv_dtype, "kv_dtype");
+  SPADE_CHECK(cpu || kv_dtype == KvDtype::BF16, "kv_dtype ", o.kv_dtype,
+              ": the GPU KV cache is bf16 (other types are for device \"cpu\")");
   m.weights = load_model(model, cpu ? parse_cpu_weights(o.cpu_weights, "cpu_weights") : CpuWeights::F32);
   m.tok = Tokenizer::load(o.tokenizer.empty() ? model : o.tokenizer);
   const ModelConfig& cfg = m.weights->config;
@@ -57,6 +60,7 @@ LLM::LLM(const std::string& model, const LLMOptions& o) : impl_(std::make_unique
   ro.device = o.device;
   ro.kv_pages = o.kv_pages ? o.kv_pages : default_kv_pages(ctx, o.max_batch, o.page_size);
   ro.page_size = o.page_size;
+  ro.kv_dtype = kv_dtype;
   ro.max_batch = o.max_batch;
   ro.max_step_tokens = o.max_step_tokens;
   ro.deterministic = o.deterministic;

@@ -32,8 +32,9 @@ Runner make_runner(const ModelWeights& w, const RunnerOptions& opt) {
   SPADE_CHECK(opt.device == "cpu", "--device must be cpu or cuda, got '", opt.device, "'");
   const ModelConfig& c = w.config;
   auto parts = std::make_shared<CpuParts>();
-  parts->kv = std::make_unique<KVPool>(KVLayout{c.n_layers, c.n_kv_heads, c.head_dim, opt.page_size},
-                                       opt.kv_pages);
+  KVLayout lay{c.n_layers, c.n_kv_heads, c.head_dim, opt.page_size};
+  lay.dtype = opt.kv_dtype;
+  parts->kv = std::make_unique<KVPool>(lay, opt.kv_pages);
   parts->model = std::make_unique<CpuModel>(w, *parts->kv);
   Runner r;
   r.model = std::make_unique<CpuStepModel>(*parts->model);

@@ -108,10 +108,12 @@ void Int4KeyStore::sync(const KVPool& kv, int layer, const PageTable& pt, int64_
     codes.resize(size_t(L * hkv_ * row_bytes));
     params.resize(size_t(L * hkv_ * 2));
   }
+  std::vector<float> key(static_cast<size_t>(d_));
   for (int64_t p = have; p < L; ++p)
     for (int h = 0; h < hkv_; ++h) {
       const size_t r = size_t(p * hkv_ + h);
-      int4_quantize_row(kv.k_row(layer, pt, p, h), d_, codes.data() + r * size_t(row_bytes),
+      kv.load_k(layer, pt, p, h, 1, key.data());
+      int4_quantize_row(key.data(), d_, codes.data() + r * size_t(row_bytes),
                         &params[2 * r], &params[2 * r + 1]);
     }
   have = L;

@@ -1,13 +1,28 @@
 #include "kv/kv_pool.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <new>
 
 namespace spade {
+
+namespace {
+void advise_huge(void* p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  const uintptr_t huge = uintptr_t(2) << 20;
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
+  if (e > b) (void)madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
+#else
+  (void)p, (void)bytes;
+#endif
+}
+}  // namespace
 
 KVPool::KVPool(const KVLayout& layout, int64_t n_pages) : layout_(layout), n_pages_(n_pages) {
   SPADE_CHECK(layout.n_layers > 0 && layout.n_kv_heads > 0 && layout.head_dim > 0 &&
@@ -21,18 +36,28 @@ KVPool::KVPool(const KVLayout& layout, int64_t n_pages) : layout_(layout), n_pag
   // cannot fit gets an error saying so instead of std::bad_alloc or an OOM kill.
   const double floats_d = double(layout.n_layers) * double(n_pages) * double(layout.page_floats());
   const double meta_d = layout.page_minmax ? floats_d / double(layout.page_size) : 0.0;
-  const double bytes = (2.0 * floats_d + 2.0 * meta_d) * sizeof(float) + double(n_pages) * 8.0;
+  const double esize = double(kv_dtype_bytes(layout.dtype));
+  const double bytes = 2.0 * floats_d * esize + 2.0 * meta_d * sizeof(float) + double(n_pages) * 8.0;
   const double phys = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
   const double gib = 1024.0 * 1024.0 * 1024.0;
   SPADE_CHECK(phys <= 0 || bytes <= phys,
               "KV cache of ", n_pages, " pages x ", layout.page_size, " tokens needs ", bytes / gib,
-              " GiB (K and V in fp32, ", layout.n_layers, " layers x ", layout.n_kv_heads,
+              " GiB (K and V in ", kv_dtype_name(layout.dtype), ", ", layout.n_layers, " layers x ", layout.n_kv_heads,
               " KV heads x ", layout.head_dim, "), more than this machine's ", phys / gib,
               " GiB of memory; lower --kv-pages (or --max-batch)");
   try {
-    const size_t floats = size_t(floats_d);
-    k_.assign(floats, 0.f);
-    v_.assign(floats, 0.f);
+    esize_ = kv_dtype_bytes(layout.dtype);
+    data_bytes_ = size_t(floats_d) * esize_;
+    // calloc: zeroed pages from the kernel, resident only once written.
+    kbuf_.reset(static_cast<unsigned char*>(std::calloc(data_bytes_, 1)));
+    vbuf_.reset(static_cast<unsigned char*>(std::calloc(data_bytes_, 1)));
+    if (!kbuf_ || !vbuf_) throw std::bad_alloc();
+    k_ = kbuf_.get();
+    v_ = vbuf_.get();
+    // Transparent huge pages where the kernel offers them on request: a decode step walks the
+    // whole cache, and 4 KB pages cost a TLB miss every 4 KB.
+    advise_huge(k_, data_bytes_);
+    advise_huge(v_, data_bytes_);
     if (layout.page_minmax) {
       kmin_.assign(size_t(meta_d), INFINITY);
       kmax_.assign(size_t(meta_d), -INFINITY);
@@ -95,10 +120,10 @@ PageTable KVPool::fork(const PageTable& src) {
     int32_t p = src.pages[size_t(i)];
     if (partial && i == used - 1) {
       int32_t q = take_page();
-      const size_t n = size_t(layout_.page_floats());
+      const size_t n = size_t(layout_.page_floats()) * esize_;
       for (int l = 0; l < layout_.n_layers; ++l) {
-        std::memcpy(k_page(l, q), k_page(l, p), n * sizeof(float));
-        std::memcpy(v_page(l, q), v_page(l, p), n * sizeof(float));
+        std::memcpy(k_ + offset(l, q) * esize_, k_ + offset(l, p) * esize_, n);
+        std::memcpy(v_ + offset(l, q) * esize_, v_ + offset(l, p) * esize_, n);
         if (layout_.page_minmax) {
           const size_t m = size_t(layout_.n_kv_heads) * size_t(layout_.head_dim);
           std::memcpy(kmin_.data() + meta_offset(l, q, 0), kmin_.data() + meta_offset(l, p, 0),
@@ -121,20 +146,47 @@ void KVPool::write(int layer, const PageTable& pt, int64_t pos, const float* k, 
   const int32_t page = pt.pages[size_t(pos / layout_.page_size)];
   SPADE_CHECK(refs_[size_t(page)] == 1, "KV pool: write into page ", page, " shared by ",
               refs_[size_t(page)], " sequences (a forked prefix is read-only)");
-  float* kp = k_page(layer, page);
-  float* vp = v_page(layer, page);
+  unsigned char* kp = k_ + offset(layer, page) * esize_;
+  unsigned char* vp = v_ + offset(layer, page) * esize_;
+  float stored[512];
   for (int h = 0; h < layout_.n_kv_heads; ++h) {
     const float* kh = k + int64_t(h) * D;
-    std::memcpy(kp + row_offset(pos, h), kh, sizeof(float) * size_t(D));
-    std::memcpy(vp + row_offset(pos, h), v + int64_t(h) * D, sizeof(float) * size_t(D));
+    void* kd = kp + row_offset(pos, h) * esize_;
+    kv_from_f32(layout_.dtype, kh, D, kd);
+    kv_from_f32(layout_.dtype, v + int64_t(h) * D, D, vp + row_offset(pos, h) * esize_);
     if (layout_.page_minmax) {
+      // The bounds of the keys as stored (rounded), so Quest's bound holds for what is read.
       float* mn = kmin_.data() + meta_offset(layer, page, h);
       float* mx = kmax_.data() + meta_offset(layer, page, h);
-      for (int d = 0; d < D; ++d) {
-        mn[d] = std::min(mn[d], kh[d]);
-        mx[d] = std::max(mx[d], kh[d]);
+      for (int d0 = 0; d0 < D; d0 += 512) {
+        const int n = std::min(512, D - d0);
+        const float* ks = kh + d0;
+        if (layout_.dtype != KvDtype::F32) {
+          kv_to_f32(layout_.dtype, static_cast<unsigned char*>(kd) + size_t(d0) * esize_, n, stored);
+          ks = stored;
+        }
+        for (int d = 0; d < n; ++d) {
+          mn[d0 + d] = std::min(mn[d0 + d], ks[d]);
+          mx[d0 + d] = std::max(mx[d0 + d], ks[d]);
+        }
       }
     }
+  }
+}
+
+void KVPool::load(bool keys, int layer, const PageTable& pt, int64_t pos, int head, int64_t n,
+                  float* dst) const {
+  const int64_t P = layout_.page_size, D = layout_.head_dim;
+  const unsigned char* base = keys ? k_ : v_;
+  while (n > 0) {
+    // Within a page and head, slots are contiguous: convert the run at once.
+    const int64_t run = std::min(n, P - pos % P);
+    const int32_t page = pt.pages[size_t(pos / P)];
+    kv_to_f32(layout_.dtype, base + (offset(layer, page) + row_offset(pos, head)) * esize_,
+              run * D, dst);
+    dst += run * D;
+    pos += run;
+    n -= run;
   }
 }
 

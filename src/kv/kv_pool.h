@@ -1,13 +1,15 @@
 // Paged KV cache. One pool holds every layer's K and V for `n_pages` pages; a page id
 // names the same `page_size` token slots in every layer. Inside a page the layout is HND:
-//   k[layer][page][kv_head][slot][D]   (same for v), fp32 on the CPU backend.
+//   k[layer][page][kv_head][slot][D]   (same for v), elements of layout.dtype (f32, bf16, f16:
+// kv/kv_dtype.h; rounded to nearest even by write(), widened to fp32 by the readers).
 // A sequence owns a PageTable (list of page ids + length). Pages are taken from and
 // returned to a free list; nothing is allocated after construction.
 //
 // Per-page metadata (Quest, docs/sparse.md): when `layout.page_minmax` is on, the pool keeps
 // for every (layer, page, kv_head) the element-wise min and max of the page's keys,
-//   kmin[layer][page][kv_head][D], kmax[...]   (fp32),
-// updated by write() (one min/max per element per appended row, never recomputed per step)
+//   kmin[layer][page][kv_head][D], kmax[...]   (fp32, of the keys as stored: exact bounds of
+// what attention reads), updated by write() (one min/max per element per appended row, never
+// recomputed per step)
 // and reset when the page is handed out by reserve().
 //
 // Pages are reference counted so a prefilled prefix can be shared: fork() gives a new
@@ -17,9 +19,12 @@
 // its last owner releases it.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <vector>
 
 #include "core/error.h"
+#include "kv/kv_dtype.h"
 
 namespace spade {
 
@@ -29,8 +34,11 @@ struct KVLayout {
   int head_dim = 0;
   int page_size = 16;
   bool page_minmax = true;  // keep per-page key min/max (Quest metadata)
-  // Floats of one page of one layer (K or V): Hkv * page_size * D.
+  KvDtype dtype = KvDtype::F32;  // element type (front ends default to bf16: --kv-dtype)
+  // Elements of one page of one layer (K or V): Hkv * page_size * D.
   int64_t page_floats() const { return int64_t(n_kv_heads) * page_size * head_dim; }
+  int64_t page_elems() const { return page_floats(); }
+  size_t elem_bytes() const { return kv_dtype_bytes(dtype); }
 };
 
 struct PageTable {
@@ -47,7 +55,8 @@ class KVPool {
   int64_t n_pages() const { return n_pages_; }
   int64_t free_pages() const { return int64_t(free_.size()); }
   int64_t used_pages() const { return n_pages_ - free_pages(); }
-  size_t bytes() const { return (k_.size() * 2 + kmin_.size() * 2) * sizeof(float); }
+  KvDtype dtype() const { return layout_.dtype; }
+  size_t bytes() const { return data_bytes_ * 2 + kmin_.size() * 2 * sizeof(float); }
 
   // Grows `pt` so it can hold `new_length` tokens; throws spade::Error (nothing changed)
   // when the pool has too few free pages.
@@ -61,17 +70,39 @@ class KVPool {
   PageTable fork(const PageTable& src);
   int32_t refcount(int32_t page) const { return refs_[size_t(page)]; }
 
-  float* k_page(int layer, int32_t page) { return k_.data() + offset(layer, page); }
-  float* v_page(int layer, int32_t page) { return v_.data() + offset(layer, page); }
-  const float* k_page(int layer, int32_t page) const { return k_.data() + offset(layer, page); }
-  const float* v_page(int layer, int32_t page) const { return v_.data() + offset(layer, page); }
+  // Raw pages and rows, elements of dtype(): HND within a page, so the rows of one KV head in
+  // a page are contiguous (page_size * D elements).
+  const void* k_page_data(int layer, int32_t page) const { return k_ + offset(layer, page) * esize_; }
+  const void* v_page_data(int layer, int32_t page) const { return v_ + offset(layer, page) * esize_; }
+  const void* k_row_data(int layer, const PageTable& pt, int64_t pos, int head) const {
+    return k_ + (offset(layer, pt.pages[size_t(pos / layout_.page_size)]) + row_offset(pos, head)) * esize_;
+  }
+  const void* v_row_data(int layer, const PageTable& pt, int64_t pos, int head) const {
+    return v_ + (offset(layer, pt.pages[size_t(pos / layout_.page_size)]) + row_offset(pos, head)) * esize_;
+  }
+  // Rows [pos, pos + n) of one KV head as fp32 into dst[n, D]; the rows may cross pages.
+  void load_k(int layer, const PageTable& pt, int64_t pos, int head, int64_t n, float* dst) const {
+    load(true, layer, pt, pos, head, n, dst);
+  }
+  void load_v(int layer, const PageTable& pt, int64_t pos, int head, int64_t n, float* dst) const {
+    load(false, layer, pt, pos, head, n, dst);
+  }
 
+  // fp32 views: only for a pool of dtype f32 (throws otherwise); tests and fp32-only tools.
+  float* k_page(int layer, int32_t page) { return f32() + offset(layer, page); }
+  float* v_page(int layer, int32_t page) { return f32v() + offset(layer, page); }
+  const float* k_page(int layer, int32_t page) const {
+    return const_cast<KVPool*>(this)->k_page(layer, page);
+  }
+  const float* v_page(int layer, int32_t page) const {
+    return const_cast<KVPool*>(this)->v_page(layer, page);
+  }
   // Row of token `pos` of `pt` for one KV head (D floats).
   const float* k_row(int layer, const PageTable& pt, int64_t pos, int head) const {
-    return k_page(layer, pt.pages[pos / layout_.page_size]) + row_offset(pos, head);
+    return k_page(layer, pt.pages[size_t(pos / layout_.page_size)]) + row_offset(pos, head);
   }
   const float* v_row(int layer, const PageTable& pt, int64_t pos, int head) const {
-    return v_page(layer, pt.pages[pos / layout_.page_size]) + row_offset(pos, head);
+    return v_page(layer, pt.pages[size_t(pos / layout_.page_size)]) + row_offset(pos, head);
   }
 
   // Element-wise min / max (D floats) of the keys written so far into `page` for one KV
@@ -83,8 +114,8 @@ class KVPool {
     return kmax_.data() + meta_offset(layer, page, head);
   }
 
-  // Writes K and V of token `pos` (all KV heads: [Hkv, D] each) into the cache and updates
-  // the page's key min/max.
+  // Writes K and V of token `pos` (all KV heads: [Hkv, D] each, fp32) into the cache, rounded
+  // to dtype(), and updates the page's key min/max from the stored keys.
   void write(int layer, const PageTable& pt, int64_t pos, const float* k, const float* v);
 
  private:
@@ -99,10 +130,29 @@ class KVPool {
   }
   void reset_meta(int32_t page);
   int32_t take_page();
+  void load(bool keys, int layer, const PageTable& pt, int64_t pos, int head, int64_t n,
+            float* dst) const;
+  float* f32() {
+    SPADE_CHECK(layout_.dtype == KvDtype::F32, "KV pool: fp32 view of a ",
+                kv_dtype_name(layout_.dtype), " cache");
+    return reinterpret_cast<float*>(k_);
+  }
+  float* f32v() {
+    f32();
+    return reinterpret_cast<float*>(v_);
+  }
+  struct FreeDeleter {
+    void operator()(unsigned char* p) const { std::free(p); }
+  };
 
   KVLayout layout_;
   int64_t n_pages_;
-  std::vector<float> k_, v_;
+  size_t esize_ = 4;       // bytes per element
+  size_t data_bytes_ = 0;  // bytes of K (as many of V)
+  // calloc'd: pages never written are never touched (they cost no resident memory).
+  std::unique_ptr<unsigned char[], FreeDeleter> kbuf_, vbuf_;
+  unsigned char* k_ = nullptr;
+  unsigned char* v_ = nullptr;
   std::vector<float> kmin_, kmax_;
   std::vector<int32_t> free_;
   std::vector<int32_t> refs_;

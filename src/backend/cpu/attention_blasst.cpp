@@ -58,8 +58,8 @@ void gather_rows(const KVPool& kv, int layer, const PageTable& pt, int head, con
     while (i + run < len && (p + run) % P != 0 &&
            (pos ? pos[start + i + run] == p + run : true))
       ++run;
-    const float* src = keys ? kv.k_row(layer, pt, p, head) : kv.v_row(layer, pt, p, head);
-    std::memcpy(dst + i * D, src, sizeof(float) * size_t(run * D));
+    if (keys) kv.load_k(layer, pt, p, head, run, dst + i * D);
+    else kv.load_v(layer, pt, p, head, run, dst + i * D);
     i += run;
   }
 }

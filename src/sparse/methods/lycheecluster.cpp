@@ -114,7 +114,12 @@ void LycheeClusterMethod::sync(StepContext& c, LycheeClusterState& st) const {
   auto per_head = [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       ClusterIndex& ix = st.idx_[size_t(layer) * size_t(Hkv) + size_t(h)];
-      KeyFn key = [&, h](int64_t pos) { return c.kv->k_row(layer, *c.pt, pos, int(h)); };
+      // One key at a time (the index reads each before asking the next), widened to fp32.
+      std::vector<float> row(size_t(c.D));
+      KeyFn key = [&, h](int64_t pos) {
+        c.kv->load_k(layer, *c.pt, pos, int(h), 1, row.data());
+        return static_cast<const float*>(row.data());
+      };
       if (have == 0) {
         ix.build(c.D, key, st.chunk_starts().data(), avail, p_.index);
       } else {

@@ -121,7 +121,8 @@ void ld_group_weights(const StepContext& c, int head, float* w) {
   const int64_t L = c.L;
   float mx = -INFINITY;
   for (int64_t j = 0; j < L; ++j) {
-    const float* k = c.kv->k_row(c.layer, *c.pt, j, head);
+    float k[kLdMaxHeadDim];
+    c.kv->load_k(c.layer, *c.pt, j, head, 1, k);
     float s = 0.f;
     for (int d = 0; d < D; ++d) s += qbar[d] * k[d];
     w[j] = s * c.scale;

@@ -344,6 +344,8 @@ void TwilightMethod::prune(StepContext& c, Selection& sel) const {
     return;
   }
   if (prm_.keys == Keys::Int4) st.keys.sync(*c.kv, c.layer, *c.pt, L);  // no-op after on_append
+  SPADE_CHECK(prm_.keys == Keys::Int4 || D <= 512, "twilight: exact keys need head_dim <= 512 (got ",
+              D, ")");
   int64_t max_n = 1;
   for (int h = 0; h < Hkv; ++h) max_n = std::max(max_n, sel.count(h));
   float* w = SelectScratch::ensure(st.w, size_t(G + 1) * size_t(max_n));  // + the mean row
@@ -369,7 +371,8 @@ void TwilightMethod::prune(StepContext& c, Selection& sel) const {
         for (int g = 0; g < G; ++g)
           w[g * n + i] = c.scale * int4_dot(qh + g * D, qs[g], code, sc, z, D);
       } else {
-        const float* k = c.kv->k_row(c.layer, *c.pt, p, h);
+        float k[512];
+        c.kv->load_k(c.layer, *c.pt, p, h, 1, k);
         for (int g = 0; g < G; ++g) {
           float s = 0;
           for (int d = 0; d < D; ++d) s += qh[g * D + d] * k[d];
