@@ -9,6 +9,10 @@ FUZZ_SECONDS ?= 20
 # one), all (every supported GPU: the portable binary, several times longer to build), hopper,
 # or a CMake list such as "80-real;86-real".
 CUDA_ARCHS ?= auto
+# ON: compiler warnings are errors in the C++ builds (the g++ build, the clang ASan and fuzz
+# builds); CI (.ci/run) sets it, so a new warning of g++ or clang fails CI. Off for users: a newer
+# compiler's new warnings must not stop their build.
+WERROR ?= OFF
 
 .PHONY: deps build model run test test-cpu test-sanitize fuzz gpu-test clean
 
@@ -16,7 +20,8 @@ deps:
 	@bash scripts/install_deps.sh
 
 build: deps
-	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release "-DSPADE_CUDA_ARCHS=$(CUDA_ARCHS)" >/dev/null
+	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release "-DSPADE_CUDA_ARCHS=$(CUDA_ARCHS)" \
+	  -DSPADE_WERROR=$(WERROR) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
 
 model:
@@ -32,17 +37,18 @@ test: build model
 
 # The same CPU suite (unit tests, CLI runs, server e2e and soak) built with AddressSanitizer
 # (LeakSanitizer on) + UndefinedBehaviorSanitizer: clang, -O1, no CUDA, only the two targets
-# ctest runs. Any sanitizer report of any process fails it (scripts/run_sanitized_tests.sh).
+# ctest runs (so also CI's clang++ build of every CPU source, warning-free with WERROR=ON). Any
+# sanitizer report of any process fails it (scripts/run_sanitized_tests.sh).
 test-sanitize: deps model
 	@CC=clang CXX=clang++ cmake -S . -B $(BUILD)-asan -G Ninja -DSPADE_SANITIZE=ON \
-	  -DCMAKE_BUILD_TYPE=Sanitize >/dev/null
+	  -DCMAKE_BUILD_TYPE=Sanitize -DSPADE_WERROR=$(WERROR) >/dev/null
 	@cmake --build $(BUILD)-asan -j $(JOBS) --target spade spade_tests
 	@bash scripts/run_sanitized_tests.sh $(BUILD)-asan $(JOBS)
 
 # Each libFuzzer target runs FUZZ_SECONDS from its committed corpus.
 fuzz: deps
 	@CC=clang CXX=clang++ cmake -S . -B $(BUILD)-fuzz -G Ninja -DSPADE_FUZZ=ON \
-	  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSPADE_WERROR=$(WERROR) >/dev/null
 	@cmake --build $(BUILD)-fuzz -j $(JOBS)
 	@bash scripts/run_fuzzers.sh $(BUILD)-fuzz $(FUZZ_SECONDS)
 

@@ -5,6 +5,7 @@ set -euo pipefail
 PKGS=(
   cmake ninja-build g++ pkg-config   # build
   nlohmann-json3-dev                 # JSON: config.json, tokenizer.json, server, results
+  libcli11-dev                       # the CLI's option parser (tools/args.h; headers only)
   libgtest-dev                       # unit tests
   libpcre2-dev                       # tokenizer pre-split regexes (Unicode properties)
   libopenblas-dev                    # CPU sgemm for prefill (decode GEMV is our own)

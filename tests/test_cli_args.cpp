@@ -1,5 +1,5 @@
-// tools/args.h: the CLI's option parser (unknown options are errors, short or long; the
-// aliases llama.cpp users type), tools/sampling_args.h's ranges and tools/sparse_args.h's
+// tools/args.h: the CLI's option parsing by CLI11 (unknown options are errors, short or long;
+// the aliases llama.cpp users type), tools/sampling_args.h's ranges and tools/sparse_args.h's
 // sparse-method flags.
 #include <gtest/gtest.h>
 
@@ -64,6 +64,27 @@ TEST(CliArgs, UnknownOptionsAndStrayWordsAreErrors) {
   EXPECT_EQ(error_of({"-m", "M", "--", "-5"}).find("unknown option"), std::string::npos);
 }
 
+// What the hand-written parser did and CLI11 must keep: negative numbers are values, the last
+// of repeated values wins (all() keeps each), `--` ends options, a missing value and a value
+// given to a flag are errors naming the option.
+TEST(CliArgs, ValuesRepeatsAndEndOfOptions) {
+  Args a = parse({"--temperature", "-1", "--seed=7", "--seed", "9", "-n4", "--stats", "--", "-x",
+                  "--model"});
+  EXPECT_EQ(a.str("--temperature"), "-1");
+  EXPECT_EQ(a.integer("--seed", 0), 9);
+  EXPECT_EQ(a.all("--seed"), (std::vector<std::string>{"7", "9"}));
+  EXPECT_EQ(a.integer("-n", 0), 4);
+  EXPECT_TRUE(a.has("--stats"));
+  EXPECT_FALSE(a.has("--model"));
+  EXPECT_EQ(a.positional(), (std::vector<std::string>{"-x", "--model"}));
+  EXPECT_EQ(parse({"-h"}).has("--help"), true);
+  EXPECT_EQ(parse({"--prompt", ""}).str("--prompt", "def"), "");
+  EXPECT_NE(error_of({"--model"}).find("--model"), std::string::npos) << error_of({"--model"});
+  EXPECT_NE(error_of({"--stats=1"}).find("stats"), std::string::npos) << error_of({"--stats=1"});
+  EXPECT_NE(error_of({"--ctx=5"}).find("unknown option '--ctx'"), std::string::npos);
+  EXPECT_NE(error_of({"--seed", "x"}).find("--seed expects an integer"), std::string::npos);
+}
+
 TEST(CliArgs, SamplingRangesAreChecked) {
   EXPECT_NE(error_of({"--top-p", "2"}).find("--top-p must be in (0, 1]"), std::string::npos);
   EXPECT_NE(error_of({"--top-p", "0"}).find("--top-p"), std::string::npos);
@@ -82,7 +103,7 @@ TEST(CliArgs, SparseFlagsParseOnceIntoOneConfig) {
   auto sparse_of = [](std::vector<std::string> a) {
     Argv v(std::move(a));
     Args x(v.argc(), v.argv(), {"--sparse", "--budget", "--sparse-opt", "--sparse-config"}, {});
-    return sparse_from_args(x, v.argc(), v.argv());
+    return sparse_from_args(x);
   };
   const sparse::SparseConfig c = sparse_of({"--sparse", "quest:budget=64,page_size=16", "--budget",
                                             "32", "--sparse-opt", "page_size=32", "--sparse-opt",

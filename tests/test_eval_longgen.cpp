@@ -33,11 +33,15 @@ TEST(EvalLongGen, TopLogpKeepsTheMostLikelyTokensAndTheTailMass) {
   double kept = 0;
   for (size_t j = 0; j < t.ids.size(); ++j) {
     EXPECT_EQ(t.logp[j], lp[size_t(t.ids[j])]);
-    if (j) EXPECT_GE(t.logp[j - 1], t.logp[j]);
+    if (j) {
+      EXPECT_GE(t.logp[j - 1], t.logp[j]);
+    }
     kept += std::exp(double(t.logp[j]));
   }
   for (size_t i = 0; i < lp.size(); ++i)  // nothing outside is more likely than the last kept
-    if (std::find(t.ids.begin(), t.ids.end(), int32_t(i)) == t.ids.end()) EXPECT_LE(lp[i], t.logp.back());
+    if (std::find(t.ids.begin(), t.ids.end(), int32_t(i)) == t.ids.end()) {
+      EXPECT_LE(lp[i], t.logp.back());
+    }
   EXPECT_NEAR(t.tail + kept, 1.0, 1e-5);
   EXPECT_EQ(top_logp(lp, 4096).ids.size(), 500u);  // K past V: the whole row
   EXPECT_NEAR(top_logp(lp, 4096).tail, 0.0, 1e-5);

@@ -317,8 +317,9 @@ TEST(LycheeDecodePropagation, SetsFlowToTheSameHeadOfTheNextLayerAndSparseHeadsA
         const auto want = brute_select(hz.group_weights(src, h), r);
         EXPECT_EQ(got, want) << spec << " layer " << l << " head " << h << " from " << src;
         EXPECT_LT(got.size(), size_t(hz.L)) << spec;
-        if (!roles.is_retrieval(l - 1, h))  // passed on unchanged: nothing added or dropped
+        if (!roles.is_retrieval(l - 1, h)) {  // passed on unchanged: nothing added or dropped
           EXPECT_EQ(got, positions(sel[size_t(l - 1)], h)) << spec << " layer " << l;
+        }
         EXPECT_EQ(st.attended[size_t(l * hz.cfg.n_kv_heads + h)], int64_t(got.size()));
       }
     }

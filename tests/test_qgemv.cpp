@@ -187,8 +187,9 @@ TEST(QGemv, LevelsAndRows) {
   LevelGuard guard;
   EXPECT_EQ(set_simd_level(SimdLevel::Scalar), detected_simd_level());
   EXPECT_EQ(simd_level(), SimdLevel::Scalar);
-  if (detected_simd_level() != SimdLevel::Avx512)
+  if (detected_simd_level() != SimdLevel::Avx512) {
     EXPECT_THROW(set_simd_level(SimdLevel::Avx512), Error);
+  }
   std::printf("[qgemv] detected SIMD level: %s\n", simd_level_name(detected_simd_level()));
   // dequantize_row is dequantize of that row.
   std::mt19937 rng(3);

@@ -117,7 +117,9 @@ void expect_same_alone(Fixture& f, const EngineRequest& req) {
     EXPECT_EQ(s.metrics().kv_pages_used, 0);
   }
   // Every decode step after the first delivers its predecessor's token meanwhile.
-  if (host.completion_tokens >= 3) EXPECT_GE(overlapped_steps, uint64_t(host.completion_tokens - 2));
+  if (host.completion_tokens >= 3) {
+    EXPECT_GE(overlapped_steps, uint64_t(host.completion_tokens - 2));
+  }
   EXPECT_EQ(overlapped.tokens, host.tokens);
   EXPECT_EQ(overlapped.text, host.text);
   EXPECT_EQ(overlapped.reason, host.reason);

@@ -159,7 +159,9 @@ TEST(Scheduler, RunnerMethodsPerRequestShareSteps) {
     } else {  // (quest and tidal keep this 2-layer model's layers dense: density 1)
       EXPECT_GT(got[i].density, 0.0) << specs[i];
       EXPECT_LE(got[i].density, 1.0) << specs[i];
-      if (specs[i].rfind("streaming", 0) == 0) EXPECT_LT(got[i].density, 0.8) << specs[i];
+      if (specs[i].rfind("streaming", 0) == 0) {
+        EXPECT_LT(got[i].density, 0.8) << specs[i];
+      }
     }
   }
   // The runner was asked for each request's method (null: its own).
@@ -221,7 +223,9 @@ TEST(Scheduler, LargeBatchDeliversEveryRequestInParallel) {
     ASSERT_EQ(r.reason, FinishReason::Length) << i << ": " << r.error;
     ASSERT_EQ(r.tokens.size(), size_t(40 + i % 5)) << i;
     if (i % 3 != 2) expect_greedy(f.w, prompts[size_t(i)], r.tokens);
-    if (i % 3 == 1) EXPECT_EQ(r.logprobs.size(), r.tokens.size()) << i;
+    if (i % 3 == 1) {
+      EXPECT_EQ(r.logprobs.size(), r.tokens.size()) << i;
+    }
   }
   // A seeded sampled request alone gives the same tokens as inside the large batch.
   for (int i : {2, 5, 47}) {

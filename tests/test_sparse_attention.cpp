@@ -107,15 +107,16 @@ TEST(SparseAttention, PerHeadAndSharedSelectionsEqualNaiveSoftmaxOverTheSelected
       auto ref = naive(c, layer, h, q.data() + hq * D, per[size_t(h)], &lg);
       for (int e = 0; e < D; ++e)
         EXPECT_NEAR(out[size_t(hq * D + e)], ref[size_t(e)], 2e-5) << "trial " << trial << " head " << hq;
-      if (trial >= 2)
+      if (trial >= 2) {
         for (size_t j = 0; j < lg.size(); ++j)
           EXPECT_NEAR(logits[hq * per[0].size() + j], lg[j], 2e-5);
+      }
     }
   }
 }
 
 TEST(SparseAttention, DenseSelectionIsBitIdenticalToDenseDecodeAttention) {
-  const int Hkv = 3, G = 3, Hq = 9, D = 64;
+  const int Hkv = 3, Hq = 9, D = 64;  // G = 3
   for (int64_t L : {1, 15, 16, 17, 300}) {
     Cache c(1, Hkv, D, 16, L, uint32_t(20 + L));
     auto q = test::random_vec(size_t(Hq * D), 21);

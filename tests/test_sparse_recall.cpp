@@ -170,7 +170,9 @@ TEST(SparseRecall, OracleTopKBoundsEveryMethodOnRealSmolLM2Attention) {
       }
       std::printf("  budget %4lld  %-12s mean recall %.4f (layers 8 and 20, %d queries)\n",
                   (long long)K, SparseConfig::parse_spec(specs[m]).method.c_str(), mean, r.nq);
-      if (m > 0) EXPECT_LT(mean, 1.0) << specs[m];
+      if (m > 0) {
+        EXPECT_LT(mean, 1.0) << specs[m];
+      }
     }
   }
 }

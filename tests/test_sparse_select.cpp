@@ -386,7 +386,9 @@ TEST(SparseOracle, TopPIsTheSmallestPrefixReachingP) {
             << group << " layer " << l << " head " << h;
         for (int g = 0; g < 3; ++g) {
           const float rec = r.stats.recall[size_t(l * 6 + h * 3 + g)];
-          if (std::string(group) == "union") EXPECT_GE(rec, 0.8f - 1e-5f);
+          if (std::string(group) == "union") {
+            EXPECT_GE(rec, 0.8f - 1e-5f);
+          }
         }
       }
   }
@@ -407,7 +409,9 @@ TEST(SparseMethods, BudgetAtLeastTheContextIsFullAttentionEverywhere) {
       }
       EXPECT_TRUE(r.sel[size_t(l)].dense()) << spec << " layer " << l;
     }
-    if (std::string(spec).rfind("oracle-topp", 0) != 0) EXPECT_EQ(r.stats.density(), 1.0) << spec;
+    if (std::string(spec).rfind("oracle-topp", 0) != 0) {
+      EXPECT_EQ(r.stats.density(), 1.0) << spec;
+    }
   }
 }
 
@@ -439,7 +443,9 @@ TEST(SparseStats, RecallAndDensityEqualBruteForce) {
   }
   // Per layer and KV head, the oracle maximizes group recall among sets of <= K tokens.
   for (auto& [m, rec] : mean_recall)
-    if (m != "oracle-topk") EXPECT_LE(rec, mean_recall["oracle-topk"] + 1e-6) << m;
+    if (m != "oracle-topk") {
+      EXPECT_LE(rec, mean_recall["oracle-topk"] + 1e-6) << m;
+    }
 }
 
 TEST(SparseConfigErrors, UnknownMethodAndOptionListTheValidOnes) {

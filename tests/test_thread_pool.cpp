@@ -112,7 +112,9 @@ TEST(ThreadPool, BlasComputesOnTheCallingThreadOnly) {
   ASSERT_TRUE(spade::blas_single_threaded());
   EXPECT_EQ(get(), 1);
   // OpenBLAS's own workers (blas_before - 1 of them, none if it was already single) are gone.
-  if (before > 0) EXPECT_EQ(process_threads(), before - (blas_before - 1));
+  if (before > 0) {
+    EXPECT_EQ(process_threads(), before - (blas_before - 1));
+  }
 }
 
 TEST(ThreadPool, StartsAndStopsBeforeItsWorkersRun) {

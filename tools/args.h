@@ -1,14 +1,18 @@
-// Minimal option parser for the CLI: `--name value`, `--name=value`, boolean `--flag`,
-// positionals, and `--` ending options. Unknown options are errors, short or long, so a typo
-// is never silently ignored: each command declares what it accepts. The short and alternate
-// spellings llama.cpp users type (-m, -p, -t, --temp) stand for their long options wherever
-// a command declares those.
+// The CLI's option parsing, by CLI11 (Debian libcli11-dev, header-only): `--name value`,
+// `--name=value`, `-n 4` / `-n4`, boolean `--flag`, positionals, and `--` ending options.
+// Unknown options are errors, short or long, so a typo is never silently ignored: each command
+// declares what it accepts. The short and alternate spellings llama.cpp users type (-m, -p, -t,
+// -c, --temp, -h) stand for their long options wherever a command declares those. Each
+// command prints its own --help text (tools/cmd_*.cpp), so CLI11's generated help is off.
+// Values are read as typed and checked by the command (integer(), number(), the range checks of
+// sampling_args.h), so every error names the option.
 #pragma once
-#include <cctype>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
 
 #include "core/error.h"
 
@@ -16,62 +20,56 @@ namespace spade::cli {
 
 class Args {
  public:
-  // `with_value`: options taking a value; `flags`: boolean options.
+  // `with_value`: options taking a value; `flags`: boolean options. Names are spelled as typed:
+  // "--model", or a one-letter short option such as "-n".
   Args(int argc, char** argv, std::set<std::string> with_value, std::set<std::string> flags) {
     static const std::map<std::string, std::string> kAliases = {
-        {"-m", "--model"}, {"-p", "--prompt"}, {"-t", "--threads"}, {"--temp", "--temperature"},
-        {"-c", "--ctx-size"}};
+        {"-m", "--model"}, {"-p", "--prompt"},  {"-t", "--threads"}, {"--temp", "--temperature"},
+        {"-c", "--ctx-size"}, {"-h", "--help"}};
+    std::map<std::string, std::string> spelling;  // option name -> CLI11 name list ("-m,--model")
+    for (const auto& n : with_value) spelling[n] = n;
+    for (const auto& n : flags) spelling[n] = n;
     for (const auto& [alias, name] : kAliases) {
-      if (with_value.count(alias) || flags.count(alias)) continue;  // the command's own meaning
-      if (with_value.count(name)) with_value.insert(alias), alias_[alias] = name;
-      if (flags.count(name)) flags.insert(alias), alias_[alias] = name;
+      if (spelling.count(alias) || !spelling.count(name)) continue;  // the command's own meaning
+      spelling[name] = alias + "," + spelling[name];
     }
-    bool only_pos = false;
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      // Options start with "--"; single-dash names count only when declared (e.g. "-n").
-      const bool declared_short = a.size() >= 2 && a[0] == '-' && a[1] != '-' &&
-                                  (flags.count(a) || with_value.count(a));
-      // "-x" that is not declared: an unknown option (a negative number stays a positional).
-      const bool negative_number = a.size() >= 2 && a[0] == '-' &&
-                                   (std::isdigit(static_cast<unsigned char>(a[1])) || a[1] == '.');
-      if (!only_pos && a.size() >= 2 && a[0] == '-' && a[1] != '-' && !declared_short &&
-          !negative_number)
-        fail("unknown option '", a, "' (see --help)");
-      if (only_pos || a.size() < 2 || a[0] != '-' || (a[1] != '-' && !declared_short)) {
-        positional_.push_back(a);
-        continue;
-      }
-      if (a == "--") {
-        only_pos = true;
-        continue;
-      }
-      std::string name = a, value;
-      bool has_eq = false;
-      if (auto eq = a.find('='); eq != std::string::npos) {
-        name = a.substr(0, eq);
-        value = a.substr(eq + 1);
-        has_eq = true;
-      }
-      if (auto al = alias_.find(name); al != alias_.end()) name = al->second;
-      if (flags.count(name)) {
-        SPADE_CHECK(!has_eq, "option ", name, " takes no value");
-        values_[name] = "1";
-      } else if (with_value.count(name)) {
-        if (!has_eq) {
-          SPADE_CHECK(i + 1 < argc, "option ", name, " needs a value");
-          value = argv[++i];
-        }
-        values_[name] = value;
-      } else {
-        fail("unknown option '", name, "' (see --help)");
-      }
+    CLI::App app;
+    app.set_help_flag();  // --help is a flag like any other: the command prints its own text
+    app.allow_extras();   // unknown options are reported below, in our words
+    std::vector<std::pair<std::string, CLI::Option*>> opts;
+    for (const auto& n : with_value) {
+      CLI::Option* o = app.add_option(spelling[n]);
+      // Every occurrence is kept (str() reads the last one, all() every one).
+      o->type_name("VALUE")->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+      opts.emplace_back(n, o);
+    }
+    for (const auto& n : flags) opts.emplace_back(n, app.add_flag(spelling[n])->disable_flag_override());
+    app.add_option("args", positional_);
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      fail("option ", e.what(), " (see --help)");
+    }
+    for (const std::string& x : app.remaining()) {
+      if (x == "--") continue;  // CLI11 lists the end-of-options mark among the extras
+      fail("unknown option '", x.substr(0, x.find('=')), "' (see --help)");
+    }
+    for (const auto& [n, o] : opts) {
+      if (o->count() == 0) continue;
+      if (flags.count(n)) values_[n] = {"1"};
+      else values_[n] = o->results();
     }
   }
   bool has(const std::string& n) const { return values_.count(n) > 0; }
+  // The option's value (the last one when given several times), or `def`.
   std::string str(const std::string& n, const std::string& def = "") const {
     auto it = values_.find(n);
-    return it == values_.end() ? def : it->second;
+    return it == values_.end() || it->second.empty() ? def : it->second.back();
+  }
+  // Every value of a repeatable option, in command-line order.
+  std::vector<std::string> all(const std::string& n) const {
+    auto it = values_.find(n);
+    return it == values_.end() ? std::vector<std::string>{} : it->second;
   }
   long long integer(const std::string& n, long long def) const {
     if (!has(n)) return def;
@@ -103,8 +101,7 @@ class Args {
   }
 
  private:
-  std::map<std::string, std::string> alias_;  // short / alternate spelling -> option name
-  std::map<std::string, std::string> values_;
+  std::map<std::string, std::vector<std::string>> values_;
   std::vector<std::string> positional_;
 };
 

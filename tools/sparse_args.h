@@ -13,19 +13,7 @@
 
 namespace spade::cli {
 
-// Every value of a repeatable option (Args keeps only the last one).
-inline std::vector<std::string> all_values(int argc, char** argv, const std::string& name) {
-  std::vector<std::string> out;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--") break;
-    if (a == name && i + 1 < argc) out.push_back(argv[++i]);
-    else if (a.rfind(name + "=", 0) == 0) out.push_back(a.substr(name.size() + 1));
-  }
-  return out;
-}
-
-inline sparse::SparseConfig sparse_from_args(const Args& a, int argc, char** argv) {
+inline sparse::SparseConfig sparse_from_args(const Args& a) {
   sparse::SparseConfig sc;
   if (a.has("--sparse-config")) sc.merge_json_file(a.str("--sparse-config"));
   if (a.has("--sparse")) {
@@ -34,7 +22,7 @@ inline sparse::SparseConfig sparse_from_args(const Args& a, int argc, char** arg
     for (const auto& [k, v] : s.options) sc.options[k] = v;
   }
   if (a.has("--budget")) sc.set("budget", std::to_string(a.integer("--budget", 0)));
-  for (const std::string& o : all_values(argc, argv, "--sparse-opt")) sc.set_options(o);
+  for (const std::string& o : a.all("--sparse-opt")) sc.set_options(o);
   sparse::find_method(sc.method);  // unknown names fail before the model loads
   return sc;
 }

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Builds .deps-cuda/ (git-ignored via .git/info/exclude) from this machine's Debian packages:
 # the project's C++ dependencies that the GPU image lacks, small enough to carry to the
-# device (7 MB): gtest, nlohmann_json, pcre2, zlib, the Boost headers the HTTP server uses
-# (Beast + Asio and what they include, cut out by bcp: 21 MB, carried as a 2 MB tarball that
-# bench/run_gpu.sh unpacks), and a cblas shim (OpenBLAS itself is 35 MB; the shim only serves
-# the CPU reference in the gpu tests). Needs Debian's libboost-dev and libboost-tools-dev (bcp).
+# device (7 MB): gtest, nlohmann_json, CLI11 (headers), pcre2, zlib, the Boost headers the HTTP
+# server uses (Beast + Asio and what they include, cut out by bcp: 21 MB, carried as a 2 MB
+# tarball that bench/run_gpu.sh unpacks), and a cblas shim (OpenBLAS itself is 35 MB; the shim
+# only serves the CPU reference in the gpu tests). Needs Debian's libboost-dev, libboost-tools-dev
+# (bcp) and libcli11-dev.
 # Then:  run(command="bash bench/run_gpu.sh all", carry=[".deps-cuda"])
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qs '^/.deps-cuda/$' .git/info/exclude || echo /.deps-cuda/ >> .git/info/exclude
 D=.deps-cuda; S=bench/gpu_deps; L=/usr/lib/x86_64-linux-gnu
 rm -rf $D && mkdir -p $D/include $D/lib/pkgconfig $D/share/cmake $D/src $D/tools
-cp -r /usr/include/gtest /usr/include/nlohmann /usr/include/pcre2.h /usr/include/zlib.h /usr/include/zconf.h $D/include/
+cp -r /usr/include/gtest /usr/include/nlohmann /usr/include/CLI /usr/include/pcre2.h /usr/include/zlib.h /usr/include/zconf.h $D/include/
 cp $S/cblas.h $D/include/ && cp $S/cblas_shim.c $D/src/ && cp $S/pkg-config $D/tools/
 cp $L/libgtest.a $L/libgtest_main.a $L/libpcre2-8.a $L/libz.a $D/lib/
 command -v bcp >/dev/null || { echo "make_deps: bcp missing (apt-get install libboost-tools-dev)"; exit 1; }

@@ -1,7 +1,7 @@
 // CUDA paged attention (decode split-KV and chunked causal prefill) vs the CPU reference
 // cpu::attention_dense over the same pages: odd lengths, page boundaries, mixed batches,
 // shuffled page ids, forced split counts. K/V/Q are bf16-rounded on both sides. Every case
-// runs each decode kernel (v2, auto, every v3/v4 variant) or each prefill kernel (wgmma 2- and
+// runs each decode kernel (v2, auto, every v3 variant) or each prefill kernel (wgmma 2- and
 // 3-stage, mma.sync) on the same inputs, twice (the split counters must be back at 0).
 #include <algorithm>
 #include <numeric>
@@ -209,7 +209,9 @@ TEST(CudaAttention, AutoDrawsChunksOnlyWherePlanned) {
   plan(8, 17000);
   EXPECT_FALSE(ws.draws_chunks());
   const int ns_static = ws.n_split();
-  if (ns_static < 8 && 8 * Hkv <= slots4) EXPECT_EQ(ns_drawn, 2 * ns_static);
+  if (ns_static < 8 && 8 * Hkv <= slots4) {
+    EXPECT_EQ(ns_drawn, 2 * ns_static);
+  }
   ws.set_blasst_decode(false);
   plan(1, 8192);  // 512 chunks: too few per warp
   EXPECT_FALSE(ws.draws_chunks());

@@ -105,7 +105,9 @@ void check(int D) {
     for (size_t i = 0; i + 1 < pc.size(); i += 2) ptiles += pc[i], pskipped += pc[i + 1];
     if (!m.blasst_prefill_active() || exact) EXPECT_EQ(ptiles, 0u);
     else EXPECT_GT(ptiles, 0u) << "prefill=1: the prefill kernel counts its tiles";
-    if (!skips) EXPECT_EQ(pskipped, 0u);
+    if (!skips) {
+      EXPECT_EQ(pskipped, 0u);
+    }
     std::printf("[ blasst model ] D=%d %s: worst logits rel err vs dense %.3g, decode tiles "
                 "skipped %llu/%llu, prefill %llu/%llu (prefill skipping %s)\n",
                 D, spec, worst, (unsigned long long)skipped, (unsigned long long)tiles,

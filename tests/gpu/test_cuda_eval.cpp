@@ -73,7 +73,9 @@ int compare_full(const ModelWeights& w, CudaDecoder& gpu, SharedPrefill& cpu,
     const size_t i = std::min(div, margin.size() - 1);
     std::printf("[ eval ] %s: greedy diverges at %zu, CPU top-2 margin %.4f\n", what, div,
                 margin[i]);
-    if (strict) EXPECT_LT(margin[i], kNearTie) << what << ": divergence at a clear CPU argmax";
+    if (strict) {
+      EXPECT_LT(margin[i], kNearTie) << what << ": divergence at a clear CPU argmax";
+    }
   }
   // Teacher forced along the CPU's tokens: per-step logits.
   std::vector<std::vector<float>> lc;
@@ -179,7 +181,9 @@ TEST(CudaEval, SmolLM2TaskPromptsMatchCpuPath) {
       const DecodeResult own_full = runner.decode_full(m, opt);
       EXPECT_EQ(own_full.gpu, r.gpu);
       EXPECT_EQ(r.tokens, own_full.tokens) << task << " " << runs[m].label;
-      if (r.gpu) EXPECT_EQ(r.tokens, ref.tokens) << task << " " << runs[m].label;
+      if (r.gpu) {
+        EXPECT_EQ(r.tokens, ref.tokens) << task << " " << runs[m].label;
+      }
     }
   }
 }

@@ -96,7 +96,9 @@ class TracingCluster final : public sparse::SparseMethod {
         for (int32_t u = starts[size_t(ch)]; u < starts[size_t(ch) + 1]; ++u)
           ASSERT_TRUE(gm.count(u)) << "chunk " << ch << " taken in part";
       }
-      if (!p_.budget_total) EXPECT_LE(int64_t(gm.size()), p_.budget);
+      if (!p_.budget_total) {
+        EXPECT_LE(int64_t(gm.size()), p_.budget);
+      }
       size_t inter = 0;
       for (int32_t t : gm) inter += cm.count(t);
       const size_t uni = gm.size() + cm.size() - inter;
@@ -180,7 +182,9 @@ void compare_model(int D, const std::string& spec, int na, int nb, int steps, bo
   EXPECT_GT(method->rows, 0);
   EXPECT_GE(jac, kMinJaccard);
   EXPECT_GT(st->stats().inserted_chunks, 0) << "no lazy update happened";
-  if (expect_dense) EXPECT_GT(method->dense_rows, 0);
+  if (expect_dense) {
+    EXPECT_GT(method->dense_rows, 0);
+  }
   gpu.release(pg[0]);
   gpu.release(pg[1]);
 }

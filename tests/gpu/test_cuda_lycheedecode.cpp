@@ -458,7 +458,9 @@ TEST(CudaLycheeDecode, CacheCorrectionRewritesTheDecodedKVDensely) {
         if (mode == 1) corrections += cc.after_decode(dense, pt, fed[size_t(i)]);
       }
       EXPECT_EQ(corrections, mode == 1 ? 1 : 0);
-      if (mode == 3) EXPECT_EQ(corrections, 0);
+      if (mode == 3) {
+        EXPECT_EQ(corrections, 0);
+      }
     }
     EXPECT_EQ(pt.length, int64_t(prompt.size()) + N);
     std::vector<float> lg = m.forward({{&pt, &fed[size_t(N)], 2, false}}, rows);  // dense: reads all

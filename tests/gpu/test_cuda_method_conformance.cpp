@@ -205,14 +205,19 @@ TEST_P(CudaMethodConformance, AgreesWithTheCpuAndReturnsItsPages) {
         for (size_t j = 0; j < v.size(); ++j) {
           ASSERT_GE(v[j], 0) << "layer " << l << " list " << i;
           ASSERT_LT(v[j], bound) << "layer " << l << " list " << i;
-          if (j) ASSERT_LT(v[j - 1], v[j]) << "layer " << l << " list " << i << ": not ascending";
+          if (j) {
+            ASSERT_LT(v[j - 1], v[j]) << "layer " << l << " list " << i << ": not ascending";
+          }
         }
-        if (budget > 0 && base != "lycheecluster")  // lycheecluster adds its un-indexed tail
+        if (budget > 0 && base != "lycheecluster") {  // lycheecluster adds its un-indexed tail
           EXPECT_LE(int64_t(v.size()), pages ? budget / 16 : budget) << "layer " << l << " list " << i;
+        }
       }
     }
   }
-  if (opt.sparse.selects() && !length_only) EXPECT_GT(lists_seen, 0) << "no selection traced";
+  if (opt.sparse.selects() && !length_only) {
+    EXPECT_GT(lists_seen, 0) << "no selection traced";
+  }
   // Decode rows counted per request: full reads NL * Hkv * L per step.
   for (int r = 0; r < 2; ++r) {
     ASSERT_NE(st[r], nullptr);

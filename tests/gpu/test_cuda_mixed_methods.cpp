@@ -160,7 +160,9 @@ TEST(CudaMixedMethods, EveryMethodInOneBatchMatchesItsOneMethodModel) {
       EXPECT_LT(e, dense ? kTolDense : kTolSelect) << specs()[k] << ": step " << step + 1;
       const int32_t a = argmax(row.data(), c.vocab), b = argmax(want.data(), c.vocab);
       argmax_equal[k] += a == b;
-      if (a != b) EXPECT_LT(top2_margin(want.data(), c.vocab), kMargin) << specs()[k];
+      if (a != b) {
+        EXPECT_LT(top2_margin(want.data(), c.vocab), kMargin) << specs()[k];
+      }
     }
   }
   EXPECT_GT(gpu.graphs_captured(), graphs_before);  // mixed decode steps replay graphs

@@ -152,7 +152,9 @@ TEST(CudaScheduler, BatchedGreedyAgreesWithTheCpuSchedulerAndReturnsEveryPage) {
   for (size_t i = 0; i < prompts.size(); ++i) {
     ASSERT_EQ(got[i].size(), size_t(N)) << i;
     identical += got[i] == want[i];
-    if (margin[i] > 0.05f) EXPECT_EQ(got[i][0], want[i][0]) << "request " << i << " margin " << margin[i];
+    if (margin[i] > 0.05f) {
+      EXPECT_EQ(got[i][0], want[i][0]) << "request " << i << " margin " << margin[i];
+    }
   }
   std::printf("[ sched ] GPU scheduler vs CPU scheduler: %d of %zu requests identical over %d tokens\n",
               identical, prompts.size(), N);

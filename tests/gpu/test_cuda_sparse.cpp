@@ -193,7 +193,9 @@ void run_attn_case(const AttnCase& c, uint32_t seed) {
       auto got = from_bf16(dout.download());
       const double e = rel_err(got, ref);
       EXPECT_LT(e, kTolAttn) << "items=" << sa.n_items() << " max_split=" << sa.max_split_used();
-      if (fs == 0) EXPECT_GE(sa.max_split_used(), c.min_split_used);
+      if (fs == 0) {
+        EXPECT_GE(sa.max_split_used(), c.min_split_used);
+      }
       if (rep == 0) {
         dout2.poison();
         sa.run(dq.p, dk.p, dv.p, dsoff.p, dsidx.p, dout2.p, scale, 0, 0, nullptr, 0, {}, dscnt.p);
