@@ -367,6 +367,47 @@ int CudaModel::method_of(const SeqInput& s) const {
   return g->method;
 }
 
+void CudaModel::route_prefill_rows(const std::vector<SeqInput>& batch) {
+  auto decodes = [](const SeqInput& s) { return s.n_tokens == 1 && !s.dense; };
+  // A row moves when its method attends sparsely, has a decode row in this step, and attends
+  // this row plainly densely (BLASST's prefill skipping keeps its prefill rows; a cache
+  // correction chunk is dense by definition).
+  auto plain = [](const CudaSparse& sp) {
+    return sp.method == CudaSparse::Method::None && !sp.blasst_any();
+  };
+  method_decodes_.assign(methods_.size(), 0);
+  bool mixed = false;
+  for (size_t i = 0; i < batch.size(); ++i)
+    if (decodes(batch[i])) method_decodes_[size_t(method_of_seq_[i])] = 1;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const GpuMethod& m = *methods_[size_t(method_of_seq_[i])];
+    mixed = mixed || (!decodes(batch[i]) && method_decodes_[size_t(method_of_seq_[i])] &&
+                      !plain(m.spec()) && (batch[i].dense || !m.blasst_prefill_active()));
+  }
+  if (!mixed) return;
+  if (dense_method_ < 0 || size_t(dense_method_) >= methods_.size() || !methods_[size_t(dense_method_)] ||
+      !plain(methods_[size_t(dense_method_)]->spec())) {
+    dense_method_ = -1;
+    for (size_t i = 0; i < methods_.size() && dense_method_ < 0; ++i)
+      if (methods_[i] && plain(methods_[i]->spec())) dense_method_ = int(i);
+    if (dense_method_ < 0) {
+      const sparse::SparseConfig full = sparse::SparseConfig::parse_spec("full");
+      try {
+        dense_method_ = add_method(full.to_string(), cuda_sparse_config(full, cfg_, opt_.page_size));
+      } catch (const Error&) {
+        return;  // every method slot is busy: the groups stay as they are (dense mixed steps)
+      }
+    }
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const int id = method_of_seq_[i];
+    const GpuMethod& m = *methods_[size_t(id)];
+    if (!decodes(batch[i]) && method_decodes_[size_t(id)] && !plain(m.spec()) &&
+        (batch[i].dense || !m.blasst_prefill_active()))
+      method_of_seq_[i] = dense_method_;
+  }
+}
+
 std::vector<uint64_t> CudaModel::blasst_counts(bool prefill) const {
   return methods_[0]->blasst_counts(prefill);
 }
@@ -406,6 +447,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
   int64_t T = 0, R = 0;
   method_of_seq_.resize(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) method_of_seq_[i] = method_of(batch[i]);
+  route_prefill_rows(batch);
   for (const SeqInput& s : batch) {
     SPADE_CHECK(s.n_tokens > 0 && s.pages, "forward: empty sequence input");
     SPADE_CHECK(!s.attention, "CUDA forward: custom attention functions are CPU-only");

@@ -185,6 +185,12 @@ class CudaModel {
   void launch(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void drop_graphs();
   int method_of(const SeqInput& s) const;  // its device_state's method id (0 without one)
+  // Rows that prefill (or correct the cache) densely, of a method that also decodes rows in
+  // this step, to the model's full-attention method (method_of_seq_), so that the method's
+  // decode rows stay sparse: a group is sparse only when all its rows decode (GpuMethod::plan),
+  // and the CPU decides per request.
+  void route_prefill_rows(const std::vector<SeqInput>& batch);
+  int dense_method_ = -1;                    // full attention's method id, once added
   GpuMethodContext method_context() const;
   // Elements of one layer's K (or V) cache: [pages][Hkv][page_size][D] bf16.
   size_t kv_layer_elems() const {
@@ -205,6 +211,7 @@ class CudaModel {
   std::vector<int> order_, method_of_seq_;   // step order -> batch index; batch index -> method
   std::vector<int64_t> tok_start_;           // batch index -> first token row
   std::vector<int> method_count_;            // the counting sort's buckets
+  std::vector<uint8_t> method_decodes_;      // route_prefill_rows: methods with a decode row
   std::vector<size_t> pages_before_;         // reserve(): each sequence's pages before the step
   std::vector<SeqInput> group_inputs_;       // the step's SeqInputs in step order
   std::vector<cuda::AttnSeq> aseq_;
