@@ -6,7 +6,7 @@
 // rotation that consecutive calls never hit L2 (>= 4x the 50 MB L2 in total). Timing: CUDA
 // events around a batch of calls cycling through the caches, 30 batches, median per call.
 // Prefill: FLOPs counted as 4*Hq*D*sum_t(t+1) (causal, QK^T and PV), median of 15.
-// Every decode kernel (v2, auto and the v3/v4 variants; argv[3] = "kernel[:split policy],..."
+// Every decode kernel (v2, auto and the v3 variants; argv[3] = "kernel[:split policy],..."
 // to pick, policy 1 = exact waves, reported as "<name>/x") and
 // both prefill kernels (wgmma, mma.sync) run on the same inputs in the same process.
 //

@@ -7,7 +7,8 @@
 #           in bench/run_gpu.sh for the benches)
 #   device: run(command="MODE=... COMMIT=<sha> bash bench/run_gpu_decode_dyn_ab.sh",
 #               carry=[".prebuilt-dyn", ".deps-cuda"])
-# MODE=variants: bench_attention decode over kernels $KERNELS (default 1,2,6,3,7) twice in
+# MODE=variants: bench_attention decode over kernels $KERNELS (default 1,2,4,3,5: auto,
+#   v3_w4s3, v3d_w4s3, v3_w8s3, v3d_w8s3; before the v4 variants left src/: 1,2,6,3,7) twice in
 #   opposite orders (decode_r{1,2}.jsonl); MODE=auto: auto with SPADE_DETERMINISTIC=1 / 0, pages
 #   shuffled (twice) and in id order (once) (decode_{det,dyn}_*.jsonl); both then PyTorch SDPA
 #   once (sdpa.jsonl) and a table. MODE=tests: the whole gpu suite but SmolLM2's tests
@@ -97,7 +98,7 @@ sweep)
 variants|auto|steal|sweep)
   if [ $mode = steal ] || [ $mode = sweep ]; then :
   elif [ $mode = variants ]; then
-    K1=${KERNELS:-1,2,6,3,7}
+    K1=${KERNELS:-1,2,4,3,5}
     K2=$(echo "$K1" | tr ',' '\n' | tac | paste -sd,)
     timeout 200 $BA decode "$OUT/decode_r1.jsonl" "$K1" 2>&1 | tail -1
     timeout 200 $BA decode "$OUT/decode_r2.jsonl" "$K2" 2>&1 | tail -1

@@ -21,7 +21,7 @@ struct Tuning {
   bool pdl = true;                 // SPADE_PDL=0: no programmatic dependent launch
   bool gemv_rotate = true;         // SPADE_GEMV_ROTATE=0: the decode GEMV without its row rotation
   bool prefill_tma = true;         // SPADE_PREFILL_TMA=0: prefill K/V tiles by cp.async, not TMA
-  bool tma = true;                 // SPADE_TMA=0: no TMA load anywhere (prefill, v4 decode twins)
+  bool tma = true;                 // SPADE_TMA=0: no TMA load anywhere (the prefill's)
   int attn_decode = -1;            // SPADE_ATTN_DECODE: decode attention variant, >= 0
   int attn_prefill = -1;           // SPADE_ATTN_PREFILL: prefill kernel, 0 (generic) .. 2
   int twilight_est_tiles = -1;     // SPADE_TWL_EST_TPW: Twilight estimate tiles per warp, >= 1

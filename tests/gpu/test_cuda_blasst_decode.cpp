@@ -277,7 +277,7 @@ TEST(CudaBlasstDecode, LlamaShapeEveryVariantAndSplits) {
       run_case(c, kern, 0, {0.3, 0.8}, 11);
   // Forced splits: every split has its own running maxima (the 4-warp 3-stage ring, or the
   // 2-stage one where 101 KB of shared memory per block is too much).
-  run_case(c, cuda::AttentionWorkspace::decode_kernel_fits(2, 128) ? 2 : 8, 7, {0.5}, 12);
+  run_case(c, cuda::AttentionWorkspace::decode_kernel_fits(2, 128) ? 2 : 6, 7, {0.5}, 12);
 }
 
 TEST(CudaBlasstDecode, OddPagesMhaAndHeadDim64) {
@@ -291,7 +291,7 @@ TEST(CudaBlasstDecode, PeakedScoresSkipMost) {
   SKIP_WITHOUT_GPU();
   // q x 4: a few keys dominate, so most tiles fall far below the running max.
   run_case({32, 8, 128, 16, {8192, 12000}, 4.f},
-           cuda::AttentionWorkspace::decode_kernel_fits(2, 128) ? 2 : 8, 1, {0.9}, 31);
+           cuda::AttentionWorkspace::decode_kernel_fits(2, 128) ? 2 : 6, 1, {0.9}, 31);
 }
 
 TEST(CudaBlasstDecode, LambdaOverLength) {

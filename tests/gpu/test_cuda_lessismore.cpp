@@ -169,7 +169,7 @@ TEST(CudaLessIsMore, PerHeadScoresMatchCpu) {
     if (cuda::AttentionWorkspace::decode_kernel_fits(kern, 128))
       check_head_scores(32, 8, 128, 16, {1, 17, 1000, 5000}, kern, 0, 1);
   check_head_scores(32, 8, 128, 16, {3000, 40},  // forced splits, a 4-warp ring that fits
-                    cuda::AttentionWorkspace::decode_kernel_fits(2, 128) ? 2 : 8, 9, 2);
+                    cuda::AttentionWorkspace::decode_kernel_fits(2, 128) ? 2 : 6, 9, 2);
   check_head_scores(16, 1, 128, 32, {700}, 1, 0, 3);       // G = 16 (rows 8..15 too)
   check_head_scores(9, 3, 64, 7, {450, 33}, 1, 0, 4);      // SmolLM2's heads, odd pages
 }

@@ -482,7 +482,7 @@ int env_decode_kernel() {
 
 }  // namespace
 
-// Tensor maps of the K/V caches for the TMA decode variants, keyed by base pointer (one per
+// Tensor maps of the K/V caches for the wgmma prefill's TMA loads, keyed by base pointer (one per
 // layer and cache; encoded once, on the host).
 struct AttentionWorkspace::TensorMaps {
   std::vector<std::pair<const void*, CUtensorMap>> maps;
@@ -574,7 +574,7 @@ AttentionWorkspace::AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim
   tickets_ = arena.alloc_n<int>(n_tickets, "attention chunk tickets");
   SPADE_CUDA(cudaMemset(tickets_, 0, sizeof(int) * n_tickets));
   tmaps_ = std::make_unique<TensorMaps>();
-  {  // TMA decode needs Hopper or newer, pages of whole 16-row boxes and a driver that
+  {  // TMA loads need Hopper or newer, pages of whole 16-row boxes and a driver that
      // encodes tensor maps
     CUtensorMap probe;
     tma_ok_ = cc_major() >= 9 && tuning().tma && P % 16 == 0 &&
@@ -721,12 +721,7 @@ void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_c
   }
   dim3 grid(n_items_, Hkv_);
   if (decode_ && variant_ > 0) {
-    const CUtensorMap *tmk = nullptr, *tmv = nullptr;
-    if (tma_ok_ && decode_v3_variant(variant_).tma && !skip.active() && !scores) {
-      tmk = tmaps_->get(k_cache, D_);
-      tmv = tmaps_->get(v_cache, D_);
-    }
-    launch_decode_v3(D_, variant_, a, dim3(Hkv_, n_items_), s, tmk, tmv);
+    launch_decode_v3(D_, variant_, a, dim3(Hkv_, n_items_), s);
   } else if (decode_) {
     // (set_decode_kernel refused v2 where its shared memory does not fit.)
     if (D_ == 64)

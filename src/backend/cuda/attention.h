@@ -8,8 +8,9 @@
 // generic mma.sync kernel (attention.cu; D = 64, other devices, v2 reference).
 // Decode kernels: v3 (attention_decode.cu, default): per-warp cp.async rings, split combine
 // fused into the last CTA; v2 (the generic kernel of attention.cu in decode mode, kept for
-// comparison): selectable with set_decode_kernel (0 = v2, 1 = auto (default), 2.. = v3/v4
-// variants) or the environment variable SPADE_ATTN_DECODE=<index> read at construction.
+// comparison): selectable with set_decode_kernel (0 = v2, 1 = auto (default), 2.. = v3
+// variants) or the environment variable SPADE_ATTN_DECODE=<index> read at construction. The
+// v4 (TMA) decode variants, never faster, are in bench/dev/ for A/B runs.
 // Launches of one workspace must not overlap (split partials and arrival counters are shared):
 // run() them on one stream.
 //
@@ -86,9 +87,8 @@ class AttentionWorkspace {
   // Arena bytes the constructor takes with these arguments (alignment included).
   static size_t arena_bytes(const AttnLimits& lim, int Hq, int Hkv, int D);
   // out[T, Hq, D] = attention(q[T, Hq, D]) over this layer's cache (k, v: [page][Hkv][P][D]).
-  // With skip.active(): BLASST skipping (decode: v3 kernel, its cp.async twin when a TMA
-  // variant is selected; prefill: the wgmma or the generic kernel); the v2 decode kernel
-  // throws spade::Error.
+  // With skip.active(): BLASST skipping (decode: the v3 kernel; prefill: the wgmma or the
+  // generic kernel); the v2 decode kernel throws spade::Error.
   // With scores (decode only, not with skip): also the group-mean scores (DecodeScores).
   void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out, float scale,
            cudaStream_t s, const BlasstSkip& skip = {}, const DecodeScores* scores = nullptr) const;
@@ -100,7 +100,7 @@ class AttentionWorkspace {
   // holds `max_kv` tokens.
   int choose_split(int B, int max_kv) const;
 
-  // Decode kernel: 0 = v2 (generic tile kernel + combine launch), 1 = auto (picks a v3/v4
+  // Decode kernel: 0 = v2 (generic tile kernel + combine launch), 1 = auto (picks a v3
   // variant from the batch), 2..decode_kernel_count()-1 = fixed variant. Takes effect at the
   // next plan(); decode_variant() is the one the last plan() picked (0 = v2).
   void set_decode_kernel(int v);

@@ -51,11 +51,10 @@ struct AttnArgs {
   unsigned long long* skip_counts = nullptr;
 };
 
-// v3/v4 decode kernels (attention_decode.cu). Variant v (1-based) of the table there.
+// v3 decode kernels (attention_decode.cu). Variant v (1-based) of the table there.
 struct DecodeVariant {
   const char* name;
   int warps, stages, tokens;  // warps per CTA, ring depth per warp, tokens per stage
-  bool tma;                   // v4: K/V page-heads by the bulk tensor copy engine
   bool dyn;                   // warps draw chunks from a per-(sequence, KV head) counter
 };
 int decode_v3_count();
@@ -64,11 +63,11 @@ DecodeVariant decode_v3_variant(int v);
 size_t decode_v3_smem(int D, int v);
 // CTAs per SM for variant v at head dim D.
 int decode_v3_occupancy(int D, int v);
-// tmk/tmv: tensor maps of the K/V caches (rows of D bf16, 128-byte swizzle, box 64 x 16) for
-// the TMA variants; when null (or P % 16 != 0) the cp.async twin of the variant runs.
-void launch_decode_v3(int D, int v, const AttnArgs& a, dim3 grid, cudaStream_t s,
-                      const CUtensorMap* tmk, const CUtensorMap* tmv);
-// Encodes the tensor map of a paged cache (rows of D bf16 elements) for the TMA variants.
+// BLASST skipping when a.skip_log2 > -inf, score emission when a.scores_out, drawn chunks (DYN
+// variants) when a.tickets; else the variant's static twin.
+void launch_decode_v3(int D, int v, const AttnArgs& a, dim3 grid, cudaStream_t s);
+// Encodes the tensor map of a paged cache (rows of D bf16 elements, 128-byte swizzle, box
+// 64 x 16) for the TMA loads of the wgmma prefill.
 bool encode_kv_tensor_map(CUtensorMap* map, const void* base, int D);
 
 // wgmma prefill (attention_prefill.cu): D = 128 on compute capability 9.0 with the sm_90a
@@ -89,7 +88,7 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 // Hopper-only PTX (mbarrier try_wait / expect_tx, bulk tensor copies): compiled for the
 // compute capability 9.0+ device passes; the device passes of older targets (the fat binary's
 // sm_80 / 86 / 89 images) get a trap instead, and the host never launches those instances
-// there (AttentionWorkspace's TMA variants need cc_major() >= 9, the wgmma prefill 9.0).
+// there (the wgmma prefill and its TMA loads need 9.0).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define SPADE_SM90_ONLY(...) __trap()
 #else

@@ -1,5 +1,5 @@
-// Paged decode attention, v3 (cp.async) and v4 (bulk tensor copies), for steps where every
-// sequence has q_len == 1; see attention.h for the API.
+// Paged decode attention, v3 (cp.async rings per warp), for steps where every sequence has
+// q_len == 1; see attention.h for the API.
 //
 // Layout read: q bf16 [B, Hq, D]; K/V bf16 pages [page][Hkv][P][D] (one page of one head is
 // P*D*2 contiguous bytes: 4 KB at P=16, D=128); page table int32 per sequence.
@@ -18,12 +18,9 @@
 // S = Q K^T (two accumulator chains), online softmax in log2 units with a lazy rescale (the
 // running max moves only when it grows by > 8, i.e. p <= 256, so o is rescaled rarely; only
 // rows < 8 are touched when G <= 8), O += P V. The W warps merge through shared memory.
-// v4 (TMA): lane 0 of each warp moves a chunk with 2*D/64 bulk tensor copies (box 64 columns x
-// 16 rows, 128-byte swizzle, completion on a per-stage mbarrier with expect_tx) instead of
-// TK*D*2*2/512 cp.async per lane; the tile is then [D/64 halves][TK rows][128 B]. Rows past the
-// sequence end are copied too (the page exists) and zeroed in V before use (0 * NaN = NaN).
-// Needs P % 16 == 0; otherwise the v3 twin runs. Measured 5-7% SLOWER than v3 on an H200
-// (kept selectable, not picked by auto).
+// v4 (lane 0 of each warp moves a chunk by TMA bulk tensor copies instead of cp.async per
+// lane) measured 5-7% SLOWER than v3 on an H200 and was never picked: it lives on, for A/B runs
+// only, in bench/dev/attention_decode_tma.cu.
 // Variants: v3_w4s3 (4 warps, 3 stages, 2 CTAs/SM) and v3_w8s3 (8 warps, 1 CTA/SM); auto's
 // rule is in attention.cu. Split count: the smallest that fills >= 96% of the CTA slots of the
 // last wave (W4: 32 at B = 1, Hkv = 8; W8: 16).
@@ -66,34 +63,22 @@ struct DecCfg {
   static_assert(16 * D * 2 <= 4096, "Q tile");
 };
 
-__device__ __forceinline__ void mbar_init1(uint32_t bar) {
-  SPADE_SM90_ONLY(asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory"));
-}
-
-// Byte offset of (row r, column col % 8 == 0) in a chunk tile. v3: [TK][D] with 16-byte chunk
-// c of row r at c ^ (r & 7); v4 (TMA 128-byte swizzle): [D/64][TK][64], chunk c of a 128-byte
-// row at c ^ (r & 7).
-template <int D, int TK, bool TMA>
+// Byte offset of (row r, column col % 8 == 0) in a chunk tile [TK][D], 16-byte chunk c of row
+// r at c ^ (r & 7).
+template <int D>
 __device__ __forceinline__ uint32_t kv_off(int r, int col) {
-  if constexpr (TMA)
-    return (col >> 6) * (TK * 128) + r * 128 + ((((col >> 3) & 7) ^ (r & 7)) << 4);
-  else
-    return uint32_t(swz<D>(r, col)) * 2;
+  return uint32_t(swz<D>(r, col)) * 2;
 }
 
-template <int D, int W, int S, int TK, bool TMA, bool SKIP, bool EMIT, bool DYN>
-__global__ void __launch_bounds__(W * 32)
-    decode_v3_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap tmk,
-                     const __grid_constant__ CUtensorMap tmv) {
+template <int D, int W, int S, int TK, bool SKIP, bool EMIT, bool DYN>
+__global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
   pdl_begin();  // pdl.cuh: first, before any global access
   using C = DecCfg<D, W, S, TK>;
-  static_assert(!(SKIP && TMA) && !(EMIT && (TMA || SKIP)) && !(DYN && (TMA || SKIP)),
-                "BLASST skipping, score emission and drawn chunks run in the cp.async kernel; "
-                "skipping with neither");
+  static_assert(!(EMIT && SKIP) && !(DYN && SKIP),
+                "BLASST skipping runs with neither score emission nor drawn chunks");
   constexpr int CH = C::CH, RPI = C::RPI, NT = C::kThreads;
   extern __shared__ __align__(1024) unsigned char smem_dyn[];
   __shared__ int s_last;
-  __shared__ __align__(8) uint64_t s_bar[W * S];
   unsigned char* smem_raw = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
   bf16* ring = reinterpret_cast<bf16*>(smem_raw + C::kQ);
@@ -124,23 +109,11 @@ __global__ void __launch_bounds__(W * 32)
   const int cc = lane % CH, rl = lane / CH;
   auto chunk_j0 = [&](int k) { return (cb + warp + k * W) * TK; };
 
-  auto bar_of = [&](int st) { return smem_u32(&s_bar[warp * S + st]); };
   // parts: 1 = the K tile, 2 = the V tile, 3 = both (BLASST loads V only for kept chunks).
   auto issue_at = [&](int j0, int st, int pid, int parts = 3) {
     bf16* dK = ring + (warp * S + st) * C::kStage;
     bf16* dV = dK + C::kTile;
-    if constexpr (TMA) {
-      if (lane == 0) {
-        const int row0 = (pid * a.Hkv + kvh) * P + pmod(j0);
-        const uint32_t bar = bar_of(st);
-        mbar_expect_tx(bar, C::kStage * 2);
-#pragma unroll
-        for (int h = 0; h < D / 64; ++h) {
-          tma_load_2d(smem_u32(dK) + h * TK * 128, &tmk, h * 64, row0, bar);
-          tma_load_2d(smem_u32(dV) + h * TK * 128, &tmv, h * 64, row0, bar);
-        }
-      }
-    } else if (fast) {
+    if (fast) {
       const int64_t base = int64_t(pid) * page_stride + kvh * head_stride +
                            int64_t(pmod(j0)) * D + cc * 8;
       const bf16* gk = a.k + base;
@@ -184,13 +157,6 @@ __global__ void __launch_bounds__(W * 32)
     }
   };
 
-  if constexpr (TMA) {
-    if (lane == 0) {
-      for (int st = 0; st < S; ++st) mbar_init1(bar_of(st));
-      SPADE_SM90_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
-    }
-    __syncwarp();
-  }
   // Q rows (the G heads of this KV head; rows >= G zero) go in the first commit group.
   for (int idx = tid; idx < 16 * CH; idx += NT) {
     const int r = idx / CH, c = idx % CH;
@@ -239,8 +205,7 @@ __global__ void __launch_bounds__(W * 32)
   } else {
     if (fast && S - 1 < n_my) pid_next = pt[pdiv(chunk_j0(S - 1))];
   }
-  if constexpr (TMA) cp_async_wait<0>();
-  else if constexpr (SKIP) cp_async_wait<2 * S - 3>();  // Q (group 0) has landed
+  if constexpr (SKIP) cp_async_wait<2 * S - 3>();  // Q (group 0) has landed
   else cp_async_wait<S - 2>();  // this thread's Q part (group 0) has landed
   __syncthreads();
 
@@ -278,7 +243,7 @@ __global__ void __launch_bounds__(W * 32)
         const int r = np * 16 + (lane & 7) + ((mi & 2) ? 8 : 0);
         const int col = kk * 16 + ((mi & 1) ? 8 : 0);
         uint32_t b0, b1, b2, b3;
-        ldsm_x4(b0, b1, b2, b3, bK + kv_off<D, TK, TMA>(r, col));
+        ldsm_x4(b0, b1, b2, b3, bK + kv_off<D>(r, col));
         if (kk & 1) {
           mma16816(sc2[2 * np], qa[kk], b0, b1);
           mma16816(sc2[2 * np + 1], qa[kk], b2, b3);
@@ -308,7 +273,7 @@ __global__ void __launch_bounds__(W * 32)
         const int r = k2 * 16 + (lane & 7) + ((mi & 1) ? 8 : 0);
         const int col = dp * 16 + ((mi & 2) ? 8 : 0);
         uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(b0, b1, b2, b3, bV + kv_off<D, TK, TMA>(r, col));
+        ldsm_x4_t(b0, b1, b2, b3, bV + kv_off<D>(r, col));
         mma16816(o[2 * dp], pa[k2], b0, b1);
         mma16816(o[2 * dp + 1], pa[k2], b2, b3);
       }
@@ -378,34 +343,21 @@ __global__ void __launch_bounds__(W * 32)
       if (++st_use == S) st_use = 0;
     }
   } else if constexpr (!SKIP) {
-  int st_issue = S - 1, st_use = 0, phase = 0;
+  int st_issue = S - 1, st_use = 0;
   for (int k = 0; k < n_my; ++k) {
     __syncwarp();  // every lane is done reading the stage about to be overwritten
     const int kn = k + S - 1;
     if (kn < n_my) issue(kn, st_issue, pid_next);
-    if constexpr (!TMA) cp_async_commit();
+    cp_async_commit();
     if (fast && kn + 1 < n_my) pid_next = pt[pdiv(chunk_j0(kn + 1))];
     const bf16* tK = ring + (warp * S + st_use) * C::kStage;
     const bf16* tV = tK + C::kTile;
     const int j0 = chunk_j0(k);
-    if constexpr (TMA) {
-      mbar_wait(bar_of(st_use), phase);
-      if (j0 + TK > L) {  // rows past the end hold whatever the page held: zero them in V
-        for (int idx = lane; idx < TK * CH; idx += 32) {
-          const int r = idx / CH, c = idx % CH;
-          if (j0 + r >= L)
-            *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(const_cast<bf16*>(tV)) +
-                                      kv_off<D, TK, true>(r, c * 8)) = make_uint4(0, 0, 0, 0);
-        }
-        __syncwarp();
-      }
-    } else {
-      cp_async_wait<S - 1>();
-      __syncwarp();  // make every lane's copies of chunk k visible to the warp
-    }
+    cp_async_wait<S - 1>();
+    __syncwarp();  // make every lane's copies of chunk k visible to the warp
     attend_chunk(tK, tV, j0);
     st_issue = st_issue + 1 == S ? 0 : st_issue + 1;
-    if (++st_use == S) st_use = 0, phase ^= 1;
+    if (++st_use == S) st_use = 0;
   }
   } else {
     // BLASST: chunk k's V tile is loaded only if the chunk is kept, so P V runs one chunk
@@ -496,7 +448,7 @@ __global__ void __launch_bounds__(W * 32)
       atomicAdd(a.skip_counts + 2 * kvh + 1, (unsigned long long)skipped);
     }
   }
-  if constexpr (!TMA) cp_async_wait<0>();
+  cp_async_wait<0>();
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
@@ -518,32 +470,32 @@ __global__ void __launch_bounds__(W * 32)
                         a.counters + seq * a.Hkv + kvh);
 }
 
-// Variant table (index v - 1). Shared memory at D = 128: 4 KB Q + W*S*8 KB + 1 KB.
+// Variant table (index v - 1): every variant auto (AttentionWorkspace::auto_variant,
+// fitting_variant) picks somewhere. Shared memory at D = 128: 4 KB Q + W*S*8 KB + 1 KB.
 constexpr DecodeVariant kVariants[] = {
-    {"v3_w4s3", 4, 3, 16, false, false},  // 101 KB, 2 CTAs/SM, 8 warps/SM
-    {"v3_w8s3", 8, 3, 16, false, false},  // 197 KB, 1 CTA/SM, 8 warps/SM
-    {"v4_w4s3", 4, 3, 16, true, false},   // TMA twins of the above
-    {"v4_w8s3", 8, 3, 16, true, false},
-    {"v3d_w4s3", 4, 3, 16, false, true},  // v3 with chunks drawn from a counter (DYN)
-    {"v3d_w8s3", 8, 3, 16, false, true},
+    {"v3_w4s3", 4, 3, 16, false},   // 101 KB, 2 CTAs/SM, 8 warps/SM
+    {"v3_w8s3", 8, 3, 16, false},   // 197 KB, 1 CTA/SM, 8 warps/SM
+    {"v3d_w4s3", 4, 3, 16, true},   // v3 with chunks drawn from a counter (DYN)
+    {"v3d_w8s3", 8, 3, 16, true},
     // Two-stage rings for GPUs with 99 KB of shared memory per block (sm_86 / 89: w4s3 needs
     // 101 KB at D = 128): 69 KB. Auto takes them only where the 3-stage ring does not fit
     // (AttentionWorkspace::fitting_variant); D = 64 runs its 3-stage ring (51 KB) everywhere.
-    {"v3_w4s2", 4, 2, 16, false, false},
-    {"v3d_w4s2", 4, 2, 16, false, true},
+    {"v3_w4s2", 4, 2, 16, false},
+    {"v3d_w4s2", 4, 2, 16, true},
 };
 // Measured and dropped (docs/cuda.md): a 2-warp 6-stage TMA variant (-10..-16%), the
-// cp.async L2::256B prefetch hint (-3..-7%), 4-warp 2-stage and 2-warp 4-stage rings.
+// cp.async L2::256B prefetch hint (-3..-7%), 4-warp 2-stage and 2-warp 4-stage rings (as the
+// only ring; the 4-warp 2-stage one is back for 99 KB GPUs). The TMA twins of w4s3 / w8s3
+// (v4, -5..-7%) are in bench/dev/attention_decode_tma.cu.
 constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
 
-template <int D, int W, int S, int TK, bool TMA, bool SKIP = false, bool EMIT = false,
-          bool DYN = false>
+template <int D, int W, int S, int TK, bool SKIP = false, bool EMIT = false, bool DYN = false>
 struct Inst {
   using C = DecCfg<D, W, S, TK>;
   static void prepare() {
     static bool done = false;
     if (!done) {
-      set_max_dynamic_smem(decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT, DYN>, int(C::kSmem));
+      set_max_dynamic_smem(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN>, int(C::kSmem));
       done = true;
     }
   }
@@ -552,57 +504,49 @@ struct Inst {
     prepare();
     int n = 0;
     SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT, DYN>, C::kThreads, C::kSmem));
+        &n, decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN>, C::kThreads, C::kSmem));
     return n;
   }
-  static void launch(const AttnArgs& a, dim3 grid, cudaStream_t s, const CUtensorMap* tmk,
-                     const CUtensorMap* tmv) {
+  static void launch(const AttnArgs& a, dim3 grid, cudaStream_t s) {
     prepare();
-    CUtensorMap zero{};
-    launch_pdl(decode_v3_kernel<D, W, S, TK, TMA, SKIP, EMIT, DYN>, grid, C::kThreads, C::kSmem, s, 
-        a, tmk ? *tmk : zero, tmv ? *tmv : zero);
+    launch_pdl(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN>, grid, C::kThreads, C::kSmem, s, a);
     SPADE_CUDA_LAUNCH();
   }
 };
 
-// tma: whether the TMA instance may run (maps present, P % 16 == 0); else the cp.async twin.
-// skip: the BLASST instance (cp.async only).
-// allow_dyn: the DYN variants draw their chunks (else their static twins run).
+// skip: the BLASST instance; emit: the score-emitting instance (TidalDecode, LessIsMore,
+// LycheeDecode); allow_dyn: the DYN variants draw their chunks (else their static twins run).
 template <typename F>
-void dispatch(int D, int v, bool tma, bool skip, bool emit, bool allow_dyn, F&& f) {
+void dispatch(int D, int v, bool skip, bool emit, bool allow_dyn, F&& f) {
   const int vi = (v >= 1 && v <= kNumVariants ? v : 1) - 1;
   const DecodeVariant dv = kVariants[vi];
-  const bool t = tma && dv.tma && !skip && !emit;
   const bool dyn = dv.dyn && allow_dyn && !skip;  // BLASST and deterministic runs: static twin
   if (D == 64) {
-    if (emit && dyn) return f(Inst<64, 4, 3, 16, false, false, true, true>{});
-    if (emit) return f(Inst<64, 4, 3, 16, false, false, true>{});
-    if (skip) return f(Inst<64, 4, 3, 16, false, true>{});
-    if (t) return f(Inst<64, 4, 3, 16, true>{});
-    if (dyn) return f(Inst<64, 4, 3, 16, false, false, false, true>{});
-    return f(Inst<64, 4, 3, 16, false>{});
+    if (emit && dyn) return f(Inst<64, 4, 3, 16, false, true, true>{});
+    if (emit) return f(Inst<64, 4, 3, 16, false, true>{});
+    if (skip) return f(Inst<64, 4, 3, 16, true>{});
+    if (dyn) return f(Inst<64, 4, 3, 16, false, false, true>{});
+    return f(Inst<64, 4, 3, 16>{});
   }
   if (dv.stages == 2) {
-    if (emit && dyn) return f(Inst<128, 4, 2, 16, false, false, true, true>{});
-    if (emit) return f(Inst<128, 4, 2, 16, false, false, true>{});
-    if (skip) return f(Inst<128, 4, 2, 16, false, true>{});
-    if (dyn) return f(Inst<128, 4, 2, 16, false, false, false, true>{});
-    return f(Inst<128, 4, 2, 16, false>{});
+    if (emit && dyn) return f(Inst<128, 4, 2, 16, false, true, true>{});
+    if (emit) return f(Inst<128, 4, 2, 16, false, true>{});
+    if (skip) return f(Inst<128, 4, 2, 16, true>{});
+    if (dyn) return f(Inst<128, 4, 2, 16, false, false, true>{});
+    return f(Inst<128, 4, 2, 16>{});
   }
   if (dv.warps == 8) {
-    if (emit && dyn) return f(Inst<128, 8, 3, 16, false, false, true, true>{});
-    if (emit) return f(Inst<128, 8, 3, 16, false, false, true>{});
-    if (skip) return f(Inst<128, 8, 3, 16, false, true>{});
-    if (t) return f(Inst<128, 8, 3, 16, true>{});
-    if (dyn) return f(Inst<128, 8, 3, 16, false, false, false, true>{});
-    return f(Inst<128, 8, 3, 16, false>{});
+    if (emit && dyn) return f(Inst<128, 8, 3, 16, false, true, true>{});
+    if (emit) return f(Inst<128, 8, 3, 16, false, true>{});
+    if (skip) return f(Inst<128, 8, 3, 16, true>{});
+    if (dyn) return f(Inst<128, 8, 3, 16, false, false, true>{});
+    return f(Inst<128, 8, 3, 16>{});
   }
-  if (emit && dyn) return f(Inst<128, 4, 3, 16, false, false, true, true>{});
-  if (emit) return f(Inst<128, 4, 3, 16, false, false, true>{});
-  if (skip) return f(Inst<128, 4, 3, 16, false, true>{});
-  if (t) return f(Inst<128, 4, 3, 16, true>{});
-  if (dyn) return f(Inst<128, 4, 3, 16, false, false, false, true>{});
-  return f(Inst<128, 4, 3, 16, false>{});
+  if (emit && dyn) return f(Inst<128, 4, 3, 16, false, true, true>{});
+  if (emit) return f(Inst<128, 4, 3, 16, false, true>{});
+  if (skip) return f(Inst<128, 4, 3, 16, true>{});
+  if (dyn) return f(Inst<128, 4, 3, 16, false, false, true>{});
+  return f(Inst<128, 4, 3, 16>{});
 }
 
 }  // namespace
@@ -611,19 +555,17 @@ int decode_v3_count() { return kNumVariants; }
 DecodeVariant decode_v3_variant(int v) { return kVariants[(v >= 1 && v <= kNumVariants ? v : 1) - 1]; }
 size_t decode_v3_smem(int D, int v) {
   size_t n = 0;
-  dispatch(D, v, false, false, false, false, [&](auto inst) { n = decltype(inst)::C::kSmem; });
+  dispatch(D, v, false, false, false, [&](auto inst) { n = decltype(inst)::C::kSmem; });
   return n;
 }
 int decode_v3_occupancy(int D, int v) {
   int n = 0;
-  dispatch(D, v, true, false, false, true, [&](auto inst) { n = decltype(inst)::occupancy(); });
+  dispatch(D, v, false, false, true, [&](auto inst) { n = decltype(inst)::occupancy(); });
   return n;
 }
-void launch_decode_v3(int D, int v, const AttnArgs& a, dim3 grid, cudaStream_t s,
-                      const CUtensorMap* tmk, const CUtensorMap* tmv) {
-  const bool tma = tmk && tmv && a.P % 16 == 0;
-  dispatch(D, v, tma, a.skip_log2 > -INFINITY, a.scores_out != nullptr, a.tickets != nullptr,
-           [&](auto inst) { decltype(inst)::launch(a, grid, s, tmk, tmv); });
+void launch_decode_v3(int D, int v, const AttnArgs& a, dim3 grid, cudaStream_t s) {
+  dispatch(D, v, a.skip_log2 > -INFINITY, a.scores_out != nullptr, a.tickets != nullptr,
+           [&](auto inst) { decltype(inst)::launch(a, grid, s); });
 }
 
 bool encode_kv_tensor_map(CUtensorMap* map, const void* base, int D) {

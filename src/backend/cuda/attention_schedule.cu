@@ -1,5 +1,5 @@
 // Decode schedule of the paged attention workspace (see attention.h): which decode kernel runs
-// a batch (v2, the v3 / v4 variants or their DYN twins that draw their chunks) and with how
+// a batch (v2, the v3 variants or their DYN twins that draw their chunks) and with how
 // many splits. Host code; the kernels are in attention.cu and attention_decode.cu.
 #include <algorithm>
 
@@ -10,7 +10,8 @@ namespace spade::cuda {
 
 using namespace attn_detail;
 
-// Workspace decode-kernel index: 0 = v2, 1 = auto, 2.. = attention_decode.cu variant (index - 1).
+// Workspace decode-kernel index: 0 = v2, 1 = auto, 2.. = attention_decode.cu variant (index - 1):
+// 2 v3_w4s3, 3 v3_w8s3, 4 v3d_w4s3, 5 v3d_w8s3, 6 v3_w4s2, 7 v3d_w4s2.
 int AttentionWorkspace::decode_kernel_count() { return 2 + decode_v3_count(); }
 const char* AttentionWorkspace::decode_kernel_name(int v) {
   return v == 0 ? "v2" : v == 1 ? "auto" : decode_v3_variant(v - 1).name;
@@ -25,9 +26,9 @@ const char* AttentionWorkspace::decode_kernel_name(int v) {
 // (bench/results/attention_decode_w8_tpot_h200_20261126.json): batch 1 8-warp faster per token
 // by 0.9% at 32K, 0.8% at 48K, 0.5% at 64K (0.4% at 128K, where the H100 prefers 4 warps);
 // batch 2 (16 pairs) at 32K 4-warp faster by 0.3%. (The bound was max_kv <= 32768, which a 32K
-// decode, at 32768 + generated tokens, missed.) The TMA (v4) twins are not faster and are not
-// picked.
-// Drawn chunks (the DYN twins, variants 5 / 6: warps take 16-token chunks from a per-(sequence,
+// decode, at 32768 + generated tokens, missed.) The TMA (v4) twins were not faster and were
+// never picked (bench/dev/attention_decode_tma.cu keeps them for A/B runs).
+// Drawn chunks (the DYN twins, variants 3 / 4: warps take 16-token chunks from a per-(sequence,
 // KV head) counter, so no split or warp waits for a slower one) whenever dyn_split finds a split
 // count for them, unless the workspace is deterministic (their summation order varies from run
 // to run). H100, same process, interleaved twice
@@ -41,7 +42,7 @@ const char* AttentionWorkspace::decode_kernel_name(int v) {
 int AttentionWorkspace::auto_variant(int B, int max_kv) const {
   // (Each candidate as the device's shared memory allows: fitting_variant.)
   const bool few_pairs = int64_t(B) * Hkv_ <= 8;
-  const int drawn = fitting_variant(few_pairs ? 6 : 5);
+  const int drawn = fitting_variant(few_pairs ? 4 : 3);
   if (may_draw() && dyn_split(drawn, B, max_kv) > 0) return drawn;
   return fitting_variant(few_pairs && max_kv <= 65536 ? 2 : 1);
 }
@@ -81,7 +82,7 @@ int AttentionWorkspace::fitting_variant(int v) const {
   auto fits = [&](int x) { return decode_v3_smem(D_, x) <= lim; };
   if (fits(v)) return v;
   const bool dyn = decode_v3_variant(v).dyn;
-  const int w4s3 = dyn ? 5 : 1, w4s2 = dyn ? 8 : 7;
+  const int w4s3 = dyn ? 3 : 1, w4s2 = dyn ? 6 : 5;
   if (fits(w4s3)) return w4s3;
   SPADE_CHECK(fits(w4s2), "attention: no decode kernel fits the GPU's ", lim >> 10,
               " KB of shared memory per block (head_dim ", D_, ")");
