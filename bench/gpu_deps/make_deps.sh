@@ -5,7 +5,7 @@
 # server uses (Beast + Asio and what they include, cut out by bcp: 21 MB, carried as a 2 MB
 # tarball that bench/run_gpu.sh unpacks), and a cblas shim (OpenBLAS itself is 35 MB; the shim
 # only serves the CPU reference in the gpu tests). Needs Debian's libboost-dev, libboost-tools-dev
-# (bcp) and libcli11-dev.
+# (bcp), libcli11-dev and pybind11-dev.
 # Then:  run(command="bash bench/run_gpu.sh all", carry=[".deps-cuda"])
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +21,9 @@ bcp --boost=/usr/include boost/beast/http.hpp boost/beast/core.hpp boost/asio.hp
 tar czf $D/boost-headers.tar.gz -C "$B" boost
 rm -rf "$B"
 cp -r /usr/share/cmake/nlohmann_json $D/share/cmake/
+# pybind11 (headers + CMake config; its prefix is the config's ../../..): the Python package
+# builds on the device where Python's headers are there (issue 41's device tests).
+cp -r /usr/include/pybind11 $D/include/ && mkdir -p $D/lib/cmake && cp -r /usr/lib/cmake/pybind11 $D/lib/cmake/
 sed -e 's|^prefix=.*|prefix=${pcfiledir}/../..|' -e 's|^libdir=.*|libdir=${prefix}/lib|' \
     -e 's|^includedir=.*|includedir=${prefix}/include|' $L/pkgconfig/libpcre2-8.pc > $D/lib/pkgconfig/libpcre2-8.pc
 du -sh $D
