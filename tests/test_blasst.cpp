@@ -562,9 +562,10 @@ TEST(BlasstSession, LambdaZeroMatchesDenseAndSkippingIsCounted) {
   EXPECT_EQ(s0.blasst()->prefill_sparsity(), 0.0);
   EXPECT_EQ(s0.blasst()->decode_sparsity(), 0.0);
   EXPECT_EQ(s0.steps(), 6);
-  // A large lambda skips in both phases.
+  // A large lambda skips in both phases (prefill skipping is opt-in: prefill=1).
   ModelRunner r2(t.w, 128);
-  ProbeSession s1(make("blasst:lambda=0.9,tile=8,prefill_tile=8,q_block=16", t.cfg), t.cfg, r2.kv());
+  ProbeSession s1(make("blasst:lambda=0.9,tile=8,prefill_tile=8,q_block=16,prefill=1", t.cfg), t.cfg,
+                  r2.kv());
   r2.prefill(t.tokens.data(), 80, &s1.attention(), 48);
   for (int i = 0; i < 6; ++i) r2.step(t.tokens[size_t(80 + i)], &s1.attention());
   EXPECT_GT(s1.blasst()->prefill_sparsity(), 0.0);
@@ -674,7 +675,7 @@ TEST(BlasstSession, AttendingWithoutTheHookThrows) {
   cfg.n_heads = 6;
   cfg.n_kv_heads = 2;
   cfg.head_dim = 16;
-  auto m = make("blasst:lambda=0.1", cfg);
+  auto m = make("blasst:lambda=0.1,prefill=1", cfg);  // prefill skipping on: its hook is checked
   auto st = m->new_state();
   StepContext ctx;
   ctx.n_layers = 1;

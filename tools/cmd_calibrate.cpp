@@ -62,6 +62,14 @@ blasst (BLASST Algorithm 2):
                         own tiles (decode: 16-token warp chunks with a seeded running max;
                         prefill: 64 rows x 128 keys at head_dim 128, 32 rows x 64 keys at
                         head_dim 64), exact measurement only; the --tile options are the CPU's
+  --sparse X+blasst[:k=v,...]  (--device cuda, --phase decode) calibrate BLASST where it
+                        will run: inside GPU selector X's lists (e.g. quest+blasst:budget=2048;
+                        the selection kernel's 16-row chunks and X's dense launches). The sweep
+                        runs lambda = a / L per request as the method does (a = lambda * L for
+                        each swept lambda, so the selection's own length, length=selected, is
+                        the method's), and the fitted a is the one to give that stack
+                        (--sparse X+blasst --sparse-opt config=OUT). Without it, or with X =
+                        full: over full attention
 twilight (decode comparison against full attention, teacher forced):
   --length L            context length before decoding (default 2048)
   --decode N            decode steps (default 32)
@@ -161,6 +169,28 @@ int run_blasst(const Args& a) {
   SPADE_CHECK(verify != "gaps" || mode == "gaps", "--verify gaps needs --measure gaps");
   const std::string device = a.str("--device", "cpu");
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda");
+  // --sparse X+blasst: BLASST inside selector X (the placement it will run in).
+  const std::string placement_spec = a.str("--sparse", "");
+  SparseConfig placement_cfg;
+  bool in_selector = false;
+  if (!placement_spec.empty()) {
+    placement_cfg = SparseConfig::parse_spec(placement_spec);
+    const std::string& m = placement_cfg.method;
+    const std::string tail = "+blasst";
+    const bool stack = m.size() > tail.size() && m.compare(m.size() - tail.size(), tail.size(), tail) == 0;
+    SPADE_CHECK(stack || m == "blasst", "--sparse '", placement_spec, "': calibrate blasst takes "
+                "a BLASST stack, X+blasst (e.g. quest+blasst:budget=2048) or blasst:base=X");
+    const std::string base = stack ? m.substr(0, m.size() - tail.size())
+                             : placement_cfg.options.count("base") ? placement_cfg.options.at("base")
+                                                                   : std::string("full");
+    in_selector = base != "full";
+    SPADE_CHECK(!in_selector || device == "cuda", "--sparse '", placement_spec, "': BLASST "
+                "inside a selector calibrates on the GPU only (--device cuda); the CPU "
+                "calibration runs over full attention");
+    SPADE_CHECK(!in_selector || phase == "decode", "--sparse '", placement_spec, "': --phase "
+                "decode only (prefill skipping runs the dense prefill kernels whatever the "
+                "selector: calibrate it without --sparse)");
+  }
   if (device == "cuda") {
     SPADE_CHECK(mode == "exact", "--device cuda measures exact runs only (--measure exact)");
     for (const char* o : {"--tile", "--prefill-tile", "--q-block", "--order", "--gaps-dir"})
@@ -272,7 +302,15 @@ int run_blasst(const Args& a) {
     int64_t gpu_tokens = need + 64;
     if (phase == "decode")
       for (int64_t L : all_lengths) gpu_tokens += samples * (L + dsteps + 32);
-    gpu = std::make_unique<CudaBlasstProbe>(*ld.w, gpu_tokens, phase == "decode");
+    CudaSparse where;
+    if (in_selector) {
+      where = cuda_sparse_config(placement_cfg, cfg, 16);
+      SPADE_CHECK(where.blasst_sel, "--sparse '", placement_spec, "': not BLASST inside a GPU "
+                  "selector on this model (", where.describe(), ")");
+      std::fprintf(stderr, "[calibrate] placement: %s\n", where.describe().c_str());
+    }
+    gpu = std::make_unique<CudaBlasstProbe>(*ld.w, gpu_tokens, phase == "decode",
+                                            in_selector ? &where : nullptr);
   }
 #endif
   // Exact runs of BLASST with lambda (>= 0) or lambda = a / L (lambda < 0); `layers`
@@ -317,8 +355,12 @@ int run_blasst(const Args& a) {
     for (int k = 0; k < samples; ++k) s += sparsity_from_gaps(gaps_for(k, L), lambda);
     return s / samples;
   };
+  // Inside a selector the swept lambda runs as lambda = a / L with a = lambda * L, the
+  // method's own form: its L is the request's selection (length=selected) or its context, so
+  // the fitted a is the one the method needs whatever its length.
   SparsityFn measure = [&](double lambda, int64_t L) {
-    return mode == "gaps" ? measure_gaps(lambda, L) : measure_exact(lambda, -1, L);
+    if (mode == "gaps") return measure_gaps(lambda, L);
+    return in_selector ? measure_exact(-1, lambda * double(L), L) : measure_exact(lambda, -1, L);
   };
 
   for (double target : targets) {
@@ -346,7 +388,13 @@ int run_blasst(const Args& a) {
     j["model"] = a.str("--model");
     j["text"] = a.str("--text");
     j["device"] = device;
-    if (device == "cuda") {  // the GPU kernels' own tiles
+    j["placement"] = in_selector ? placement_spec : std::string("full");
+    if (in_selector) {  // the selection kernel's chunks
+      j["tile"] = 16;
+      j["tile_note"] = "16-row chunks of each warp's share of the selection (first kept); the "
+                       "selector's dense launches as over full attention";
+      j["lambda_form"] = "a / L per request, L as the stack's length option";
+    } else if (device == "cuda") {  // the GPU kernels' own tiles
       j["tile"] = phase == "prefill" ? 128 : 16;
       if (phase == "prefill") j["q_block"] = 64;
       if (phase == "decode") j["tile_note"] = "16-token warp chunks, running max seeded with the first and last chunk";
@@ -402,8 +450,8 @@ int run_blasst(const Args& a) {
     std::ofstream f(out);
     SPADE_CHECK(f.good(), "cannot write '", out, "'");
     f << j.dump(2) << "\n";
-    std::printf("wrote %s (use: --sparse blasst --sparse-opt config=%s)\n\n", out.c_str(),
-                out.c_str());
+    std::printf("wrote %s (use: --sparse %s --sparse-opt config=%s)\n\n", out.c_str(),
+                in_selector ? placement_spec.c_str() : "blasst", out.c_str());
   }
   for (auto& [k, pt] : prefixes) runner.release(pt);
   return 0;
@@ -537,7 +585,7 @@ int run(int argc, char** argv) {
          {"--model", "--text", "--target-sparsity", "--lengths", "--phase", "--measure",
           "--lambda-min", "--lambda-max", "--per-decade", "--refine", "--delta", "--samples",
           "--decode-steps", "--tile", "--prefill-tile", "--q-block", "--order", "--fixed-lambda",
-          "--verify", "--verify-lengths", "--gaps-dir", "--device",
+          "--verify", "--verify-lengths", "--gaps-dir", "--device", "--sparse",
           "--out", "--offset", "--threads", "--length", "--decode", "--p", "--bases", "--budget",
           "--methods", "--json"},
          {"--help", "--own-prefill"});

@@ -7,9 +7,11 @@
 namespace spade {
 namespace {
 
-CudaSparse blasst_config(double lambda, double a, bool decode) {
+// BLASST over full attention, or inside `placement`'s selection (X+blasst) when given.
+CudaSparse blasst_config(double lambda, double a, bool decode, const CudaSparse* placement) {
   CudaSparse s;
-  s.method = CudaSparse::Method::Blasst;
+  if (placement) s = *placement;
+  else s.method = CudaSparse::Method::Blasst;
   s.blasst_lambda = lambda;
   s.blasst_a = s.blasst_prefill_a = std::max(0.0, a);
   s.blasst_decode = decode;
@@ -19,13 +21,22 @@ CudaSparse blasst_config(double lambda, double a, bool decode) {
 
 }  // namespace
 
-CudaBlasstProbe::CudaBlasstProbe(const ModelWeights& w, int64_t max_tokens, bool decode_phase)
+CudaBlasstProbe::CudaBlasstProbe(const ModelWeights& w, int64_t max_tokens, bool decode_phase,
+                                 const CudaSparse* placement)
     : decode_(decode_phase) {
+  if (placement) {
+    SPADE_CHECK(placement->blasst_sel, "calibrate --device cuda --sparse: '",
+                placement->describe(), "' is not BLASST inside a GPU selector (X+blasst)");
+    SPADE_CHECK(decode_phase, "calibrate --device cuda --sparse X+blasst: --phase decode only "
+                "(prefill skipping runs the dense prefill kernels whatever the selector: "
+                "calibrate the prefill without --sparse)");
+    placement_ = std::make_unique<CudaSparse>(*placement);
+  }
   CudaModelOptions o;
   o.max_tokens = max_tokens;
   o.max_batch = 1;
   o.max_step_tokens = 4096;
-  o.sparse = blasst_config(0.0, 0.0, decode_phase);
+  o.sparse = blasst_config(0.0, 0.0, decode_phase, placement_.get());
   o.sparse.head_dim = w.config.head_dim;
   model_ = std::make_unique<CudaModel>(w, o);
   SPADE_CHECK(decode_ || model_->blasst_prefill_active(), "calibrate --device cuda --phase prefill: "
@@ -53,14 +64,14 @@ double CudaBlasstProbe::measure(int key, const std::vector<int32_t>& toks, int64
     SPADE_CHECK(int64_t(toks.size()) >= L + steps, "calibration sample shorter than L + steps");
     auto it = prefixes_.find({key, L});
     if (it == prefixes_.end()) {
-      m.set_blasst(blasst_config(0.0, 0.0, true));  // dense prefill (lambda 0)
+      m.set_blasst(blasst_config(0.0, 0.0, true, placement_.get()));  // dense prefill (lambda 0)
       it = prefixes_.emplace(std::make_pair(key, L), PageTable{}).first;
       run(it->second, toks.data(), L);
     }
     pt = &it->second;
     pt->length = L;  // rewind: the steps below rewrite the slots after the prefix
   }
-  m.set_blasst(blasst_config(lambda, a, decode_));
+  m.set_blasst(blasst_config(lambda, a, decode_, placement_.get()));
   m.reset_blasst_counts();
   if (decode_)
     for (int64_t i = 0; i < steps; ++i) run(*pt, toks.data() + L + i, 1);

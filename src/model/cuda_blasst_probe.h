@@ -1,5 +1,5 @@
 // BLASST sparsity on the GPU for `spade calibrate blasst --device cuda`: one CudaModel built
-// with BLASST, whose lambda is changed between runs (CudaModel::set_blasst), and the tile
+// with BLASST (over full attention, or inside a selector: --sparse X+blasst), whose lambda is changed between runs (CudaModel::set_blasst), and the tile
 // counters of its kernels (decode: 16-token warp chunks, seeded running max; prefill: 64 rows
 // x 128 keys in the wgmma kernel, 32 rows x 64 keys at head_dim 64). Decode measurements prefill each (sample, length) prefix
 // once, densely, and rewind to it for every lambda (the decode steps only write later slots).
@@ -17,7 +17,12 @@ namespace spade {
 class CudaBlasstProbe {
  public:
   // decode_phase: decode steps after a dense prefill; else prefill chunks with skipping.
-  CudaBlasstProbe(const ModelWeights& w, int64_t max_tokens, bool decode_phase);
+  // placement (optional, decode only): BLASST inside a GPU selector's lists (X+blasst,
+  // CudaSparse::blasst_sel, e.g. from cuda_sparse_config of "quest+blasst:budget=2048"): the
+  // selection kernel's chunks and the selector's dense launches (dense layers, fallback) count,
+  // as where the method will run; its lambda options are replaced by each run's.
+  CudaBlasstProbe(const ModelWeights& w, int64_t max_tokens, bool decode_phase,
+                  const CudaSparse* placement = nullptr);
   ~CudaBlasstProbe();
   // Skipped / visited tiles over every layer and KV head with lambda (>= 0) or lambda = a / L
   // (lambda < 0): decode: `steps` teacher-forced steps feeding toks[L .. L + steps) after the
@@ -29,6 +34,7 @@ class CudaBlasstProbe {
 
  private:
   bool decode_;
+  std::unique_ptr<CudaSparse> placement_;  // X+blasst, or null: over full attention
   std::unique_ptr<CudaModel> model_;
   std::map<std::pair<int, int64_t>, PageTable> prefixes_;
 };

@@ -302,6 +302,7 @@ std::vector<float> prefill_tile_gaps(ModelRunner& r, const std::vector<int32_t>&
   prm.lambda = 0;  // never skip: the run is dense attention, tiles traced
   prm.prefill_tile = tile;
   prm.q_block = q_block;
+  prm.prefill = true;
   prm.decode = false;
   auto m = std::make_shared<BlasstMethod>(std::make_shared<FullMethod>(), prm);
   ProbeSession s(m, r.config(), r.kv());

@@ -106,7 +106,7 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
       b.blasst_a = bm->params().a;
       b.blasst_prefill_a = bm->params().prefill_a >= 0 ? bm->params().prefill_a : bm->params().a;
       b.blasst_decode = bm->params().decode;
-      b.blasst_prefill = bm->params().prefill && cfg.options.count("prefill");
+      b.blasst_prefill = bm->params().prefill;  // prefill=1 (off by default, as on the CPU)
       b.blasst_len_selected = bm->params().length_selected;
       b.head_dim = model.head_dim;
       return b;
@@ -121,9 +121,13 @@ CudaSparse cuda_sparse_config(const sparse::SparseConfig& cfg_in, const ModelCon
       r.blasst_a = kBlasstDefaultGpuDecodeA;
     r.blasst_prefill_a = bm->params().prefill_a >= 0 ? bm->params().prefill_a : bm->params().a;
     r.blasst_decode = bm->params().decode;
-    // Prefill skipping on the GPU only when asked for (prefill=1): the skipping prefill
-    // kernel costs ~25% at zero sparsity and gains only 1.1x at 75% (docs/cuda.md).
-    r.blasst_prefill = bm->params().prefill && cfg.options.count("prefill");
+    // Prefill skipping only when asked for (prefill=1, the method's default 0 on CPU and GPU):
+    // on real SmolLM2 prefills of 3.5K / 7.5K tokens skipping up to 79% of the tiles gave no
+    // prefill speed-up beyond run-to-run noise
+    // (bench/results/blasst_prefill_real_smollm2_h100_20261122.json), while at zero sparsity
+    // the skip kernel costs +9% over the default dense prefill (docs/results.md "BLASST
+    // prefill"); its gain needs long contexts and high sparsity (1.57x at 64K, 79%).
+    r.blasst_prefill = bm->params().prefill;
     return r;
   }
   if (info.name == "lycheedecode") {

@@ -4,7 +4,9 @@
 // (+1 KiB) when the method skips tiles, + 1 MiB slack; the subclass's own bytes follow. Here:
 // the step plan of the dense workspace, per-request row counting, the dense attention (with
 // BLASST's skip parameters: fixed lambda or a / L, decode vs prefill), the method's lane and
-// side streams, the BLASST counters and lambda changes (calibration).
+// side streams, the BLASST counters, their decode tiles handed to the requests that skipped
+// them (settle_blasst: density counts skipped rows as not attended) and lambda changes
+// (calibration).
 #if defined(SPADE_HAVE_CUDA)
 #include "sparse/gpu/method.h"
 
@@ -115,6 +117,7 @@ GpuMethod::~GpuMethod() {
 
 void GpuMethod::plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n) {
   cudaStream_t st = S_(ctx_.stream);
+  settle_blasst();  // the previous steps' skipped tiles, before this step's rows are counted
   plan_aseq_.assign(aseq, aseq + n);  // kept: no allocation once warm
   attn_->plan(plan_aseq_, st, 0, /*wait=*/false);
   sparse_step_ = false;
@@ -122,29 +125,65 @@ void GpuMethod::plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n) {
   // A one-token cache-correction chunk (SeqInput::dense) is no decode row: it attends densely.
   for (int i = 0; i < n; ++i) decode = decode && seqs[i].n_tokens == 1 && !seqs[i].dense;
   plan_lists(seqs, n, decode);
-  count_rows(seqs, n);
+  count_rows(seqs, n, decode);
 }
 
 int64_t GpuMethod::sparse_layer_rows(int, int64_t L) const {
   return int64_t(ctx_.cfg.n_kv_heads) * L;
 }
 
-void GpuMethod::count_rows(const SeqInput* seqs, int n) {
+void GpuMethod::count_rows(const SeqInput* seqs, int n, bool decode) {
   const ModelConfig& c = ctx_.cfg;
   const int NL = c.n_layers, Hkv = c.n_kv_heads;
+  // A step of decode rows only runs the decode kernels, whose skipped tiles count in the decode
+  // counters (a mixed step's decode rows attend with the prefill launch: not counted).
+  const bool skips = decode && blasst_decode_skips();
   for (int i = 0; i < n; ++i) {
     auto* g = dynamic_cast<GpuRequestState*>(seqs[i].device_state);
     // Decode rows only (a prefill or correction chunk is dense).
     if (!g || seqs[i].n_tokens != 1 || seqs[i].dense) continue;
     const int64_t L = seqs[i].pages->length + 1;
-    if (!sparse_step_) {
-      g->attended += int64_t(NL) * Hkv * L;
-      continue;
+    int64_t rows = int64_t(NL) * Hkv * L;
+    if (sparse_step_) {
+      rows = 0;
+      for (int l = 0; l < NL; ++l) rows += sparse_layer_rows(l, L);
     }
-    int64_t rows = 0;
-    for (int l = 0; l < NL; ++l) rows += sparse_layer_rows(l, L);
     g->attended += rows;
+    if (skips) {
+      g->blasst = this;
+      blasst_pending_.push_back({g->skipped, rows});
+    }
   }
+  blasst_unsettled_ = blasst_unsettled_ || skips;
+}
+
+bool GpuMethod::blasst_decode_skips() const {
+  if (!sp_.blasst_any() || !sp_.blasst_decode || !blasst_counts_) return false;
+  return sp_.blasst_lambda >= 0 ? sp_.blasst_lambda > 0 : sp_.blasst_a > 0;
+}
+
+void GpuMethod::settle_blasst() {
+  if (!blasst_unsettled_) return;
+  blasst_unsettled_ = false;
+  const std::vector<uint64_t> c = blasst_counts(false);  // waits for the steps
+  uint64_t skipped = 0;
+  for (size_t i = 1; i < c.size(); i += 2) skipped += c[i];
+  // The counters only grow, but for reset_blasst_counts (which settles first).
+  const uint64_t d = skipped >= blasst_settled_ ? skipped - blasst_settled_ : skipped;
+  blasst_settled_ = skipped;
+  int64_t left = int64_t(d) * kBlasstTileRows, total_rows = 0;
+  for (const BlasstPending& p : blasst_pending_) total_rows += p.rows;
+  const int64_t all = left;
+  for (size_t i = 0; i < blasst_pending_.size() && total_rows > 0 && left > 0; ++i) {
+    const BlasstPending& p = blasst_pending_[i];
+    int64_t share = i + 1 == blasst_pending_.size()
+                        ? left
+                        : int64_t(double(all) * double(p.rows) / double(total_rows));
+    share = std::min({share, left, p.rows});
+    *p.skipped += share;
+    left -= share;
+  }
+  blasst_pending_.clear();
 }
 
 void GpuMethod::attend(int l, const void* q, const void* kc, const void* vc, void* att,
@@ -245,12 +284,25 @@ std::vector<uint64_t> GpuMethod::blasst_counts(bool prefill) const {
   return h;
 }
 
-void GpuMethod::set_blasst(const CudaSparse&) {
-  fail("set_blasst: the model was not built with BLASST");
+void GpuMethod::set_blasst(const CudaSparse& s) {
+  // BLASST inside this selector's lists (X+blasst): only the skip parameters change (the
+  // calibration probe over a selector); the lists, their sizes and buffers stay.
+  SPADE_CHECK(sp_.blasst_sel && s.blasst_sel && s.method == sp_.method,
+              "set_blasst: the model was not built with BLASST");
+  SPADE_CHECK(s.blasst_decode == sp_.blasst_decode && s.blasst_prefill == sp_.blasst_prefill,
+              "set_blasst: the phases that skip are fixed when the model is built");
+  settle_blasst();
+  SPADE_CUDA(cudaStreamSynchronize(S_(ctx_.stream)));
+  sp_.blasst_lambda = s.blasst_lambda;
+  sp_.blasst_a = s.blasst_a;
+  sp_.blasst_prefill_a = s.blasst_prefill_a;
+  sp_.blasst_len_selected = s.blasst_len_selected;
 }
 
 void GpuMethod::reset_blasst_counts() {
   if (!blasst_counts_) return;
+  settle_blasst();  // the requests keep what they skipped so far
+  blasst_settled_ = 0;
   SPADE_CUDA(cudaStreamSynchronize(S_(ctx_.stream)));
   SPADE_CUDA(cudaMemset(blasst_counts_, 0, size_t(4) * ctx_.cfg.n_layers * ctx_.cfg.n_kv_heads * 8));
 }

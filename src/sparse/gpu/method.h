@@ -140,6 +140,17 @@ class GpuMethod {
   bool count_blasst = true;
   std::vector<uint64_t> blasst_counts(bool prefill) const;
   void reset_blasst_counts();
+  // Rows of one skipped decode tile: the dense decode kernel's 16-token warp chunks (its last
+  // chunk, the only partial one, is the seed and never skipped), the selection kernel's chunks
+  // of 16 list rows (a list's partial last chunk counts 16 too: an upper bound there).
+  static constexpr int64_t kBlasstTileRows = 16;
+  // Hands the decode tiles skipped since the last call to the requests of the decode steps
+  // that skipped them (GpuRequestState::skipped, kBlasstTileRows rows per tile; several
+  // requests of one step share the step's count in proportion to their rows: the counters are
+  // per (layer, KV head), not per request). Reads the counters (a stream sync); plan() and
+  // GpuRequestState::attended_rows() call it, so density counts a skipped tile's rows as not
+  // attended.
+  void settle_blasst();
   bool blasst_prefill_active() const;
   virtual void set_blasst(const CudaSparse& s);  // BLASST only: new parameters
 
@@ -196,8 +207,19 @@ class GpuMethod {
   int step_max_pages_ = 0;
 
  private:
-  // Each decoding request's rows of this step (dense attention when the step's lists are off).
-  void count_rows(const SeqInput* seqs, int n);
+  // Each decoding request's rows of this step (dense attention when the step's lists are off);
+  // `decode`: every row of the step decodes (BLASST's decode counters count its tiles).
+  void count_rows(const SeqInput* seqs, int n, bool decode);
+  // Whether decode launches skip tiles (and count them).
+  bool blasst_decode_skips() const;
+  // settle_blasst(): the requests of the decode steps since the last settle, with their rows.
+  struct BlasstPending {
+    std::shared_ptr<int64_t> skipped;
+    int64_t rows = 0;
+  };
+  std::vector<BlasstPending> blasst_pending_;
+  uint64_t blasst_settled_ = 0;    // decode tiles skipped, summed, at the last settle
+  bool blasst_unsettled_ = false;  // a skipping decode step ran since
 };
 
 // A request's state on the GPU: which of the model's methods it runs (CudaModel::add_method
@@ -218,11 +240,18 @@ class GpuRequestState final : public sparse::MethodState {
   const std::atomic<int>* counter() const { return live_.get(); }
   // Decode rows its method's lists held (GpuMethod::plan): exact where the host sizes the
   // lists (streaming, tidal, lessismore, lycheedecode topk / ratio, oracle-topk, dense layers;
-  // quest counts whole 16-token pages), an upper bound where the device sizes, prunes or
-  // skips further (lycheedecode topp / threshold, oracle-topp, twilight, lycheecluster,
-  // blasst).
-  int64_t attended_rows() const override { return attended; }
+  // quest counts whole 16-token pages), an upper bound where the device sizes or prunes
+  // further (lycheedecode topp / threshold, oracle-topp, twilight, lycheecluster); less the
+  // rows of the tiles BLASST skipped in its decode steps (GpuMethod::settle_blasst).
+  int64_t attended_rows() const override {
+    if (blasst) blasst->settle_blasst();
+    return attended - *skipped;
+  }
   int64_t attended = 0;
+  // BLASST: rows of its decode steps' skipped tiles, and the method that settles them (set by
+  // its plan; the method outlives its request states: `live`).
+  std::shared_ptr<int64_t> skipped = std::make_shared<int64_t>(0);
+  GpuMethod* blasst = nullptr;
 
   const int method;
   const std::unique_ptr<sparse::MethodState> own;

@@ -69,7 +69,7 @@ class BlasstMethod final : public ComposedMethod {
     bool length_selected = true;
     int64_t tile = 64, prefill_tile = 128, q_block = 128;
     cpu::TileOrder order = cpu::TileOrder::Sequential;
-    bool prefill = true, decode = true;
+    bool prefill = false, decode = true;  // prefill skipping is opt-in (option prefill=1)
   };
   BlasstMethod(std::shared_ptr<const SparseMethod> base, Params prm);
   std::string name() const override { return "blasst"; }

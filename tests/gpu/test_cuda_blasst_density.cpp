@@ -1,0 +1,113 @@
+// BLASST's skipped tiles count in a request's density on the GPU (issue 37, item 5): the rows a
+// request's GpuRequestState reports as attended (what the scheduler turns into the server's
+// usage.sparse.density, api::LLM's RequestOutput.density and /metrics) are its decode rows
+// less kBlasstTileRows per decode tile the kernels skipped, consistent with the tile counters:
+// over full attention (the dense decode kernel) and inside Quest's lists (the selection
+// kernel). A lambda that never skips reports every row (density 1 over full attention).
+// Random bf16-rounded weights, two requests batched.
+#include <cstdio>
+
+#include "../test_util.h"
+#include "gpu_model_util.h"
+#include "model/cuda_model.h"
+#include "sparse/gpu/method.h"
+#include "sparse/registry.h"
+
+namespace spade::test {
+namespace {
+
+struct Density {
+  int64_t dense_rows = 0;     // NL * Hkv * L per decode step, both requests
+  int64_t method_rows = 0;    // what the method's lists held, before skipping
+  int64_t attended = 0;       // GpuRequestState::attended_rows(), both requests
+  int64_t attended_each[2] = {0, 0};
+  uint64_t skipped = 0, tiles = 0;  // decode tile counters
+};
+
+Density run(const ModelWeights& w, const std::string& spec, int steps) {
+  const ModelConfig& c = w.config;
+  CudaModelOptions o;
+  o.max_tokens = 2048;
+  o.max_batch = 4;
+  o.max_step_tokens = 1024;
+  o.max_logit_rows = 64;
+  o.sparse = cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);
+  CudaModel m(w, o);
+  std::unique_ptr<sparse::MethodState> st[2] = {m.new_request_state(0), m.new_request_state(0)};
+  auto* g0 = dynamic_cast<GpuRequestState*>(st[0].get());
+  auto* g1 = dynamic_cast<GpuRequestState*>(st[1].get());
+  EXPECT_TRUE(g0 && g1);
+  std::mt19937 rng(11);
+  const auto a = random_tokens(rng, 700, c.vocab), b = random_tokens(rng, 300, c.vocab);
+  PageTable p[2];
+  std::vector<int64_t> rows;
+  m.forward({{&p[0], a.data(), 700, false, nullptr, st[0].get()},
+             {&p[1], b.data(), 300, false, nullptr, st[1].get()}}, rows);
+  EXPECT_EQ(g0->attended_rows(), 0) << "prefill rows are not decode rows";
+  Density d;
+  for (int s = 0; s < steps; ++s) {
+    const int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
+    d.dense_rows += int64_t(c.n_layers) * c.n_kv_heads * (p[0].length + 1 + p[1].length + 1);
+    m.forward({{&p[0], &ta, 1, false, nullptr, st[0].get()},
+               {&p[1], &tb, 1, false, nullptr, st[1].get()}}, rows);
+  }
+  d.method_rows = g0->attended + g1->attended;
+  d.attended_each[0] = g0->attended_rows();
+  d.attended_each[1] = g1->attended_rows();
+  d.attended = d.attended_each[0] + d.attended_each[1];
+  const std::vector<uint64_t> cnt = m.blasst_counts(false);
+  for (size_t i = 0; i + 1 < cnt.size(); i += 2) d.tiles += cnt[i], d.skipped += cnt[i + 1];
+  m.release(p[0]);
+  m.release(p[1]);
+  return d;
+}
+
+TEST(CudaBlasstDensity, SkippedTilesAreNotAttended) {
+  const ModelConfig c = tiny_config(Arch::Llama, 64, 2);
+  ModelWeights w = random_model(c, 21);
+  round_weights_bf16(w);
+  const int steps = 6;
+  // Over full attention: the method's rows are the dense rows; skipping lowers the attended.
+  for (const char* spec : {"blasst:lambda=0", "blasst:lambda=1e-30", "blasst:lambda=0.5"}) {
+    SCOPED_TRACE(spec);
+    const Density d = run(w, spec, steps);
+    EXPECT_EQ(d.method_rows, d.dense_rows);
+    EXPECT_EQ(d.attended, d.dense_rows - GpuMethod::kBlasstTileRows * int64_t(d.skipped))
+        << "attended rows = decode rows - 16 per skipped decode tile";
+    const double density = double(d.attended) / double(d.dense_rows);
+    std::printf("[ blasst density ] %s: density %.4f, decode tiles skipped %llu / %llu\n", spec,
+                density, (unsigned long long)d.skipped, (unsigned long long)d.tiles);
+    if (std::string(spec) == "blasst:lambda=0.5") {
+      EXPECT_GT(d.skipped, 0u);
+      EXPECT_LT(density, 1.0) << "BLASST density < 1 when tiles skip";
+      // Each request gets a share, no more than its rows.
+      for (int r = 0; r < 2; ++r) EXPECT_GE(d.attended_each[r], 0);
+    } else {
+      EXPECT_EQ(d.skipped, 0u);
+      EXPECT_EQ(density, 1.0) << "a lambda that never skips attends every row";
+    }
+  }
+  // Inside Quest's lists: the selection kernel's skipped chunks come off Quest's rows.
+  const Density q = run(w, "quest:budget=256,dense_layers=1", steps);
+  for (const char* spec : {"quest+blasst:budget=256,dense_layers=1,lambda=1e-30",
+                           "quest+blasst:budget=256,dense_layers=1,lambda=0.05"}) {
+    SCOPED_TRACE(spec);
+    const Density d = run(w, spec, steps);
+    EXPECT_EQ(d.method_rows, q.method_rows) << "the same host-sized lists as Quest alone";
+    EXPECT_EQ(q.attended, q.method_rows);
+    EXPECT_EQ(d.attended, d.method_rows - GpuMethod::kBlasstTileRows * int64_t(d.skipped));
+    std::printf("[ blasst density ] %s: density %.4f (quest alone %.4f), chunks skipped %llu / %llu\n",
+                spec, double(d.attended) / double(d.dense_rows),
+                double(q.attended) / double(q.dense_rows), (unsigned long long)d.skipped,
+                (unsigned long long)d.tiles);
+    if (std::string(spec).find("0.05") != std::string::npos) {
+      EXPECT_GT(d.skipped, 0u);
+      EXPECT_LT(d.attended, q.attended);
+    } else {
+      EXPECT_EQ(d.attended, q.attended);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace spade::test
