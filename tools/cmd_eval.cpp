@@ -272,10 +272,11 @@ ResultFile open_results(const std::string& out, const std::string& kind, const j
   return f;
 }
 
-// The session's counters (CPU); the GPU keeps none: null fields.
+// The session's counters (CPU); the GPU keeps none but the request's density (attended /
+// dense decode rows, BLASST's skipped tiles not attended): the other fields null.
 json totals_fields(const DecodeResult& r, bool recall) {
-  if (r.gpu) return {{"density", nullptr}, {"sparse_density", nullptr},
-                     {"tokens_per_head", nullptr}, {"steps", nullptr}};
+  if (r.gpu) return {{"density", r.gpu_density >= 0 ? json(r.gpu_density) : json(nullptr)},
+                     {"sparse_density", nullptr}, {"tokens_per_head", nullptr}, {"steps", nullptr}};
   const sparse::SessionTotals& t = r.totals;
   json j = {{"density", t.mean_density()},
             {"sparse_density", t.mean_sparse_density()},

@@ -51,8 +51,11 @@ DecodeResult CudaDecoder::decode(const std::string& key, const CudaSparse& spars
   PageTable pt;
   DecodeResult r;
   r.gpu = true;
-  // The method's request state (LycheeCluster: token text, chunks, index slots).
-  auto state = m.new_request_state();
+  // The method's request state (LycheeCluster: token text, chunks, index slots); it also
+  // counts the decode rows the method read (density).
+  auto state = m.new_request_state(0);
+  const ModelConfig& c = w_.config;
+  int64_t dense_rows = 0;
   const bool text = tok_ && state && state->wants_token_text();
   if (text)
     for (int32_t t : prompt) state->append_token_text(tok_->token_bytes(t));
@@ -74,10 +77,12 @@ DecodeResult CudaDecoder::decode(const std::string& key, const CudaSparse& spars
     decode_steps(opt, V, last_.data(), [&](int32_t t) {
       if (text) state->append_token_text(tok_->token_bytes(t));
       batch[0] = {&pt, &r.tokens.back(), 1, false, nullptr, state.get()};
+      dense_rows += int64_t(c.n_layers) * c.n_kv_heads * (pt.length + 1);
       const auto& lg = m.forward(batch, row_of_);
       return corr.after_step(lg.data() + row_of_[0] * V, pt, r.tokens.back(), state.get(), r);
     }, r);
     r.seconds = since(t0);
+    if (dense_rows > 0) r.gpu_density = double(state->attended_rows()) / double(dense_rows);
   } catch (...) {
     m.release(pt);
     throw;

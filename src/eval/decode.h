@@ -40,6 +40,9 @@ struct DecodeResult {
   double seconds = 0;            // decode time, recall measurement excluded
   double prefill_seconds = 0;    // the prefill this decode started from (EvalRunner)
   bool gpu = false;              // decoded by CudaModel (src/eval/cuda_decode.h)
+  // GPU: the request's attended / dense decode rows over its decode steps (the scheduler's
+  // per-request density: GpuRequestState, BLASST's skipped tiles not attended); < 0: none.
+  double gpu_density = -1;
   int64_t corrections = 0;       // cache corrections run (DecodeOptions::correction_every)
 };
 

@@ -228,7 +228,9 @@ std::string backend_section(const json& rs) {
   if (!gpu) return "";
   std::string s = "## Backend per method\n\nThe GPU (cuda) runs each method on a CudaModel "
                   "(bf16 weights and KV cache); the CPU runs fp32. GPU records carry no per-step "
-                  "session counters: their density and recall cells are '-'.\n\n"
+                  "session counters: their recall and sparse-layer density cells are '-'; their "
+                  "density is the request's attended / dense decode rows (BLASST's skipped tiles "
+                  "not attended).\n\n"
                   "| method | backend |\n|---|---|\n";
   for (const auto& m : order_of(rs, "method")) {
     std::string b;

@@ -3,12 +3,14 @@
 // usage.sparse.density, api::LLM's RequestOutput.density and /metrics) are its decode rows
 // less kBlasstTileRows per decode tile the kernels skipped, consistent with the tile counters:
 // over full attention (the dense decode kernel) and inside Quest's lists (the selection
-// kernel). A lambda that never skips reports every row (density 1 over full attention).
+// kernel). A lambda that never skips reports every row (density 1 over full attention); the
+// eval's GPU records carry the same density.
 // Random bf16-rounded weights, two requests batched.
 #include <cstdio>
 
 #include "../test_util.h"
 #include "gpu_model_util.h"
+#include "eval/cuda_decode.h"
 #include "model/cuda_model.h"
 #include "sparse/gpu/method.h"
 #include "sparse/registry.h"
@@ -68,7 +70,7 @@ TEST(CudaBlasstDensity, SkippedTilesAreNotAttended) {
   round_weights_bf16(w);
   const int steps = 6;
   // Over full attention: the method's rows are the dense rows; skipping lowers the attended.
-  for (const char* spec : {"blasst:lambda=0", "blasst:lambda=1e-30", "blasst:lambda=0.5"}) {
+  for (const char* spec : {"blasst:lambda=0", "blasst:lambda=1e-30", "blasst:lambda=0.9"}) {
     SCOPED_TRACE(spec);
     const Density d = run(w, spec, steps);
     EXPECT_EQ(d.method_rows, d.dense_rows);
@@ -77,7 +79,7 @@ TEST(CudaBlasstDensity, SkippedTilesAreNotAttended) {
     const double density = double(d.attended) / double(d.dense_rows);
     std::printf("[ blasst density ] %s: density %.4f, decode tiles skipped %llu / %llu\n", spec,
                 density, (unsigned long long)d.skipped, (unsigned long long)d.tiles);
-    if (std::string(spec) == "blasst:lambda=0.5") {
+    if (std::string(spec) == "blasst:lambda=0.9") {
       EXPECT_GT(d.skipped, 0u);
       EXPECT_LT(density, 1.0) << "BLASST density < 1 when tiles skip";
       // Each request gets a share, no more than its rows.
@@ -90,7 +92,7 @@ TEST(CudaBlasstDensity, SkippedTilesAreNotAttended) {
   // Inside Quest's lists: the selection kernel's skipped chunks come off Quest's rows.
   const Density q = run(w, "quest:budget=256,dense_layers=1", steps);
   for (const char* spec : {"quest+blasst:budget=256,dense_layers=1,lambda=1e-30",
-                           "quest+blasst:budget=256,dense_layers=1,lambda=0.05"}) {
+                           "quest+blasst:budget=256,dense_layers=1,lambda=0.9"}) {
     SCOPED_TRACE(spec);
     const Density d = run(w, spec, steps);
     EXPECT_EQ(d.method_rows, q.method_rows) << "the same host-sized lists as Quest alone";
@@ -100,13 +102,38 @@ TEST(CudaBlasstDensity, SkippedTilesAreNotAttended) {
                 spec, double(d.attended) / double(d.dense_rows),
                 double(q.attended) / double(q.dense_rows), (unsigned long long)d.skipped,
                 (unsigned long long)d.tiles);
-    if (std::string(spec).find("0.05") != std::string::npos) {
+    if (std::string(spec).find("0.9") != std::string::npos) {
       EXPECT_GT(d.skipped, 0u);
       EXPECT_LT(d.attended, q.attended);
     } else {
       EXPECT_EQ(d.attended, q.attended);
     }
   }
+}
+
+// `spade eval --device cuda` records the same density (DecodeResult::gpu_density, the JSON's
+// "density"): 1 for a lambda that never skips, below 1 when tiles skip.
+TEST(CudaBlasstDensity, EvalRecordsTheRequestDensity) {
+  const ModelConfig c = tiny_config(Arch::Llama, 64, 2);
+  ModelWeights w = random_model(c, 21);
+  round_weights_bf16(w);
+  std::mt19937 rng(3);
+  const auto prompt = random_tokens(rng, 600, c.vocab);
+  eval::CudaDecoder dec(w, 600, 8);
+  eval::DecodeOptions o;
+  o.max_new = 8;
+  double density[2] = {0, 0};
+  int i = 0;
+  for (const char* spec : {"blasst:lambda=0", "blasst:lambda=0.9"}) {
+    const eval::DecodeResult r =
+        dec.decode(spec, cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16), prompt, o);
+    EXPECT_TRUE(r.gpu);
+    density[i++] = r.gpu_density;
+  }
+  std::printf("[ blasst density ] eval: lambda 0 %.4f, lambda 0.9 %.4f\n", density[0], density[1]);
+  EXPECT_EQ(density[0], 1.0);
+  EXPECT_GT(density[1], 0.0);
+  EXPECT_LT(density[1], 1.0) << "BLASST density < 1 when tiles skip";
 }
 
 }  // namespace
