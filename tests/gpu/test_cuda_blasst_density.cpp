@@ -11,6 +11,7 @@
 #include "../test_util.h"
 #include "gpu_model_util.h"
 #include "eval/cuda_decode.h"
+#include "model/cuda_blasst_probe.h"
 #include "model/cuda_model.h"
 #include "sparse/gpu/method.h"
 #include "sparse/registry.h"
@@ -65,6 +66,7 @@ Density run(const ModelWeights& w, const std::string& spec, int steps) {
 }
 
 TEST(CudaBlasstDensity, SkippedTilesAreNotAttended) {
+  SKIP_WITHOUT_GPU();
   const ModelConfig c = tiny_config(Arch::Llama, 64, 2);
   ModelWeights w = random_model(c, 21);
   round_weights_bf16(w);
@@ -114,6 +116,7 @@ TEST(CudaBlasstDensity, SkippedTilesAreNotAttended) {
 // `spade eval --device cuda` records the same density (DecodeResult::gpu_density, the JSON's
 // "density"): 1 for a lambda that never skips, below 1 when tiles skip.
 TEST(CudaBlasstDensity, EvalRecordsTheRequestDensity) {
+  SKIP_WITHOUT_GPU();
   const ModelConfig c = tiny_config(Arch::Llama, 64, 2);
   ModelWeights w = random_model(c, 21);
   round_weights_bf16(w);
@@ -134,6 +137,38 @@ TEST(CudaBlasstDensity, EvalRecordsTheRequestDensity) {
   EXPECT_EQ(density[0], 1.0);
   EXPECT_GT(density[1], 0.0);
   EXPECT_LT(density[1], 1.0) << "BLASST density < 1 when tiles skip";
+}
+
+// The probe behind `spade calibrate blasst --device cuda --sparse quest+blasst:...`: BLASST
+// inside Quest's lists, lambda changed between runs on the selector (GpuMethod::set_blasst):
+// lambda 0 and a lambda too small to skip give 0, a larger one skips, lambda = a / L with
+// a = lambda * L (the calibration's sweep inside a selector) runs, the same answer twice; a
+// placement that is not X+blasst, or the prefill phase, is refused.
+TEST(CudaBlasstDensity, CalibrationProbeInsideQuest) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = tiny_config(Arch::Llama, 64, 2);
+  ModelWeights w = random_model(c, 21);
+  round_weights_bf16(w);
+  std::mt19937 rng(9);
+  const auto toks = random_tokens(rng, 900, c.vocab);
+  const CudaSparse where = cuda_sparse_config(
+      sparse::SparseConfig::parse_spec("quest+blasst:budget=256,dense_layers=1"), c, 16);
+  ASSERT_TRUE(where.blasst_sel);
+  CudaBlasstProbe probe(w, 2048, true, &where);
+  const int64_t L = 800;
+  EXPECT_EQ(probe.measure(0, toks, L, 2, 0.0, -1), 0.0);
+  EXPECT_EQ(probe.measure(0, toks, L, 2, 1e-30, -1), 0.0);
+  const double s = probe.measure(0, toks, L, 2, 0.9, -1);
+  EXPECT_GT(s, 0.0);
+  EXPECT_LT(s, 1.0);
+  EXPECT_EQ(probe.measure(0, toks, L, 2, 0.9, -1), s);  // prefix reused, same decisions
+  const double sa = probe.measure(0, toks, L, 2, -1, 0.9 * double(L));
+  EXPECT_GT(sa, 0.0);
+  std::printf("[ blasst probe in quest ] lambda 0.9: sparsity %.3f; a = 0.9 L: %.3f\n", s, sa);
+  expect_error([&] { CudaBlasstProbe(w, 2048, false, &where); }, "--phase decode only");
+  const CudaSparse quest =
+      cuda_sparse_config(sparse::SparseConfig::parse_spec("quest:budget=256"), c, 16);
+  expect_error([&] { CudaBlasstProbe(w, 2048, true, &quest); }, "is not BLASST inside a GPU selector");
 }
 
 }  // namespace
