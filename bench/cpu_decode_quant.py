@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BARS = {"decode_short": 1.0, "decode_long": 1.5, "prefill": 1.5, "rss": 1.5}
 
 
-LOCK = []  # ["flock", PATH] with --lock: each run holds the lock builds take
+LOCK = []  # ["flock", PATH, ...] with --lock (repeatable): each run holds the locks builds take
 
 
 def run_timed(cmd):
@@ -83,12 +83,13 @@ def main():
     ap.add_argument("--long-words", type=int, default=5790)  # 6,801 tokens
     ap.add_argument("--spade-cuda", help="a CUDA-enabled spade binary: one short run for its RSS")
     ap.add_argument("--llama-src", default=os.path.join(ROOT, ".stage/llamacpp-src.tar.gz"))
-    ap.add_argument("--lock", help="a lock file each run holds (flock), e.g. the one builds on this "
-                                   "machine take, so no build of those runs beside a timed run")
+    ap.add_argument("--lock", action="append", default=[],
+                    help="a lock file each run holds (flock; repeatable), e.g. the ones builds on this "
+                         "machine take, so no build of those runs beside a timed run")
     ap.add_argument("--out")
     a = ap.parse_args()
-    if a.lock:
-        LOCK[:] = ["flock", a.lock]
+    for lk in a.lock:
+        LOCK.extend(["flock", lk])
     words = open(os.path.join(ROOT, "tests/fixtures/sparse/genesis_1_3.txt")).read().split()
     prompts = {}
     for name, count in (("short", a.short_words), ("long", a.long_words)):
@@ -173,14 +174,14 @@ def main():
                       "build": "cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON, target llama-bench"},
         "commands": {
             "spade": "spade generate --model M --prompt-file P --ignore-eos -n N --threads T --stats "
-                     "[--cpu-weights f32]",
+                     "[--cpu-weights f32] (KV cache bf16: the default --kv-dtype)",
             "llama_cpp": "llama-bench -m M -p 0 -n N -d DEPTH -t T -r 1 --progress -o json "
                          "(DEPTH = spade's prompt tokens; prefill timed between its 'depth run' and "
                          "'generation run' progress lines)",
             "rss": "/usr/bin/time -f %M",
             "reproduce": "python3 bench/cpu_decode_quant.py --llama-bench PATH --threads %s --pairs %d "
                          "--long-pairs %d%s" % (a.threads, a.pairs, a.long_pairs,
-                                                " --lock " + a.lock if a.lock else "")},
+                                                "".join(" --lock " + lk for lk in a.lock))},
         "bars": BARS,
         "cases": cases,
     }
