@@ -106,6 +106,9 @@ void GpuMethod::quiesce() {
 
 GpuMethod::~GpuMethod() {
   quiesce();
+  if (blasst_copying_) cudaEventSynchronize(static_cast<cudaEvent_t>(blasst_ev_));  // the copy's target
+  if (blasst_ev_) cudaEventDestroy(static_cast<cudaEvent_t>(blasst_ev_));
+  if (blasst_host_) cudaFreeHost(blasst_host_);
   if (ev_lane_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_lane_));
   if (lane_) cudaStreamDestroy(S_(lane_));
   if (ev_fork_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_fork_));
@@ -117,7 +120,7 @@ GpuMethod::~GpuMethod() {
 
 void GpuMethod::plan(const SeqInput* seqs, const cuda::AttnSeq* aseq, int n) {
   cudaStream_t st = S_(ctx_.stream);
-  settle_blasst();  // the previous steps' skipped tiles, before this step's rows are counted
+  settle_blasst_async();  // the previous steps' skipped tiles, without waiting for them
   plan_aseq_.assign(aseq, aseq + n);  // kept: no allocation once warm
   attn_->plan(plan_aseq_, st, 0, /*wait=*/false);
   sparse_step_ = false;
@@ -162,28 +165,64 @@ bool GpuMethod::blasst_decode_skips() const {
   return sp_.blasst_lambda >= 0 ? sp_.blasst_lambda > 0 : sp_.blasst_a > 0;
 }
 
-void GpuMethod::settle_blasst() {
-  if (!blasst_unsettled_) return;
-  blasst_unsettled_ = false;
-  const std::vector<uint64_t> c = blasst_counts(false);  // waits for the steps
+void GpuMethod::blasst_hand_out(const uint64_t* c, std::vector<BlasstPending>& pending) {
+  const size_t n = size_t(ctx_.cfg.n_layers) * ctx_.cfg.n_kv_heads * 2;
   uint64_t skipped = 0;
-  for (size_t i = 1; i < c.size(); i += 2) skipped += c[i];
+  for (size_t i = 1; i < n; i += 2) skipped += c[i];
   // The counters only grow, but for reset_blasst_counts (which settles first).
   const uint64_t d = skipped >= blasst_settled_ ? skipped - blasst_settled_ : skipped;
   blasst_settled_ = skipped;
   int64_t left = int64_t(d) * kBlasstTileRows, total_rows = 0;
-  for (const BlasstPending& p : blasst_pending_) total_rows += p.rows;
+  for (const BlasstPending& p : pending) total_rows += p.rows;
   const int64_t all = left;
-  for (size_t i = 0; i < blasst_pending_.size() && total_rows > 0 && left > 0; ++i) {
-    const BlasstPending& p = blasst_pending_[i];
-    int64_t share = i + 1 == blasst_pending_.size()
+  for (size_t i = 0; i < pending.size() && total_rows > 0 && left > 0; ++i) {
+    const BlasstPending& p = pending[i];
+    int64_t share = i + 1 == pending.size()
                         ? left
                         : int64_t(double(all) * double(p.rows) / double(total_rows));
     share = std::min({share, left, p.rows});
     *p.skipped += share;
     left -= share;
   }
+  pending.clear();
+}
+
+void GpuMethod::settle_blasst() {
+  if (blasst_copying_) {  // the copy in flight first: its requests' steps come first
+    SPADE_CUDA(cudaEventSynchronize(static_cast<cudaEvent_t>(blasst_ev_)));
+    blasst_copying_ = false;
+    blasst_hand_out(reinterpret_cast<const uint64_t*>(blasst_host_), blasst_inflight_);
+  }
+  if (!blasst_unsettled_) return;
+  blasst_unsettled_ = false;
+  const std::vector<uint64_t> c = blasst_counts(false);  // waits for the steps
+  blasst_hand_out(c.data(), blasst_pending_);
+}
+
+void GpuMethod::settle_blasst_async() {
+  if (blasst_copying_) {
+    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(blasst_ev_));
+    if (e == cudaErrorNotReady) return;  // next step's plan looks again
+    SPADE_CUDA(e);
+    blasst_copying_ = false;
+    blasst_hand_out(reinterpret_cast<const uint64_t*>(blasst_host_), blasst_inflight_);
+  }
+  if (!blasst_unsettled_) return;
+  blasst_unsettled_ = false;
+  if (!blasst_host_) {
+    SPADE_CUDA(cudaMallocHost(&blasst_host_, size_t(ctx_.cfg.n_layers) * ctx_.cfg.n_kv_heads * 2 * 8));
+    cudaEvent_t ev;
+    SPADE_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    blasst_ev_ = ev;
+  }
+  cudaStream_t st = S_(ctx_.stream);
+  SPADE_CUDA(cudaMemcpyAsync(blasst_host_, blasst_counts_,
+                             size_t(ctx_.cfg.n_layers) * ctx_.cfg.n_kv_heads * 2 * 8,
+                             cudaMemcpyDeviceToHost, st));
+  SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(blasst_ev_), st));
+  blasst_inflight_.swap(blasst_pending_);  // pending is empty after the swap (was settled)
   blasst_pending_.clear();
+  blasst_copying_ = true;
 }
 
 void GpuMethod::attend(int l, const void* q, const void* kc, const void* vc, void* att,

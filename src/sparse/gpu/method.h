@@ -151,6 +151,10 @@ class GpuMethod {
   // GpuRequestState::attended_rows() call it, so density counts a skipped tile's rows as not
   // attended.
   void settle_blasst();
+  // settle_blasst without waiting (plan(), every step): hands out the tiles of a counter copy
+  // that has landed, then starts the next copy (pinned, on the model's stream, behind the
+  // steps it covers), so the host never waits for the device to count a step's skips.
+  void settle_blasst_async();
   bool blasst_prefill_active() const;
   virtual void set_blasst(const CudaSparse& s);  // BLASST only: new parameters
 
@@ -218,6 +222,12 @@ class GpuMethod {
     int64_t rows = 0;
   };
   std::vector<BlasstPending> blasst_pending_;
+  // The counter copy in flight (settle_blasst_async) and the requests it settles.
+  std::vector<BlasstPending> blasst_inflight_;
+  unsigned long long* blasst_host_ = nullptr;  // pinned: the decode counters
+  void* blasst_ev_ = nullptr;                  // cudaEvent_t: the copy landed
+  bool blasst_copying_ = false;
+  void blasst_hand_out(const uint64_t* counts, std::vector<BlasstPending>& pending);
   uint64_t blasst_settled_ = 0;    // decode tiles skipped, summed, at the last settle
   bool blasst_unsettled_ = false;  // a skipping decode step ran since
 };
