@@ -108,7 +108,9 @@ void Int4KeyStore::sync(const KVPool& kv, int layer, const PageTable& pt, int64_
     codes.resize(size_t(L * hkv_ * row_bytes));
     params.resize(size_t(L * hkv_ * 2));
   }
-  std::vector<float> key(static_cast<size_t>(d_));
+  // The key widened to fp32 (a 16-bit cache); grown once per thread, so a step allocates nothing.
+  thread_local std::vector<float> key;
+  if (key.size() < size_t(d_)) key.resize(size_t(d_));
   for (int64_t p = have; p < L; ++p)
     for (int h = 0; h < hkv_; ++h) {
       const size_t r = size_t(p * hkv_ + h);

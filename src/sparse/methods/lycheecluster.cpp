@@ -115,7 +115,8 @@ void LycheeClusterMethod::sync(StepContext& c, LycheeClusterState& st) const {
     for (int64_t h = h0; h < h1; ++h) {
       ClusterIndex& ix = st.idx_[size_t(layer) * size_t(Hkv) + size_t(h)];
       // One key at a time (the index reads each before asking the next), widened to fp32.
-      std::vector<float> row(size_t(c.D));
+      thread_local std::vector<float> row;  // grown once per thread
+      if (row.size() < size_t(c.D)) row.resize(size_t(c.D));
       KeyFn key = [&, h](int64_t pos) {
         c.kv->load_k(layer, *c.pt, pos, int(h), 1, row.data());
         return static_cast<const float*>(row.data());
