@@ -244,13 +244,7 @@ void compare_model_topp(int D, double p, bool uni, int dense, int na, int nb, in
   ASSERT_EQ(opt.sparse.method, CudaSparse::Method::OracleTopP);
   CudaModel gpu(w, opt);
   CudaModel::QuestTrace trace;
-  // The CPU reference caches K/V in bf16, as the GPU does (KVLayout::dtype): the weights
-  // both sides rank then come from the same key bits, so the sets differ only by the
-  // arithmetic's near-ties (with an f32 cache, 1-2 token swaps in sets of 5-18 tokens went
-  // past the 10% cap).
-  KVLayout lay{c.n_layers, c.n_kv_heads, c.head_dim, 16};
-  lay.dtype = KvDtype::BF16;
-  KVPool kv(lay, 128);
+  KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
   CpuModel cpu(w, kv);
   auto method = std::make_shared<TracingOracleTopP>(sparse::make_method(sc, c), p, uni, dense);
   sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
