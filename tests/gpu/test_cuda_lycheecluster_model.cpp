@@ -132,13 +132,7 @@ void compare_model(int D, const std::string& spec, int na, int nb, int steps, bo
   CudaModel gpu(w, opt);
   CudaModel::QuestTrace trace;
   gpu.quest_trace = &trace;
-  // The CPU reference keeps its cache in bf16, as the GPU does (KVLayout::dtype): the index's
-  // clustering and the attention read the same key and value bits on both, so what the bound
-  // measures is the arithmetic, not the cache's rounding (with an f32 cache the D = 128 case
-  // sat at 0.049 of the 0.05 bound on the H200 and past it as an emulated sm_86).
-  KVLayout lay{c.n_layers, c.n_kv_heads, c.head_dim, 16};
-  lay.dtype = KvDtype::BF16;
-  KVPool kv(lay, 128);
+  KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
   CpuModel cpu(w, kv);
   auto method = std::make_shared<TracingCluster>(sparse::make_method(sc, c));
   sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
