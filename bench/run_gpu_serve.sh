@@ -282,15 +282,23 @@ if [ "$phase" = methods ]; then
   if [ "${NCU:-0}" = 1 ]; then
     # Kernel times of one method's decode steps at the mixed load's shape (ncu, clocks left
     # alone): each kernel's share of the step, to place the per-layer chains of the slow methods.
+    # NCU_LENGTHS: the context:batch shapes (";"-separated; 320:7 is one method's share of the
+    # mixed batch); the benchmark's random cache fill (fill_random_kernel, thousands of
+    # launches) is not profiled.
     IFS=';' read -ra NM <<< "${NCU_METHODS:-full;twilight:base=quest,budget=128;lycheecluster:budget=64}"
+    IFS=';' read -ra NL <<< "${NCU_LENGTHS:-320:63}"
     for m in "${NM[@]}"; do
-      timeout 150 ncu --clock-control none --csv --metrics gpu__time_duration.sum ./$B/bench_tpot_batch /tmp/ncu.json \
-        --model smollm2-135m --lengths 320:63 --methods "$m" --steps 1 --warm 1 > /tmp/ncu_raw.csv 2>/dev/null
-      python3 bench/ncu_kernel_shares.py /tmp/ncu_raw.csv --label "$m" | tee -a "$OUT/ncu_kernel_shares.txt"
+      for len in "${NL[@]}"; do
+        timeout 150 ncu --clock-control none --csv --metrics gpu__time_duration.sum \
+          --kernel-name-base function -k "regex:^([^f]|f[^i])" ./$B/bench_tpot_batch /tmp/ncu.json \
+          --model smollm2-135m --lengths "$len" --methods "$m" --steps 1 --warm 1 > /tmp/ncu_raw.csv 2>/dev/null
+        python3 bench/ncu_kernel_shares.py /tmp/ncu_raw.csv --label "$m at $len" | tee -a "$OUT/ncu_kernel_shares.txt"
+      done
     done
   fi
-  ./$B/spade serve --model $M --device cuda --port 18080 --max-batch 256 --max-queue 2048 --max-step-tokens 2048 \
-    >"$OUT/spade_serve.log" 2>&1 &
+  # SPADE_GRAPH_LOG: each CUDA graph capture's launch shape (what changed between graphs).
+  SPADE_GRAPH_LOG="$OUT/graph_keys.log" ./$B/spade serve --model $M --device cuda --port 18080 --max-batch 256 \
+    --max-queue 2048 --max-step-tokens 2048 >"$OUT/spade_serve.log" 2>&1 &
   SP=$!
   wait_up http://127.0.0.1:18080 || { echo "spade serve did not start"; tail -20 "$OUT/spade_serve.log"; }
   U=http://127.0.0.1:18080
@@ -320,6 +328,26 @@ if [ "$phase" = methods ]; then
     metrics_snap $U "long $lab"
   done
   kill -TERM $SP; wait $SP
+  # AB_MIN_USES=n: the short and long loads, mixed and full, again on a server that captures a
+  # launch shape the n-th time it occurs (SPADE_GRAPH_MIN_USES; 1 = at first sight).
+  if [ -n "${AB_MIN_USES:-}" ]; then
+    SPADE_GRAPH_MIN_USES=$AB_MIN_USES ./$B/spade serve --model $M --device cuda --port 18080 --max-batch 256 \
+      --max-queue 2048 --max-step-tokens 2048 >"$OUT/spade_serve_ab.log" 2>&1 &
+    SP=$!
+    wait_up $U || { echo "spade serve (A/B) did not start"; tail -20 "$OUT/spade_serve_ab.log"; }
+    for lab in mixed full; do
+      [ $lab = mixed ] && MM="$MIX" || MM=""
+      timeout 90 python3 bench/bench_serve.py --url $U --num-prompts 252 --concurrency 63 --prompt-words 50 --max-tokens 256 \
+        --procs 8 --warmup 63 --methods "$MM" --label "spade c=63 $lab min_uses=$AB_MIN_USES" \
+        --out "$OUT/serve_ab_short_$lab.json" | tee -a "$S"
+      metrics_snap $U "ab short $lab"
+      timeout 120 python3 bench/bench_serve.py --url $U --num-prompts 126 --concurrency 63 --prompt-words 2700 --max-tokens 128 \
+        --procs 8 --warmup 63 --methods "$MM" --label "spade c=63 long $lab min_uses=$AB_MIN_USES" \
+        --out "$OUT/serve_ab_long_$lab.json" | tee -a "$S"
+      metrics_snap $U "ab long $lab"
+    done
+    kill -TERM $SP; wait $SP
+  fi
   cat "$OUT/metrics_by_load.txt"
 fi
 

@@ -43,6 +43,8 @@ TEST(Tuning, DefaultsWhenUnsetOrEmpty) {
     EXPECT_EQ(t.attn_decode, -1);
     EXPECT_EQ(t.attn_prefill, -1);
     EXPECT_EQ(t.twilight_est_tiles, -1);
+    EXPECT_EQ(t.graph_min_uses, -1);
+    EXPECT_EQ(t.graph_log, "");
     EXPECT_EQ(t.emulate_cc, 0);
   }
 }
@@ -59,6 +61,8 @@ TEST(Tuning, EveryVariableReachesItsField) {
                           {"SPADE_ATTN_DECODE", "4"},
                           {"SPADE_ATTN_PREFILL", "0"},
                           {"SPADE_TWL_EST_TPW", "12"},
+                          {"SPADE_GRAPH_MIN_USES", "3"},
+                          {"SPADE_GRAPH_LOG", "/tmp/keys.log"},
                           {"SPADE_EMULATE_CC", "86"}});
   EXPECT_EQ(t.threads, 3);
   EXPECT_TRUE(t.deterministic);
@@ -71,6 +75,8 @@ TEST(Tuning, EveryVariableReachesItsField) {
   EXPECT_EQ(t.attn_decode, 4);
   EXPECT_EQ(t.attn_prefill, 0);
   EXPECT_EQ(t.twilight_est_tiles, 12);
+  EXPECT_EQ(t.graph_min_uses, 3);
+  EXPECT_EQ(t.graph_log, "/tmp/keys.log");
   EXPECT_EQ(t.emulate_cc, 86);
   EXPECT_FALSE(parse({{"SPADE_DETERMINISTIC", "0"}}).deterministic);
 }
@@ -85,6 +91,7 @@ TEST(Tuning, BadValuesAreClearErrors) {
   expect_error({{"SPADE_ATTN_PREFILL", "3"}}, "SPADE_ATTN_PREFILL must be an integer in [0, 2]");
   expect_error({{"SPADE_TWL_EST_TPW", "0"}}, "SPADE_TWL_EST_TPW");
   expect_error({{"SPADE_ATTN_DECODE", " 1"}}, "SPADE_ATTN_DECODE");
+  expect_error({{"SPADE_GRAPH_MIN_USES", "0"}}, "SPADE_GRAPH_MIN_USES must be an integer in [1, 64]");
   expect_error({{"SPADE_EMULATE_CC", "90"}}, "SPADE_EMULATE_CC must be an integer in [80, 89]");
   expect_error({{"SPADE_EMULATE_CC", "85"}}, "SPADE_EMULATE_CC must be 80, 86 or 89, got 85");
 }

@@ -25,6 +25,10 @@ struct Tuning {
   int attn_decode = -1;            // SPADE_ATTN_DECODE: decode attention variant, >= 0
   int attn_prefill = -1;           // SPADE_ATTN_PREFILL: prefill kernel, 0 (generic) .. 2
   int twilight_est_tiles = -1;     // SPADE_TWL_EST_TPW: Twilight estimate tiles per warp, >= 1
+  int graph_min_uses = -1;         // SPADE_GRAPH_MIN_USES: capture a decode launch shape the
+                                   // n-th time it occurs, [1, 64] (CudaModelOptions)
+  std::string graph_log;           // SPADE_GRAPH_LOG: file each CUDA graph capture's launch
+                                   // shape is appended to (diagnostics)
   int emulate_cc = 0;              // SPADE_EMULATE_CC: run as a GPU of compute capability 80, 86
                                    // or 89 (its shared memory, no Hopper kernels); 0 = the device's
 };
@@ -70,6 +74,8 @@ inline Tuning parse_tuning(const tuning_detail::Getenv& get) {
   t.attn_decode = int_var(get, "SPADE_ATTN_DECODE", 0, 64, -1);
   t.attn_prefill = int_var(get, "SPADE_ATTN_PREFILL", 0, 2, -1);
   t.twilight_est_tiles = int_var(get, "SPADE_TWL_EST_TPW", 1, 1 << 20, -1);
+  t.graph_min_uses = int_var(get, "SPADE_GRAPH_MIN_USES", 1, 64, -1);
+  if (const char* f = get("SPADE_GRAPH_LOG")) t.graph_log = f;
   t.emulate_cc = int_var(get, "SPADE_EMULATE_CC", 80, 89, 0);
   SPADE_CHECK(t.emulate_cc == 0 || t.emulate_cc == 80 || t.emulate_cc == 86 || t.emulate_cc == 89,
               "SPADE_EMULATE_CC must be 80, 86 or 89, got ", t.emulate_cc);

@@ -95,8 +95,17 @@ void CudaModel::evict_lru_graph() {
   graphs_.erase(lru);
 }
 
+void CudaModel::log_capture(const std::vector<int>& key) {
+  if (opt_.graph_log) opt_.graph_log->push_back(key);
+  if (!graph_log_file_) return;
+  for (size_t i = 0; i < key.size(); ++i) std::fprintf(graph_log_file_, i ? " %d" : "%d", key[i]);
+  std::fputc('\n', graph_log_file_);
+  std::fflush(graph_log_file_);
+}
+
 CudaModel::~CudaModel() {
   drop_graphs();
+  if (graph_log_file_) std::fclose(graph_log_file_);
   if (ev0_) cudaEventDestroy(static_cast<cudaEvent_t>(ev0_));
   if (ev1_) cudaEventDestroy(static_cast<cudaEvent_t>(ev1_));
   if (ev_lanes_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_lanes_));
@@ -139,6 +148,13 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   SPADE_CHECK(cuda::device_available(), "--device cuda: no CUDA device is available");
   cuda::check_device_supported();
   SPADE_CHECK(opt_.max_graphs >= 1, "CudaModelOptions::max_graphs must be >= 1, got ", opt_.max_graphs);
+  if (tuning().graph_min_uses > 0) opt_.graph_min_uses = tuning().graph_min_uses;
+  SPADE_CHECK(opt_.graph_min_uses >= 1, "CudaModelOptions::graph_min_uses must be >= 1, got ",
+              opt_.graph_min_uses);
+  if (!tuning().graph_log.empty()) {
+    graph_log_file_ = std::fopen(tuning().graph_log.c_str(), "a");
+    SPADE_CHECK(graph_log_file_, "SPADE_GRAPH_LOG: cannot open '", tuning().graph_log, "' for appending");
+  }
   SPADE_CHECK(c.head_dim == 64 || c.head_dim == 128, "CUDA backend: head_dim ", c.head_dim,
               " is not supported (64 and 128 are)");
   const int64_t H = c.hidden, D = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads, F = c.ffn,
@@ -599,6 +615,17 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
     graph_key(sample);
     const std::vector<int>& key = graph_key_;
     auto it = graphs_.find(key);
+    if (it == graphs_.end() && opt_.graph_min_uses > 1) {
+      // Not captured yet: eager until the shape has come back graph_min_uses times.
+      if (graph_seen_.size() >= 4 * size_t(opt_.max_graphs)) graph_seen_.clear();
+      int& seen = graph_seen_[key];
+      if (++seen < opt_.graph_min_uses) graphable = false;
+      else graph_seen_.erase(key);
+    }
+  }
+  if (graphable) {
+    const std::vector<int>& key = graph_key_;
+    auto it = graphs_.find(key);
     const bool captured =
         it == graphs_.end() ||
         (sample && !rows_mode_ && std::memcmp(&graph_sampling_, sp, sizeof(*sp)) != 0);
@@ -641,6 +668,7 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
         }
       }
       ++graph_counters_.captures;
+      log_capture(key);
       if (ge) ++graph_counters_.updates;
       else ++graph_counters_.instantiations;
       if (!ge) {

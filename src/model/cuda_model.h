@@ -16,6 +16,7 @@
 #if defined(SPADE_HAVE_CUDA)
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <memory>
@@ -49,6 +50,15 @@ struct CudaModelOptions {
   // Captured graphs kept at once; a new launch shape past it evicts the least recently
   // replayed one.
   int max_graphs = 128;
+  // A decode launch shape is captured the graph_min_uses-th time a step has it; until then
+  // its steps run eagerly. A capture stops the device for a few ms while the host records the
+  // step (a nine-method step: ~8 ms against a ~2.6 ms step), and a server's batch compositions
+  // often occur once (requests joining one by one after their prefill): an eager step costs
+  // its launches' host time only, overlapped with the device. 1: capture at first sight.
+  int graph_min_uses = 2;
+  // Tests, diagnostics: when set, each capture appends its launch shape (graph_key) to this
+  // list (what changed between graphs of a load).
+  std::vector<std::vector<int>>* graph_log = nullptr;
   // Steps that take the decode GEMV (<= Gemm::small_m() tokens) fuse the next op into it
   // (gemm.h; the same values as the separate launches), a bit mask: kFuseSwiglu (gate|up +
   // SwiGLU, gemv_swiglu), kFuseQkvPost (qkv + qkv_post, gemv_qkv_post; not with q/k norms or
@@ -280,6 +290,13 @@ class CudaModel {
     uint64_t used = 0;
   };
   std::map<std::vector<int>, CachedGraph> graphs_;
+  // Launch shapes seen but not captured yet (graph_min_uses) -> steps that had them; cleared
+  // when it passes 4 * max_graphs entries.
+  std::map<std::vector<int>, int> graph_seen_;
+  // Diagnostics: with SPADE_GRAPH_LOG=<file> in the environment (read at construction), each
+  // capture appends a line with its launch shape (graph_key) to that file.
+  std::FILE* graph_log_file_ = nullptr;
+  void log_capture(const std::vector<int>& key);
   uint64_t graph_clock_ = 0;
   void evict_lru_graph();
   std::vector<int> graph_key_;  // scratch

@@ -25,6 +25,7 @@ void compare_graphs(const std::string& spec, int na, int nb, int steps) {
   opt.max_step_tokens = 1024;
   opt.max_logit_rows = 64;
   opt.sparse = cuda_sparse_config(sparse::SparseConfig::parse_spec(spec), c, 16);
+  opt.graph_min_uses = 1;  // every decode step replays a graph, the first of its shape too
   CudaModelOptions eager_opt = opt;
   eager_opt.cuda_graphs = false;
   CudaModel graphed(w, opt), eager(w, eager_opt);
@@ -83,6 +84,7 @@ TEST(CudaSparseGraphs, CacheEvictsTheLeastRecentlyReplayedGraph) {
   opt.max_tokens = 2048;
   opt.max_batch = 4;
   opt.max_graphs = 2;
+  opt.graph_min_uses = 1;
   CudaModel m(w, opt);
   std::mt19937 rng(12);
   PageTable pt[3];
@@ -111,6 +113,69 @@ TEST(CudaSparseGraphs, CacheEvictsTheLeastRecentlyReplayedGraph) {
   EXPECT_EQ(m.graphs_captured(), 2);
   EXPECT_EQ(g.replays.load(), 7u);
   for (PageTable& p : pt) m.release(p);
+}
+
+// graph_min_uses = 2 (the default): a launch shape's first step runs eagerly, its second is
+// captured, later ones replay; the logits equal a model that never captures.
+TEST(CudaSparseGraphs, ShapeCapturedTheSecondTimeItOccurs) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = tiny_config(Arch::Llama, 64, 4, 4096);
+  ModelWeights w = random_model(c, 79);
+  round_weights_bf16(w);
+  CudaModelOptions opt;
+  opt.max_tokens = 2048;
+  opt.max_batch = 4;
+  std::vector<std::vector<int>> log;
+  opt.graph_log = &log;
+  ASSERT_EQ(opt.graph_min_uses, 2);
+  CudaModelOptions eager_opt = opt;
+  eager_opt.cuda_graphs = false;
+  eager_opt.graph_log = nullptr;
+  CudaModel m(w, opt), e(w, eager_opt);
+  std::mt19937 rng(13);
+  PageTable pm[2], pe[2];
+  std::vector<int64_t> rows;
+  for (int i = 0; i < 2; ++i) {
+    const auto prompt = random_tokens(rng, 40, c.vocab);
+    m.forward({{&pm[i], prompt.data(), 40, false, nullptr, nullptr}}, rows);
+    e.forward({{&pe[i], prompt.data(), 40, false, nullptr, nullptr}}, rows);
+  }
+  const auto& g = m.graph_counters();
+  const uint64_t eager0 = g.eager.load();
+  int32_t tok[2] = {5, 6};
+  auto step = [&](int b) {
+    std::vector<SeqInput> bm, be;
+    for (int i = 0; i < b; ++i) {
+      bm.push_back({&pm[i], &tok[i], 1, false, nullptr, nullptr});
+      be.push_back({&pe[i], &tok[i], 1, false, nullptr, nullptr});
+    }
+    const std::vector<float> lm = m.forward(bm, rows);
+    const std::vector<float>& le = e.forward(be, rows);
+    ASSERT_EQ(lm.size(), le.size());
+    EXPECT_EQ(std::memcmp(lm.data(), le.data(), lm.size() * sizeof(float)), 0)
+        << "batch " << b << ": rel err " << rel_err(lm, le);
+  };
+  step(1);  // first sight of batch 1: eager
+  EXPECT_EQ(g.eager.load() - eager0, 1u);
+  EXPECT_EQ(g.captures.load(), 0u);
+  step(1);  // second: captured (and replayed)
+  EXPECT_EQ(g.captures.load(), 1u);
+  EXPECT_EQ(g.replays.load(), 1u);
+  step(2);  // batch 2, first sight: eager
+  EXPECT_EQ(g.eager.load() - eager0, 2u);
+  step(1);  // replay
+  EXPECT_EQ(g.replays.load(), 2u);
+  EXPECT_EQ(g.captures.load(), 1u);
+  step(2);  // captured
+  step(2);  // replay
+  EXPECT_EQ(g.captures.load(), 2u);
+  EXPECT_EQ(g.replays.load(), 4u);
+  EXPECT_EQ(g.eager.load() - eager0, 2u);
+  ASSERT_EQ(log.size(), 2u);  // the two captures' launch shapes, batch first
+  EXPECT_NE(log[0], log[1]);
+  EXPECT_EQ(log[0][0] / 4, 1);
+  EXPECT_EQ(log[1][0] / 4, 2);
+  for (int i = 0; i < 2; ++i) m.release(pm[i]), e.release(pe[i]);
 }
 
 TEST(CudaSparseGraphs, ReplayEqualsEagerForEveryMethod) {
