@@ -302,8 +302,9 @@ if [ "$phase" = methods ]; then
   SP=$!
   wait_up http://127.0.0.1:18080 || { echo "spade serve did not start"; tail -20 "$OUT/spade_serve.log"; }
   U=http://127.0.0.1:18080
-  # The nine methods and their mix at the long load's context (engine steps, no server).
-  timeout 150 ./$B/bench_tpot_batch "$OUT/engine_steps_mixed_long.json" --model smollm2-135m --lengths 3600:63 \
+  # The nine methods and their mix at the long load's context (engine steps, no server;
+  # ENGINE_STEPS=0 skips them).
+  [ "${ENGINE_STEPS:-1}" = 1 ] && timeout 150 ./$B/bench_tpot_batch "$OUT/engine_steps_mixed_long.json" --model smollm2-135m --lengths 3600:63 \
     --methods "$MIX;${MIX//;/|}" --steps 100 --warm 10 --commit "$COMMIT" 2>&1 | tail -12
   IFS=';' read -ra ONE <<< "${ALONE:-$MIX}"  # ALONE: the methods served alone (default: all nine)
   for m in "${ONE[@]}"; do
