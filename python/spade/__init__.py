@@ -8,7 +8,9 @@
 
 The engine is spade's C++ one (src/api/llm.h): the same scheduler, runner and methods as
 `spade serve`, prompts batched together, each with its own sampling parameters and sparse
-method. docs/python.md has the details.
+method. spade.ops holds the kernels as functions on torch tensors (paged decode and sparse
+attention, the selectors). docs/python.md has the details. torch is needed by spade.ops
+only (imported when it is first used).
 """
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
@@ -18,6 +20,13 @@ from . import _core
 Error = _core.Error
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "Error"]
+
+
+def __getattr__(name):  # spade.ops (and spade.hf) load on first use: they import torch
+    if name in ("ops", "hf"):
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-// The Python extension spade._core: a thin pybind11 binding of spade::api::LLM (src/api/llm.h).
+// The Python extension spade._core: a thin pybind11 binding of spade::api::LLM (src/api/llm.h)
+// and of the kernel functions of src/api/ops.h (_ops.cpp; python/spade/ops.py wraps them).
 // python/spade/__init__.py wraps it in the vLLM-like classes users call; docs/python.md.
 // generate() releases the GIL while the engine runs; spade::Error becomes spade.Error
 // (a ValueError).
@@ -13,6 +14,8 @@ using spade::api::Completion;
 using spade::api::GenerateParams;
 using spade::api::LLM;
 using spade::api::LLMOptions;
+
+void bind_ops(py::module_& m);  // _ops.cpp: the kernel API's functions (spade.ops)
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "spade's engine (spade::api::LLM); use the classes of the spade package";
@@ -72,4 +75,5 @@ PYBIND11_MODULE(_core, m) {
       .def("device", &LLM::device)
       .def("max_context", &LLM::max_context)
       .def("vocab_size", [](const LLM& l) { return l.config().vocab; });
+  bind_ops(m);
 }
