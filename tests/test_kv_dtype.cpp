@@ -60,14 +60,17 @@ TEST(KvDtype, ParsesItsNamesAndRefusesOthersClearly) {
   EXPECT_EQ(kv_dtype_bytes(KvDtype::F32), 4u);
   EXPECT_EQ(kv_dtype_bytes(KvDtype::BF16), 2u);
   EXPECT_EQ(kv_dtype_bytes(KvDtype::F16), 2u);
-  for (const char* bad : {"", "q8", "BF16", "fp8", "int4"}) {
+  EXPECT_EQ(parse_kv_dtype("fp8"), KvDtype::FP8);
+  EXPECT_EQ(parse_kv_dtype("fp8_e4m3"), KvDtype::FP8);
+  EXPECT_EQ(kv_dtype_bytes(KvDtype::FP8), 1u);
+  for (const char* bad : {"", "q8", "BF16", "fp9", "e5m2", "int4"}) {
     try {
       parse_kv_dtype(bad);
       ADD_FAILURE() << "accepted '" << bad << "'";
     } catch (const Error& e) {
       const std::string m = e.what();
       EXPECT_NE(m.find("--kv-dtype"), std::string::npos) << m;
-      EXPECT_NE(m.find("f32|bf16|f16"), std::string::npos) << m;
+      EXPECT_NE(m.find("f32|bf16|f16|fp8"), std::string::npos) << m;
       EXPECT_NE(m.find(std::string("'") + bad + "'"), std::string::npos) << m;
     }
   }
@@ -351,7 +354,7 @@ TEST(KvDtypeCli, GenerateTakesKvDtypeAndRefusesUnknownTypes) {
   int rc = 0;
   std::string out = run("--kv-dtype q8", &rc);
   EXPECT_NE(rc, 0) << out;
-  EXPECT_NE(out.find("--kv-dtype: unknown KV cache type 'q8' (expected one of f32|bf16|f16)"),
+  EXPECT_NE(out.find("--kv-dtype: unknown KV cache type 'q8' (expected one of f32|bf16|f16|fp8)"),
             std::string::npos)
       << out;
   for (const char* t : {"f32", "bf16", "f16"}) {

@@ -58,9 +58,12 @@ exits.
   --cpu-weights f32|native  CPU weights: native (the default for quantized GGUF files) multiplies
                         by the weights as stored, no fp32 copy; f32 dequantizes them at load
                         (the reference; the default for other models)
-  --kv-dtype f32|bf16|f16  CPU KV cache element type (default bf16: half the bytes a decode
-                        step reads; f32 is the reference; f16 is llama.cpp's); the GPU cache
-                        is bf16
+  --kv-dtype f32|bf16|f16|fp8  CPU KV cache element type (default bf16: half the bytes a
+                        decode step reads; f32 is the reference; f16 is llama.cpp's; fp8 is
+                        E4M3 with scales: a quarter of f32's bytes); the GPU cache is bf16
+  --kv-scale auto|X     fp8 scales per (layer, KV head), K and V apart: auto (default) from
+                        the first prefill (its largest |value| at most half of fp8's 448),
+                        then fixed; X: every scale X (rounded up to a power of two)
   --device cpu|cuda     where the model runs (default cpu; cuda: CUDA builds)
   --sparse NAME[:k=v,..] sparse attention method for the answers' decode steps (default full;
                         `spade generate --help` lists them); --budget N, --sparse-opt k=v,...
@@ -118,7 +121,7 @@ int run(int argc, char** argv) {
          {"--model", "--system", "--thinking", "-n", "--max-tokens", "--temperature", "--top-k",
           "--top-p", "--min-p", "--repeat-penalty", "--seed", "--threads", "--device", "--cpu-weights", "--sparse",
           "--budget", "--sparse-opt", "--sparse-config", "--ctx-size", "--tokenizer",
-          "--progress-after", "--kv-dtype"},
+          "--progress-after", "--kv-dtype", "--kv-scale"},
          {"--help", "--no-cache-reuse", "--stats", "--deterministic", "--ignore-eos"});
   if (a.has("--help")) {
     std::fputs(help_text().c_str(), stdout);
@@ -133,6 +136,7 @@ int run(int argc, char** argv) {
   const std::string device = a.str("--device", "cpu");
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '", device, "'");
   const KvDtype kv_dtype = kv_dtype_from_args(a, device);
+  const float kv_scale = kv_scale_from_args(a, kv_dtype);
   nlohmann::json extra = nlohmann::json::object();
   if (a.has("--thinking")) {
     const std::string t = a.str("--thinking");
@@ -158,6 +162,7 @@ int run(int argc, char** argv) {
               "] (the model's context), got ", ctx);
   ro.kv_pages = (ctx + 15) / 16 + 1;
   ro.kv_dtype = kv_dtype;
+  ro.kv_scale = kv_scale;
   ro.max_batch = 1;
   ro.max_step_tokens = 1024;
   ro.deterministic = a.has("--deterministic");

@@ -72,9 +72,12 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   --cpu-weights f32|native  CPU weights: native (the default for quantized GGUF files) multiplies
                         by the weights as stored, no fp32 copy; f32 dequantizes them at load
                         (the reference; the default for other models)
-  --kv-dtype f32|bf16|f16  CPU KV cache element type (default bf16: half the bytes a decode
-                        step reads; f32 is the reference; f16 is llama.cpp's); the GPU cache
-                        is bf16
+  --kv-dtype f32|bf16|f16|fp8  CPU KV cache element type (default bf16: half the bytes a
+                        decode step reads; f32 is the reference; f16 is llama.cpp's; fp8 is
+                        E4M3 with scales: a quarter of f32's bytes); the GPU cache is bf16
+  --kv-scale auto|X     fp8 scales per (layer, KV head), K and V apart: auto (default) from
+                        the first prefill (its largest |value| at most half of fp8's 448),
+                        then fixed; X: every scale X (rounded up to a power of two)
   --device cpu|cuda     where the model runs (default cpu; cuda: bf16 weights on the GPU,
                         dense attention or --sparse streaming|quest|tidal|lessismore|lycheedecode|
                         twilight|blasst; quest on the GPU
@@ -295,7 +298,7 @@ int run(int argc, char** argv) {
           "--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed",
           "--threads", "--page-size", "--prefill-chunk", "--sparse", "--budget", "--sparse-opt",
           "--sparse-config", "--device", "--synthetic", "--prompt-len", "--ctx-size", "--tokenizer",
-          "--stats-jsonl", "--progress-after", "--cpu-weights", "--kv-dtype"},
+          "--stats-jsonl", "--progress-after", "--cpu-weights", "--kv-dtype", "--kv-scale"},
          {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats", "--stats-steps", "--recall",
           "--deterministic"});
   if (a.has("--help")) {
@@ -318,6 +321,7 @@ int run(int argc, char** argv) {
               "; the others run with --device cpu)");
   SPADE_CHECK(device == "cpu" || !scfg.measure_recall, "--recall is CPU-only (--device cpu)");
   const KvDtype kv_dtype = kv_dtype_from_args(a, device);
+  const float kv_scale = kv_scale_from_args(a, kv_dtype);
   if (a.has("--synthetic")) return run_synthetic(a, scfg);
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   SPADE_CHECK(a.has("--prompt") != a.has("--prompt-file"),
@@ -373,6 +377,7 @@ int run(int argc, char** argv) {
   ro.page_size = int(page_size);
   ro.kv_pages = (tokens + page_size - 1) / page_size;
   ro.kv_dtype = kv_dtype;
+  ro.kv_scale = kv_scale;
   ro.max_batch = 1;
   ro.max_step_tokens = device == "cuda" ? std::min<int64_t>(opt.prefill_chunk, 8192) : opt.prefill_chunk;
   ro.deterministic = a.has("--deterministic");

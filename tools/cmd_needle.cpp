@@ -43,7 +43,8 @@ const char* kHelp = R"(usage: spade needle --model PATH --haystack-file F --need
   --system TEXT         system message
   --threads N           CPU threads (default: all cores)
   --page-size N         KV page size (default 16)
-  --kv-dtype f32|bf16|f16  KV cache element type (default bf16; f32 the reference)
+  --kv-dtype f32|bf16|f16|fp8  KV cache element type (default bf16; f32 the reference)
+  --kv-scale auto|X     fp8 scales: auto (default: from the prefill) or X (a power of two)
   --prefill-chunk N     prompt tokens per forward pass (default 1024)
   --prompt-out F        write the rendered prompt text to F
 )";
@@ -79,7 +80,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--haystack-file", "--needle", "--question", "--expect", "--depth",
           "--context-tokens", "--methods", "--budget", "-n", "--max-tokens", "--system",
-          "--threads", "--page-size", "--prefill-chunk", "--prompt-out", "--kv-dtype"},
+          "--threads", "--page-size", "--prefill-chunk", "--prompt-out", "--kv-dtype", "--kv-scale"},
          {"--help", "--recall"});
   if (a.has("--help")) {
     std::fputs(kHelp, stdout);
@@ -157,6 +158,7 @@ int run(int argc, char** argv) {
   KVLayout layout{cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, int(a.integer("--page-size", 16))};
   SPADE_CHECK(layout.page_size > 0, "--page-size must be positive");
   layout.dtype = kv_dtype_from_args(a, "cpu");
+  layout.kv_scale = kv_scale_from_args(a, layout.dtype);
   const int64_t P = layout.page_size;
   KVPool kv(layout, (int64_t(prompt.size()) + P - 1) / P + (n_new + P - 1) / P + 2);
   CpuModel model(*weights, kv);

@@ -56,9 +56,13 @@ Sampling follows the OpenAI API: a request without "temperature" samples at 1.0 
   --cpu-weights f32|native  CPU weights: native (the default for quantized GGUF files)
                           multiplies by the weights as stored, no fp32 copy; f32 dequantizes
                           them at load (the reference; the default for other models)
-  --kv-dtype f32|bf16|f16 CPU KV cache element type (default bf16: half the bytes a decode
-                          step reads; f32 is the reference; f16 is llama.cpp's); the GPU
-                          cache is bf16
+  --kv-dtype f32|bf16|f16|fp8  CPU KV cache element type (default bf16: half the bytes a
+                          decode step reads; f32 is the reference; f16 is llama.cpp's; fp8
+                          is E4M3 with scales: a quarter of f32's bytes); the GPU cache is bf16
+  --kv-scale auto|X       fp8 scales per (layer, KV head), K and V apart: auto (default) from
+                          the server's first forward step (its largest |value| at most half
+                          of fp8's 448), then fixed for the server's life (later values beyond
+                          448 x scale saturate); X: every scale X (rounded up to a power of two)
   --device cpu|cuda       where the model runs (default cpu). cuda (CUDA builds): bf16
                           weights and the KV cache on the GPU; each request runs its own
                           method (its "sparse" field, else --sparse) if the method has a
@@ -99,7 +103,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--tokenizer", "--model-name", "--host", "--port", "--api-key", "--max-batch", "--max-queue",
           "--max-step-tokens", "--ctx-size", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
-          "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device", "--cpu-weights", "--kv-dtype",
+          "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device", "--cpu-weights", "--kv-dtype", "--kv-scale",
           "--max-connections", "--header-timeout",
           "--shutdown-timeout"},
          {"--help", "--deterministic", "--quiet"});
@@ -122,6 +126,7 @@ int run(int argc, char** argv) {
   const std::string path = a.str("--model");
   const bool on_cpu = a.str("--device", "cpu") == "cpu";
   const KvDtype kv_dtype = kv_dtype_from_args(a, a.str("--device", "cpu"));
+  const float kv_scale = kv_scale_from_args(a, kv_dtype);
   SPADE_CHECK(on_cpu || !a.has("--cpu-weights"), "--cpu-weights is for --device cpu");
   auto weights = load_model(
       path, on_cpu ? parse_cpu_weights(a.str("--cpu-weights", "auto")) : CpuWeights::F32);
@@ -157,6 +162,7 @@ int run(int argc, char** argv) {
   ro.device = device;
   ro.kv_pages = pages;
   ro.kv_dtype = kv_dtype;
+  ro.kv_scale = kv_scale;
   ro.page_size = layout.page_size;
   ro.max_batch = so.max_batch;
   ro.max_step_tokens = so.max_step_tokens;

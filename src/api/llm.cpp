@@ -45,6 +45,8 @@ LLM::LLM(const std::string& model, const LLMOptions& o) : impl_(std::make_unique
   const KvDtype kv_dtype = parse_kv_dtype(o.kv_dtype, "kv_dtype");
   SPADE_CHECK(cpu || kv_dtype == KvDtype::BF16, "kv_dtype ", o.kv_dtype,
               ": the GPU KV cache is bf16 (other types are for device \"cpu\")");
+  SPADE_CHECK(kv_dtype == KvDtype::FP8 || o.kv_scale == "auto", "kv_scale is for kv_dtype \"fp8\"");
+  const float kv_scale = kv_dtype == KvDtype::FP8 ? parse_kv_scale(o.kv_scale, "kv_scale") : 0.f;
   m.weights = load_model(model, cpu ? parse_cpu_weights(o.cpu_weights, "cpu_weights") : CpuWeights::F32);
   m.tok = Tokenizer::load(o.tokenizer.empty() ? model : o.tokenizer);
   const ModelConfig& cfg = m.weights->config;
@@ -61,6 +63,7 @@ LLM::LLM(const std::string& model, const LLMOptions& o) : impl_(std::make_unique
   ro.kv_pages = o.kv_pages ? o.kv_pages : default_kv_pages(ctx, o.max_batch, o.page_size);
   ro.page_size = o.page_size;
   ro.kv_dtype = kv_dtype;
+  ro.kv_scale = kv_scale;
   ro.max_batch = o.max_batch;
   ro.max_step_tokens = o.max_step_tokens;
   ro.deterministic = o.deterministic;

@@ -34,6 +34,7 @@ Runner make_runner(const ModelWeights& w, const RunnerOptions& opt) {
   auto parts = std::make_shared<CpuParts>();
   KVLayout lay{c.n_layers, c.n_kv_heads, c.head_dim, opt.page_size};
   lay.dtype = opt.kv_dtype;
+  lay.kv_scale = opt.kv_scale;
   parts->kv = std::make_unique<KVPool>(lay, opt.kv_pages);
   parts->model = std::make_unique<CpuModel>(w, *parts->kv);
   Runner r;

@@ -18,6 +18,7 @@ struct RunnerOptions {
   int64_t kv_pages = 0;        // pages of page_size tokens (> 0)
   int page_size = 16;
   KvDtype kv_dtype = KvDtype::F32;  // cpu: the host cache's elements (front ends: bf16)
+  float kv_scale = 0.f;  // cpu, fp8: KVLayout::kv_scale (0: auto, from the first prefill)
   int max_batch = 32;          // sequences per step
   int64_t max_step_tokens = 2048;
   int64_t max_logit_rows = 0;  // cuda: logit rows per step (0: max(max_batch, 64))

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <new>
 
+#include "kv/fp8_e4m3.h"
+
 namespace spade {
 
 namespace {
@@ -66,10 +68,69 @@ KVPool::KVPool(const KVLayout& layout, int64_t n_pages) : layout_(layout), n_pag
     fail("KV cache of ", n_pages, " pages needs ", bytes / gib,
          " GiB and that much memory could not be allocated; lower --kv-pages (or --max-batch)");
   }
+  {
+    const size_t ns = size_t(layout.n_layers) * size_t(layout.n_kv_heads);
+    const bool fp8 = layout.dtype == KvDtype::FP8;
+    SPADE_CHECK(!fp8 || layout.kv_scale == 0.f ||
+                    (layout.kv_scale >= kFp8ScaleMin && layout.kv_scale <= kFp8ScaleMax &&
+                     fp8_pow2_ceil(layout.kv_scale) == layout.kv_scale),
+                "KV pool: fp8 scale ", layout.kv_scale,
+                " is not a power of two in [2^-40, 2^40] (parse_kv_scale rounds up to one)");
+    const bool fixed = !fp8 || layout.kv_scale > 0.f;
+    const float s0 = !fp8 ? 1.f : layout.kv_scale;
+    kscale_.assign(ns, s0);
+    vscale_.assign(ns, s0);
+    scale_set_.assign(size_t(layout.n_layers), fixed ? 1 : 0);
+  }
   refs_.assign(size_t(n_pages), 0);
   free_.resize(size_t(n_pages));
   // Free list used as a stack: lowest ids are handed out first.
   for (int64_t i = 0; i < n_pages; ++i) free_[size_t(i)] = int32_t(n_pages - 1 - i);
+}
+
+void KVPool::set_scales(int layer, const float* ks, const float* vs) {
+  SPADE_CHECK(layout_.dtype == KvDtype::FP8, "KV pool: scales of a ", kv_dtype_name(layout_.dtype),
+              " cache (only fp8 has them)");
+  SPADE_CHECK(layer >= 0 && layer < layout_.n_layers, "KV pool: layer ", layer, " out of range");
+  const size_t H = size_t(layout_.n_kv_heads);
+  for (size_t h = 0; h < H; ++h)
+    for (float s : {ks[h], vs[h]})
+      SPADE_CHECK(s >= kFp8ScaleMin && s <= kFp8ScaleMax && fp8_pow2_ceil(s) == s,
+                  "KV pool: fp8 scale ", s, " (layer ", layer, ", head ", h,
+                  ") is not a power of two in [2^-40, 2^40]");
+  std::copy(ks, ks + H, kscale_.begin() + long(size_t(layer) * H));
+  std::copy(vs, vs + H, vscale_.begin() + long(size_t(layer) * H));
+  scale_set_[size_t(layer)] = 1;
+}
+
+void KVPool::calibrate_scales(int layer, const float* k, const float* v, int64_t rows) {
+  if (layout_.dtype != KvDtype::FP8 || scales_set(layer)) return;
+  const int H = layout_.n_kv_heads, D = layout_.head_dim;
+  std::vector<float> ks(static_cast<size_t>(H)), vs(static_cast<size_t>(H));
+  for (int h = 0; h < H; ++h) {
+    float ka = 0.f, va = 0.f;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* kr = k + (r * H + h) * int64_t(D);
+      const float* vr = v + (r * H + h) * int64_t(D);
+      for (int d = 0; d < D; ++d) {
+        // Largest finite magnitude (NaN and inf are left out: they saturate or stay NaN).
+        const float a = std::fabs(kr[d]), b = std::fabs(vr[d]);
+        if (a > ka && std::isfinite(a)) ka = a;
+        if (b > va && std::isfinite(b)) va = b;
+      }
+    }
+    ks[size_t(h)] = fp8_e4m3_scale_for_amax(ka);
+    vs[size_t(h)] = fp8_e4m3_scale_for_amax(va);
+  }
+  set_scales(layer, ks.data(), vs.data());
+}
+
+void KVPool::reset_scales() {
+  if (layout_.dtype != KvDtype::FP8 || layout_.kv_scale > 0.f) return;
+  SPADE_CHECK(used_pages() == 0, "KV pool: reset_scales with ", used_pages(), " pages in use");
+  std::fill(kscale_.begin(), kscale_.end(), 0.f);
+  std::fill(vscale_.begin(), vscale_.end(), 0.f);
+  std::fill(scale_set_.begin(), scale_set_.end(), uint8_t(0));
 }
 
 void KVPool::reset_meta(int32_t page) {
@@ -146,14 +207,17 @@ void KVPool::write(int layer, const PageTable& pt, int64_t pos, const float* k, 
   const int32_t page = pt.pages[size_t(pos / layout_.page_size)];
   SPADE_CHECK(refs_[size_t(page)] == 1, "KV pool: write into page ", page, " shared by ",
               refs_[size_t(page)], " sequences (a forked prefix is read-only)");
+  if (!scales_set(layer)) calibrate_scales(layer, k, v, 1);
   unsigned char* kp = k_ + offset(layer, page) * esize_;
   unsigned char* vp = v_ + offset(layer, page) * esize_;
   float stored[512];
   for (int h = 0; h < layout_.n_kv_heads; ++h) {
     const float* kh = k + int64_t(h) * D;
     void* kd = kp + row_offset(pos, h) * esize_;
-    kv_from_f32(layout_.dtype, kh, D, kd);
-    kv_from_f32(layout_.dtype, v + int64_t(h) * D, D, vp + row_offset(pos, h) * esize_);
+    const float ksc = k_scale(layer, h);
+    kv_from_f32(layout_.dtype, kh, D, kd, ksc);
+    kv_from_f32(layout_.dtype, v + int64_t(h) * D, D, vp + row_offset(pos, h) * esize_,
+                v_scale(layer, h));
     if (layout_.page_minmax) {
       // The bounds of the keys as stored (rounded), so Quest's bound holds for what is read.
       float* mn = kmin_.data() + meta_offset(layer, page, h);
@@ -162,7 +226,7 @@ void KVPool::write(int layer, const PageTable& pt, int64_t pos, const float* k, 
         const int n = std::min(512, D - d0);
         const float* ks = kh + d0;
         if (layout_.dtype != KvDtype::F32) {
-          kv_to_f32(layout_.dtype, static_cast<unsigned char*>(kd) + size_t(d0) * esize_, n, stored);
+          kv_to_f32(layout_.dtype, static_cast<unsigned char*>(kd) + size_t(d0) * esize_, n, stored, ksc);
           ks = stored;
         }
         for (int d = 0; d < n; ++d) {
@@ -178,12 +242,13 @@ void KVPool::load(bool keys, int layer, const PageTable& pt, int64_t pos, int he
                   float* dst) const {
   const int64_t P = layout_.page_size, D = layout_.head_dim;
   const unsigned char* base = keys ? k_ : v_;
+  const float sc = keys ? k_scale(layer, head) : v_scale(layer, head);
   while (n > 0) {
     // Within a page and head, slots are contiguous: convert the run at once.
     const int64_t run = std::min(n, P - pos % P);
     const int32_t page = pt.pages[size_t(pos / P)];
     kv_to_f32(layout_.dtype, base + (offset(layer, page) + row_offset(pos, head)) * esize_,
-              run * D, dst);
+              run * D, dst, sc);
     dst += run * D;
     pos += run;
     n -= run;

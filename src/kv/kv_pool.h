@@ -1,7 +1,16 @@
 // Paged KV cache. One pool holds every layer's K and V for `n_pages` pages; a page id
 // names the same `page_size` token slots in every layer. Inside a page the layout is HND:
-//   k[layer][page][kv_head][slot][D]   (same for v), elements of layout.dtype (f32, bf16, f16:
-// kv/kv_dtype.h; rounded to nearest even by write(), widened to fp32 by the readers).
+//   k[layer][page][kv_head][slot][D]   (same for v), elements of layout.dtype (f32, bf16, f16,
+// fp8: kv/kv_dtype.h; rounded to nearest even by write(), widened to fp32 by the readers).
+//
+// FP8 scales (--kv-dtype fp8, issue 40; docs/cli.md "KV cache type"): one per (layer, KV head)
+// for K and one for V, powers of two, kept here: code = e4m3(x / scale), value read = e4m3
+// value * scale (kv/fp8_e4m3.h), exactly, in every reader. layout.kv_scale > 0 fixes every
+// scale; 0 (auto) leaves a layer's scales unset until calibrate_scales() sees its first rows
+// (CpuModel passes each layer every row of its first forward step: the first prefill), each
+// from that head's largest |K| or |V| (fp8_e4m3_scale_for_amax: 2x headroom); later values
+// beyond 448 scale saturate. write() into a layer still unset calibrates from that one row.
+// Scales stay for the life of the pool (reset_scales() forgets them while it is empty).
 // A sequence owns a PageTable (list of page ids + length). Pages are taken from and
 // returned to a free list; nothing is allocated after construction.
 //
@@ -35,6 +44,9 @@ struct KVLayout {
   int page_size = 16;
   bool page_minmax = true;  // keep per-page key min/max (Quest metadata)
   KvDtype dtype = KvDtype::F32;  // element type (front ends default to bf16: --kv-dtype)
+  // fp8 only (--kv-scale): 0 = auto (from the first prefill), > 0 = every scale (a power of two
+  // in [2^-40, 2^40]: parse_kv_scale rounds up to one).
+  float kv_scale = 0.f;
   // Elements of one page of one layer (K or V): Hkv * page_size * D.
   int64_t page_floats() const { return int64_t(n_kv_heads) * page_size * head_dim; }
   int64_t page_elems() const { return page_floats(); }
@@ -118,6 +130,25 @@ class KVPool {
   // to dtype(), and updates the page's key min/max from the stored keys.
   void write(int layer, const PageTable& pt, int64_t pos, const float* k, const float* v);
 
+  // FP8 scales of (layer, KV head): value read = stored e4m3 value * scale. 1 for the other
+  // types, and 0 for an fp8 layer whose auto scales are not set yet.
+  float k_scale(int layer, int head) const { return kscale_[size_t(layer) * size_t(layout_.n_kv_heads) + size_t(head)]; }
+  float v_scale(int layer, int head) const { return vscale_[size_t(layer) * size_t(layout_.n_kv_heads) + size_t(head)]; }
+  // Every scale, [n_layers][Hkv] (what a device copy of the cache needs).
+  const std::vector<float>& k_scales() const { return kscale_; }
+  const std::vector<float>& v_scales() const { return vscale_; }
+  bool scales_set(int layer) const { return scale_set_[size_t(layer)] != 0; }
+  // Sets one layer's fp8 scales ([Hkv] each; powers of two in [2^-40, 2^40]). Only on an fp8
+  // pool, before that layer holds data written with other scales (the caller's concern).
+  void set_scales(int layer, const float* k_scales, const float* v_scales);
+  // Auto scales: when `layer`'s are unset, sets them from `rows` rows of K and V ([rows, Hkv, D]
+  // each, fp32, as write() takes them): per head, fp8_e4m3_scale_for_amax of the largest
+  // finite |value|. Does nothing once set, for a fixed --kv-scale, or for other types.
+  void calibrate_scales(int layer, const float* k, const float* v, int64_t rows);
+  // Forgets auto scales (each layer calibrates again from its next rows); only while no page
+  // is in use. Fixed scales and other types: nothing changes.
+  void reset_scales();
+
  private:
   int64_t offset(int layer, int32_t page) const {
     return (int64_t(layer) * n_pages_ + page) * layout_.page_floats();
@@ -154,6 +185,8 @@ class KVPool {
   unsigned char* k_ = nullptr;
   unsigned char* v_ = nullptr;
   std::vector<float> kmin_, kmax_;
+  std::vector<float> kscale_, vscale_;   // [n_layers][Hkv]
+  std::vector<uint8_t> scale_set_;       // [n_layers]
   std::vector<int32_t> free_;
   std::vector<int32_t> refs_;
 };

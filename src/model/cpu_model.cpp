@@ -128,6 +128,8 @@ const std::vector<float>& CpuModel::forward(const std::vector<SeqInput>& batch,
     }
     cpu::rope(q, pos.data(), inv_freq_.data(), T, Hq, D);
     cpu::rope(k, pos.data(), inv_freq_.data(), T, Hkv, D);
+    // fp8 cache with auto scales: a layer's scales come from every K/V row of its first step.
+    kv_.calibrate_scales(l, k, v, T);
     int64_t r = 0;
     for (const SeqInput& s : batch) {
       const int64_t p0 = s.pages->length;

@@ -722,6 +722,19 @@ SPADE_ATT_AVX512 void chunk_heads64_avx512(const HeadsChunk& c) {
 }
 #endif
 
+// fp8 cache: the n rows at kp / vp (KV head h of `layer`) widened into fp32 rows k / v
+// ([n, D] each), times the head's K / V scales, and the pointers moved to them.
+void widen_fp8_rows(const KVPool& kv, int layer, int h, const void** kp, const void** vp,
+                    int64_t n, int64_t D, float* k, float* v) {
+  const float ks = kv.k_scale(layer, h), vs = kv.v_scale(layer, h);
+  for (int64_t i = 0; i < n; ++i) {
+    kv_to_f32(KvDtype::FP8, kp[i], D, k + i * D, ks);
+    kv_to_f32(KvDtype::FP8, vp[i], D, v + i * D, vs);
+    kp[i] = k + i * D;
+    vp[i] = v + i * D;
+  }
+}
+
 }  // namespace
 
 void decode_attention(const KVPool& kv, int layer, const PageTable& pt, const float* q, int Hq,
@@ -753,21 +766,27 @@ void decode_attention(const KVPool& kv, int layer, const PageTable& pt, const fl
   const bool avx2 = D % 8 == 0 && simd_level() != SimdLevel::Scalar;
 #endif
   const int64_t ld = logits ? sel.count(0) : 0;
-  const KvDtype dt = kv.dtype();
+  // fp8: each chunk's rows are widened (times their head's scales) into fp32 rows first and the
+  // kernels run as on an f32 cache (widen_fp8_rows): the values an f32 cache of the dequantized
+  // cache would hold, through the same arithmetic.
+  const bool fp8 = kv.dtype() == KvDtype::FP8;
+  const KvDtype dt = fp8 ? KvDtype::F32 : kv.dtype();
   const size_t esize = kv.layout().elem_bytes();
 #if SPADE_ATT_X86
   const bool avx512_64 = D == 64 && simd_level() == SimdLevel::Avx512;
   auto run_chunk = [&](const HeadsChunk& c) {
     if (avx512_64) {
       switch (dt) {
-        case KvDtype::F32: chunk_heads64_avx512<F32Elems16>(c); break;
+        case KvDtype::F32:
+        case KvDtype::FP8: chunk_heads64_avx512<F32Elems16>(c); break;
         case KvDtype::BF16: chunk_heads64_avx512<Bf16Elems16>(c); break;
         case KvDtype::F16: chunk_heads64_avx512<F16Elems16>(c); break;
       }
       return;
     }
     switch (dt) {
-      case KvDtype::F32: chunk_heads_avx2<F32Elems>(c); break;
+      case KvDtype::F32:
+      case KvDtype::FP8: chunk_heads_avx2<F32Elems>(c); break;
       case KvDtype::BF16: chunk_heads_avx2<Bf16Elems>(c); break;
       case KvDtype::F16: chunk_heads_avx2<F16Elems>(c); break;
     }
@@ -775,17 +794,18 @@ void decode_attention(const KVPool& kv, int layer, const PageTable& pt, const fl
 #endif
   auto run = [&](int64_t it0, int64_t it1) {
     thread_local std::vector<const void*> ptrs;
-    thread_local std::vector<float> scores;
+    thread_local std::vector<float> scores, wide;
     constexpr int64_t kRows = kDecodeChunk + kDecodePrefetch;
     if (ptrs.size() < size_t(2 * kRows)) ptrs.resize(size_t(2 * kRows));
     if (scores.size() < size_t(G * kDecodeChunk)) scores.resize(size_t(G * kDecodeChunk));
+    if (fp8 && wide.size() < size_t(2 * kDecodeChunk * D)) wide.resize(size_t(2 * kDecodeChunk * D));
     int h = 0;
     for (int64_t it = it0; it < it1; ++it) {
       while (item_base[h + 1] <= it) ++h;
       const int64_t n = sel.count(h), r0 = (it - item_base[h]) * kDecodeChunk;
       const int64_t len = std::min(kDecodeChunk, n - r0);
       // The chunk's rows, then the next rows of the head, which the kernel only prefetches.
-      const int64_t pf_len = std::min(kRows, n - r0);
+      int64_t pf_len = std::min(kRows, n - r0);
       const void** kp = ptrs.data();
       const void** vp = ptrs.data() + kRows;
       const int64_t head_off = int64_t(h) * P * D;
@@ -805,6 +825,10 @@ void decode_attention(const KVPool& kv, int layer, const PageTable& pt, const fl
           kp[i] = kv.k_row_data(layer, pt, pos[i], h);
           vp[i] = kv.v_row_data(layer, pt, pos[i], h);
         }
+      }
+      if (fp8) {
+        widen_fp8_rows(kv, layer, h, kp, vp, len, D, wide.data(), wide.data() + kDecodeChunk * D);
+        pf_len = len;
       }
       DecodeChunk c{kp, vp, len, pf_len, q + int64_t(h) * G * D, G, D, scale, scores.data(),
                     parts + it * part_stride,
@@ -831,14 +855,16 @@ void decode_attention(const KVPool& kv, int layer, const PageTable& pt, const fl
     const int64_t chunks = item_base[1];
     auto run_heads = [&](int64_t c0, int64_t c1) {
       thread_local std::vector<const void*> ptrs;
-      thread_local std::vector<float> scores;
+      thread_local std::vector<float> scores, wide;
       constexpr int64_t kRows = kDecodeChunk + kDecodePrefetch;
       const size_t need = size_t(2 * Hkv * kRows);
       if (ptrs.size() < need) ptrs.resize(need);
       if (scores.size() < size_t(Hkv * G * kDecodeChunk)) scores.resize(size_t(Hkv * G * kDecodeChunk));
+      const size_t wneed = size_t(2 * Hkv * kDecodeChunk * D);
+      if (fp8 && wide.size() < wneed) wide.resize(wneed);
       for (int64_t ch = c0; ch < c1; ++ch) {
         const int64_t r0 = ch * kDecodeChunk, len = std::min(kDecodeChunk, L - r0);
-        const int64_t pf_len = std::min(kRows, L - r0);
+        int64_t pf_len = std::min(kRows, L - r0);
         const void** kp = ptrs.data();
         const void** vp = ptrs.data() + Hkv * kRows;
         for (int h = 0; h < Hkv; ++h) {
@@ -851,6 +877,13 @@ void decode_attention(const KVPool& kv, int layer, const PageTable& pt, const fl
             vp[h * kRows + i] = static_cast<const unsigned char*>(kv.v_page_data(layer, id)) + e;
             if (++slot == P) slot = 0, ++page;
           }
+        }
+        if (fp8) {
+          for (int h = 0; h < Hkv; ++h)
+            widen_fp8_rows(kv, layer, h, kp + h * kRows, vp + h * kRows, len, D,
+                           wide.data() + h * kDecodeChunk * D,
+                           wide.data() + (Hkv + h) * kDecodeChunk * D);
+          pf_len = len;
         }
         HeadsChunk c{kp, vp, kRows, len, pf_len, Hkv, G, D, scale, q, scores.data(),
                      parts + ch * part_stride, chunks * part_stride, logits ? logits + r0 : nullptr,
