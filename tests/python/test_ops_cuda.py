@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""GPU tests of spade's kernel API (python/spade/ops.py): the CUDA ops against the CPU ops.
+
+  - decode_attention / DecodeAttention (bf16) against the CPU op on the same bf16 data: the
+    GPU kernel rounds its softmax weights to bf16 for P.V, so agreement is to bf16 accuracy
+    (atol = rtol = 2e-2); run() captured in a CUDA graph replays the planned batch with new
+    queries; run() with out= allocates nothing from torch;
+  - sparse_attention / SparseAttention over per-head token lists, shared lists and 16-token
+    page lists against the CPU op (same tolerance);
+  - quest_meta bit for bit, quest_select, topk_select / tidal_select and lessismore_select
+    list for list (the same selections: the kernels sum in the CPU's order);
+  - spade.hf on a tiny bf16 Llama: method full within bf16 tolerance of eager attention;
+  - --bench: decode_attention's run() timed with CUDA events at bench/bench_attention.cu's
+    shapes (Llama-3-8B: Hq 32, Hkv 8, D 128, page 16, shuffled pages, caches rotated past
+    L2, 30 batches of calls, the median per call), one JSON line per shape; with
+    --cxx FILE (bench_attention's JSON lines) each line also gets the C++ time of the same
+    shape (kernel auto) and the ratio.
+
+Skipped (exit 77 as a script) without a CUDA device, torch with CUDA, or a spade build with
+the CUDA backend. Run: PYTHONPATH=build/python python3 tests/python/test_ops_cuda.py [-v]
+and PYTHONPATH=build/python python3 tests/python/test_ops_cuda.py --bench [--cxx FILE].
+"""
+import json
+import os
+import statistics
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+WHY = ""
+try:
+    import torch
+    import spade.ops as ops
+    ENABLED = torch.cuda.is_available() and ops.have_cuda()
+    if not torch.cuda.is_available():
+        WHY = "no CUDA device for torch"
+    elif not ops.have_cuda():
+        WHY = "this spade build has no CUDA backend"
+except ImportError as e:
+    ENABLED, WHY = False, f"torch or the spade package unavailable ({e})"
+
+if ENABLED:
+    from test_ops import make_batch  # the CPU tests' paged batches
+
+DEV = "cuda"
+
+
+def close(test, got, want, rtol=2e-2, atol=2e-2):
+    err = (got.float().cpu() - want.float().cpu()).abs()
+    bound = atol + rtol * want.float().cpu().abs()
+    test.assertLessEqual(float((err - bound).max()), 0.0, f"max error {float(err.max()):.3g}")
+
+
+def to_dev(*ts):
+    return [t.to(DEV) for t in ts]
+
+
+@unittest.skipUnless(ENABLED, WHY)
+class CudaDecodeTest(unittest.TestCase):
+    def batch(self, lens, Hq=32, Hkv=8, D=128, P=16, seed=0):
+        k, v, ip, ix, ln = make_batch(lens, Hkv, P, D, torch.bfloat16, seed=seed)
+        q = torch.randn(len(lens), Hq, D, generator=torch.Generator().manual_seed(seed + 1))
+        return q.bfloat16(), k, v, ip, ix, ln
+
+    def test_decode_matches_cpu(self):
+        for lens, Hq, Hkv, D in (([1, 100, 1000, 5000], 32, 8, 128), ([17, 300], 8, 8, 64),
+                                 ([2048], 32, 4, 128)):
+            q, k, v, ip, ix, ln = self.batch(lens, Hq, Hkv, D)
+            want = ops.decode_attention(q, k, v, ip, ix, ln)
+            qd, kd, vd = to_dev(q, k, v)
+            got = ops.decode_attention(qd, kd, vd, *to_dev(ip, ix, ln))  # device index tensors
+            self.assertEqual(got.device.type, "cuda")
+            close(self, got, want)
+            got2 = ops.decode_attention(qd, kd, vd, ip, ix, ln)  # host index tensors
+            close(self, got2, want)
+
+    def test_plan_run_graph_and_no_allocation(self):
+        q, k, v, ip, ix, ln = self.batch([700, 33, 4096])
+        qd, kd, vd = to_dev(q, k, v)
+        w = ops.DecodeAttention(8, 32, 8, 128, 16, device=DEV)
+        self.assertGreater(w.arena_bytes, 0)
+        w.plan(ip, ix, ln)
+        out = torch.empty_like(qd)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        w.run(qd, kd, vd, out=out)
+        torch.cuda.synchronize()
+        self.assertEqual(torch.cuda.memory_allocated(), before)
+        close(self, out, ops.decode_attention(q, k, v, ip, ix, ln))
+        # CUDA graph: capture run(out=), replay with new queries in the captured buffer.
+        static_q = qd.clone()
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            w.run(static_q, kd, vd, out=out)  # warm-up on the capture stream
+            with torch.cuda.graph(g, stream=s):
+                w.run(static_q, kd, vd, out=out)
+        torch.cuda.current_stream().wait_stream(s)
+        q2 = torch.randn(q.shape, generator=torch.Generator().manual_seed(42)).bfloat16()
+        static_q.copy_(q2.to(DEV))
+        g.replay()
+        torch.cuda.synchronize()
+        close(self, out, ops.decode_attention(q2, k, v, ip, ix, ln))
+
+    def test_sparse_matches_cpu(self):
+        lens = [40, 900, 3000]
+        q, k, v, ip, ix, ln = self.batch(lens)
+        Hkv = 8
+        gen = torch.Generator().manual_seed(3)
+        # per-head token lists, shared token lists, 16-token page lists
+        for kind in ("head", "shared", "page"):
+            flat = []
+            for b, L in enumerate(lens):
+                for h in range(Hkv if kind != "shared" else 1):
+                    n_units = L if kind != "page" else (L + 15) // 16
+                    n = int(torch.randint(1, n_units + 1, (1,), generator=gen))
+                    flat.append(torch.randperm(n_units, generator=gen)[:n])
+            off = torch.tensor([0] + [int(x) for x in torch.tensor([len(x) for x in flat]).cumsum(0)],
+                               dtype=torch.int32)
+            idx = torch.cat(flat).to(torch.int32)
+            gran = "page" if kind == "page" else "token"
+            want = ops.sparse_attention(q, k, v, ip, ix, ln, off, idx, granularity=gran)
+            qd, kd, vd, offd, idxd = to_dev(q, k, v, off, idx)
+            got = ops.sparse_attention(qd, kd, vd, ip, ix, ln, offd, idxd, granularity=gran)
+            close(self, got, want)
+            w = ops.SparseAttention(4, 32, 8, 128, 16, device=DEV)
+            w.plan(ip, ix, ln, max_entries=(off[1:] - off[:-1]).tolist(), granularity=gran,
+                   shared=kind == "shared")
+            out = torch.empty_like(qd)
+            w.run(qd, kd, vd, offd, idxd, out=out)
+            close(self, out, want)
+
+
+@unittest.skipUnless(ENABLED, WHY)
+class CudaSelectorTest(unittest.TestCase):
+    def test_quest(self):
+        lens = [5000, 16, 700, 1000]
+        k, v, ip, ix, ln = make_batch(lens, 8, 16, 128, torch.bfloat16, seed=6)
+        q = torch.randn(len(lens), 32, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+        meta = ops.quest_meta(k, ip, ix, ln)
+        kd, qd = to_dev(k, q)
+        meta_d = ops.quest_meta(kd, *to_dev(ip, ix, ln))
+        self.assertTrue(torch.equal(meta_d.cpu(), meta))
+        for kp in (1, 4, 64):
+            off, idx = ops.quest_select(q, meta, ip, ix, ln, kp)
+            off_d, idx_d = ops.quest_select(qd, meta_d, *to_dev(ip, ix, ln), kp)
+            self.assertEqual(off_d.cpu().tolist(), off.tolist(), kp)
+            n = int(off[-1])
+            self.assertEqual(idx_d.cpu()[:n].tolist(), idx[:n].tolist(), kp)
+
+    def test_topk_tidal_lessismore(self):
+        gen = torch.Generator().manual_seed(5)
+        B, Hq, Hkv = 3, 32, 8
+        for ld in (3000, 50000):  # 50000: past the top-k's shared-memory cache
+            scores = torch.randn(B, Hq, ld, generator=gen)
+            lens = torch.tensor([ld, ld // 3, 7], dtype=torch.int32)
+            sd, ld_ = to_dev(scores, lens)
+            for k in (1, 64, 2048):
+                a = ops.tidal_select(scores, lens, k, num_kv_heads=Hkv)
+                b = ops.tidal_select(sd, ld_, k, num_kv_heads=Hkv)
+                self.assertEqual(b[0].cpu().tolist(), a[0].tolist())
+                n = int(a[0][-1])
+                self.assertEqual(b[1].cpu()[:n].tolist(), a[1][:n].tolist())
+            for budget in (64, 2048):
+                a = ops.lessismore_select(scores, lens, budget)
+                b = ops.lessismore_select(sd, ld_, budget)
+                self.assertEqual(b[0].cpu().tolist(), a[0].tolist())
+                n = int(a[0][-1])
+                self.assertEqual(b[1].cpu()[:n].tolist(), a[1][:n].tolist())
+
+
+@unittest.skipUnless(ENABLED, WHY)
+class CudaHfTest(unittest.TestCase):
+    """spade.hf on a tiny random bf16 Llama (D = 64) on the GPU: method full against
+    transformers' eager attention within bf16 tolerance; quest runs."""
+
+    def test_full_and_quest(self):
+        try:
+            import spade.hf
+            from test_hf import step_logits, tiny_llama
+        except ImportError as e:
+            self.skipTest(f"transformers unavailable ({e})")
+        model = tiny_llama(hidden=512, heads=8, kv_heads=2, layers=3).to(DEV, torch.bfloat16)
+        prompt = torch.randint(0, 96, (2, 300), generator=torch.Generator().manual_seed(1)).to(DEV)
+        want, _ = step_logits(model, prompt, 8)
+        spade.hf.apply(model, method="full")
+        got, _ = step_logits(model, prompt, 8)
+        spade.hf.remove(model)
+        scale = float(want.float().abs().max())
+        self.assertLess(float((got.float() - want.float()).abs().max()), 0.05 * scale)
+        spade.hf.apply(model, method="quest", budget=128, dense_layers=1)
+        q, _ = step_logits(model, prompt, 8)
+        spade.hf.remove(model)
+        self.assertTrue(bool(torch.isfinite(q.float()).all()))
+
+
+def bench(cxx_file=None):
+    """decode_attention run() at bench_attention's decode shapes; JSON lines on stdout."""
+    Hq, Hkv, D, P = 32, 8, 128, 16
+    cxx = {}
+    if cxx_file:
+        for line in open(cxx_file):
+            if line.strip():
+                r = json.loads(line)
+                if r.get("kind") == "decode" and r.get("kernel") == "auto":
+                    cxx[(r["L"], r["B"])] = r["us"]
+    shapes = os.environ.get("SPADE_BENCH_SHAPES")
+    want = None if not shapes else {tuple(int(x) for x in s.split(":")) for s in shapes.split(",")}
+    for L in (8192, 32768, 131072):
+        for B in (1, 8, 32):
+            if want is not None and (L, B) not in want:
+                continue
+            pages_per_seq = (L + P - 1) // P
+            n_pages = B * pages_per_seq
+            cache_bytes = n_pages * Hkv * P * D * 2 * 2
+            free, _ = torch.cuda.mem_get_info()
+            budget = max(0, free - (6 << 30))
+            if cache_bytes > budget:
+                print(f"decode L={L} B={B}: does not fit, skipped", file=sys.stderr)
+                continue
+            nbuf = max(1, min((400 << 20) // cache_bytes + 1, budget // cache_bytes))
+            gen = torch.Generator(device=DEV).manual_seed(100)
+            ks = [torch.randn(n_pages, Hkv, P, D, device=DEV, generator=gen).bfloat16()
+                  for _ in range(nbuf)]
+            vs = [torch.randn(n_pages, Hkv, P, D, device=DEV, generator=gen).bfloat16()
+                  for _ in range(nbuf)]
+            q = torch.randn(B, Hq, D, device=DEV, generator=gen).bfloat16()
+            out = torch.empty_like(q)
+            perm = torch.randperm(n_pages, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+            ip = torch.arange(0, n_pages + 1, pages_per_seq, dtype=torch.int32)
+            ln = torch.full((B,), L, dtype=torch.int32)
+            w = ops.DecodeAttention(B, Hq, Hkv, D, P, device=DEV, max_pages=n_pages)
+            w.plan(ip, perm, ln)
+            for i in range(3 * nbuf):
+                w.run(q, ks[i % nbuf], vs[i % nbuf], out=out)
+            torch.cuda.synchronize()
+            calls = max(nbuf, 8) // nbuf * nbuf
+            per = []
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(30):
+                a.record()
+                for i in range(calls):
+                    w.run(q, ks[i % nbuf], vs[i % nbuf], out=out)
+                b.record()
+                b.synchronize()
+                per.append(a.elapsed_time(b) * 1000.0 / calls)
+            us = statistics.median(per)
+            nbytes = B * L * Hkv * D * 2 * 2 + 2.0 * B * Hq * D * 2
+            rec = {"kind": "decode", "impl": "spade.ops", "L": L, "B": B, "Hq": Hq, "Hkv": Hkv,
+                   "D": D, "page": P, "page_order": "shuffled", "buffers": nbuf,
+                   "us": round(us, 3), "us_min": round(min(per), 3),
+                   "GBps": round(nbytes / us * 1e-3, 1)}
+            if (L, B) in cxx:
+                rec["cxx_us"] = cxx[(L, B)]
+                rec["ratio"] = round(us / cxx[(L, B)], 4)
+            print(json.dumps(rec), flush=True)
+            del ks, vs, w
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if not ENABLED:
+        print(f"skipped: {WHY}")
+        sys.exit(77)
+    if "--bench" in sys.argv:
+        i = sys.argv.index("--cxx") if "--cxx" in sys.argv else -1
+        bench(sys.argv[i + 1] if i >= 0 else None)
+        sys.exit(0)
+    unittest.main()
