@@ -12,7 +12,8 @@
   - spade.hf on a tiny bf16 Llama: method full within bf16 tolerance of eager attention;
   - --bench: decode_attention's run() timed with CUDA events at bench/bench_attention.cu's
     shapes (Llama-3-8B: Hq 32, Hkv 8, D 128, page 16, shuffled pages, caches rotated past
-    L2, 30 batches of calls, the median per call), one JSON line per shape; with
+    L2, 30 batches of calls, the median per call; "us": the calls captured in a CUDA graph,
+    "us_eager": launched from Python), one JSON line per shape; with
     --cxx FILE (bench_attention's JSON lines) each line also gets the C++ time of the same
     shape (kernel auto) and the ratio.
 
@@ -237,26 +238,47 @@ def bench(cxx_file=None):
                 w.run(q, ks[i % nbuf], vs[i % nbuf], out=out)
             torch.cuda.synchronize()
             calls = max(nbuf, 8) // nbuf * nbuf
-            per = []
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(30):
-                a.record()
+
+            def timed(launch):
+                per = []
+                for _ in range(30):
+                    a.record()
+                    launch()
+                    b.record()
+                    b.synchronize()
+                    per.append(a.elapsed_time(b) * 1000.0 / calls)
+                return per
+
+            def eager():
                 for i in range(calls):
                     w.run(q, ks[i % nbuf], vs[i % nbuf], out=out)
-                b.record()
-                b.synchronize()
-                per.append(a.elapsed_time(b) * 1000.0 / calls)
+
+            per_eager = timed(eager)
+            # The same calls captured in a CUDA graph: the kernels' time without Python's
+            # per-call overhead (run() checks its arguments; a decode loop captures it).
+            g = torch.cuda.CUDAGraph()
+            st = torch.cuda.Stream()
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                eager()
+                with torch.cuda.graph(g, stream=st):
+                    eager()
+            torch.cuda.current_stream().wait_stream(st)
+            torch.cuda.synchronize()
+            per = timed(g.replay)
             us = statistics.median(per)
             nbytes = B * L * Hkv * D * 2 * 2 + 2.0 * B * Hq * D * 2
             rec = {"kind": "decode", "impl": "spade.ops", "L": L, "B": B, "Hq": Hq, "Hkv": Hkv,
                    "D": D, "page": P, "page_order": "shuffled", "buffers": nbuf,
                    "us": round(us, 3), "us_min": round(min(per), 3),
+                   "us_eager": round(statistics.median(per_eager), 3),
                    "GBps": round(nbytes / us * 1e-3, 1)}
             if (L, B) in cxx:
                 rec["cxx_us"] = cxx[(L, B)]
                 rec["ratio"] = round(us / cxx[(L, B)], 4)
             print(json.dumps(rec), flush=True)
-            del ks, vs, w
+            ks = vs = w = g = None  # free the caches before the next shape
             torch.cuda.empty_cache()
 
 
