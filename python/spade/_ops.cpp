@@ -159,6 +159,33 @@ void bind_ops(py::module_& m) {
                        ptr<int32_t>(sel_idx), stream);
       },
       Release());
+  m.def(
+      "ops_cpu_twilight_prune",
+      [](int dt, uintptr_t q, int Hq, uintptr_t k, int64_t n_pages, int Hkv, int P, int D,
+         uintptr_t indptr, uintptr_t indices, uintptr_t lens, int B, uintptr_t sel_off,
+         uintptr_t sel_idx, int gran, double p, double eps, float scale, uintptr_t kept_off,
+         uintptr_t kept_idx) {
+        const Paged kv = paged(k, 0, n_pages, Hkv, P, D, indptr, indices, lens, B);
+        const Lists l{ptr<const int32_t>(sel_off), ptr<const int32_t>(sel_idx), Hkv, gran};
+        cpu_twilight_prune(DType(dt), ptr<const void>(q), Hq, kv, l, p, eps, scale,
+                           ptr<int32_t>(kept_off), ptr<int32_t>(kept_idx));
+      },
+      Release());
+  m.def(
+      "ops_cuda_twilight_prune",
+      [](int device, uintptr_t q, int Hq, uintptr_t k, int64_t n_pages, int Hkv, int P, int D,
+         uintptr_t indptr, uintptr_t indices, uintptr_t lens, int B, uintptr_t page_ids,
+         uintptr_t n_valid, int n, uintptr_t codes, uintptr_t sz, uintptr_t sel_off,
+         uintptr_t sel_idx, int gran, int max_slots, double p, double eps, float scale,
+         uintptr_t kept_off, uintptr_t kept_idx, uintptr_t stream) {
+        const Paged kv = paged(k, 0, n_pages, Hkv, P, D, indptr, indices, lens, B);
+        cuda_twilight_prune(device, ptr<const void>(q), Hq, kv, ptr<const int32_t>(page_ids),
+                            ptr<const int32_t>(n_valid), n, ptr<uint8_t>(codes),
+                            ptr<uint32_t>(sz), ptr<const int32_t>(sel_off),
+                            ptr<const int32_t>(sel_idx), gran, max_slots, p, eps, scale,
+                            ptr<int32_t>(kept_off), ptr<int32_t>(kept_idx), stream);
+      },
+      Release());
   m.def("ops_cuda_lessismore_scratch_bytes", &cuda_lessismore_scratch_bytes);
   m.def(
       "ops_cuda_lessismore_select",

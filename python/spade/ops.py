@@ -29,6 +29,7 @@ Error = _core.Error
 
 __all__ = ["decode_attention", "sparse_attention", "DecodeAttention", "SparseAttention",
            "quest_meta", "quest_update_meta", "quest_select", "topk_select", "tidal_select",
+           "twilight_prune",
            "lessismore_select", "group_mean", "decode_scores", "have_cuda", "Error"]
 
 _F32, _BF16 = 0, 1
@@ -493,6 +494,22 @@ def quest_update_meta(k_cache, meta, page_ids, n_valid):
     return meta
 
 
+def _batch_pages(P, kv_indptr, kv_indices, kv_lens):
+    """Host int32 (page_ids, n_valid) of every page a batch holds (the last: its filled rows)."""
+    torch = _torch()
+    ip, ix, ln = _host(kv_indptr).tolist(), _host(kv_indices), _host(kv_lens).tolist()
+    ids, nv = [], []
+    for b in range(len(ln)):
+        n = (ln[b] + P - 1) // P
+        if ln[b] < 1 or ip[b] + n > ip[b + 1]:
+            raise Error(f"request {b}: kv_lens[{b}] = {ln[b]} needs {n} pages, kv_indptr gives "
+                        f"{ip[b + 1] - ip[b]}")
+        ids.append(ix[ip[b]:ip[b] + n])
+        nv += [P] * (n - 1) + [ln[b] - (n - 1) * P]
+    page_ids = torch.cat(ids).to(torch.int32) if ids else torch.zeros(0, dtype=torch.int32)
+    return page_ids, torch.tensor(nv, dtype=torch.int32)
+
+
 def quest_meta(k_cache, kv_indptr, kv_indices, kv_lens, meta=None):
     """quest_update_meta over every page a batch holds (its last page: the filled rows).
     meta: an existing [num_pages, Hkv, 2, D] tensor to update, else a new one (zeros for
@@ -504,17 +521,7 @@ def quest_meta(k_cache, kv_indptr, kv_indices, kv_lens, meta=None):
     npages, Hkv, P, D = k_cache.shape
     B = kv_lens.numel() if isinstance(kv_lens, torch.Tensor) else 0
     _check_idx(dev, B, kv_indptr, kv_indices, kv_lens)
-    ip, ix, ln = _host(kv_indptr).tolist(), _host(kv_indices), _host(kv_lens).tolist()
-    ids, nv = [], []
-    for b in range(B):
-        n = (ln[b] + P - 1) // P
-        if ln[b] < 1 or ip[b] + n > ip[b + 1]:
-            raise Error(f"request {b}: kv_lens[{b}] = {ln[b]} needs {n} pages, kv_indptr gives "
-                        f"{ip[b + 1] - ip[b]}")
-        ids.append(ix[ip[b]:ip[b] + n])
-        nv += [P] * (n - 1) + [ln[b] - (n - 1) * P]
-    page_ids = torch.cat(ids).to(torch.int32) if ids else torch.zeros(0, dtype=torch.int32)
-    n_valid = torch.tensor(nv, dtype=torch.int32)
+    page_ids, n_valid = _batch_pages(P, kv_indptr, kv_indices, kv_lens)
     if meta is None:
         meta = torch.zeros(npages, Hkv, 2, D, dtype=k_cache.dtype, device=dev)
     return quest_update_meta(k_cache, meta, _on(page_ids, dev), _on(n_valid, dev))
@@ -600,6 +607,54 @@ def topk_select(scores, kv_lens, k: int):
                              row_n.data_ptr(), strided.data_ptr(), sel_indptr.data_ptr(),
                              sel_indices.data_ptr(), _stream(dev))
     return sel_indptr, sel_indices
+
+
+def twilight_prune(q, k_cache, kv_indptr, kv_indices, kv_lens, sel_indptr, sel_indices,
+                   granularity: Union[str, int] = "token", p: float = 0.95, eps: float = 1e-6,
+                   scale: Optional[float] = None):
+    """Twilight's top-p pruning of per-(request, KV head) lists (spade's `twilight` method,
+    keys=int4, head_combine=union): every listed token's q . k * scale is estimated from an
+    INT4 copy of its key (per-row fp16 scale and zero point), each query head softmaxes over
+    its list and keeps the smallest set whose estimated mass reaches p (Algorithm 1's
+    bisection on the weight, tolerance eps), and the KV head keeps the union of its query
+    heads' sets, in list order. Returns token lists (kept_indptr [B * Hkv + 1], kept_indices
+    at capacity) for sparse_attention. The INT4 keys are made on each call from k_cache (the
+    engine keeps them beside the cache). CPU and CUDA estimate the logits to ~2e-5 relative
+    of each other, so a token at the very edge of a threshold may differ. CUDA: D 64 / 128,
+    Hq / Hkv <= 32, token lists or 16-token pages; the list lengths are read on the host."""
+    torch = _torch()
+    B, Hq, D, npages, Hkv, P = _paged(q, k_cache, k_cache, kv_indptr, kv_indices, kv_lens)
+    dev = q.device
+    _index("sel_indptr", sel_indptr, B * Hkv + 1, dev if dev.type == "cuda" else None)
+    _index("sel_indices", sel_indices, None, dev if dev.type == "cuda" else None)
+    gran = _gran(granularity, P)
+    if not 0 < p <= 1 or eps <= 0:
+        raise Error(f"twilight_prune: p must be in (0, 1] and eps > 0 (got p={p}, eps={eps})")
+    off = _host(sel_indptr)
+    kept_indptr = torch.zeros(B * Hkv + 1, dtype=torch.int32, device=dev)
+    if dev.type == "cpu":
+        kept_indices = torch.full((max(1, int(off[-1]) * gran),), -1, dtype=torch.int32)
+        _core.ops_cpu_twilight_prune(_code(q.dtype), q.data_ptr(), Hq, k_cache.data_ptr(), npages,
+                                     Hkv, P, D, kv_indptr.data_ptr(), kv_indices.data_ptr(),
+                                     kv_lens.data_ptr(), B, sel_indptr.data_ptr(),
+                                     sel_indices.data_ptr(), gran, float(p), float(eps),
+                                     _scale(scale, D), kept_indptr.data_ptr(),
+                                     kept_indices.data_ptr())
+        return kept_indptr, kept_indices
+    max_slots = max(1, int((off[1:] - off[:-1]).max()) * gran)
+    page_ids, n_valid = _batch_pages(P, kv_indptr, kv_indices, kv_lens)
+    codes = torch.zeros(npages, Hkv, P, D // 2, dtype=torch.uint8, device=dev)
+    sz = torch.zeros(npages, Hkv, P, dtype=torch.int32, device=dev)
+    kept_indices = torch.full((B * Hkv * max_slots,), -1, dtype=torch.int32, device=dev)
+    ip, ix, ln = _on(kv_indptr, dev), _on(kv_indices, dev), _on(kv_lens, dev)
+    pid, nv = page_ids.to(dev), n_valid.to(dev)
+    _core.ops_cuda_twilight_prune(_dev_index(dev), q.data_ptr(), Hq, k_cache.data_ptr(), npages,
+                                  Hkv, P, D, ip.data_ptr(), ix.data_ptr(), ln.data_ptr(), B,
+                                  pid.data_ptr(), nv.data_ptr(), pid.numel(), codes.data_ptr(),
+                                  sz.data_ptr(), sel_indptr.data_ptr(), sel_indices.data_ptr(),
+                                  gran, max_slots, float(p), float(eps), _scale(scale, D),
+                                  kept_indptr.data_ptr(), kept_indices.data_ptr(), _stream(dev))
+    return kept_indptr, kept_indices
 
 
 def group_mean(scores, num_kv_heads: int):

@@ -10,13 +10,16 @@
 #include "backend/cpu/attention.h"
 #include "core/error.h"
 #include "core/half.h"
+#include "kv/int4_keys.h"
 #include "sparse/methods/quest.h"
+#include "sparse/methods/twilight.h"
 #include "sparse/topk.h"
 
 #if SPADE_HAVE_CUDA
 #include "backend/cuda/attention.h"
 #include "backend/cuda/cuda_common.h"
 #include "backend/cuda/sparse_attention.h"
+#include "backend/cuda/twilight.h"
 #endif
 
 namespace spade::api::ops {
@@ -286,6 +289,65 @@ void cpu_lessismore_select(const float* scores, int64_t ld, const int32_t* lens,
   }
 }
 
+void cpu_twilight_prune(DType dt, const void* q, int Hq, const Paged& kv, const Lists& lists,
+                        double p, double eps, float scale, int32_t* kept_off, int32_t* kept_idx) {
+  check_paged(kv);
+  SPADE_CHECK(Hq > 0 && Hq % kv.Hkv == 0, "query heads (", Hq,
+              ") must be a multiple of the KV heads (", kv.Hkv, ")");
+  SPADE_CHECK(lists.lists_per_req == kv.Hkv, "twilight_prune needs one list per (request, KV "
+              "head): ", int64_t(kv.B) * kv.Hkv + 1, " sel_indptr entries");
+  SPADE_CHECK(kv.D % 2 == 0, "twilight_prune: head dim ", kv.D, " must be even (INT4 pairs)");
+  SPADE_CHECK(p > 0 && p <= 1 && eps > 0, "twilight_prune: p must be in (0, 1] and eps > 0");
+  check_lists(kv, lists);
+  const int G = Hq / kv.Hkv, D = kv.D;
+  const size_t es = dsize(dt);
+  std::vector<int32_t> pos;
+  std::vector<float> qf(static_cast<size_t>(G) * static_cast<size_t>(D)), qs(static_cast<size_t>(G));
+  std::vector<float> krow(static_cast<size_t>(D)), w;
+  std::vector<uint8_t> code(static_cast<size_t>(D / 2)), mark;
+  int64_t wr = 0;
+  kept_off[0] = 0;
+  for (int b = 0; b < kv.B; ++b) {
+    const int64_t len = kv.lens[b];
+    for (int h = 0; h < kv.Hkv; ++h) {
+      const int64_t li = int64_t(b) * kv.Hkv + h;
+      pos.clear();
+      for (int64_t j = lists.off[li]; j < lists.off[li + 1]; ++j) {
+        int64_t lo, hi;
+        entry_span(lists.idx[j], lists.gran, len, lo, hi);
+        for (int64_t t = lo; t < hi; ++t) pos.push_back(int32_t(t));
+      }
+      const int64_t n = int64_t(pos.size());
+      load(dt, static_cast<const char*>(q) + (size_t(b) * Hq + size_t(h) * G) * D * es,
+           int64_t(G) * D, qf.data());
+      for (int g = 0; g < G; ++g) {
+        float s = 0;
+        for (int d = 0; d < D; ++d) s += qf[size_t(g * D + d)];
+        qs[size_t(g)] = s;
+      }
+      w.resize(size_t(G) * size_t(n));
+      for (int64_t i = 0; i < n; ++i) {
+        load(dt, row(kv.k, kv, b, h, pos[size_t(i)], dt), D, krow.data());
+        uint16_t sc16, z16;
+        int4_quantize_row(krow.data(), D, code.data(), &sc16, &z16);
+        const float sc = f16_to_f32(sc16), z = f16_to_f32(z16);
+        for (int g = 0; g < G; ++g)
+          w[size_t(g * n + i)] = scale * int4_dot(qf.data() + g * D, qs[size_t(g)], code.data(), sc, z, D);
+      }
+      mark.assign(size_t(n), 0);
+      for (int g = 0; g < G; ++g) {
+        float* r = w.data() + int64_t(g) * n;
+        sparse::softmax_weights(r, n);
+        const float t = sparse::topp_binary_search(r, n, p, eps).threshold;
+        for (int64_t i = 0; i < n; ++i) mark[size_t(i)] |= r[i] >= t;
+      }
+      for (int64_t i = 0; i < n; ++i)
+        if (mark[size_t(i)]) kept_idx[wr++] = pos[size_t(i)];
+      kept_off[li + 1] = int32_t(wr);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 #if SPADE_HAVE_CUDA
 namespace {
@@ -492,6 +554,40 @@ void cuda_topk_rows(int device, const float* scores, int64_t ld, const int32_t* 
   cuda::token_compact_lists(strided, lens, B, H, k, sel_off, sel_idx, s);
 }
 
+void cuda_twilight_prune(int device, const void* q, int Hq, const Paged& kv,
+                         const int32_t* page_ids, const int32_t* n_valid, int n, uint8_t* codes,
+                         uint32_t* sz, const int32_t* sel_off, const int32_t* sel_idx, int gran,
+                         int max_slots, double p, double eps, float scale, int32_t* kept_off,
+                         int32_t* kept_idx, uintptr_t stream) {
+  SPADE_CHECK(gran == 1 || gran == 16, "the CUDA twilight_prune reads token lists or 16-token "
+              "pages, not ", gran, "-token units");
+  SPADE_CHECK(max_slots >= 1 && kv.B >= 1, "twilight_prune: bad sizes");
+  DeviceScope ds(device);
+  cudaStream_t s = as_stream(stream);
+  if (n > 0)
+    cuda::int4_quantize_pages(static_cast<const cuda::bf16*>(kv.k), codes, sz, page_ids, n_valid,
+                              n, kv.Hkv, kv.P, kv.D, s);
+  cuda::DeviceArena arena(cuda::TwilightPruner::arena_bytes(kv.B, Hq, kv.Hkv, max_slots));
+  cuda::TwilightPruner pr(arena, kv.B, Hq, kv.Hkv, kv.D, kv.P, max_slots, p, eps);
+  cuda::TwilightStep st;
+  st.q = static_cast<const cuda::bf16*>(q);
+  st.codes = codes;
+  st.sz = sz;
+  st.page_table = kv.indices, st.page_off = kv.indptr, st.kv_len = kv.lens;
+  st.base_off = sel_off, st.base_idx = sel_idx;
+  st.gran = gran == 1 ? cuda::SelGran::Token : cuda::SelGran::Chunk16;
+  st.B = kv.B;
+  st.scale = scale;
+  pr.run(st, s);
+  pr.compact(st, s);
+  const size_t lists = size_t(kv.B) * size_t(kv.Hkv);
+  SPADE_CUDA(cudaMemcpyAsync(kept_off, pr.kept_off(), sizeof(int32_t) * (lists + 1),
+                             cudaMemcpyDeviceToDevice, s));
+  SPADE_CUDA(cudaMemcpyAsync(kept_idx, pr.kept_idx(), sizeof(int32_t) * lists * size_t(max_slots),
+                             cudaMemcpyDeviceToDevice, s));
+  SPADE_CUDA(cudaStreamSynchronize(s));  // the arena goes with this call
+}
+
 namespace {
 struct LimScratch {
   size_t row_n, head_top, keys, merged, topk, total;
@@ -575,6 +671,11 @@ void cuda_quest_select(int, const void*, int, const void*, const Paged&, int, in
 }
 void cuda_topk_rows(int, const float*, int64_t, const int32_t*, int, int, int, int32_t*,
                     int32_t*, int32_t*, int32_t*, uintptr_t) {
+  no_cuda();
+}
+void cuda_twilight_prune(int, const void*, int, const Paged&, const int32_t*, const int32_t*, int,
+                         uint8_t*, uint32_t*, const int32_t*, const int32_t*, int, int, double,
+                         double, float, int32_t*, int32_t*, uintptr_t) {
   no_cuda();
 }
 size_t cuda_lessismore_scratch_bytes(int, int, int64_t, int64_t) { return 0; }

@@ -80,6 +80,16 @@ void cpu_lessismore_select(const float* scores, int64_t ld, const int32_t* lens,
                            int64_t budget, int64_t n_recent, int64_t sinks, int32_t* sel_off,
                            int32_t* sel_idx);
 
+// Twilight's pruner (the engine's twilight method, keys=int4, head_combine=union): for each
+// per-head list (lists->lists_per_req == Hkv; gran 1 or P, page entries expanded to their
+// tokens below lens[b]), q.k of every listed token is estimated from the INT4 copy of its key
+// (int4_quantize_row of the fp32 key; int4_dot), times `scale`; per query head softmax_weights
+// and topp_binary_search(p, eps) keep {w >= threshold}; the KV head keeps the union of its
+// G heads' sets in list order. Writes token lists kept_off[B * Hkv + 1] / kept_idx
+// (capacity: the lists' tokens).
+void cpu_twilight_prune(DType dt, const void* q, int Hq, const Paged& kv, const Lists& lists,
+                        double p, double eps, float scale, int32_t* kept_off, int32_t* kept_idx);
+
 // ---- CUDA ----
 // Plan/run decode attention: a cuda::AttentionWorkspace in its own device arena (allocated
 // once at construction), sized for max_batch decode requests of up to max_pages pages in all.
@@ -128,6 +138,16 @@ void cuda_quest_select(int device, const void* q, int Hq, const void* meta, cons
 void cuda_topk_rows(int device, const float* scores, int64_t ld, const int32_t* lens, int B,
                     int H, int k, int32_t* row_n, int32_t* strided, int32_t* sel_off,
                     int32_t* sel_idx, uintptr_t stream);
+// Twilight's pruner on the GPU (cuda::TwilightPruner in an arena of its own, built per call):
+// INT4 keys of the pages page_ids[n] (n_valid rows each) into codes [pages][Hkv][P][D/2] /
+// sz [pages][Hkv][P], then estimate + top-p + compaction of the per-head lists (gran 1 or
+// 16) into kept_off[B * Hkv + 1] / kept_idx (capacity B * Hkv * max_slots; max_slots: the
+// longest list's tokens).
+void cuda_twilight_prune(int device, const void* q, int Hq, const Paged& kv,
+                         const int32_t* page_ids, const int32_t* n_valid, int n, uint8_t* codes,
+                         uint32_t* sz, const int32_t* sel_off, const int32_t* sel_idx, int gran,
+                         int max_slots, double p, double eps, float scale, int32_t* kept_off,
+                         int32_t* kept_idx, uintptr_t stream);
 // Scratch bytes (device) cuda_lessismore_select needs, one buffer.
 size_t cuda_lessismore_scratch_bytes(int B, int Hq, int64_t ld, int64_t n_uni);
 void cuda_lessismore_select(int device, const float* scores, int64_t ld, const int32_t* lens,

@@ -7,14 +7,14 @@
     the list (duplicates count twice); a full list is decode_attention bit for bit;
   - quest_meta / quest_select, topk_select / tidal_select and lessismore_select against naive
     implementations, ties included (integer-valued data make every sum exact, so ties are
-    real: the lower position / page wins; NaN ranks last);
+    real: the lower position / page wins; NaN ranks last); twilight_prune on peaked attention
+    (exactly the hot tokens), its kept mass on random data, page lists = their tokens;
   - shape / dtype / device / index errors name the argument.
 Runs with `python3 -m pytest tests/python/test_ops.py` or as a script (ctest python_ops, via
 scripts/python_test.sh with PYTHONPATH=<build>/python); without torch or the built package
 every test is skipped and the script exits 77 (ctest's SKIP_RETURN_CODE).
 """
 import math
-import os
 import sys
 import unittest
 
@@ -384,6 +384,63 @@ class SelectorTest(unittest.TestCase):
         self.assertEqual(off.tolist(), want)
         with self.assertRaisesRegex(spade.Error, "must exceed"):
             ops.lessismore_select(scores, lens, 8, recent_ratio=0.5, sinks=4)
+
+    def test_twilight_prune(self):
+        # Peaked attention: each (request, KV head) has 3 hot tokens in its list whose keys lie
+        # along the group's query, so their estimated mass is ~1 and p = 0.95 keeps exactly
+        # them (in list order); page lists give the same as their tokens.
+        B, Hq, Hkv, P, D = 2, 4, 2, 8, 32
+        lens = [40, 29]
+        k, v, ip, ix, ln = make_batch(lens, Hkv, P, D, seed=11)
+        k *= 0.05
+        g = torch.Generator().manual_seed(12)
+        q = torch.zeros(B, Hq, D)
+        lists, hot = {}, {}
+        for b, L in enumerate(lens):
+            for h in range(Hkv):
+                dirn = torch.randn(D, generator=g)
+                dirn /= dirn.norm()
+                q[b, 2 * h:2 * h + 2] = 8.0 * dirn
+                lst = torch.randperm(L, generator=g)[:12].tolist()
+                lists[b, h], hot[b, h] = lst, lst[2:5]
+                for t in hot[b, h]:
+                    page = int(ix[int(ip[b]) + t // P])
+                    k[page, h, t % P] = 8.0 * dirn
+        flat = [lists[b, h] for b in range(B) for h in range(Hkv)]
+        off = torch.tensor([0] + [12 * (i + 1) for i in range(len(flat))], dtype=torch.int32)
+        idx = torch.tensor([t for x in flat for t in x], dtype=torch.int32)
+        kept_off, kept = ops.twilight_prune(q, k, ip, ix, ln, off, idx, p=0.95)
+        for i, (b, h) in enumerate((b, h) for b in range(B) for h in range(Hkv)):
+            got = kept[int(kept_off[i]):int(kept_off[i + 1])].tolist()
+            self.assertEqual(got, hot[b, h], (b, h))
+        # Random data: the kept tokens hold >= p - 0.05 of the exact attention mass of every
+        # query head over its list, and a lower p keeps fewer tokens.
+        q = torch.randn(B, Hq, D, generator=g)
+        k2, _, _, _, _ = make_batch(lens, Hkv, P, D, seed=13)
+        o_hi, k_hi = ops.twilight_prune(q, k2, ip, ix, ln, off, idx, p=0.95, scale=1.0)
+        o_lo, k_lo = ops.twilight_prune(q, k2, ip, ix, ln, off, idx, p=0.5, scale=1.0)
+        self.assertLess(int(o_lo[-1]), int(o_hi[-1]))
+        for i, (b, h) in enumerate((b, h) for b in range(B) for h in range(Hkv)):
+            rows = rows_of(k2, ip, ix, b, lens[b])[h]
+            keep = set(k_hi[int(o_hi[i]):int(o_hi[i + 1])].tolist())
+            for gq in (2 * h, 2 * h + 1):
+                w = torch.softmax(rows[lists[b, h]].double() @ q[b, gq].double(), 0)
+                mass = sum(float(w[j]) for j, t in enumerate(lists[b, h]) if t in keep)
+                self.assertGreaterEqual(mass, 0.90, (b, h, gq))
+        # Page lists: the same as the tokens they name.
+        pages = torch.tensor([0, 2, 1, 3, 0, 1, 2, 3], dtype=torch.int32)
+        poff = torch.tensor([0, 2, 4, 6, 8], dtype=torch.int32)
+        a = ops.twilight_prune(q, k2, ip, ix, ln, poff, pages, granularity="page")
+        toks = [[t for u in pages[2 * i:2 * i + 2].tolist()
+                 for t in range(u * P, min((u + 1) * P, lens[i // Hkv]))] for i in range(4)]
+        toff = torch.tensor([0] + [sum(len(x) for x in toks[:i + 1]) for i in range(4)],
+                            dtype=torch.int32)
+        b_ = ops.twilight_prune(q, k2, ip, ix, ln, toff,
+                                torch.tensor([t for x in toks for t in x], dtype=torch.int32))
+        self.assertTrue(torch.equal(a[0], b_[0]))
+        self.assertEqual(a[1][:int(a[0][-1])].tolist(), b_[1][:int(b_[0][-1])].tolist())
+        with self.assertRaisesRegex(spade.Error, "sel_indptr must have 5 entries"):
+            ops.twilight_prune(q, k2, ip, ix, ln, off[:3].clone(), idx)
 
     def test_decode_scores(self):
         k, v, ip, ix, ln = make_batch([9, 20], 2, 4, 16)

@@ -8,7 +8,8 @@
   - sparse_attention / SparseAttention over per-head token lists, shared lists and 16-token
     page lists against the CPU op (same tolerance);
   - quest_meta bit for bit, quest_select, topk_select / tidal_select and lessismore_select
-    list for list (the same selections: the kernels sum in the CPU's order);
+    list for list (the same selections: the kernels sum in the CPU's order); twilight_prune
+    within 1% of the CPU's kept tokens (its estimates agree to ~2e-5 relative);
   - spade.hf on a tiny bf16 Llama: method full within bf16 tolerance of eager attention;
   - --bench: decode_attention's run() timed with CUDA events at bench/bench_attention.cu's
     shapes (Llama-3-8B: Hq 32, Hkv 8, D 128, page 16, shuffled pages, caches rotated past
@@ -150,6 +151,33 @@ class CudaSelectorTest(unittest.TestCase):
             self.assertEqual(off_d.cpu().tolist(), off.tolist(), kp)
             n = int(off[-1])
             self.assertEqual(idx_d.cpu()[:n].tolist(), idx[:n].tolist(), kp)
+
+    def test_twilight(self):
+        # CPU and GPU estimate the logits to ~2e-5 relative, so a token at the very edge of a
+        # threshold may differ: at most 1% of the kept tokens of the batch.
+        lens = [3000, 700]
+        k, v, ip, ix, ln = make_batch(lens, 8, 16, 128, torch.bfloat16, seed=7)
+        q = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+        gen = torch.Generator().manual_seed(3)
+        for gran in ("token", "page"):
+            flat = []
+            for L in lens:
+                units = L if gran == "token" else (L + 15) // 16
+                for _ in range(8):
+                    flat.append(torch.randperm(units, generator=gen)[:max(1, units // 3)])
+            off = torch.tensor([0] + [int(x) for x in torch.tensor([len(x) for x in flat]).cumsum(0)],
+                               dtype=torch.int32)
+            idx = torch.cat(flat).to(torch.int32)
+            a_off, a = ops.twilight_prune(q, k, ip, ix, ln, off, idx, granularity=gran)
+            b_off, b = ops.twilight_prune(*to_dev(q, k, ip, ix, ln, off, idx), granularity=gran)
+            b_off, b = b_off.cpu(), b.cpu()
+            diff = total = 0
+            for i in range(len(flat)):
+                sa = set(a[int(a_off[i]):int(a_off[i + 1])].tolist())
+                sb = set(b[int(b_off[i]):int(b_off[i + 1])].tolist())
+                diff += len(sa ^ sb)
+                total += len(sa)
+            self.assertLessEqual(diff, max(1, total // 100), (gran, diff, total))
 
     def test_topk_tidal_lessismore(self):
         gen = torch.Generator().manual_seed(5)
