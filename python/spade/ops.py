@@ -136,6 +136,9 @@ def _check_idx(device, B, kv_indptr, kv_indices, kv_lens):
         for n, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_lens", kv_lens)):
             if t.device.type != "cpu":
                 raise Error(f"{n} is on {t.device}; q is on the CPU")
+    if kv_indptr.device.type == "cpu" and int(kv_indptr[-1]) > kv_indices.numel():
+        raise Error(f"kv_indptr[-1] = {int(kv_indptr[-1])} is past kv_indices' "
+                    f"{kv_indices.numel()} entries")
 
 
 def _paged(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens):
@@ -310,7 +313,10 @@ class _Planned:
             raise Error(f"kv_lens has {B} requests, outside [1, max_batch = {self.max_batch}]")
         if kv_indptr.numel() != B + 1:
             raise Error(f"kv_indptr must have {B + 1} entries, not {kv_indptr.numel()}")
-        return _host(kv_indptr).clone(), _host(kv_indices).clone(), _host(kv_lens).clone(), B
+        ip, ix = _host(kv_indptr).clone(), _host(kv_indices).clone()
+        if int(ip[-1]) > ix.numel():
+            raise Error(f"kv_indptr[-1] = {int(ip[-1])} is past kv_indices' {ix.numel()} entries")
+        return ip, ix, _host(kv_lens).clone(), B
 
     def _set_plan(self, ip, ix, ln, B):
         self._plan = (ip, ix, ln, B, int(ix.max()) if ix.numel() else -1)
@@ -633,6 +639,12 @@ def twilight_prune(q, k_cache, kv_indptr, kv_indices, kv_lens, sel_indptr, sel_i
     off = _host(sel_indptr)
     kept_indptr = torch.zeros(B * Hkv + 1, dtype=torch.int32, device=dev)
     if dev.type == "cpu":
+        for n, t in (("sel_indptr", sel_indptr), ("sel_indices", sel_indices)):
+            if t.device.type != "cpu":
+                raise Error(f"{n} is on {t.device}; q is on the CPU")
+        if int(off[-1]) > sel_indices.numel():
+            raise Error(f"sel_indptr[-1] = {int(off[-1])} is past sel_indices' "
+                        f"{sel_indices.numel()} entries")
         kept_indices = torch.full((max(1, int(off[-1]) * gran),), -1, dtype=torch.int32)
         _core.ops_cpu_twilight_prune(_code(q.dtype), q.data_ptr(), Hq, k_cache.data_ptr(), npages,
                                      Hkv, P, D, kv_indptr.data_ptr(), kv_indices.data_ptr(),
@@ -647,6 +659,7 @@ def twilight_prune(q, k_cache, kv_indptr, kv_indices, kv_lens, sel_indptr, sel_i
     sz = torch.zeros(npages, Hkv, P, dtype=torch.int32, device=dev)
     kept_indices = torch.full((B * Hkv * max_slots,), -1, dtype=torch.int32, device=dev)
     ip, ix, ln = _on(kv_indptr, dev), _on(kv_indices, dev), _on(kv_lens, dev)
+    sel_indptr, sel_indices = _on(sel_indptr, dev), _on(sel_indices, dev)
     pid, nv = page_ids.to(dev), n_valid.to(dev)
     _core.ops_cuda_twilight_prune(_dev_index(dev), q.data_ptr(), Hq, k_cache.data_ptr(), npages,
                                   Hkv, P, D, ip.data_ptr(), ix.data_ptr(), ln.data_ptr(), B,

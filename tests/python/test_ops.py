@@ -169,6 +169,8 @@ class DecodeAttentionTest(unittest.TestCase):
             ops.decode_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, ip, ix, ln)
         with self.assertRaisesRegex(spade.Error, r"request 1 holds 40 tokens but has 3 pages"):
             ops.decode_attention(q, k, v, ip, ix, torch.tensor([9, 40], dtype=torch.int32))
+        with self.assertRaisesRegex(spade.Error, r"kv_indptr\[-1\] = .* is past kv_indices"):
+            ops.decode_attention(q, k, v, ip, ix[:-1].clone(), ln)
         bad = ix.clone()
         bad[1] = k.shape[0]
         with self.assertRaisesRegex(spade.Error, r"kv_indices\[1\] = .* outside the cache"):
