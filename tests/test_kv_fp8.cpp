@@ -21,6 +21,7 @@
 #include "backend/cpu/qgemv.h"
 #include "core/error.h"
 #include "engine/runner.h"
+#include "eval/decode.h"
 #include "kv/fp8_e4m3.h"
 #include "kv/kv_dtype.h"
 #include "kv/kv_pool.h"
@@ -575,6 +576,47 @@ TEST(KvFp8, Stories260kLogitsOnAnFp8CacheStayWithinToleranceOfF32) {
   EXPECT_LT(rms, 0.08);
   EXPECT_GT(d, 0.0);
   EXPECT_GE(agree, steps - 2);
+}
+
+// `spade eval` (SharedPrefill) on an fp8 cache with auto scales: every prompt's prefill sets
+// them afresh, so a prompt decodes the same after another prompt as in a fresh pool; a fixed
+// scale stays.
+TEST(KvFp8, EvalPrefillSetsAutoScalesPerPrompt) {
+  ModelConfig c = test::tiny_config();
+  ModelWeights w = test::random_model(c, 31);
+  std::mt19937 rng(2);
+  std::vector<int32_t> a(60), b(70), forced(6);
+  for (auto& x : a) x = int32_t(rng() % uint32_t(c.vocab));
+  for (auto& x : b) x = int32_t(rng() % uint32_t(c.vocab));
+  for (auto& x : forced) x = int32_t(rng() % uint32_t(c.vocab));
+  auto full = sparse::make_method(sparse::SparseConfig::parse_spec("full"), c);
+  auto logits_of = [&](eval::SharedPrefill& sp) {
+    std::vector<float> all;
+    eval::DecodeOptions o;
+    o.max_new = int64_t(forced.size());
+    o.forced = &forced;
+    o.on_logits = [&](int64_t, const float* lg) { all.insert(all.end(), lg, lg + c.vocab); };
+    sp.decode(full, o);
+    return all;
+  };
+  eval::SharedPrefill fresh(w, 128, 8, 16, 1024, nullptr, KvDtype::FP8, 0.f);
+  fresh.prefill(b);
+  const std::vector<float> ks_b = fresh.kv().k_scales();
+  const auto want = logits_of(fresh);
+  eval::SharedPrefill used(w, 128, 8, 16, 1024, nullptr, KvDtype::FP8, 0.f);
+  used.prefill(a);
+  (void)logits_of(used);
+  // Scales far from any prompt's (as if the earlier prompt had been much larger): forgotten.
+  std::vector<float> odd(size_t(c.n_kv_heads), 1024.f);
+  for (int l = 0; l < c.n_layers; ++l) used.kv().set_scales(l, odd.data(), odd.data());
+  used.prefill(b);
+  EXPECT_EQ(used.kv().k_scales(), ks_b);
+  EXPECT_EQ(logits_of(used), want);
+  // A fixed scale stays whatever the prompt.
+  eval::SharedPrefill fixed(w, 128, 8, 16, 1024, nullptr, KvDtype::FP8, 0.5f);
+  fixed.prefill(a);
+  fixed.prefill(b);
+  for (float s : fixed.kv().v_scales()) EXPECT_EQ(s, 0.5f);
 }
 
 // The runner builds an fp8 host cache with the scales asked for: a quarter of f32's K/V

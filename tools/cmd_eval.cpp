@@ -26,6 +26,7 @@
 
 #include "args.h"
 #include "command.h"
+#include "kv_args.h"
 #include "core/thread_pool.h"
 #include "core/tuning.h"
 #include "eval/decode.h"
@@ -93,6 +94,10 @@ common options:
   --threads N           CPU threads (default: all cores)
   --page-size N         KV page size (default 16)
   --prefill-chunk N     prompt tokens per forward pass (default 1024)
+  --kv-dtype f32|bf16|f16|fp8  the CPU runs' KV cache (default f32, the reference; fp8: E4M3
+                        with scales; a sweep of another type wants its own --out)
+  --kv-scale auto|X     fp8 scales: auto (default: from each prompt's prefill) or X (rounded
+                        up to a power of two)
   --deterministic       with --device cuda: decode attention with the static schedule only,
                         so a sweep gives the same bits on every run (also SPADE_DETERMINISTIC=1)
 tasks / agree:
@@ -199,6 +204,10 @@ Setup setup(const Args& a, const std::string& kind) {
   s.ro.page_size = int(a.integer("--page-size", 16));
   s.ro.chunk = a.integer("--prefill-chunk", 1024);
   s.ro.deterministic = a.has("--deterministic");
+  SPADE_CHECK(s.device == Device::CPU || !a.has("--kv-dtype"),
+              "--kv-dtype is for --device cpu (the GPU KV cache is bf16)");
+  s.ro.kv_dtype = kv_dtype_from_args(a, "cpu", "f32");
+  s.ro.kv_scale = kv_scale_from_args(a, s.ro.kv_dtype);
   std::vector<int64_t> budgets = parse_list(a.str("--budgets", "256"), "--budgets");
   s.runs = expand_methods(a.str("--methods", "full;streaming;quest;tidal;lessismore;oracle-topk"),
                           budgets);
@@ -240,7 +249,10 @@ Setup setup(const Args& a, const std::string& kind) {
             {"machine", cat(cpu_name(), ", ", ThreadPool::global().size(), " threads")},
             {"date", date},
             {"seed", s.seed},
-            {"samples", s.samples}};
+            {"samples", s.samples},
+            {"kv_dtype", kv_dtype_name(s.ro.kv_dtype)}};
+  if (s.ro.kv_dtype == KvDtype::FP8)
+    s.meta["kv_scale"] = s.ro.kv_scale > 0 ? json(s.ro.kv_scale) : json("auto");
   if (s.device == Device::CUDA) {
     s.meta["gpu"] = gpu_summary();
     s.meta["placement"] = placement_line(s.runs, s.place);
@@ -758,7 +770,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--text", "--methods", "--budgets", "--lengths", "--samples", "--seed",
           "--out", "--md", "--threads", "--device", "--page-size", "--prefill-chunk", "--tasks", "--max-new",
-          "--decode", "--prompt-tokens", "--window", "--cpu-weights"},
+          "--decode", "--prompt-tokens", "--window", "--cpu-weights", "--kv-dtype", "--kv-scale"},
          {"--help", "--recall", "--deterministic", "--follow-text"});
   if (a.has("--help") || a.positional().empty()) {
     std::fputs(kHelp, a.has("--help") ? stdout : stderr);

@@ -14,16 +14,20 @@ namespace {
 using clk = std::chrono::steady_clock;
 double since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
 
-KVLayout layout_of(const ModelConfig& c, int page_size) {
+KVLayout layout_of(const ModelConfig& c, int page_size, KvDtype t, float kv_scale) {
   SPADE_CHECK(page_size > 0, "page size must be positive");
-  return KVLayout{c.n_layers, c.n_kv_heads, c.head_dim, page_size};
+  KVLayout l{c.n_layers, c.n_kv_heads, c.head_dim, page_size};
+  l.dtype = t;
+  l.kv_scale = kv_scale;
+  return l;
 }
 }  // namespace
 
 SharedPrefill::SharedPrefill(const ModelWeights& w, int64_t max_prompt, int64_t max_new,
-                             int page_size, int64_t chunk, const Tokenizer* tok)
+                             int page_size, int64_t chunk, const Tokenizer* tok,
+                             KvDtype kv_dtype, float kv_scale)
     : w_(w),
-      kv_(layout_of(w.config, page_size),
+      kv_(layout_of(w.config, page_size, kv_dtype, kv_scale),
           (max_prompt + page_size - 1) / page_size + (max_new + page_size - 1) / page_size + 3),
       model_(w, kv_),
       chunk_(std::max<int64_t>(1, chunk)),
@@ -35,6 +39,7 @@ double SharedPrefill::prefill(const std::vector<int32_t>& prompt) {
   SPADE_CHECK(!prompt.empty(), "empty prompt");
   kv_.release(base_);
   base_ = PageTable{};
+  kv_.reset_scales();  // fp8, auto: this prompt's prefill sets them (as a fresh server's would)
   text_.clear();
   if (tok_)
     for (int32_t t : prompt) text_.push_back(tok_->token_bytes(t));

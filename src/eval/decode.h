@@ -71,10 +71,13 @@ void decode_steps(const DecodeOptions& opt, int vocab, const float* first_logits
 
 class SharedPrefill {
  public:
-  // A pool for prompts up to `max_prompt` tokens plus one decode of `max_new` tokens.
-  // `tok` (optional): token text for the methods that read it.
+  // A pool for prompts up to `max_prompt` tokens plus one decode of `max_new` tokens, of
+  // `kv_dtype` (f32: the reference) with fp8 scales `kv_scale` (0: auto, set by each prompt's
+  // prefill: KVPool::reset_scales before it). `tok` (optional): token text for the methods that
+  // read it.
   SharedPrefill(const ModelWeights& w, int64_t max_prompt, int64_t max_new, int page_size = 16,
-                int64_t chunk = 1024, const Tokenizer* tok = nullptr);
+                int64_t chunk = 1024, const Tokenizer* tok = nullptr,
+                KvDtype kv_dtype = KvDtype::F32, float kv_scale = 0.f);
   ~SharedPrefill();
   SharedPrefill(const SharedPrefill&) = delete;
   SharedPrefill& operator=(const SharedPrefill&) = delete;

@@ -122,7 +122,7 @@ DecodeResult EvalRunner::on_cpu(std::shared_ptr<const sparse::SparseMethod> m,
   SPADE_CHECK(!prompt_.empty(), "decode before set_prompt");
   if (!sp_)
     sp_ = std::make_unique<SharedPrefill>(w_, opt_.max_prompt, opt_.max_new, opt_.page_size,
-                                          opt_.chunk, tok_);
+                                          opt_.chunk, tok_, opt_.kv_dtype, opt_.kv_scale);
   if (!sp_fresh_) {
     sp_seconds_ = sp_->prefill(prompt_);
     sp_fresh_ = true;

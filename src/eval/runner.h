@@ -46,6 +46,8 @@ struct RunnerOptions {
   int page_size = 16;
   int64_t chunk = 1024;    // prefill chunk
   bool deterministic = false;  // GPU: static decode schedule, bit-reproducible (CudaModelOptions)
+  KvDtype kv_dtype = KvDtype::F32;  // CPU runs' KV cache (--kv-dtype; f32: the reference)
+  float kv_scale = 0.f;             // fp8 (--kv-scale; 0: auto, from each prompt's prefill)
 };
 
 class EvalRunner {
