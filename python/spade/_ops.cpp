@@ -84,6 +84,51 @@ void bind_ops(py::module_& m) {
       },
       Release());
 
+  py::class_<ClusterIndexOp>(m, "ClusterIndexOp")
+      .def(py::init<>())
+      .def(
+          "build",
+          [](ClusterIndexOp& c, uintptr_t keys, int64_t L, int D, uintptr_t starts, int n_chunks,
+             double chunks_per_fine, int max_coarse, int coarse_units, int kmeans_iterations,
+             const std::string& pooling, const std::string& space, bool f16_centers) {
+            spade::sparse::ClusterIndexOptions o;
+            o.chunks_per_fine = chunks_per_fine;
+            o.max_coarse = max_coarse;
+            o.coarse_units = coarse_units;
+            o.kmeans.iterations = kmeans_iterations;
+            o.pooling = pooling == "max" ? spade::sparse::Pooling::Max : spade::sparse::Pooling::Mean;
+            o.space = space == "chunk" ? spade::sparse::BoundSpace::Chunk
+                                       : spade::sparse::BoundSpace::Token;
+            o.f16_centers = f16_centers;
+            c.build(ptr<const float>(keys), L, D, ptr<const int32_t>(starts), n_chunks, o);
+          },
+          Release())
+      .def(
+          "insert",
+          [](ClusterIndexOp& c, uintptr_t keys, int64_t L, int D, uintptr_t starts, int n_starts) {
+            c.insert(ptr<const float>(keys), L, D, ptr<const int32_t>(starts), n_starts);
+          },
+          Release())
+      .def(
+          "search",
+          [](const ClusterIndexOp& c, uintptr_t q, int G, int D, int64_t budget, int coarse_topk,
+             double coarse_cover, const std::string& group, const std::string& rank,
+             uintptr_t starts, int n_starts) {
+            spade::sparse::SearchParams p;
+            p.budget = budget;
+            p.coarse_topk = coarse_topk;
+            p.coarse_cover = coarse_cover;
+            p.group = group == "sum" ? spade::sparse::GroupAgg::Sum : spade::sparse::GroupAgg::Max;
+            p.rank = rank == "center" ? spade::sparse::RankBy::Center : spade::sparse::RankBy::Bound;
+            return c.search(ptr<const float>(q), G, D, p, ptr<const int32_t>(starts), n_starts);
+          },
+          Release())
+      .def("n_chunks", [](const ClusterIndexOp& c) { return c.index().n_chunks(); })
+      .def("n_fine", [](const ClusterIndexOp& c) { return c.index().n_fine(); })
+      .def("n_coarse", [](const ClusterIndexOp& c) { return c.index().n_coarse(); })
+      .def("built", [](const ClusterIndexOp& c) { return c.index().built(); })
+      .def("bytes", [](const ClusterIndexOp& c) { return c.index().bytes(); });
+
   py::class_<CudaDecode>(m, "CudaDecode")
       .def(py::init<int, int, int64_t, int, int, int, int>(), py::arg("device"),
            py::arg("max_batch"), py::arg("max_pages"), py::arg("Hq"), py::arg("Hkv"),

@@ -29,7 +29,7 @@ Error = _core.Error
 
 __all__ = ["decode_attention", "sparse_attention", "DecodeAttention", "SparseAttention",
            "quest_meta", "quest_update_meta", "quest_select", "topk_select", "tidal_select",
-           "twilight_prune",
+           "twilight_prune", "ClusterIndex",
            "lessismore_select", "group_mean", "decode_scores", "have_cuda", "Error"]
 
 _F32, _BF16 = 0, 1
@@ -668,6 +668,101 @@ def twilight_prune(q, k_cache, kv_indptr, kv_indices, kv_lens, sel_indptr, sel_i
                                   gran, max_slots, float(p), float(eps), _scale(scale, D),
                                   kept_indptr.data_ptr(), kept_indices.data_ptr(), _stream(dev))
     return kept_indptr, kept_indices
+
+
+class ClusterIndex:
+    """LycheeCluster's hierarchical index of one (layer, KV head), on the CPU (spade's
+    sparse::ClusterIndex, docs/lycheecluster.md): chunk keys (normalized mean of each chunk's
+    keys), a fine level of spherical k-means clusters of about chunks_per_fine chunks, a
+    coarse level over the fine centroids (coarse_units, 0: min(max_coarse, ceil(sqrt(fine)))),
+    every node with a center and a covering radius so that q . c + |q| r bounds q . k of its
+    members.
+
+        ix = spade.ops.ClusterIndex()
+        ix.build(keys, chunk_starts)          # keys [L, D]; chunk c = [starts[c], starts[c+1])
+        ix.insert(keys, chunk_starts)         # the next chunk (starts one entry longer)
+        pos = ix.search(q, budget, chunk_starts)   # q [G, D]: positions of the chosen chunks
+
+    keys / q: float32 or bfloat16 CPU tensors (read as fp32). search ranks coarse units by the
+    bound aggregated over the G query heads (group "max" or "sum"), keeps the top coarse_topk
+    (0: the fewest holding coarse_cover * budget tokens), ranks their fine clusters and takes
+    their chunks in order while they fit the budget; returns int32 positions, ascending.
+    A CUDA twin of the index exists in the engine (src/backend/cuda/cluster_index.h) but is
+    not exposed here yet.
+    """
+
+    def __init__(self, chunks_per_fine: float = 2.0, max_coarse: int = 64, coarse_units: int = 0,
+                 kmeans_iterations: int = 10, pooling: str = "mean", space: str = "token",
+                 f16_centers: bool = True):
+        if pooling not in ("mean", "max"):
+            raise Error(f"pooling must be 'mean' or 'max', not {pooling!r}")
+        if space not in ("token", "chunk"):
+            raise Error(f"space must be 'token' or 'chunk', not {space!r}")
+        self._opts = (float(chunks_per_fine), int(max_coarse), int(coarse_units),
+                      int(kmeans_iterations), pooling, space, bool(f16_centers))
+        self._ix = _core.ClusterIndexOp()
+        self.D = None
+
+    @staticmethod
+    def _keys(name, t, D=None):
+        torch = _torch()
+        _tensor(name, t, (torch.float32, torch.bfloat16), 2)
+        if t.device.type != "cpu":
+            raise Error(f"{name} must be on the CPU (ClusterIndex is CPU only), not {t.device}")
+        if D is not None and t.shape[1] != D:
+            raise Error(f"{name} has head dim {t.shape[1]}, the index {D}")
+        return t.float().contiguous()
+
+    @staticmethod
+    def _starts(t):
+        _index("chunk_starts", t)
+        if t.device.type != "cpu":
+            raise Error(f"chunk_starts must be on the CPU, not {t.device}")
+        return t
+
+    def build(self, keys, chunk_starts):
+        k = self._keys("keys", keys)
+        st = self._starts(chunk_starts)
+        self._ix.build(k.data_ptr(), k.shape[0], k.shape[1], st.data_ptr(), st.numel() - 1,
+                       *self._opts)
+        self.D = k.shape[1]
+        return self
+
+    def insert(self, keys, chunk_starts):
+        k = self._keys("keys", keys, self.D)
+        st = self._starts(chunk_starts)
+        self._ix.insert(k.data_ptr(), k.shape[0], k.shape[1], st.data_ptr(), st.numel())
+        return self
+
+    def search(self, q, budget: int, chunk_starts, coarse_topk: int = 0,
+               coarse_cover: float = 4.0, group: str = "max", rank: str = "bound"):
+        torch = _torch()
+        if group not in ("max", "sum"):
+            raise Error(f"group must be 'max' or 'sum', not {group!r}")
+        if rank not in ("bound", "center"):
+            raise Error(f"rank must be 'bound' or 'center', not {rank!r}")
+        qf = self._keys("q", q, self.D)
+        st = self._starts(chunk_starts)
+        pos = self._ix.search(qf.data_ptr(), qf.shape[0], qf.shape[1], int(budget),
+                              int(coarse_topk), float(coarse_cover), group, rank, st.data_ptr(),
+                              st.numel())
+        return torch.tensor(pos, dtype=torch.int32)
+
+    @property
+    def n_chunks(self) -> int:
+        return self._ix.n_chunks()
+
+    @property
+    def n_fine(self) -> int:
+        return self._ix.n_fine()
+
+    @property
+    def n_coarse(self) -> int:
+        return self._ix.n_coarse()
+
+    @property
+    def bytes(self) -> int:
+        return self._ix.bytes()
 
 
 def group_mean(scores, num_kv_heads: int):

@@ -3,6 +3,7 @@
 #include "api/ops.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -346,6 +347,54 @@ void cpu_twilight_prune(DType dt, const void* q, int Hq, const Paged& kv, const 
       kept_off[li + 1] = int32_t(wr);
     }
   }
+}
+
+namespace {
+void check_starts(const int32_t* starts, int32_t n_starts, int64_t L) {
+  SPADE_CHECK(n_starts >= 2, "chunk_starts needs at least 2 entries (one chunk)");
+  SPADE_CHECK(starts[0] >= 0, "chunk_starts[0] = ", starts[0], " is negative");
+  for (int32_t c = 0; c + 1 < n_starts; ++c)
+    SPADE_CHECK(starts[c + 1] > starts[c], "chunk_starts must increase strictly (chunk_starts[",
+                c + 1, "] = ", starts[c + 1], " after ", starts[c], ")");
+  SPADE_CHECK(starts[n_starts - 1] <= L, "chunk_starts[-1] = ", starts[n_starts - 1],
+              " is past the keys' ", L, " positions");
+}
+}  // namespace
+
+void ClusterIndexOp::build(const float* keys, int64_t L, int D, const int32_t* starts,
+                           int32_t n_chunks, const sparse::ClusterIndexOptions& opt) {
+  SPADE_CHECK(D > 0, "ClusterIndex: head dim must be positive");
+  check_starts(starts, n_chunks + 1, L);
+  ix_.build(D, [&](int64_t pos) { return keys + pos * D; }, starts, n_chunks, opt);
+}
+
+void ClusterIndexOp::insert(const float* keys, int64_t L, int D, const int32_t* starts,
+                            int32_t n_starts) {
+  SPADE_CHECK(ix_.built(), "ClusterIndex.insert before build");
+  SPADE_CHECK(D == ix_.D(), "ClusterIndex.insert: head dim ", D, " differs from the index's ", ix_.D());
+  SPADE_CHECK(n_starts == ix_.n_chunks() + 2, "ClusterIndex.insert: chunk_starts must have ",
+              ix_.n_chunks() + 2, " entries (the built chunks and the new one), not ", n_starts);
+  check_starts(starts, n_starts, L);
+  ix_.insert([&](int64_t pos) { return keys + pos * D; }, starts, ix_.n_chunks());
+}
+
+std::vector<int32_t> ClusterIndexOp::search(const float* q, int G, int D,
+                                            const sparse::SearchParams& p, const int32_t* starts,
+                                            int32_t n_starts) const {
+  SPADE_CHECK(ix_.built(), "ClusterIndex.search before build");
+  SPADE_CHECK(D == ix_.D(), "ClusterIndex.search: head dim ", D, " differs from the index's ", ix_.D());
+  SPADE_CHECK(G >= 1, "ClusterIndex.search: no query head");
+  SPADE_CHECK(n_starts == ix_.n_chunks() + 1, "ClusterIndex.search: chunk_starts must have ",
+              ix_.n_chunks() + 1, " entries, not ", n_starts);
+  check_starts(starts, n_starts, INT32_MAX);
+  std::vector<int32_t> chunks;
+  sparse::SearchScratch scratch;
+  ix_.search(q, G, p, starts, chunks, nullptr, scratch);
+  std::sort(chunks.begin(), chunks.end());
+  std::vector<int32_t> pos;
+  for (int32_t c : chunks)
+    for (int32_t t = starts[c]; t < starts[c + 1]; ++t) pos.push_back(t);
+  return pos;
 }
 
 // ---------------------------------------------------------------------------------------

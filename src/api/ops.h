@@ -24,6 +24,8 @@
 #include <memory>
 #include <vector>
 
+#include "sparse/cluster_index.h"
+
 namespace spade::api::ops {
 
 enum class DType : int { F32 = 0, BF16 = 1 };
@@ -89,6 +91,23 @@ void cpu_lessismore_select(const float* scores, int64_t ld, const int32_t* lens,
 // (capacity: the lists' tokens).
 void cpu_twilight_prune(DType dt, const void* q, int Hq, const Paged& kv, const Lists& lists,
                         double p, double eps, float scale, int32_t* kept_off, int32_t* kept_idx);
+
+// LycheeCluster's hierarchical index of one (layer, KV head), CPU (sparse::ClusterIndex):
+// build over the chunks [starts[c], starts[c + 1]) of fp32 keys [L][D] (positions), insert
+// the next chunk, search for the G query heads q [G][D]: the token positions (ascending) of
+// the chunks chosen within `budget` tokens. The keys are read only during build / insert.
+class ClusterIndexOp {
+ public:
+  void build(const float* keys, int64_t L, int D, const int32_t* starts, int32_t n_chunks,
+             const sparse::ClusterIndexOptions& opt);
+  void insert(const float* keys, int64_t L, int D, const int32_t* starts, int32_t n_starts);
+  std::vector<int32_t> search(const float* q, int G, int D, const sparse::SearchParams& p,
+                              const int32_t* starts, int32_t n_starts) const;
+  const sparse::ClusterIndex& index() const { return ix_; }
+
+ private:
+  sparse::ClusterIndex ix_;
+};
 
 // ---- CUDA ----
 // Plan/run decode attention: a cuda::AttentionWorkspace in its own device arena (allocated

@@ -8,7 +8,9 @@
   - quest_meta / quest_select, topk_select / tidal_select and lessismore_select against naive
     implementations, ties included (integer-valued data make every sum exact, so ties are
     real: the lower position / page wins; NaN ranks last); twilight_prune on peaked attention
-    (exactly the hot tokens), its kept mass on random data, page lists = their tokens;
+    (exactly the hot tokens), its kept mass on random data, page lists = their tokens; the
+    LycheeCluster index (ClusterIndex: a planted chunk found, whole chunks within budget,
+    insert);
   - shape / dtype / device / index errors name the argument.
 Runs with `python3 -m pytest tests/python/test_ops.py` or as a script (ctest python_ops, via
 scripts/python_test.sh with PYTHONPATH=<build>/python); without torch or the built package
@@ -443,6 +445,49 @@ class SelectorTest(unittest.TestCase):
         self.assertEqual(a[1][:int(a[0][-1])].tolist(), b_[1][:int(b_[0][-1])].tolist())
         with self.assertRaisesRegex(spade.Error, "sel_indptr must have 5 entries"):
             ops.twilight_prune(q, k2, ip, ix, ln, off[:3].clone(), idx)
+
+    def test_cluster_index(self):
+        # A planted chunk (keys along the query) is the one chunk a budget of one chunk takes;
+        # results are whole chunks within the budget, ascending; a budget past the context
+        # takes every chunk; insert() adds the next chunk.
+        g = torch.Generator().manual_seed(21)
+        L, D, C = 200, 32, 8
+        keys = torch.randn(L, D, generator=g)
+        d = torch.randn(D, generator=g)
+        d /= d.norm()
+        keys[40:48] = 20 * d + 0.1 * torch.randn(8, D, generator=g)  # beats loose bounds
+        st = torch.arange(0, L + 1, C, dtype=torch.int32)
+        ix = ops.ClusterIndex().build(keys.bfloat16(), st)
+        self.assertEqual(ix.n_chunks, 25)
+        self.assertTrue(1 <= ix.n_coarse <= ix.n_fine <= 25)
+        q = (3 * d).repeat(4, 1)
+        # (A fine cluster's chunks are taken in position order: with ~2 chunks per cluster the
+        # planted chunk comes with its cluster mates; with one chunk per cluster, alone.)
+        self.assertTrue(set(range(40, 48)) <= set(ix.search(q, 32, st).tolist()))
+        one = ops.ClusterIndex(chunks_per_fine=1.0).build(keys, st)
+        self.assertEqual(one.search(q, 8, st).tolist(), list(range(40, 48)))
+        for budget in (8, 30, 77):
+            pos = ix.search(q, budget, st).tolist()
+            self.assertLessEqual(len(pos), budget)
+            self.assertEqual(pos, sorted(set(pos)))
+            chunks = {p // C for p in pos}
+            self.assertEqual(len(pos), C * len(chunks))  # whole chunks
+        self.assertEqual(ix.search(q, 10_000, st).tolist(), list(range(L)))
+        keys2 = torch.cat([keys, 6 * d + 0.1 * torch.randn(5, D, generator=g)])
+        st2 = torch.cat([st, torch.tensor([205], dtype=torch.int32)])
+        ix.insert(keys2, st2)
+        self.assertEqual(ix.n_chunks, 26)
+        self.assertEqual(ix.search(q, 10_000, st2).tolist(), list(range(205)))
+        with self.assertRaisesRegex(spade.Error, "before build"):
+            ops.ClusterIndex().search(q, 8, st)
+        with self.assertRaisesRegex(spade.Error, "increase strictly"):
+            ops.ClusterIndex().build(keys, torch.tensor([0, 8, 8, 16], dtype=torch.int32))
+        with self.assertRaisesRegex(spade.Error, "past the keys"):
+            ops.ClusterIndex().build(keys, torch.tensor([0, 300], dtype=torch.int32))
+        with self.assertRaisesRegex(spade.Error, "must have 28 entries"):
+            ix.insert(keys2, st2)
+        with self.assertRaisesRegex(spade.Error, "head dim"):
+            ix.search(torch.randn(2, 16), 8, st2)
 
     def test_decode_scores(self):
         k, v, ip, ix, ln = make_batch([9, 20], 2, 4, 16)
