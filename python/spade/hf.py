@@ -12,9 +12,9 @@ step (one new token per sequence) appends the token's K/V and attends with
 spade.ops.decode_attention (method "full") or with Quest's page selection
 (quest_update_meta on the touched page, quest_select, sparse_attention over the pages; the
 first `dense_layers` layers attend fully; a sequence of at most budget tokens gets all its
-pages). Prefill
-(several new tokens) runs transformers' eager math over the model's own cache, and fills
-the paged copy.
+pages). Prefill (several new tokens) runs transformers' eager math over the model's own
+cache, and fills the paged copy. On CUDA one DecodeAttention / SparseAttention plan per
+decode step serves every layer (their page tables are the same).
 
 Hooks, by transformers version: where transformers has an attention-function registry
 (ALL_ATTENTION_FUNCTIONS, 4.48+), apply() registers "spade" there and sets the model's
@@ -118,6 +118,32 @@ class _State:
     def __init__(self, cfg):
         self.cfg = cfg
         self.kv = {}  # layer index -> _PagedKV
+        # CUDA: one plan per decode step for every layer (their page tables are the same).
+        self.plan_key = None
+        self.dec = self.sp = None
+        self.tables_dev = None
+
+    def cuda_plans(self, kv, Hq):
+        """DecodeAttention (and, for quest, SparseAttention) planned for this step's batch."""
+        cfg, dev = self.cfg, kv.device
+        key = (kv.B, kv.length, Hq, kv.Hkv, kv.D, str(dev))
+        if self.plan_key == key:
+            return
+        ip, ix, ln = kv.tables()
+        pages = ix.numel()
+        grow = lambda w: (w is None or w.max_batch < kv.B or w.max_pages < pages  # noqa: E731
+                          or (w.Hq, w.Hkv, w.D, w.P) != (Hq, kv.Hkv, kv.D, kv.P))
+        if grow(self.dec):
+            self.dec = ops.DecodeAttention(max(8, kv.B), Hq, kv.Hkv, kv.D, kv.P, device=dev,
+                                           max_pages=max(4096, 2 * pages))
+        self.dec.plan(ip, ix, ln)
+        if cfg.method == "quest":
+            if grow(self.sp):
+                self.sp = ops.SparseAttention(max(8, kv.B), Hq, kv.Hkv, kv.D, kv.P, device=dev,
+                                              max_pages=max(4096, 2 * pages))
+            self.sp.plan(ip, ix, ln, max_entries=cfg.budget // cfg.P, granularity="page")
+        self.tables_dev = (ip.to(dev), ix.to(dev), ln.to(dev))
+        self.plan_key = key
 
 
 def _eager(query, key, value, mask, scale):
@@ -154,7 +180,12 @@ def _attend(state, layer, query, key, value, mask, scale):
         raise Error("spade.hf: padded batches do not decode yet (every sequence of a batch "
                     "must have the same length); use one prompt per batch")
     q = query[:, :, 0, :].contiguous()
-    ip, ix, ln = kv.tables()
+    cuda = q.device.type == "cuda"
+    if cuda:  # planned once per step; the device copies of the tables for the selectors
+        state.cuda_plans(kv, Hq)
+        ip, ix, ln = state.tables_dev
+    else:
+        ip, ix, ln = kv.tables()
     cfg.stats["decode_steps"] += 1
     cfg.stats["rows_total"] += B * Hkv * S
     n_pages = (S + cfg.P - 1) // cfg.P
@@ -162,12 +193,18 @@ def _attend(state, layer, query, key, value, mask, scale):
         k_pages = cfg.budget // cfg.P  # n_pages <= k_pages: quest_select takes every page
         off, idx = ops.quest_select(q, kv.meta, ip, ix, ln, k_pages, page_size=cfg.P,
                                     max_pages=n_pages)
-        out = ops.sparse_attention(q, kv.k, kv.v, ip, ix, ln, off, idx, granularity="page",
-                                   scale=scale)
+        if cuda:
+            out = state.sp.run(q, kv.k, kv.v, off, idx, scale=scale)
+        else:
+            out = ops.sparse_attention(q, kv.k, kv.v, ip, ix, ln, off, idx, granularity="page",
+                                       scale=scale)
         cfg.stats["rows_read"] += B * Hkv * (S if n_pages <= k_pages else
                                              (k_pages - 1) * cfg.P + S - (n_pages - 1) * cfg.P)
     else:
-        out = ops.decode_attention(q, kv.k, kv.v, ip, ix, ln, scale=scale)
+        if cuda:
+            out = state.dec.run(q, kv.k, kv.v, scale=scale)
+        else:
+            out = ops.decode_attention(q, kv.k, kv.v, ip, ix, ln, scale=scale)
         cfg.stats["rows_read"] += B * Hkv * S
     return out[:, :, None, :]
 

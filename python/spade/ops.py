@@ -884,8 +884,8 @@ def _register_torch_library():
     try:
         d = torch.library.custom_op("spade::decode_attention", mutates_args=())(_decode)
         s = torch.library.custom_op("spade::sparse_attention", mutates_args=())(_sparse)
-    except RuntimeError:  # already registered (a reload)
-        return True
+    except Exception:  # already registered in this process (a reload of the module)
+        return hasattr(getattr(torch.ops, "spade", None), "decode_attention")
 
     @d.register_fake
     def _(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, scale):

@@ -527,6 +527,15 @@ class TorchLibraryTest(unittest.TestCase):
                                                    torch.empty(ix.numel(), **i32),
                                                    torch.empty(2, **i32), 0.25)
             self.assertEqual(tuple(out.shape), (2, 4, 16))
+        # torch.compile traces through the fake kernel (the eager backend: no compiler needed).
+        fn = torch.compile(lambda *a: torch.ops.spade.decode_attention(*a, 0.25) * 2.0,
+                           backend="eager", fullgraph=True)
+        self.assertTrue(torch.equal(fn(q, k, v, ip, ix, ln), got * 2.0))
+        off = torch.tensor([0, 2, 4, 5, 7], dtype=torch.int32)
+        idx = torch.tensor([0, 8, 1, 2, 3, 4, 11], dtype=torch.int32)
+        sp = torch.ops.spade.sparse_attention(q, k, v, ip, ix, ln, off, idx, 1, 0.25)
+        self.assertTrue(torch.equal(sp, ops.sparse_attention(q, k, v, ip, ix, ln, off, idx,
+                                                             scale=0.25)))
 
 
 if __name__ == "__main__":
