@@ -217,6 +217,49 @@ TEST(CudaAttention, AutoDrawsChunksOnlyWherePlanned) {
   EXPECT_FALSE(ws.draws_chunks());
 }
 
+// The decode schedule is chosen for schedule_kv(max_kv) (the length rounded up to 1/8 of its
+// power of two): a batch growing a token per step keeps its variant and split count (its launch
+// shape: one CUDA graph) across each bucket.
+TEST(CudaAttention, ScheduleKeepsItsShapeWhileSequencesGrow) {
+  using cuda::AttentionWorkspace;
+  EXPECT_EQ(AttentionWorkspace::schedule_kv(1), 64);
+  EXPECT_EQ(AttentionWorkspace::schedule_kv(64), 64);
+  EXPECT_EQ(AttentionWorkspace::schedule_kv(65), 128);
+  EXPECT_EQ(AttentionWorkspace::schedule_kv(300), 320);    // 256 / 8 = 32 -> steps of 64
+  EXPECT_EQ(AttentionWorkspace::schedule_kv(3600), 3840);  // 2048 / 8 = 256
+  EXPECT_EQ(AttentionWorkspace::schedule_kv(4096), 4096);
+  EXPECT_EQ(AttentionWorkspace::schedule_kv(4097), 4608);
+  EXPECT_EQ(AttentionWorkspace::schedule_kv(131072), 131072);
+  EXPECT_EQ(AttentionWorkspace::schedule_kv(100000), 106496);  // 65536 / 8 = 8192
+  for (int L = 1; L < 300000; L = L * 5 / 4 + 1) {
+    const int s = AttentionWorkspace::schedule_kv(L);
+    EXPECT_GE(s, L);
+    EXPECT_LE(s, std::max(64, L + L / 8 + 64)) << L;
+  }
+  SKIP_WITHOUT_GPU();
+  const int Hq = 9, Hkv = 3, D = 64, P = 16;
+  cuda::DeviceArena arena(64u << 20);
+  cuda::AttnLimits lim;
+  lim.max_batch = 8;
+  lim.max_q_tokens = 8;
+  lim.max_pages = 1 << 14;
+  AttentionWorkspace ws(arena, lim, Hq, Hkv, D, P);
+  std::vector<int32_t> pages(size_t(lim.max_pages));
+  std::iota(pages.begin(), pages.end(), 0);
+  auto plan = [&](int B, int L) {
+    std::vector<cuda::AttnSeq> batch;
+    for (int b = 0; b < B; ++b) batch.push_back({pages.data() + b * 512, (L + P - 1) / P, L - b, 1});
+    ws.plan(batch, 0);
+    return std::make_pair(ws.n_split(), ws.decode_variant());
+  };
+  for (int B : {1, 7}) {
+    // 3,585 .. 3,840 share the bucket 3,840: one schedule for 256 steps.
+    const auto first = plan(B, 3585);
+    for (int L = 3586; L <= 3840; ++L) ASSERT_EQ(plan(B, L), first) << "B " << B << ", L " << L;
+    EXPECT_EQ(first.first, ws.choose_split(B, 3840));
+  }
+}
+
 // wgmma prefill: tiles of 128 keys cross pages and the diagonal; page sizes 16 (fast path),
 // 32, 5 (per-row page lookups); G = 1, 4, 8, 16; cached prefixes; a decode row in the batch.
 TEST(CudaAttention, PrefillWgmmaShapes) {

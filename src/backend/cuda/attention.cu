@@ -636,7 +636,7 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
   if (decode)
     ns = force_split > 0      ? std::min(force_split, lim_.max_split)
          : deterministic_ ? std::min(kInvariantSplit, lim_.max_split)
-                          : choose_split(B, max_kv);
+                          : choose_split(B, schedule_kv(max_kv));
   int n = 0;
   int32_t* it = h + off_items_;
   if (decode && G <= 16) {
@@ -670,7 +670,7 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
   // CTA, hence each split's summation order, are fixed).
   variant_ = !decode                                   ? 0
              : deterministic_ && decode_kernel_ == 1 ? fitting_variant(1)
-                                                     : resolve_variant(B, max_kv);
+                                                     : resolve_variant(B, schedule_kv(max_kv));
   n_items_ = n;
   n_split_ = ns;
   total_q_ = total_q;

@@ -97,8 +97,13 @@ class AttentionWorkspace {
   bool decode() const { return decode_; }
   int n_items() const { return n_items_; }
   // Split count the planner would choose for a decode batch of `B` sequences whose longest
-  // holds `max_kv` tokens.
+  // holds `max_kv` tokens (plan() passes schedule_kv(max_kv)).
   int choose_split(int B, int max_kv) const;
+  // The context a decode schedule (kernel variant, split count) is chosen for: the longest
+  // sequence's length rounded up to 1/8 of its power of two (>= 64 tokens), so that a batch
+  // whose sequences grow by a token per step keeps its launch shape (hence its CUDA graph) for
+  // hundreds of steps instead of changing splits whenever the length crosses a threshold.
+  static int schedule_kv(int max_kv);
 
   // Decode kernel: 0 = v2 (generic tile kernel + combine launch), 1 = auto (picks a v3
   // variant from the batch), 2..decode_kernel_count()-1 = fixed variant. Takes effect at the

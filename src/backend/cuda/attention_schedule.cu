@@ -89,6 +89,14 @@ int AttentionWorkspace::fitting_variant(int v) const {
   return w4s2;
 }
 
+int AttentionWorkspace::schedule_kv(int max_kv) {
+  if (max_kv <= 64) return 64;
+  int pow2 = 64;
+  while (pow2 <= max_kv / 2) pow2 *= 2;  // the largest power of two <= max_kv
+  const int64_t step = std::max(64, pow2 / 8);
+  return int(std::min<int64_t>((int64_t(max_kv) + step - 1) / step * step, 1 << 30));
+}
+
 int AttentionWorkspace::choose_split(int B, int max_kv) const {
   const int v = resolve_variant(B, max_kv);
   if (v > 0 && decode_v3_variant(v).dyn && may_draw())
