@@ -155,9 +155,18 @@ def _eager(query, key, value, mask, scale):
         value = value.repeat_interleave(G, dim=1)
     w = torch.matmul(query, key.transpose(2, 3)) * scale
     if mask is not None:
-        w = w + mask[:, :, :, :key.shape[-2]]
+        m = mask[:, :, :, :key.shape[-2]]
+        if m.dtype == torch.bool:  # True = attend (transformers' boolean masks)
+            w = w.masked_fill(~m, float("-inf"))
+        else:  # additive
+            w = w + m
     w = torch.nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(w, value)
+
+
+def _torch_bool():
+    import torch
+    return torch.bool
 
 
 def _attend(state, layer, query, key, value, mask, scale):
@@ -176,7 +185,8 @@ def _attend(state, layer, query, key, value, mask, scale):
     kv.append(key[:, :, S - T:], value[:, :, S - T:])
     if T > 1:
         return _eager(query, key, value, mask, scale)
-    if mask is not None and bool((mask[..., :S] < 0).any()):
+    if mask is not None and bool((~mask[..., :S] if mask.dtype == _torch_bool() else
+                                  mask[..., :S] < 0).any()):
         raise Error("spade.hf: padded batches do not decode yet (every sequence of a batch "
                     "must have the same length); use one prompt per batch")
     q = query[:, :, 0, :].contiguous()
