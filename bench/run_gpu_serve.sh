@@ -352,6 +352,22 @@ if [ "$phase" = methods ]; then
   cat "$OUT/metrics_by_load.txt"
 fi
 
+# BLASST calibrated inside each GPU selector's lists (`spade calibrate blasst --device cuda
+# --sparse X+blasst`, issue 37): the text is KJV Genesis' first 30,000 bytes as in
+# configs/blasst_smollm2_gpu_decode_s50.json (carry it as .stage/kjv_gen30k.txt); one config
+# per selector in $OUT (CAL_BASES, CAL_BUDGET).
+if [ "$phase" = calibrate ]; then
+  IFS=';' read -ra CB <<< "${CAL_BASES:-quest;tidal;lessismore;lycheecluster;lycheedecode;streaming}"
+  for base in "${CB[@]}"; do
+    t1=$(date +%s)
+    timeout ${CAL_TIMEOUT:-120} ./$B/spade calibrate blasst --device cuda --model $M --text .stage/kjv_gen30k.txt \
+      --phase decode --sparse "$base+blasst:budget=${CAL_BUDGET:-1024}" --target-sparsity 0.5 --lengths 2048,4096 \
+      --samples 2 --out "$OUT/blasst_smollm2_gpu_${base}${CAL_BUDGET:-1024}.json" > "$OUT/calibrate_$base.log" 2>&1
+    echo "calibrate $base+blasst rc=$? in $(( $(date +%s) - t1 )) s: $(grep -o '"a": [0-9.e+-]*' $OUT/blasst_smollm2_gpu_${base}${CAL_BUDGET:-1024}*.json 2>/dev/null | head -2 | tr '\n' ' ')"
+    tail -3 "$OUT/calibrate_$base.log"
+  done
+fi
+
 # The per-request-method part of run alone (tests that need the model, served loads).
 if [ "$phase" = mixed ]; then
   SPADE_MODEL=$M timeout 120 ./$B/spade_gpu_tests --gtest_filter="${GTEST_FILTER:-CudaMixedMethods*}" 2>&1 \
@@ -386,7 +402,7 @@ fi
 
 # 5. llama-server, same client.
 for i in $(seq 1 90); do [ -f /root/peer/building ] || break; sleep 2; done
-if [ "$phase" = mixed ] || [ "$phase" = methods ]; then
+if [ "$phase" = mixed ] || [ "$phase" = methods ] || [ "$phase" = calibrate ]; then
   :
 elif [ -x $PEER/build-cuda/bin/llama-server ]; then
   $PEER/build-cuda/bin/llama-server -m $M -ngl 99 -fa on -np 256 -c $((256 * 640)) --cont-batching \
