@@ -273,6 +273,15 @@ def _registry():
     return ALL_ATTENTION_FUNCTIONS
 
 
+def _register(reg, fn):
+    """reg["spade"] = fn, class-wide where the registry is an AttentionInterface (4.50+)."""
+    register = getattr(type(reg), "register", None)
+    if callable(register):
+        register("spade", fn)
+    else:
+        reg["spade"] = fn
+
+
 def apply(model, method: str = "full", budget: Optional[int] = None, page_size: int = 16,
           dense_layers: int = 2):
     """Makes `model` (a transformers causal LM) decode with spade's kernels.
@@ -291,10 +300,10 @@ def apply(model, method: str = "full", budget: Optional[int] = None, page_size: 
     for m in mods:
         m._spade_state = state
     if reg is not None:
-        reg["spade"] = _attention_function
-        try:  # transformers with a mask registry (4.53+): spade takes eager's additive mask
+        _register(reg, _attention_function)
+        try:  # transformers with a mask registry (4.53+): spade takes eager's mask
             from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as masks
-            masks["spade"] = masks["eager"]
+            _register(masks, masks["eager"])
         except (ImportError, KeyError, TypeError):
             pass
         for cfg in {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in mods]
