@@ -129,6 +129,38 @@ void bind_ops(py::module_& m) {
       .def("built", [](const ClusterIndexOp& c) { return c.index().built(); })
       .def("bytes", [](const ClusterIndexOp& c) { return c.index().bytes(); });
 
+  py::class_<CudaClusterIndex>(m, "CudaClusterIndex")
+      .def(py::init<int, int, int, int, int, int, double, int, int>(), Release())
+      .def("reset", &CudaClusterIndex::reset, Release())
+      .def(
+          "build",
+          [](CudaClusterIndex& c, int slot, uintptr_t k, uintptr_t pages, uintptr_t starts,
+             int n_chunks, uintptr_t stream) {
+            c.build(slot, ptr<const void>(k), ptr<const int32_t>(pages),
+                    ptr<const int32_t>(starts), n_chunks, stream);
+          },
+          Release())
+      .def(
+          "insert",
+          [](CudaClusterIndex& c, int slot, uintptr_t k, uintptr_t pages, int n_old,
+             uintptr_t new_ends, int n_new, uintptr_t stream) {
+            c.insert(slot, ptr<const void>(k), ptr<const int32_t>(pages), n_old,
+                     ptr<const int32_t>(new_ends), n_new, stream);
+          },
+          Release())
+      .def(
+          "search",
+          [](const CudaClusterIndex& c, uintptr_t q, uintptr_t slot, uintptr_t kv_len, int B,
+             int Hq, int64_t budget, int coarse_topk, double coarse_cover, int sink, int cap,
+             uintptr_t lists, uintptr_t counts, uintptr_t sel_off, uintptr_t sel_idx,
+             uintptr_t stream) {
+            c.search(ptr<const void>(q), ptr<const int32_t>(slot), ptr<const int32_t>(kv_len), B,
+                     Hq, budget, coarse_topk, coarse_cover, sink, cap, ptr<int32_t>(lists),
+                     ptr<int32_t>(counts), ptr<int32_t>(sel_off), ptr<int32_t>(sel_idx), stream);
+          },
+          Release())
+      .def("arena_bytes", &CudaClusterIndex::arena_bytes);
+
   py::class_<CudaDecode>(m, "CudaDecode")
       .def(py::init<int, int, int64_t, int, int, int, int>(), py::arg("device"),
            py::arg("max_batch"), py::arg("max_pages"), py::arg("Hq"), py::arg("Hkv"),

@@ -29,7 +29,7 @@ Error = _core.Error
 
 __all__ = ["decode_attention", "sparse_attention", "DecodeAttention", "SparseAttention",
            "quest_meta", "quest_update_meta", "quest_select", "topk_select", "tidal_select",
-           "twilight_prune", "ClusterIndex",
+           "twilight_prune", "ClusterIndex", "CudaClusterIndex",
            "lessismore_select", "group_mean", "decode_scores", "have_cuda", "Error"]
 
 _F32, _BF16 = 0, 1
@@ -687,8 +687,7 @@ class ClusterIndex:
     bound aggregated over the G query heads (group "max" or "sum"), keeps the top coarse_topk
     (0: the fewest holding coarse_cover * budget tokens), ranks their fine clusters and takes
     their chunks in order while they fit the budget; returns int32 positions, ascending.
-    A CUDA twin of the index exists in the engine (src/backend/cuda/cluster_index.h) but is
-    not exposed here yet.
+    CudaClusterIndex is the GPU index (the engine's LcIndexGpu).
     """
 
     def __init__(self, chunks_per_fine: float = 2.0, max_coarse: int = 64, coarse_units: int = 0,
@@ -763,6 +762,103 @@ class ClusterIndex:
     @property
     def bytes(self) -> int:
         return self._ix.bytes()
+
+
+class CudaClusterIndex:
+    """LycheeCluster's index on the GPU (the engine's LcIndexGpu: token bound space, fp16
+    centers, mean pooling; docs/cuda_lycheecluster.md), for `slots` (request, layer) pairs of
+    num_kv_heads heads each, in a device arena of its own (`arena_bytes`).
+
+        ix = spade.ops.CudaClusterIndex(slots, num_kv_heads, head_dim, page_size)
+        ix.build(slot, k_cache, pages, chunk_starts)      # pages: the request's page ids
+        ix.insert(slot, k_cache, pages, n_old, new_ends)   # lazy update with new chunks
+        sel_indptr, sel_indices = ix.search(q, slots, kv_lens, budget, sink=16)
+
+    k_cache: the layer's [num_pages, Hkv, page_size, D] bf16 CUDA cache; pages: int32 page ids
+    of the request in token order (host or device); chunk_starts / new_ends: host int32
+    absolute positions (chunk c = [starts[c], starts[c+1]), starts[0] >= the sink). search:
+    q [B, Hq, D] bf16, slots / kv_lens int32 [B]; per (request, KV head) the token list
+    sink [0, sink) + the chosen chunks (ascending) + the un-indexed tail [starts[-1], kv_len)
+    (sparse_attention's per-head lists). The CPU ClusterIndex (f16_centers, space "token",
+    pooling "mean") builds the same index from the same bf16 keys where k-means has no
+    near-ties, and its search chooses the same chunks.
+    """
+
+    def __init__(self, slots: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 device="cuda", max_chunks: int = 8192, chunks_per_fine: float = 2.0,
+                 max_coarse: int = 64, kmeans_iterations: int = 10):
+        torch = _torch()
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise Error("CudaClusterIndex works on CUDA tensors (ClusterIndex is the CPU index)")
+        _check_cuda(self.device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.slots, self.Hkv, self.D, self.P = slots, num_kv_heads, head_dim, page_size
+        self._ix = _core.CudaClusterIndex(self.device.index, slots, num_kv_heads, head_dim,
+                                          page_size, max_chunks, float(chunks_per_fine),
+                                          max_coarse, kmeans_iterations)
+
+    @property
+    def arena_bytes(self) -> int:
+        return int(self._ix.arena_bytes())
+
+    def _cache(self, k_cache):
+        torch = _torch()
+        _tensor("k_cache", k_cache, (torch.bfloat16,), 4, self.device)
+        if tuple(k_cache.shape[1:]) != (self.Hkv, self.P, self.D):
+            raise Error(f"k_cache's shape {tuple(k_cache.shape)} is not "
+                        f"[pages, {self.Hkv}, {self.P}, {self.D}]")
+
+    def _host_positions(self, name, t):
+        _index(name, t)
+        if t.device.type != "cpu":
+            raise Error(f"{name} must be a host tensor")
+        return t
+
+    def reset(self, slot: int):
+        self._ix.reset(int(slot), _stream(self.device))
+
+    def build(self, slot: int, k_cache, pages, chunk_starts):
+        self._cache(k_cache)
+        _index("pages", pages)
+        st = self._host_positions("chunk_starts", chunk_starts)
+        pg = _on(pages, self.device)
+        self._ix.build(int(slot), k_cache.data_ptr(), pg.data_ptr(), st.data_ptr(),
+                       st.numel() - 1, _stream(self.device))
+        return self
+
+    def insert(self, slot: int, k_cache, pages, n_old: int, new_ends):
+        self._cache(k_cache)
+        _index("pages", pages)
+        ne = self._host_positions("new_ends", new_ends)
+        pg = _on(pages, self.device)
+        self._ix.insert(int(slot), k_cache.data_ptr(), pg.data_ptr(), int(n_old), ne.data_ptr(),
+                        ne.numel(), _stream(self.device))
+        return self
+
+    def search(self, q, slots, kv_lens, budget: int, sink: int = 16, coarse_topk: int = 0,
+               coarse_cover: float = 4.0, cap: Optional[int] = None):
+        torch = _torch()
+        _tensor("q", q, (torch.bfloat16,), 3, self.device)
+        B, Hq, D = q.shape
+        if D != self.D or Hq % self.Hkv:
+            raise Error(f"q [B, Hq, D] must have D = {self.D} and Hq a multiple of {self.Hkv}")
+        _index("slots", slots, B)
+        _index("kv_lens", kv_lens, B)
+        if cap is None:  # a list holds distinct positions below its length
+            cap = int(kv_lens.max()) + 64
+        sl, ln = _on(slots, self.device), _on(kv_lens, self.device)
+        dev = self.device
+        lists = torch.empty(B * self.Hkv * cap, dtype=torch.int32, device=dev)
+        counts = torch.empty(B * self.Hkv, dtype=torch.int32, device=dev)
+        sel_indptr = torch.zeros(B * self.Hkv + 1, dtype=torch.int32, device=dev)
+        sel_indices = torch.full((B * self.Hkv * cap,), -1, dtype=torch.int32, device=dev)
+        self._ix.search(q.data_ptr(), sl.data_ptr(), ln.data_ptr(), B, Hq, int(budget),
+                        int(coarse_topk), float(coarse_cover), int(sink), int(cap),
+                        lists.data_ptr(), counts.data_ptr(), sel_indptr.data_ptr(),
+                        sel_indices.data_ptr(), _stream(dev))
+        return sel_indptr, sel_indices
 
 
 def group_mean(scores, num_kv_heads: int):

@@ -18,6 +18,7 @@
 
 #if SPADE_HAVE_CUDA
 #include "backend/cuda/attention.h"
+#include "backend/cuda/cluster_index.h"
 #include "backend/cuda/cuda_common.h"
 #include "backend/cuda/sparse_attention.h"
 #include "backend/cuda/twilight.h"
@@ -637,6 +638,90 @@ void cuda_twilight_prune(int device, const void* q, int Hq, const Paged& kv,
   SPADE_CUDA(cudaStreamSynchronize(s));  // the arena goes with this call
 }
 
+struct CudaClusterIndex::Impl {
+  int device;
+  std::unique_ptr<cuda::DeviceArena> arena;
+  std::unique_ptr<cuda::LcIndexGpu> ix;
+};
+
+CudaClusterIndex::CudaClusterIndex(int device, int slots, int Hkv, int D, int P, int max_chunks,
+                                   double chunks_per_fine, int max_coarse, int iterations)
+    : impl_(std::make_unique<Impl>()) {
+  SPADE_CHECK(slots >= 1 && Hkv >= 1 && max_chunks >= 1, "CudaClusterIndex: bad sizes");
+  DeviceScope ds(device);
+  cuda::check_device_supported();
+  cuda::LcIndexConfig c;
+  c.slots = slots, c.Hkv = Hkv, c.D = D, c.P = P, c.max_chunks = max_chunks;
+  c.chunks_per_fine = chunks_per_fine, c.max_coarse = max_coarse, c.iterations = iterations;
+  impl_->device = device;
+  impl_->arena = std::make_unique<cuda::DeviceArena>(cuda::LcIndexGpu::arena_bytes(c));
+  impl_->ix = std::make_unique<cuda::LcIndexGpu>(*impl_->arena, c);
+}
+
+CudaClusterIndex::~CudaClusterIndex() {
+  if (impl_) {
+    DeviceScope ds(impl_->device);
+    impl_->ix.reset();
+    impl_->arena.reset();
+  }
+}
+
+void CudaClusterIndex::reset(int slot, uintptr_t stream) {
+  SPADE_CHECK(slot >= 0 && slot < impl_->ix->config().slots, "CudaClusterIndex: slot ", slot,
+              " outside [0, ", impl_->ix->config().slots, ")");
+  DeviceScope ds(impl_->device);
+  impl_->ix->reset(slot, as_stream(stream));
+}
+
+void CudaClusterIndex::build(int slot, const void* k_cache, const int32_t* page_table,
+                             const int32_t* starts, int n_chunks, uintptr_t stream) {
+  const cuda::LcIndexConfig& c = impl_->ix->config();
+  SPADE_CHECK(slot >= 0 && slot < c.slots, "CudaClusterIndex: slot ", slot, " outside [0, ",
+              c.slots, ")");
+  SPADE_CHECK(n_chunks >= 1 && n_chunks <= c.max_chunks, "CudaClusterIndex.build: ", n_chunks,
+              " chunks, outside [1, max_chunks = ", c.max_chunks, "]");
+  check_starts(starts, n_chunks + 1, INT32_MAX);
+  DeviceScope ds(impl_->device);
+  impl_->ix->build(slot, static_cast<const cuda::bf16*>(k_cache), page_table, starts, n_chunks,
+                   as_stream(stream));
+  SPADE_CUDA(cudaStreamSynchronize(as_stream(stream)));
+}
+
+void CudaClusterIndex::insert(int slot, const void* k_cache, const int32_t* page_table, int n_old,
+                              const int32_t* new_ends, int n_new, uintptr_t stream) {
+  const cuda::LcIndexConfig& c = impl_->ix->config();
+  SPADE_CHECK(slot >= 0 && slot < c.slots, "CudaClusterIndex: slot ", slot, " outside [0, ",
+              c.slots, ")");
+  SPADE_CHECK(n_new >= 1 && n_old >= 1 && n_old + n_new <= c.max_chunks,
+              "CudaClusterIndex.insert: ", n_old, " + ", n_new, " chunks, past max_chunks = ",
+              c.max_chunks, " (or nothing to insert)");
+  for (int i = 1; i < n_new; ++i)
+    SPADE_CHECK(new_ends[i] > new_ends[i - 1], "CudaClusterIndex.insert: new chunk ends must "
+                "increase strictly");
+  DeviceScope ds(impl_->device);
+  impl_->ix->insert(slot, static_cast<const cuda::bf16*>(k_cache), page_table, n_old, new_ends,
+                    n_new, as_stream(stream));
+  SPADE_CUDA(cudaStreamSynchronize(as_stream(stream)));
+}
+
+void CudaClusterIndex::search(const void* q, const int32_t* slot, const int32_t* kv_len, int B,
+                              int Hq, int64_t budget, int coarse_topk, double coarse_cover,
+                              int sink, int cap, int32_t* lists, int32_t* counts,
+                              int32_t* sel_off, int32_t* sel_idx, uintptr_t stream) const {
+  const cuda::LcIndexConfig& c = impl_->ix->config();
+  SPADE_CHECK(B >= 1 && Hq >= c.Hkv && Hq % c.Hkv == 0, "CudaClusterIndex.search: bad batch / heads");
+  DeviceScope ds(impl_->device);
+  cuda::LcSearchArgs a;
+  a.q = static_cast<const cuda::bf16*>(q);
+  a.slot = slot, a.kv_len = kv_len, a.B = B, a.Hq = Hq;
+  a.budget = budget, a.coarse_topk = coarse_topk, a.coarse_cover = coarse_cover;
+  a.sink = sink, a.cap = cap, a.lists = lists, a.counts = counts;
+  impl_->ix->search(a, as_stream(stream));
+  cuda::LcIndexGpu::compact(lists, counts, B * c.Hkv, cap, sel_off, sel_idx, as_stream(stream));
+}
+
+size_t CudaClusterIndex::arena_bytes() const { return impl_->arena->capacity(); }
+
 namespace {
 struct LimScratch {
   size_t row_n, head_top, keys, merged, topk, total;
@@ -727,6 +812,23 @@ void cuda_twilight_prune(int, const void*, int, const Paged&, const int32_t*, co
                          double, float, int32_t*, int32_t*, uintptr_t) {
   no_cuda();
 }
+struct CudaClusterIndex::Impl {};
+CudaClusterIndex::CudaClusterIndex(int, int, int, int, int, int, double, int, int) { no_cuda(); }
+CudaClusterIndex::~CudaClusterIndex() = default;
+void CudaClusterIndex::reset(int, uintptr_t) { no_cuda(); }
+void CudaClusterIndex::build(int, const void*, const int32_t*, const int32_t*, int, uintptr_t) {
+  no_cuda();
+}
+void CudaClusterIndex::insert(int, const void*, const int32_t*, int, const int32_t*, int,
+                              uintptr_t) {
+  no_cuda();
+}
+void CudaClusterIndex::search(const void*, const int32_t*, const int32_t*, int, int, int64_t, int,
+                              double, int, int, int32_t*, int32_t*, int32_t*, int32_t*,
+                              uintptr_t) const {
+  no_cuda();
+}
+size_t CudaClusterIndex::arena_bytes() const { return 0; }
 size_t cuda_lessismore_scratch_bytes(int, int, int64_t, int64_t) { return 0; }
 void cuda_lessismore_select(int, const float*, int64_t, const int32_t*, int, int, int, int, int,
                             void*, int32_t*, int32_t*, uintptr_t) {

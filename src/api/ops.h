@@ -146,6 +146,36 @@ class CudaSparse {
   std::unique_ptr<Impl> impl_;
 };
 
+// LycheeCluster's index on the GPU (cuda::LcIndexGpu in an arena of its own): `slots`
+// (request, layer) indexes of Hkv heads each, built from a layer's paged bf16 K cache through a
+// request's device page table over host chunk starts (absolute positions, n_chunks + 1),
+// lazily updated with new chunk ends, searched for a decode batch into Token lists per
+// (request, KV head): the sink [0, sink) + the chosen chunks + the un-indexed tail
+// [starts[n_chunks], kv_len), CSR sel_off[B * Hkv + 1] / sel_idx (capacity B * Hkv * cap).
+// build / insert wait for their uploads (the host arrays may go after the call).
+class CudaClusterIndex {
+ public:
+  CudaClusterIndex(int device, int slots, int Hkv, int D, int P, int max_chunks,
+                   double chunks_per_fine, int max_coarse, int iterations);
+  ~CudaClusterIndex();
+  void reset(int slot, uintptr_t stream);
+  void build(int slot, const void* k_cache, const int32_t* page_table, const int32_t* starts,
+             int n_chunks, uintptr_t stream);
+  void insert(int slot, const void* k_cache, const int32_t* page_table, int n_old,
+              const int32_t* new_ends, int n_new, uintptr_t stream);
+  // q [B, Hq, D] bf16; slot / kv_len [B] device; lists [B * Hkv * cap], counts [B * Hkv]
+  // device scratch.
+  void search(const void* q, const int32_t* slot, const int32_t* kv_len, int B, int Hq,
+              int64_t budget, int coarse_topk, double coarse_cover, int sink, int cap,
+              int32_t* lists, int32_t* counts, int32_t* sel_off, int32_t* sel_idx,
+              uintptr_t stream) const;
+  size_t arena_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // Device pointers: as the CPU twins, bf16. scores: fp32 scratch [B * Hkv * max_pages].
 void cuda_quest_meta(int device, const void* k, int Hkv, int P, int D, const int32_t* page_ids,
                      const int32_t* n_valid, int n, void* meta, uintptr_t stream);

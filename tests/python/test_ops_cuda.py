@@ -9,7 +9,9 @@
     page lists against the CPU op (same tolerance);
   - quest_meta bit for bit, quest_select, topk_select / tidal_select and lessismore_select
     list for list (the same selections: the kernels sum in the CPU's order); twilight_prune
-    within 1% of the CPU's kept tokens (its estimates agree to ~2e-5 relative);
+    within 1% of the CPU's kept tokens (its estimates agree to ~2e-5 relative); the GPU
+    LycheeCluster index's lists against the CPU ClusterIndex's (keys without k-means
+    near-ties);
   - spade.hf on a tiny bf16 Llama: method full within bf16 tolerance of eager attention;
   - --bench: decode_attention's run() timed with CUDA events at bench/bench_attention.cu's
     shapes (Llama-3-8B: Hq 32, Hkv 8, D 128, page 16, shuffled pages, caches rotated past
@@ -187,6 +189,52 @@ class CudaSelectorTest(unittest.TestCase):
                 diff += len(sa ^ sb)
                 total += len(sa)
             self.assertLessEqual(diff, max(1, total // 100), (gran, diff, total))
+
+    def test_lycheecluster(self):
+        # Keys where chunks 2i and 2i+1 share a direction (no k-means near-ties, as the C++
+        # test CudaLycheeCluster.SearchMatchesCpu): the GPU index's lists equal the CPU
+        # ClusterIndex's chunks framed by the sink and the un-indexed tail.
+        g = torch.Generator().manual_seed(13)
+        Hkv, D, P, sink, L, Hq = 2, 128, 16, 16, 4000, 8
+        G = Hq // Hkv
+        st = [sink]
+        while st[-1] < L - 70:
+            st.append(min(L - 70, st[-1] + int(torch.randint(8, 17, (1,), generator=g))))
+        if len(st) % 2 == 0:
+            st.pop()
+        starts = torch.tensor(st, dtype=torch.int32)
+        keys = torch.randn(Hkv, L, D, generator=g)
+        for h in range(Hkv):
+            for c in range(len(st) - 1):
+                if c % 2 == 0:
+                    d = torch.randn(D, generator=g)
+                    d = 6.0 * d / d.norm()
+                n = st[c + 1] - st[c]
+                scale = 0.8 + 0.4 * torch.rand(n, 1, generator=g)
+                keys[h, st[c]:st[c + 1]] = scale * (d + 0.15 * torch.randn(n, D, generator=g))
+        keys = keys.bfloat16()
+        n_pages = (L + P - 1) // P
+        perm = torch.randperm(n_pages + 5, generator=g)[:n_pages].to(torch.int32)
+        cache = torch.zeros(n_pages + 5, Hkv, P, D, dtype=torch.bfloat16)
+        padded = torch.zeros(Hkv, n_pages * P, D, dtype=torch.bfloat16)
+        padded[:, :L] = keys
+        cache[perm.long()] = padded.view(Hkv, n_pages, P, D).permute(1, 0, 2, 3)
+        ix = ops.CudaClusterIndex(2, Hkv, D, P, max_chunks=1024)
+        self.assertGreater(ix.arena_bytes, 0)
+        ix.build(1, cache.to(DEV), perm, starts)
+        cpu = [ops.ClusterIndex().build(keys[h], starts) for h in range(Hkv)]
+        for budget in (128, 1024):
+            for rep in range(3):
+                q = (0.3 + torch.randn(1, Hq, D, generator=g)).bfloat16()
+                off, idx = ix.search(q.to(DEV), torch.tensor([1], dtype=torch.int32),
+                                     torch.tensor([L], dtype=torch.int32), budget, sink=sink)
+                off, idx = off.cpu(), idx.cpu()
+                for h in range(Hkv):
+                    want = (list(range(sink)) +
+                            cpu[h].search(q[0, h * G:(h + 1) * G], budget, starts).tolist() +
+                            list(range(st[-1], L)))
+                    got = idx[int(off[h]):int(off[h + 1])].tolist()
+                    self.assertEqual(got, want, (budget, rep, h))
 
     def test_topk_tidal_lessismore(self):
         gen = torch.Generator().manual_seed(5)
