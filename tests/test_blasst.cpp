@@ -506,6 +506,18 @@ TEST(BlasstCalibration, RecoversAKnownAOnSyntheticData) {
   EXPECT_TRUE(std::isnan(c.r2));
   // delta drops lengths that cannot reach the target; none left is an error.
   EXPECT_THROW(calibrate_blasst(measure, 0.5, {1000}, {1e-6}, 0.05, 0), Error);
+  // The error says what each length measured (closest sparsity, its lambda, the swept range).
+  try {
+    calibrate_blasst(measure, 0.5, {1000}, {1e-6, 1e-5}, 0.05, 0);
+    FAIL() << "no length reached the target, yet no error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("L=1000: closest " + std::to_string(measure(1e-5, 1000)) + " at lambda " +
+                     std::to_string(1e-5) + ", swept " + std::to_string(measure(1e-6, 1000)) +
+                     ".." + std::to_string(measure(1e-5, 1000))),
+              std::string::npos)
+        << m;
+  }
 }
 
 TEST(BlasstCalibration, FitThroughOrigin) {

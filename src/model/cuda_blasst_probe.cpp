@@ -52,15 +52,23 @@ double CudaBlasstProbe::measure(int key, const std::vector<int32_t>& toks, int64
                                 std::vector<double>* per_layer) {
   CudaModel& m = *model_;
   std::vector<int64_t> rows;
+  // A method with per-request state (LycheeCluster's index) gets a fresh request, prefilled
+  // for this measurement alone: its state follows the tokens it was fed, so a prefix rewound
+  // for the next lambda would meet an index that already holds the later chunks.
+  std::unique_ptr<sparse::MethodState> state = m.new_request_state();
   auto run = [&](PageTable& pt, const int32_t* t, int64_t n) {
     for (int64_t off = 0; off < n; off += 4096) {
       const int64_t k = std::min<int64_t>(4096, n - off);
-      m.forward({{&pt, t + off, k, false}}, rows);
+      m.forward({{&pt, t + off, k, false, nullptr, state.get()}}, rows);
     }
   };
   PageTable scratch;
   PageTable* pt = &scratch;
-  if (decode_) {
+  if (decode_ && state) {
+    SPADE_CHECK(int64_t(toks.size()) >= L + steps, "calibration sample shorter than L + steps");
+    m.set_blasst(blasst_config(0.0, 0.0, true, placement_.get()));  // dense prefill (lambda 0)
+    run(scratch, toks.data(), L);
+  } else if (decode_) {
     SPADE_CHECK(int64_t(toks.size()) >= L + steps, "calibration sample shorter than L + steps");
     auto it = prefixes_.find({key, L});
     if (it == prefixes_.end()) {
@@ -78,7 +86,7 @@ double CudaBlasstProbe::measure(int key, const std::vector<int32_t>& toks, int64
   else
     run(*pt, toks.data(), L);
   const std::vector<uint64_t> c = m.blasst_counts(!decode_);
-  if (!decode_) m.release(scratch);
+  if (!decode_ || state) m.release(scratch);
   const int NL = m.config().n_layers, Hkv = m.config().n_kv_heads;
   uint64_t t = 0, k = 0;
   if (per_layer) per_layer->assign(size_t(NL), 0.0);

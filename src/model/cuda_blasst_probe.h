@@ -2,7 +2,9 @@
 // with BLASST (over full attention, or inside a selector: --sparse X+blasst), whose lambda is changed between runs (CudaModel::set_blasst), and the tile
 // counters of its kernels (decode: 16-token warp chunks, seeded running max; prefill: 64 rows
 // x 128 keys in the wgmma kernel, 32 rows x 64 keys at head_dim 64). Decode measurements prefill each (sample, length) prefix
-// once, densely, and rewind to it for every lambda (the decode steps only write later slots).
+// once, densely, and rewind to it for every lambda (the decode steps only write later slots);
+// a selector with per-request state (lycheecluster+blasst) prefills a fresh request for every
+// measurement instead (no token text: fixed-size chunks).
 #pragma once
 #if defined(SPADE_HAVE_CUDA)
 #include <map>

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "core/error.h"
 #include "sparse/methods/blasst.h"
@@ -107,8 +108,19 @@ BlasstCalibration calibrate_blasst(const SparsityFn& measure, double target,
     out.lengths.push_back(std::move(cl));
   }
   out.used = int(xs.size());
-  SPADE_CHECK(!xs.empty(), "calibrate: no length reached the target sparsity ", target,
-              " within delta ", delta, " (widen the lambda range or delta)");
+  if (xs.empty()) {
+    // What each length measured: its closest lambda and the sparsity range of its sweep.
+    std::string seen;
+    for (const auto& cl : out.lengths) {
+      double lo = 1, hi = 0;
+      for (const LambdaSample& x : cl.sweep) lo = std::min(lo, x.sparsity), hi = std::max(hi, x.sparsity);
+      seen += " L=" + std::to_string(cl.length) + ": closest " + std::to_string(cl.sparsity) +
+              " at lambda " + std::to_string(cl.lambda_best) + ", swept " + std::to_string(lo) +
+              ".." + std::to_string(hi) + ";";
+    }
+    SPADE_CHECK(false, "calibrate: no length reached the target sparsity ", target, " within delta ",
+                delta, " (widen the lambda range or delta):", seen);
+  }
   out.a = fit_through_origin(xs, ys, &out.r2);  // line 17
   return out;
 }
