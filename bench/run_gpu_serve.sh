@@ -114,6 +114,17 @@ if [ "$phase" = build ]; then
         >/root/fat/cmake.log 2>&1 && cmake --build build-fat -j${FAT_JOBS:-6} --target spade_cuda \
         >/root/fat/build.log 2>&1; echo \$? > /root/fat/rc; rm -f /root/fat/building" >/dev/null 2>&1 < /dev/null &
   fi
+  # PY_BUILD=1: the Python package (spade._core with the CUDA ops) in build-py, in the
+  # background, against the python3 that holds torch; the python phase tests it.
+  if [ "${PY_BUILD:-0}" = 1 ] && [ ! -f /root/py/building ]; then
+    mkdir -p /root/py && touch /root/py/building
+    PYB=$(python3 -m pybind11 --cmakedir 2>/dev/null)
+    setsid nohup bash -c "cmake -S . -B build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+        -DSPADE_PYTHON=ON -DPython3_EXECUTABLE=$(command -v python3) ${PYB:+-Dpybind11_DIR=$PYB} \
+        -DCMAKE_PREFIX_PATH=$ROOT/.deps-cuda -DBLA_VENDOR=OpenBLAS -DBLA_STATIC=ON $PKGCFG >/root/py/cmake.log 2>&1 && \
+        cmake --build build-py -j${PY_JOBS:-6} --target spade_python >/root/py/build.log 2>&1; echo \$? > /root/py/rc; \
+        rm -f /root/py/building" >/dev/null 2>&1 < /dev/null &
+  fi
   # EMULATE="86 80": the GPU tests again, side by side, as a GPU of that compute capability
   # (SPADE_EMULATE_CC: its shared memory per block, no PDL / TMA / wgmma: the generic paths).
   EM_PIDS=()
@@ -142,6 +153,35 @@ if [ "$phase" = build ]; then
   exit 0
 fi
 [ "$phase" = stage ] && { ls -la /root/stage; exit 0; }
+
+# The Python package's GPU tests (after build with PY_BUILD=1 on the same machine): the CUDA
+# ops against the CPU ops, spade.hf on the GPU, the kernel API's decode timing against
+# bench_attention's (same shapes, same process family).
+if [ "$phase" = python ]; then
+  for i in $(seq 1 150); do [ -f /root/py/building ] || break; sleep 2; done
+  echo "python package build rc=$(cat /root/py/rc 2>/dev/null)"; grep -E "Python package|spade: " /root/py/cmake.log | head -5
+  grep -E "error|FAILED" /root/py/build.log | head -10
+  cp /root/py/cmake.log /root/py/build.log "$OUT/" 2>/dev/null
+  for t in test_ops_cuda test_ops test_hf; do
+    PYTHONPATH=build-py/python timeout ${PY_TIMEOUT:-150} python3 tests/python/$t.py -v > "$OUT/py_$t.log" 2>&1
+    echo "python $t rc=$?"; grep -E "^(FAIL|ERROR)|Ran |OK|FAILED" "$OUT/py_$t.log" | head -12
+  done
+  nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_attention.cu build-py/libspade_cuda.a \
+    -lcublasLt -lcublas -o build-py/bench_attention > "$OUT/bench_attention_build.log" 2>&1 \
+    && ./build-py/bench_attention decode /tmp/cxx.jsonl 1 > "$OUT/bench_attention.log" 2>&1
+  PYTHONPATH=build-py/python timeout 200 python3 tests/python/test_ops_cuda.py --bench --cxx /tmp/cxx.jsonl \
+    > "$OUT/py_ops_bench.jsonl" 2>&1; echo "ops bench rc=$?"; tail -12 "$OUT/py_ops_bench.jsonl"
+  if [ -d /root/fat ]; then  # FAT_BUILD=1 in the build call
+    for i in $(seq 1 120); do [ -f /root/fat/building ] || break; sleep 2; done
+    echo "fat CUDA build (SPADE_CUDA_ARCHS=all): rc=$(cat /root/fat/rc 2>/dev/null)"
+    grep -E "error" /root/fat/build.log | head -10; tail -2 /root/fat/build.log
+    cp /root/fat/build.log "$OUT/fat_build.log" 2>/dev/null
+  fi
+  (cd "$OUT" && tar czf /tmp/results.tar.gz --exclude=summary.txt . && mv /tmp/results.tar.gz . && \
+    find . -type f ! -name summary.txt ! -name results.tar.gz -delete)
+  exit 0
+fi
+
 
 # compute-sanitizer over the GPU tests, on the sanitizer build (started by `build` with
 # SANITIZER_BUILD=1), which runs every kernel, the wgmma / TMA prefill included: memcheck over
@@ -358,14 +398,18 @@ fi
 # per selector in $OUT (CAL_BASES, CAL_BUDGET).
 if [ "$phase" = calibrate ]; then
   IFS=';' read -ra CB <<< "${CAL_BASES:-quest;tidal;lessismore;lycheecluster;lycheedecode;streaming}"
+  IFS=';' read -ra CT <<< "${CAL_TARGETS:-0.5}"
   for base in "${CB[@]}"; do
-    t1=$(date +%s)
-    timeout ${CAL_TIMEOUT:-120} ./$B/spade calibrate blasst --device cuda --model $M --text .stage/kjv_gen30k.txt \
-      --phase decode --sparse "$base+blasst:budget=${CAL_BUDGET:-1024}" --target-sparsity 0.5 --lengths 2048,4096 \
-      --samples 2 --out "$OUT/blasst_smollm2_gpu_${base}${CAL_BUDGET:-1024}.json" > "$OUT/calibrate_$base.log" 2>&1
-    echo "calibrate $base+blasst rc=$? in $(( $(date +%s) - t1 )) s: $(grep -o '"a": [0-9.e+-]*' $OUT/blasst_smollm2_gpu_${base}${CAL_BUDGET:-1024}*.json 2>/dev/null | head -2 | tr '\n' ' ')"
-    tail -3 "$OUT/calibrate_$base.log"
+    for tgt in "${CT[@]}"; do
+      t1=$(date +%s)
+      timeout ${CAL_TIMEOUT:-120} ./$B/spade calibrate blasst --device cuda --model $M --text .stage/kjv_gen30k.txt \
+        --phase decode --sparse "$base+blasst:budget=${CAL_BUDGET:-1024}" --target-sparsity $tgt --lengths 2048,4096 \
+        --samples 2 --out "$OUT/blasst_smollm2_gpu_${base}${CAL_BUDGET:-1024}.json" > "$OUT/calibrate_${base}_$tgt.log" 2>&1
+      echo "calibrate $base+blasst target $tgt rc=$? in $(( $(date +%s) - t1 )) s"
+      tail -2 "$OUT/calibrate_${base}_$tgt.log" | cut -c1-600
+    done
   done
+  grep -H -o '"a": [0-9.e+-]*' $OUT/blasst_smollm2_gpu_*.json 2>/dev/null
 fi
 
 # The per-request-method part of run alone (tests that need the model, served loads).
