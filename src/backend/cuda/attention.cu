@@ -680,7 +680,19 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
 void AttentionWorkspace::run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out,
                              float scale, cudaStream_t s, const BlasstSkip& skip,
                              const DecodeScores* scores) const {
+  run_impl(q, k_cache, v_cache, out, scale, s, skip, scores, nullptr, nullptr);
+}
+
+void AttentionWorkspace::run_impl(const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                                  bf16* out, float scale, cudaStream_t s, const BlasstSkip& skip,
+                                  const DecodeScores* scores, const float* k_scale,
+                                  const float* v_scale) const {
+  SPADE_CHECK(!k_scale || (decode_ && variant_ > 0 && !skip.active() && !scores),
+              "attention: an fp8 cache is read directly only by the v3 decode kernel, without "
+              "BLASST or scores (run_fp8 widens it for the other steps)");
   AttnArgs a;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
   a.q = q;
   a.out = out;
   a.k = k_cache;

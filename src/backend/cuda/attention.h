@@ -72,6 +72,20 @@ struct DecodeScores {
   bool per_head = false;
 };
 
+// FP8 (E4M3) KV cache of one layer (--kv-dtype fp8, issue 40): k, v hold one-byte codes in the
+// bf16 cache's layout [page][Hkv][P][D]; value = code x k_scale[h] (V: v_scale[h]), this layer's
+// [Hkv] device scales, powers of two (kv/fp8_e4m3.h). k_wide / v_wide: bf16 caches with room for
+// every page id the plan names ([pages][Hkv][P][D], e.g. one layer of the pool in bf16), used by
+// the steps the fp8 decode kernel does not run (AttentionWorkspace::run_fp8).
+struct KvFp8 {
+  const uint8_t* k = nullptr;
+  const uint8_t* v = nullptr;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  bf16* k_wide = nullptr;
+  bf16* v_wide = nullptr;
+};
+
 class AttentionWorkspace {
  public:
   AttentionWorkspace(DeviceArena& arena, const AttnLimits& lim, int Hq, int Hkv, int D, int P);
@@ -92,6 +106,15 @@ class AttentionWorkspace {
   // With scores (decode only, not with skip): also the group-mean scores (DecodeScores).
   void run(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out, float scale,
            cudaStream_t s, const BlasstSkip& skip = {}, const DecodeScores* scores = nullptr) const;
+  // run() over an FP8 cache (KvFp8): decode steps with a v3 variant read the codes directly
+  // (half the bytes; attention_decode.cu's F8 instances); every other step (prefill chunks,
+  // mixed steps, the v2 decode kernel) first widens the plan's pages of this layer into
+  // kv.k_wide / kv.v_wide (code x scale, exact in bf16; slots past each sequence's length
+  // zeroed; the same page ids) and runs the bf16 kernels on them (attention_fp8.cu). Neither
+  // BLASST skipping nor score emission.
+  void run_fp8(const bf16* q, const KvFp8& kv, bf16* out, float scale, cudaStream_t s) const;
+  // Whether run_fp8 of the last plan reads the fp8 codes directly (no widening into k_wide).
+  bool fp8_direct() const { return decode_ && variant_ > 0; }
 
   int n_split() const { return n_split_; }
   bool decode() const { return decode_; }
@@ -184,6 +207,10 @@ class AttentionWorkspace {
   int variant_occupancy(int variant) const;
   int prefill_kernel_ = 2;
   unsigned long long* trace_ = nullptr;
+  // run()'s body; k_scale / v_scale non-null: k_cache / v_cache hold fp8 codes (v3 decode only).
+  void run_impl(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out, float scale,
+                cudaStream_t s, const BlasstSkip& skip, const DecodeScores* scores,
+                const float* k_scale, const float* v_scale) const;
 };
 
 }  // namespace spade::cuda

@@ -49,6 +49,13 @@ struct AttnArgs {
   int64_t scores_ld = 0;
   bool scores_per_head = false;
   unsigned long long* skip_counts = nullptr;
+  // FP8 (E4M3) cache (--kv-dtype fp8, issue 40): k and v then hold one-byte codes in the same
+  // [page][Hkv][P][D] layout, value = code x k_scale[kvh] (v_scale for V): this layer's [Hkv]
+  // scales, powers of two (kv/fp8_e4m3.h). Null: bf16 cache. Only the v3 decode kernels (not
+  // with BLASST skipping or score emission) read fp8; prefill runs over a bf16 copy of the
+  // step's pages (AttentionWorkspace::run_fp8).
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 // v3 decode kernels (attention_decode.cu). Variant v (1-based) of the table there.

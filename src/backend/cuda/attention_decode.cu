@@ -36,10 +36,21 @@
 // Shared memory: 4 KB (Q) + W*S*TK*D*2*2 (ring) + 1 KB alignment: W4 S3 -> 101 KB (2 CTAs/SM).
 // Split combine: the last CTA reads every split's lse (one round of loads), then the partial
 // rows as float4 with 8 loads in flight per thread (latency, not bytes, bounds it).
+// FP8 cache (F8 instances, AttnArgs::k_scale set; issue 40): the ring holds E4M3 codes (TK*D
+// bytes per tile: 16-byte cp.async of half the bytes, unswizzled rows); after a chunk lands,
+// each lane widens the 16-byte pieces it copied itself (cvt e4m3x2 -> f16x2 -> bf16x2, exact:
+// every E4M3 value is a bf16) into the warp's own bf16 K and V tiles (swizzled as the bf16 ring),
+// and the bf16 chunk math runs on them unchanged. The scales are per (layer, KV head), so one
+// per CTA: K's is folded into the softmax's log2 scale and V's into o before the merge; both
+// are powers of two, so this equals widening code x scale (no rounding moves). The ring gets
+// one more stage than the bf16 variant's (S + 1: same shared memory, same CTAs per SM).
 // Napkin math (Llama-3-8B shapes Hq=32, Hkv=8, D=128, bf16): 32K tokens = 134 MB of K/V per
 // sequence and layer -> 30 us at 4.5 TB/s; ~8 KFLOP of mma per token and KV head (16 padded
 // rows), 16 FLOP/byte: far under the tensor-core roof. Measured (H200, docs/cuda.md): 4.39-4.44
 // TB/s at B >= 8 (SDPA on contiguous caches: 4.31-4.56), 3.3-4.0 TB/s at B = 1.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <cmath>
 
 #include "backend/cuda/attention_common.cuh"
@@ -48,20 +59,49 @@
 namespace spade::cuda::attn_detail {
 namespace {
 
-template <int D, int W, int S, int TK>
+template <int D, int W, int S, int TK, bool F8 = false>
 struct DecCfg {
   static constexpr int kThreads = W * 32;
   static constexpr int CH = D / 8;     // 16-byte chunks per row
   static constexpr int RPI = 32 / CH;  // rows per warp-wide copy instruction
   static constexpr int kTile = TK * D;
-  static constexpr int kStage = 2 * kTile;  // K then V
+  static constexpr int kStage = 2 * kTile;  // K then V (elements)
   static constexpr size_t kQ = 4096;        // 16 rows x D bf16, padded to keep the ring 1 KB aligned
-  static constexpr size_t kRing = size_t(W) * S * kStage * sizeof(bf16);
+  // Bytes of one ring stage: bf16 tiles, or fp8 codes (F8).
+  static constexpr size_t kStageBytes = size_t(kStage) * (F8 ? 1 : sizeof(bf16));
+  static constexpr size_t kRing = size_t(W) * S * kStageBytes;
+  // F8: each warp's widened bf16 K and V tiles.
+  static constexpr size_t kWide = F8 ? size_t(W) * kStage * sizeof(bf16) : 0;
   static constexpr size_t kMerge = size_t(W) * 16 * (D + 2) * sizeof(float);
-  static constexpr size_t kSmem = 1024 + ((kQ + kRing) > kMerge ? (kQ + kRing) : kMerge);
-  static_assert(TK % 16 == 0 && TK % RPI == 0, "chunk must be a multiple of 16 rows");
+  static constexpr size_t kSmem =
+      1024 + ((kQ + kRing + kWide) > kMerge ? (kQ + kRing + kWide) : kMerge);
+  // F8 copies: 16 codes per cp.async.
+  static constexpr int CH8 = D / 16;
+  static constexpr int RPI8 = 32 / CH8;
+  static_assert(TK % 16 == 0 && TK % RPI == 0 && TK % RPI8 == 0,
+                "chunk must be a multiple of 16 rows");
   static_assert(16 * D * 2 <= 4096, "Q tile");
 };
+
+// 16 E4M3 codes -> 16 bf16 (exact), as two 16-byte pieces.
+__device__ __forceinline__ void e4m3x16_to_bf16(const uint4& c, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw hr =
+          __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[k] >> (16 * h)), __NV_E4M3);
+      __half2 hv;
+      hv = hr;
+      const float2 f = __half22float2(hv);
+      out[2 * k + h] = pack_bf16(f.x, f.y);
+    }
+  }
+  lo = make_uint4(out[0], out[1], out[2], out[3]);
+  hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
 
 // Byte offset of (row r, column col % 8 == 0) in a chunk tile [TK][D], 16-byte chunk c of row
 // r at c ^ (r & 7).
@@ -70,18 +110,20 @@ __device__ __forceinline__ uint32_t kv_off(int r, int col) {
   return uint32_t(swz<D>(r, col)) * 2;
 }
 
-template <int D, int W, int S, int TK, bool SKIP, bool EMIT, bool DYN>
+template <int D, int W, int S, int TK, bool SKIP, bool EMIT, bool DYN, bool F8 = false>
 __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
   pdl_begin();  // pdl.cuh: first, before any global access
-  using C = DecCfg<D, W, S, TK>;
+  using C = DecCfg<D, W, S, TK, F8>;
   static_assert(!(EMIT && SKIP) && !(DYN && SKIP),
                 "BLASST skipping runs with neither score emission nor drawn chunks");
+  static_assert(!(F8 && (SKIP || EMIT)), "the fp8 cache runs without BLASST and score emission");
   constexpr int CH = C::CH, RPI = C::RPI, NT = C::kThreads;
   extern __shared__ __align__(1024) unsigned char smem_dyn[];
   __shared__ int s_last;
   unsigned char* smem_raw = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
   bf16* ring = reinterpret_cast<bf16*>(smem_raw + C::kQ);
+  unsigned char* ring8 = smem_raw + C::kQ;  // F8: the ring's stages as bytes
 
   // Grid (Hkv, items): CTAs start in item order, so every (sequence, KV head)'s split 0 is in
   // the first wave and, with drawn chunks, later splits take over the tails of earlier ones.
@@ -108,9 +150,31 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
   const bool fast = P % TK == 0;
   const int cc = lane % CH, rl = lane / CH;
   auto chunk_j0 = [&](int k) { return (cb + warp + k * W) * TK; };
+  // F8: this lane's 16-byte piece of each copied row (column cc8 * 16, rows rl8 + i * RPI8).
+  const int cc8 = lane % C::CH8, rl8 = lane / C::CH8;
+  bf16* wide = reinterpret_cast<bf16*>(smem_raw + C::kQ + C::kRing) + warp * C::kStage;
 
   // parts: 1 = the K tile, 2 = the V tile, 3 = both (BLASST loads V only for kept chunks).
   auto issue_at = [&](int j0, int st, int pid, int parts = 3) {
+    if constexpr (F8) {  // codes: rows of D bytes, unswizzled; K tile then V tile
+      unsigned char* dK8 = ring8 + (warp * S + st) * C::kStageBytes;
+      unsigned char* dV8 = dK8 + C::kTile;
+      const unsigned char* k8 = reinterpret_cast<const unsigned char*>(a.k);
+      const unsigned char* v8 = reinterpret_cast<const unsigned char*>(a.v);
+#pragma unroll
+      for (int i = 0; i < TK / C::RPI8; ++i) {
+        const int r = rl8 + i * C::RPI8;
+        const int j = j0 + r;
+        const bool valid = j < L;
+        int64_t off = 0;
+        if (valid)
+          off = int64_t(fast ? pid : pt[pdiv(j)]) * page_stride + kvh * head_stride +
+                int64_t(pmod(j)) * D + cc8 * 16;
+        cp_async16(dK8 + r * D + cc8 * 16, k8 + off, valid);
+        cp_async16(dV8 + r * D + cc8 * 16, v8 + off, valid);
+      }
+      return;
+    }
     bf16* dK = ring + (warp * S + st) * C::kStage;
     bf16* dV = dK + C::kTile;
     if (fast) {
@@ -227,7 +291,8 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
     for (int e = 0; e < 4; ++e) o[nd][e] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int t4 = lane & 3, g8 = lane >> 2;
-  const float sl2 = a.scale_log2;
+  // F8: K's scale folded into the log2 softmax scale (a power of two: exact).
+  const float sl2 = F8 ? a.scale_log2 * a.k_scale[kvh] : a.scale_log2;
 
   const int mi = lane >> 3;
   // S = Q K^T of one chunk (two accumulator chains: even / odd k-steps).
@@ -321,6 +386,27 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
     pv(pa, reinterpret_cast<const unsigned char*>(tV));
   };
 
+  // F8: widens this lane's pieces of stage st (its own copies, complete after its wait) into
+  // the warp's bf16 tiles, then makes them visible to the warp.
+  auto widen = [&](int st) {
+    const unsigned char* sK8 = ring8 + (warp * S + st) * C::kStageBytes;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const unsigned char* src = sK8 + t * C::kTile;
+      bf16* dst = wide + t * C::kTile;
+#pragma unroll
+      for (int i = 0; i < TK / C::RPI8; ++i) {
+        const int r = rl8 + i * C::RPI8;
+        const uint4 c = *reinterpret_cast<const uint4*>(src + r * D + cc8 * 16);
+        uint4 lo, hi;
+        e4m3x16_to_bf16(c, lo, hi);
+        *reinterpret_cast<uint4*>(dst + swz<D>(r, cc8 * 16)) = lo;
+        *reinterpret_cast<uint4*>(dst + swz<D>(r, cc8 * 16 + 8)) = hi;
+      }
+    }
+    __syncwarp();
+  };
+
   if constexpr (DYN) {
     int st_issue = S - 1, st_use = 0;
     while (cq[0] < n_ch) {
@@ -336,7 +422,12 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
       const int j0 = cq[0] * TK;
       cp_async_wait<S - 1>();
       __syncwarp();  // make every lane's copies of chunk cq[0] visible to the warp
-      attend_chunk(tK, tV, j0);
+      if constexpr (F8) {
+        widen(st_use);
+        attend_chunk(wide, wide + C::kTile, j0);
+      } else {
+        attend_chunk(tK, tV, j0);
+      }
 #pragma unroll
       for (int i = 0; i < S; ++i) cq[i] = cq[i + 1];
       st_issue = st_issue + 1 == S ? 0 : st_issue + 1;
@@ -355,7 +446,12 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
     const int j0 = chunk_j0(k);
     cp_async_wait<S - 1>();
     __syncwarp();  // make every lane's copies of chunk k visible to the warp
-    attend_chunk(tK, tV, j0);
+    if constexpr (F8) {
+      widen(st_use);
+      attend_chunk(wide, wide + C::kTile, j0);
+    } else {
+      attend_chunk(tK, tV, j0);
+    }
     st_issue = st_issue + 1 == S ? 0 : st_issue + 1;
     if (++st_use == S) st_use = 0;
   }
@@ -454,6 +550,13 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
   }
+  if constexpr (F8) {  // V's scale (a power of two: exact)
+    const float vs = a.v_scale[kvh];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nd][e] *= vs;
+  }
 
   // Merge the W warps (rows < G) through shared memory (the ring is free now), then the split
   // combine by the last CTA of this (sequence, KV head) to finish.
@@ -489,13 +592,14 @@ constexpr DecodeVariant kVariants[] = {
 // (v4, -5..-7%) are in bench/dev/attention_decode_tma.cu.
 constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
 
-template <int D, int W, int S, int TK, bool SKIP = false, bool EMIT = false, bool DYN = false>
+template <int D, int W, int S, int TK, bool SKIP = false, bool EMIT = false, bool DYN = false,
+          bool F8 = false>
 struct Inst {
-  using C = DecCfg<D, W, S, TK>;
+  using C = DecCfg<D, W, S, TK, F8>;
   static void prepare() {
     static bool done = false;
     if (!done) {
-      set_max_dynamic_smem(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN>, int(C::kSmem));
+      set_max_dynamic_smem(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN, F8>, int(C::kSmem));
       done = true;
     }
   }
@@ -504,23 +608,42 @@ struct Inst {
     prepare();
     int n = 0;
     SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN>, C::kThreads, C::kSmem));
+        &n, decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN, F8>, C::kThreads, C::kSmem));
     return n;
   }
   static void launch(const AttnArgs& a, dim3 grid, cudaStream_t s) {
     prepare();
-    launch_pdl(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN>, grid, C::kThreads, C::kSmem, s, a);
+    launch_pdl(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN, F8>, grid, C::kThreads, C::kSmem, s, a);
     SPADE_CUDA_LAUNCH();
   }
 };
 
 // skip: the BLASST instance; emit: the score-emitting instance (TidalDecode, LessIsMore,
 // LycheeDecode); allow_dyn: the DYN variants draw their chunks (else their static twins run).
+// f8: the fp8-cache instances (one more ring stage than the variant's; neither skip nor emit).
 template <typename F>
-void dispatch(int D, int v, bool skip, bool emit, bool allow_dyn, F&& f) {
+void dispatch(int D, int v, bool skip, bool emit, bool allow_dyn, F&& f, bool f8 = false) {
   const int vi = (v >= 1 && v <= kNumVariants ? v : 1) - 1;
   const DecodeVariant dv = kVariants[vi];
   const bool dyn = dv.dyn && allow_dyn && !skip;  // BLASST and deterministic runs: static twin
+  if (f8) {
+    SPADE_CHECK(!skip && !emit, "fp8 KV cache: the v3 decode kernel reads it without BLASST "
+                                "skipping and score emission");
+    if (D == 64) {
+      if (dyn) return f(Inst<64, 4, 4, 16, false, false, true, true>{});
+      return f(Inst<64, 4, 4, 16, false, false, false, true>{});
+    }
+    if (dv.stages == 2) {
+      if (dyn) return f(Inst<128, 4, 3, 16, false, false, true, true>{});
+      return f(Inst<128, 4, 3, 16, false, false, false, true>{});
+    }
+    if (dv.warps == 8) {
+      if (dyn) return f(Inst<128, 8, 4, 16, false, false, true, true>{});
+      return f(Inst<128, 8, 4, 16, false, false, false, true>{});
+    }
+    if (dyn) return f(Inst<128, 4, 4, 16, false, false, true, true>{});
+    return f(Inst<128, 4, 4, 16, false, false, false, true>{});
+  }
   if (D == 64) {
     if (emit && dyn) return f(Inst<64, 4, 3, 16, false, true, true>{});
     if (emit) return f(Inst<64, 4, 3, 16, false, true>{});
@@ -565,7 +688,7 @@ int decode_v3_occupancy(int D, int v) {
 }
 void launch_decode_v3(int D, int v, const AttnArgs& a, dim3 grid, cudaStream_t s) {
   dispatch(D, v, a.skip_log2 > -INFINITY, a.scores_out != nullptr, a.tickets != nullptr,
-           [&](auto inst) { decltype(inst)::launch(a, grid, s); });
+           [&](auto inst) { decltype(inst)::launch(a, grid, s); }, a.k_scale != nullptr);
 }
 
 bool encode_kv_tensor_map(CUtensorMap* map, const void* base, int D) {

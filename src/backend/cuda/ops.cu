@@ -153,6 +153,22 @@ __global__ void qkv_post_kernel(QkvPostArgs a) {
     const int i = lane + 32 * j;
     if (i < half) qkv_post_pair(a, t, head, i, dst, lo[j], hi[j]);
   }
+  if (!is_q && a.kv_amax) {  // warp-uniform: fp8 calibration pass, the head's largest |value|
+    float mx = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = lane + 32 * j;
+      if (i < half) {
+        const float u = fabsf(lo[j]), v = fabsf(hi[j]);
+        if (u <= 3.4028234663852886e38f) mx = fmaxf(mx, u);  // finite only (NaN, inf left out)
+        if (v <= 3.4028234663852886e38f) mx = fmaxf(mx, v);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) atomicMax(a.kv_amax + (head - a.Hq), __float_as_uint(mx));
+    return;
+  }
   if (is_k && a.k_int4) {  // warp-uniform
     const int64_t row = (int64_t(a.page[t]) * a.Hkv + (head - a.Hq)) * a.P + a.pos[t] % a.P;
     int4_quantize_row_warp(lo, hi, half, a.k_int4 + row * half, a.k_int4_sz + row);
@@ -212,6 +228,18 @@ __global__ void fill_random_kernel(T* y, int64_t n, uint64_t seed, float scale, 
   }
 }
 
+__global__ void fill_random_fp8_kernel(uint8_t* y, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = fp8_e4m3_from_f32(hash_normal(seed, i));
+}
+
+__global__ void fp8_scales_kernel(const unsigned int* amax, float* scales, int n) {
+  pdl_begin();  // pdl.cuh: first, before any global access
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) scales[i] = fp8_e4m3_scale_for_amax(__uint_as_float(amax[i]));
+}
+
 int grid_for(int64_t n, int threads) {
   int64_t b = (n + threads - 1) / threads;
   return int(b < 65536 ? (b > 0 ? b : 1) : 65536);
@@ -238,10 +266,24 @@ void qkv_post(const QkvPostArgs& a, cudaStream_t s) {
   SPADE_CHECK(a.D % 2 == 0 && a.D <= 256, "qkv_post: head_dim ", a.D, " unsupported");
   SPADE_CHECK(!a.k_int4 == !a.k_int4_sz && (!a.k_int4 || a.D % 4 == 0),
               "qkv_post: INT4 keys need both outputs and D % 4 == 0");
+  SPADE_CHECK(!(a.kv_scale || a.kv_amax) || (!a.k_int4 && !a.quest_meta),
+              "qkv_post: an fp8 cache keeps neither INT4 keys nor Quest metadata");
   if (a.T == 0) return;
   const int nh = a.Hq + 2 * a.Hkv, warps = 4;
   dim3 grid((nh + warps - 1) / warps, a.T);
   launch_pdl(qkv_post_kernel, grid, 32 * warps, 0, s, a);
+  SPADE_CUDA_LAUNCH();
+}
+
+void fp8_scales_from_amax(const unsigned int* amax, float* scales, int n, cudaStream_t s) {
+  if (n == 0) return;
+  launch_pdl(fp8_scales_kernel, (n + 127) / 128, 128, 0, s, amax, scales, n);
+  SPADE_CUDA_LAUNCH();
+}
+
+void fill_random_fp8(uint8_t* y, int64_t n, uint64_t seed, cudaStream_t s) {
+  if (n == 0) return;
+  fill_random_fp8_kernel<<<grid_for(n, 256), 256, 0, s>>>(y, n, seed);
   SPADE_CUDA_LAUNCH();
 }
 

@@ -45,10 +45,30 @@ struct QkvPostArgs {
   // the same page-head (one token per sequence) and the stored metadata covers the page's
   // earlier rows.
   bf16* quest_meta = nullptr;
+  // FP8 cache (--kv-dtype fp8, issue 40): non-null: k_cache / v_cache point at one-byte E4M3
+  // codes in the same layout (reinterpret them as uint8_t), and each K / V value x (fp32, after
+  // bias, norm and RoPE) is stored as fp8_e4m3_from_f32(x / scale), scale = kv_scale[kh] for K,
+  // kv_scale[Hkv + kh] for V (this layer's device [2][Hkv], powers of two): what the CPU pool's
+  // write() stores for the same fp32 values, bit for bit (kv/fp8_e4m3.h). Not with k_int4 or
+  // quest_meta (no method keeps per-page data over an fp8 cache yet).
+  const float* kv_scale = nullptr;
+  // Auto scales, the calibration pass (non-null; K/V caches untouched, q still written): each
+  // K / V head's largest finite |value| of the launch (after bias, norm and RoPE, in fp32) is
+  // max-reduced into kv_amax[kh] (K) / kv_amax[Hkv + kh] (V) as float bits (zero it first).
+  // Not with the fused qkv GEMV.
+  unsigned int* kv_amax = nullptr;
   int T = 0, Hq = 0, Hkv = 0, D = 0, P = 16;
   float eps = 1e-5f;
 };
 void qkv_post(const QkvPostArgs& a, cudaStream_t s);
+
+// scales[i] = fp8_e4m3_scale_for_amax(float bits amax[i]) for i < n: the `--kv-scale auto` rule
+// (kv/fp8_e4m3.h) on the maxima of qkv_post's calibration pass; the same rule as the CPU pool's
+// calibrate_scales, on the GPU's values.
+void fp8_scales_from_amax(const unsigned int* amax, float* scales, int n, cudaStream_t s);
+// Fills n E4M3 codes with e4m3(N(0, 1) sample) from a counter-based hash (benchmarks:
+// fill_kv_random of an fp8 cache with scale 1).
+void fill_random_fp8(uint8_t* y, int64_t n, uint64_t seed, cudaStream_t s);
 
 // out[t, i] = bf16(silu(gu[t, i]) * gu[t, F + i]);  gu fp32 [T, 2F] (gate | up).
 void swiglu(const float* gu, bf16* out, int T, int F, cudaStream_t s);

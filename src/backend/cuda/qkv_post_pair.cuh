@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 
 #include "backend/cuda/ops.h"
+#include "kv/fp8_e4m3.h"
 
 namespace spade::cuda {
 
@@ -35,6 +36,24 @@ __device__ __forceinline__ void qkv_post_pair(const QkvPostArgs& a, int t, int h
     sincosf(__fmul_rn(float(a.pos[t]), a.inv_freq[i]), &sn, &cs);
     x0 = fmaf(x_lo, cs, -__fmul_rn(sn, x_hi));
     x1 = fmaf(x_lo, sn, __fmul_rn(cs, x_hi));
+  }
+  if (head >= a.Hq && (a.kv_scale || a.kv_amax)) {  // fp8 cache (ops.h QkvPostArgs::kv_scale)
+    if (a.kv_amax) {  // calibration pass: the caller reduces the values; nothing is stored
+      x_lo = x0, x_hi = x1;
+      return;
+    }
+    const bool is_k = head < a.Hq + a.Hkv;
+    const int kh = is_k ? head - a.Hq : head - a.Hq - a.Hkv;
+    const float sc = a.kv_scale[is_k ? kh : a.Hkv + kh];
+    uint8_t* d8 = reinterpret_cast<uint8_t*>(is_k ? a.k_cache : a.v_cache) +
+                  ((int64_t(a.page[t]) * a.Hkv + kh) * a.P + a.pos[t] % a.P) * a.D;
+    const uint8_t c0 = fp8_e4m3_from_f32(__fdiv_rn(x0, sc));
+    const uint8_t c1 = fp8_e4m3_from_f32(__fdiv_rn(x1, sc));
+    d8[i] = c0;
+    d8[i + half] = c1;
+    x_lo = fp8_e4m3_to_f32(c0) * sc;  // the cached values
+    x_hi = fp8_e4m3_to_f32(c1) * sc;
+    return;
   }
   dst[i] = __float2bfloat16(x0);
   dst[i + half] = __float2bfloat16(x1);
