@@ -43,8 +43,8 @@ LLM::LLM(const std::string& model, const LLMOptions& o) : impl_(std::make_unique
   const bool cpu = o.device == "cpu";
   SPADE_CHECK(cpu || o.cpu_weights == "auto", "cpu_weights is for device \"cpu\"");
   const KvDtype kv_dtype = parse_kv_dtype(o.kv_dtype, "kv_dtype");
-  SPADE_CHECK(cpu || kv_dtype == KvDtype::BF16, "kv_dtype ", o.kv_dtype,
-              ": the GPU KV cache is bf16 (other types are for device \"cpu\")");
+  SPADE_CHECK(cpu || kv_dtype == KvDtype::BF16 || kv_dtype == KvDtype::FP8, "kv_dtype ", o.kv_dtype,
+              ": the GPU KV cache is bf16 or fp8 (other types are for device \"cpu\")");
   SPADE_CHECK(kv_dtype == KvDtype::FP8 || o.kv_scale == "auto", "kv_scale is for kv_dtype \"fp8\"");
   const float kv_scale = kv_dtype == KvDtype::FP8 ? parse_kv_scale(o.kv_scale, "kv_scale") : 0.f;
   m.weights = load_model(model, cpu ? parse_cpu_weights(o.cpu_weights, "cpu_weights") : CpuWeights::F32);

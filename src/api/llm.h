@@ -27,7 +27,7 @@ struct LLMOptions {
   int page_size = 16;                // KV page size in tokens
   int64_t kv_pages = 0;              // KV pool pages (0: sized like `spade serve`)
   std::string cpu_weights = "auto";  // "auto" | "native" | "f32" (--cpu-weights)
-  std::string kv_dtype = "bf16";     // CPU KV cache: "bf16" | "f16" | "f32" | "fp8" (--kv-dtype)
+  std::string kv_dtype = "bf16";     // KV cache: "bf16" | "f16" | "f32" | "fp8" (--kv-dtype; cuda: bf16 | fp8)
   std::string kv_scale = "auto";     // fp8 cache: "auto" | a number (--kv-scale)
   std::string tokenizer;             // tokenizer path ("": the model's own)
   bool deterministic = false;        // CUDA: batch-invariant decode (--deterministic)

@@ -17,8 +17,10 @@ struct RunnerOptions {
   std::string device = "cpu";  // "cpu" or "cuda"
   int64_t kv_pages = 0;        // pages of page_size tokens (> 0)
   int page_size = 16;
-  KvDtype kv_dtype = KvDtype::F32;  // cpu: the host cache's elements (front ends: bf16)
-  float kv_scale = 0.f;  // cpu, fp8: KVLayout::kv_scale (0: auto, from the first prefill)
+  // cpu: the host cache's elements (front ends: bf16). cuda: fp8 gives the GPU an fp8 cache
+  // (full attention only so far: other methods are refused by name), any other type its bf16 one.
+  KvDtype kv_dtype = KvDtype::F32;
+  float kv_scale = 0.f;  // fp8: KVLayout::kv_scale / CudaModelOptions::kv_scale (0: auto)
   int max_batch = 32;          // sequences per step
   int64_t max_step_tokens = 2048;
   int64_t max_logit_rows = 0;  // cuda: logit rows per step (0: max(max_batch, 64))

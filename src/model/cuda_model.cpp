@@ -29,6 +29,7 @@
 #include "backend/cuda/sparse_attention.h"
 #include "backend/cuda/twilight.h"
 #include "core/half.h"
+#include "kv/fp8_e4m3.h"
 
 namespace spade {
 
@@ -140,6 +141,10 @@ GpuMethodContext CudaModel::method_context() const {
   x.deterministic = opt_.deterministic;
   x.stream = stream_;
   x.hooks = hooks_;
+  x.kv_fp8 = fp8_;
+  x.kv_scales = kv_scales_dev_;
+  x.k_wide = k_wide_;
+  x.v_wide = v_wide_;
   return x;
 }
 
@@ -157,6 +162,16 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   }
   SPADE_CHECK(c.head_dim == 64 || c.head_dim == 128, "CUDA backend: head_dim ", c.head_dim,
               " is not supported (64 and 128 are)");
+  SPADE_CHECK(opt_.kv_dtype == KvDtype::BF16 || opt_.kv_dtype == KvDtype::FP8,
+              "--device cuda: KV cache type ", kv_dtype_name(opt_.kv_dtype),
+              " (the GPU cache is bf16 or fp8)");
+  fp8_ = opt_.kv_dtype == KvDtype::FP8;
+  SPADE_CHECK(!fp8_ || opt_.kv_scale == 0.f ||
+                  (opt_.kv_scale >= kFp8ScaleMin && opt_.kv_scale <= kFp8ScaleMax &&
+                   fp8_pow2_ceil(opt_.kv_scale) == opt_.kv_scale),
+              "--kv-scale ", opt_.kv_scale,
+              ": the fp8 scale must be a power of two in [2^-40, 2^40] (parse_kv_scale rounds up to one)");
+  scales_set_ = !fp8_ || opt_.kv_scale > 0.f;
   const int64_t H = c.hidden, D = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads, F = c.ffn,
                 V = c.vocab, NL = c.n_layers;
   const int64_t NQKV = (Hq + 2 * Hkv) * D;
@@ -174,7 +189,9 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   wb += size_t(NL) * (size_t(NQKV * H + H * Hq * D + 2 * F * H + H * F) * 2);
   size_t small = size_t(NL) * (size_t(2 * H + 2 * D + NQKV) * 4 + 6 * 256) + size_t(H + D) * 4 + 4096;
   weight_bytes_ = wb;
-  const size_t kv_bytes = size_t(NL) * kv_layer_elems() * 2 * 2;  // K and V, bf16
+  // K and V (bf16, or fp8 + one layer of bf16 scratch and the scales).
+  size_t kv_bytes = size_t(NL) * kv_layer_elems() * kv_elem_bytes() * 2;
+  if (fp8_) kv_bytes += kv_layer_elems() * 2 * 2 + size_t(NL) * size_t(Hkv) * 2 * 8 + 2048;
   const size_t ws_bytes =
       size_t(S) * (H * 4 + std::max(H, F) * 2 + NQKV * 4 + 2 * Hq * D * 2 + 2 * F * 4 + F * 2) +
       size_t(max_rows_) * V * 4 + size_t(4 * S + 4 * max_rows_ + 64) * 4 + (32u << 20) +
@@ -185,8 +202,9 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   const CudaSparse& sp = opt_.sparse;
   seq_pages_cap_ = std::min<int64_t>(n_pages_, (int64_t(c.max_context) + P - 1) / P + 1);
   upd_cap_ = S + opt_.max_batch;
-  const bool keep_meta = (opt_.any_method && P == 16) || sp.needs_quest_meta();
-  const bool keep_int4 = opt_.any_method || sp.needs_int4_keys();
+  // (fp8: no method that reads them runs, check_gpu_kv_dtype.)
+  const bool keep_meta = !fp8_ && ((opt_.any_method && P == 16) || sp.needs_quest_meta());
+  const bool keep_int4 = !fp8_ && (opt_.any_method || sp.needs_int4_keys());
   size_t sp_bytes = 0;
   if (keep_meta) sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * 2 * D) * 2 + 256;
   if (keep_int4) sp_bytes += size_t(NL) * size_t(n_pages_) * size_t(Hkv * P) * size_t(D / 2 + 4) + 512;
@@ -293,8 +311,20 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   }
   // --- KV pool.
   const size_t kv_elems = size_t(NL) * kv_layer_elems();
-  k_cache_ = A.alloc_n<bf16>(kv_elems, "KV cache (K)");
-  v_cache_ = A.alloc_n<bf16>(kv_elems, "KV cache (V)");
+  if (fp8_) {
+    k_cache_ = A.alloc_n<uint8_t>(kv_elems, "KV cache (K, fp8)");
+    v_cache_ = A.alloc_n<uint8_t>(kv_elems, "KV cache (V, fp8)");
+    k_wide_ = A.alloc_n<bf16>(kv_layer_elems(), "fp8 KV: one layer of bf16 K (prefill)");
+    v_wide_ = A.alloc_n<bf16>(kv_layer_elems(), "fp8 KV: one layer of bf16 V (prefill)");
+    const size_t ns = size_t(NL) * 2 * size_t(Hkv);
+    kv_scales_dev_ = A.alloc_n<float>(ns, "fp8 KV scales");
+    kv_amax_ = A.alloc_n<unsigned int>(ns, "fp8 KV calibration maxima");
+    const std::vector<float> s0(ns, opt_.kv_scale);  // 0 while auto scales are unset
+    upload_f32(kv_scales_dev_, s0.data(), ns);
+  } else {
+    k_cache_ = A.alloc_n<bf16>(kv_elems, "KV cache (K)");
+    v_cache_ = A.alloc_n<bf16>(kv_elems, "KV cache (V)");
+  }
   free_.resize(size_t(n_pages_));
   for (int64_t i = 0; i < n_pages_; ++i) free_[size_t(i)] = int32_t(n_pages_ - 1 - i);
   // --- Workspaces.
@@ -331,6 +361,46 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   }
   methods_.push_back(GpuMethod::create(method_context(), sp, &A));
   method_keys_.emplace_back();
+}
+
+void CudaModel::kv_scales(std::vector<float>& k, std::vector<float>& v) const {
+  k.clear(), v.clear();
+  if (!fp8_) return;
+  const size_t NL = size_t(cfg_.n_layers), Hkv = size_t(cfg_.n_kv_heads);
+  std::vector<float> all(NL * 2 * Hkv);
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  SPADE_CUDA(cudaMemcpy(all.data(), kv_scales_dev_, all.size() * 4, cudaMemcpyDeviceToHost));
+  for (size_t l = 0; l < NL; ++l) {
+    k.insert(k.end(), all.begin() + long(l * 2 * Hkv), all.begin() + long(l * 2 * Hkv + Hkv));
+    v.insert(v.end(), all.begin() + long(l * 2 * Hkv + Hkv), all.begin() + long((l + 1) * 2 * Hkv));
+  }
+}
+
+void CudaModel::set_kv_scales(const std::vector<float>& k, const std::vector<float>& v) {
+  SPADE_CHECK(fp8_, "set_kv_scales: the KV cache is ", kv_dtype_name(opt_.kv_dtype), " (only fp8 has scales)");
+  const size_t NL = size_t(cfg_.n_layers), Hkv = size_t(cfg_.n_kv_heads);
+  SPADE_CHECK(k.size() == NL * Hkv && v.size() == NL * Hkv, "set_kv_scales: ", k.size(), " K and ",
+              v.size(), " V scales for ", NL, " layers x ", Hkv, " KV heads");
+  std::vector<float> all(NL * 2 * Hkv);
+  for (size_t l = 0; l < NL; ++l)
+    for (size_t h = 0; h < Hkv; ++h) {
+      for (float s : {k[l * Hkv + h], v[l * Hkv + h]})
+        SPADE_CHECK(s >= kFp8ScaleMin && s <= kFp8ScaleMax && fp8_pow2_ceil(s) == s,
+                    "set_kv_scales: scale ", s, " (layer ", l, ", head ", h,
+                    ") is not a power of two in [2^-40, 2^40]");
+      all[l * 2 * Hkv + h] = k[l * Hkv + h];
+      all[l * 2 * Hkv + Hkv + h] = v[l * Hkv + h];
+    }
+  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  upload_f32(kv_scales_dev_, all.data(), all.size());
+  scales_set_ = true;
+}
+
+void CudaModel::reset_kv_scales() {
+  if (!fp8_ || opt_.kv_scale > 0.f) return;
+  SPADE_CHECK(free_pages() == total_pages(), "reset_kv_scales with ", total_pages() - free_pages(),
+              " pages in use");
+  scales_set_ = false;
 }
 
 void CudaModel::reserve(PageTable& pt, int64_t new_length) {
@@ -496,8 +566,13 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   bf16* q = static_cast<bf16*>(q_);
   bf16* att = static_cast<bf16*>(att_);
   bf16* h = static_cast<bf16*>(h_);
-  const size_t layer_kv = kv_layer_elems();
+  const size_t layer_kv_bytes = kv_layer_elems() * kv_elem_bytes();
   const float scale = 1.f / std::sqrt(float(D));
+  // fp8 with auto scales unset: this step sets them (each layer's from its rows, before its
+  // append; launch() runs such a step eagerly).
+  const bool calibrate = fp8_ && !scales_set_;
+  if (calibrate)
+    SPADE_CUDA(cudaMemsetAsync(kv_amax_, 0, sizeof(unsigned int) * layers_.size() * 2 * size_t(Hkv), st));
   cuda::embedding(static_cast<const bf16*>(embed_), tok_in_, x_, T, H, V, st);
   const size_t layer_rows = size_t(n_pages_) * size_t(Hkv) * opt_.page_size;
   const size_t layer_meta = size_t(n_pages_) * size_t(Hkv) * 2 * D;
@@ -505,8 +580,9 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   for (const Group& g : groups_) g.m->begin_step();
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
-    bf16* kc = static_cast<bf16*>(k_cache_) + l * layer_kv;
-    bf16* vc = static_cast<bf16*>(v_cache_) + l * layer_kv;
+    // (fp8: uint8 codes behind the bf16 pointer type, QkvPostArgs::kv_scale.)
+    bf16* kc = reinterpret_cast<bf16*>(static_cast<unsigned char*>(k_cache_) + l * layer_kv_bytes);
+    bf16* vc = reinterpret_cast<bf16*>(static_cast<unsigned char*>(v_cache_) + l * layer_kv_bytes);
     cuda::rmsnorm(x_, nullptr, L.attn_norm, c.rms_eps, xn, T, H, st);
     cuda::QkvPostArgs a;
     a.qkv = qkv_;
@@ -526,7 +602,17 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     a.k_int4_sz = hooks_.k_int4_sz ? hooks_.k_int4_sz + l * layer_rows : nullptr;
     bf16* meta = hooks_.quest_meta ? static_cast<bf16*>(hooks_.quest_meta) + l * layer_meta : nullptr;
     a.quest_meta = meta_in_append_ ? meta : nullptr;
-    if ((fused_gemv_ & CudaModelOptions::kFuseQkvPost) && gemm_->uses_gemv(T) &&
+    float* layer_scales = fp8_ ? kv_scales_dev_ + l * 2 * size_t(Hkv) : nullptr;
+    a.kv_scale = layer_scales;
+    if (calibrate) {  // the maxima of this layer's K / V rows -> its scales, then the append
+      gemm_->run_f32(xn, L.wqkv, qkv_, T, NQKV, H, 0.f, st);
+      cuda::QkvPostArgs c = a;
+      c.kv_scale = nullptr;
+      c.kv_amax = kv_amax_ + l * 2 * size_t(Hkv);
+      cuda::qkv_post(c, st);
+      cuda::fp8_scales_from_amax(c.kv_amax, layer_scales, 2 * Hkv, st);
+      cuda::qkv_post(a, st);
+    } else if ((fused_gemv_ & CudaModelOptions::kFuseQkvPost) && gemm_->uses_gemv(T) &&
         cuda::gemv_qkv_post_supported(xn, L.wqkv, a, T, H)) {
       cuda::gemv_qkv_post(xn, L.wqkv, a, T, H, st);  // decode: one launch, same values
     } else {
@@ -609,7 +695,7 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
   // too: every launch reads its step-dependent inputs (lengths, page tables, work items,
   // metadata updates) from device buffers at fixed addresses that prepare() refilled. Traced
   // steps (tests) copy to the host between layers and run eagerly.
-  bool graphable = opt_.cuda_graphs && !quest_trace && T_ == int(order_.size());
+  bool graphable = opt_.cuda_graphs && !quest_trace && T_ == int(order_.size()) && scales_set_;
   for (const Group& g : groups_) graphable = graphable && g.m->graphable();
   if (graphable) {
     graph_key(sample);
@@ -693,6 +779,7 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
   } else {
     ++graph_counters_.eager;
     enqueue(sample, sp, step);
+    scales_set_ = true;  // fp8 auto: this step set them
     for (const Group& g : groups_) g.m->warm = true;
     eager_T_.insert(T_);
     graph_counters_.eager_host_ns += host_ns();

@@ -81,6 +81,19 @@ struct CudaModelOptions {
   // Off, long decode steps with splits let warps draw their chunks (faster, last bits vary;
   // env SPADE_DETERMINISTIC=1 keeps the static schedule only).
   bool deterministic = false;
+  // KV cache element type (--kv-dtype): bf16 (the default) or fp8 (E4M3, issue 40: half the
+  // bytes per token, so kv_pages / max_tokens buy twice the context at the same memory; the
+  // arena holds 1 byte per element plus a bf16 scratch of one layer's K and V that prefill
+  // steps widen their pages into, AttentionWorkspace::run_fp8). Scales per (layer, KV head), K
+  // and V apart, powers of two, as the CPU pool's (kv/kv_pool.h): kv_scale > 0 fixes every
+  // scale (a power of two in [2^-40, 2^40]: parse_kv_scale rounds up to one); 0 = auto: the
+  // model's first forward step sets each layer's from the largest finite |K| / |V| of that
+  // step's rows per head (fp8_e4m3_scale_for_amax, the CPU's rule on the GPU's values), then
+  // they stay (reset_kv_scales forgets them). The append quantizes as the CPU pool's write().
+  // With fp8 only full attention runs (dense decode reads the codes directly); every other
+  // GPU method is refused with an error naming it (its kernels read bf16 caches).
+  KvDtype kv_dtype = KvDtype::BF16;
+  float kv_scale = 0.f;
 };
 
 // Configs for synthetic-weight runs: "llama3-8b" (Llama-3.1-8B: 128K context, llama3 RoPE
@@ -128,6 +141,20 @@ class CudaModel {
   int64_t free_pages() const { return int64_t(free_.size()); }
   int64_t total_pages() const { return n_pages_; }
   int page_size() const { return opt_.page_size; }
+  // The KV cache's element type (bf16 or fp8) and, for fp8, its scales.
+  KvDtype kv_dtype() const { return opt_.kv_dtype; }
+  bool kv_fp8() const { return fp8_; }
+  // Whether every fp8 scale is set (fixed, or auto after the first step); true for bf16.
+  bool kv_scales_set() const { return scales_set_; }
+  // The fp8 scales, [n_layers][Hkv] each (K, V) as KVPool::k_scales() / v_scales() (a device
+  // copy; 0 while auto scales are unset). Empty for bf16.
+  void kv_scales(std::vector<float>& k, std::vector<float>& v) const;
+  // Sets every fp8 scale ([n_layers][Hkv] each; powers of two in [2^-40, 2^40]), e.g. a CPU
+  // pool's, before any page holds data (tests, shared calibrations).
+  void set_kv_scales(const std::vector<float>& k, const std::vector<float>& v);
+  // Auto scales: forgets them (the next step sets them again); only while no page is in use.
+  // Fixed scales and bf16: nothing changes.
+  void reset_kv_scales();
 
   // Same contract as CpuModel::forward (SeqInput::attention must be null): logits rows on
   // the host, row_of[i] = first row of sequence i.
@@ -151,7 +178,8 @@ class CudaModel {
   const std::vector<int32_t>& forward_sample_rows_wait();
 
   // Benchmarks: gives `pt` pages for `length` tokens whose K/V hold random bf16 values (as
-  // if a prompt of that length had been prefilled), without running the prefill.
+  // if a prompt of that length had been prefilled), without running the prefill. fp8: random
+  // codes of N(0, 1) values (auto scales unset: every scale becomes 1).
   void fill_kv_random(PageTable& pt, int64_t length, uint64_t seed);
 
   // Bytes of weights and of one layer's KV per token (for byte-floor estimates).
@@ -202,7 +230,8 @@ class CudaModel {
   void route_prefill_rows(const std::vector<SeqInput>& batch);
   int dense_method_ = -1;                    // full attention's method id, once added
   GpuMethodContext method_context() const;
-  // Elements of one layer's K (or V) cache: [pages][Hkv][page_size][D] bf16.
+  // Elements of one layer's K (or V) cache: [pages][Hkv][page_size][D], bf16 or fp8 (1 byte).
+  size_t kv_elem_bytes() const { return opt_.kv_dtype == KvDtype::FP8 ? 1 : 2; }
   size_t kv_layer_elems() const {
     return size_t(n_pages_) * size_t(cfg_.n_kv_heads) * size_t(opt_.page_size) * size_t(cfg_.head_dim);
   }
@@ -250,8 +279,16 @@ class CudaModel {
   void* lm_head_ = nullptr;  // bf16 [V, H] (aliases embed_ when tied)
   float* final_norm_ = nullptr;
   float* inv_freq_ = nullptr;
-  void* k_cache_ = nullptr;  // bf16 [L][pages][Hkv][P][D]
+  void* k_cache_ = nullptr;  // bf16 (fp8: uint8 codes) [L][pages][Hkv][P][D]
   void* v_cache_ = nullptr;
+  // FP8 cache (opt_.kv_dtype): scales [L][2][Hkv] (K then V per layer), the calibration
+  // pass's maxima [L][2][Hkv] (auto), and one layer's bf16 K and V scratch (prefill steps).
+  bool fp8_ = false;
+  bool scales_set_ = true;
+  float* kv_scales_dev_ = nullptr;
+  unsigned int* kv_amax_ = nullptr;
+  void* k_wide_ = nullptr;
+  void* v_wide_ = nullptr;
   size_t weight_bytes_ = 0;
   // Workspaces.
   float* x_ = nullptr;       // [T, H] residual

@@ -55,6 +55,21 @@ void CudaModel::fill_kv_random(PageTable& pt, int64_t length, uint64_t seed) {
   const size_t page_elems = size_t(cfg_.n_kv_heads) * opt_.page_size * cfg_.head_dim;
   const size_t layer_elems = size_t(n_pages_) * page_elems;
   // Random values in the whole pool (cheap next to anything it is used to measure).
+  if (fp8_) {  // codes of N(0, 1) values; unset auto scales become 1
+    if (!scales_set_) {
+      const std::vector<float> ones(size_t(cfg_.n_layers) * size_t(cfg_.n_kv_heads), 1.f);
+      set_kv_scales(ones, ones);
+    }
+    for (int l = 0; l < cfg_.n_layers; ++l) {
+      cuda::fill_random_fp8(static_cast<uint8_t*>(k_cache_) + l * layer_elems, int64_t(layer_elems),
+                            seed + 2 * uint64_t(l), S_(stream_));
+      cuda::fill_random_fp8(static_cast<uint8_t*>(v_cache_) + l * layer_elems, int64_t(layer_elems),
+                            seed + 2 * uint64_t(l) + 1, S_(stream_));
+    }
+    SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+    pt.length = length;
+    return;  // (no per-page method data: only full attention runs over fp8)
+  }
   for (int l = 0; l < cfg_.n_layers; ++l) {
     cuda::fill_random_bf16(static_cast<bf16*>(k_cache_) + l * layer_elems, int64_t(layer_elems),
                            seed + 2 * uint64_t(l), 1.f, 0.f, S_(stream_));

@@ -35,8 +35,30 @@ cuda::AttnLimits attn_limits(const GpuMethodContext& ctx) {
 
 }  // namespace
 
+// FP8 cache (issue 40): only full attention reads it so far (the dense decode kernel reads the
+// codes; prefill widens them). Every other method's kernels (selections, scores, page bounds,
+// INT4 keys, BLASST's skip kernels, LycheeCluster's index) read bf16 caches: refused, by name,
+// instead of reading fp8 bytes as bf16.
+void check_gpu_kv_dtype(bool kv_fp8, const CudaSparse& sp) {
+  if (!kv_fp8) return;
+  const bool plain_full = sp.method == CudaSparse::Method::None && !sp.twilight_sel && !sp.blasst_any();
+  if (plain_full) return;
+  std::string name = find_gpu_method(sp).name;
+  if (sp.twilight_sel) name += "+twilight";
+  if (sp.blasst_sel) name += "+blasst";
+  SPADE_CHECK(plain_full, "sparse method '", name,
+              "' does not read an fp8 KV cache on the GPU yet (issue 40): with --device cuda, "
+              "--kv-dtype fp8 runs full attention only; use --kv-dtype bf16 for this method, or "
+              "--device cpu");
+}
+
+namespace {
+void check_kv_dtype(const GpuMethodContext& ctx, const CudaSparse& sp) { check_gpu_kv_dtype(ctx.kv_fp8, sp); }
+}  // namespace
+
 std::unique_ptr<GpuMethod> GpuMethod::create(const GpuMethodContext& ctx, const CudaSparse& sp,
                                              cuda::DeviceArena* arena) {
+  check_kv_dtype(ctx, sp);
   const GpuMethodRow& row = find_gpu_method(sp);
   std::unique_ptr<GpuMethod> m = row.kind->make(ctx, sp);
   m->init(arena, arena ? 0 : row.kind->arena_bytes(ctx, sp));
@@ -44,6 +66,7 @@ std::unique_ptr<GpuMethod> GpuMethod::create(const GpuMethodContext& ctx, const 
 }
 
 size_t GpuMethod::arena_bytes(const GpuMethodContext& ctx, const CudaSparse& sp) {
+  check_kv_dtype(ctx, sp);
   return find_gpu_method(sp).kind->arena_bytes(ctx, sp);
 }
 
@@ -233,6 +256,18 @@ void GpuMethod::attend(int l, const void* q, const void* kc, const void* vc, voi
 void GpuMethod::attend_dense(int l, const void* q, const void* kc, const void* vc, void* att,
                              float scale) {
   using cuda::bf16;
+  if (ctx_.kv_fp8) {  // full attention only (check_kv_dtype): no BLASST skip
+    const int Hkv = ctx_.cfg.n_kv_heads;
+    cuda::KvFp8 kv;
+    kv.k = static_cast<const uint8_t*>(kc);
+    kv.v = static_cast<const uint8_t*>(vc);
+    kv.k_scale = ctx_.kv_scales + size_t(l) * 2 * size_t(Hkv);
+    kv.v_scale = kv.k_scale + Hkv;
+    kv.k_wide = static_cast<bf16*>(ctx_.k_wide);
+    kv.v_wide = static_cast<bf16*>(ctx_.v_wide);
+    attn_->run_fp8(static_cast<const bf16*>(q), kv, static_cast<bf16*>(att), scale, S_(run_));
+    return;
+  }
   attn_->run(static_cast<const bf16*>(q), static_cast<const bf16*>(kc),
              static_cast<const bf16*>(vc), static_cast<bf16*>(att), scale, S_(run_),
              blasst_skip(l));

@@ -86,7 +86,19 @@ struct GpuMethodContext {
   bool deterministic = false;
   void* stream = nullptr;       // cudaStream_t: the model's step stream
   GpuPageHooks hooks;
+  // FP8 cache (CudaModelOptions::kv_dtype, issue 40): k_cache / the attend() caches hold E4M3
+  // codes; kv_scales: device [L][2][Hkv] (layer l's K scales at l * 2 Hkv, V's Hkv after);
+  // k_wide / v_wide: one layer of bf16 scratch (AttentionWorkspace::run_fp8). Only full
+  // attention reads it so far: create() refuses every other method with an error naming it.
+  bool kv_fp8 = false;
+  const float* kv_scales = nullptr;
+  void* k_wide = nullptr;
+  void* v_wide = nullptr;
 };
+
+// Throws spade::Error naming the method when `sp` cannot run over an fp8 KV cache on the GPU
+// (kv_fp8; every method but plain full attention so far, issue 40). create() checks it.
+void check_gpu_kv_dtype(bool kv_fp8, const CudaSparse& sp);
 
 class GpuMethod {
  public:
