@@ -6,6 +6,13 @@
 // rotation that consecutive calls never hit L2 (>= 4x the 50 MB L2 in total). Timing: CUDA
 // events around a batch of calls cycling through the caches, 30 batches, median per call.
 // Prefill: FLOPs counted as 4*Hq*D*sum_t(t+1) (causal, QK^T and PV), median of 15.
+// FP8 KV cache (issue 40): each decode shape also runs over an E4M3 cache (random codes, scales
+// 1; AttentionWorkspace::run_fp8, the v3 kernels' F8 instances; v2 has no fp8 path and is
+// skipped), "kv":"fp8" in its line and half the bytes counted; SPADE_BENCH_KV=bf16|fp8|bf16,fp8
+// picks the cache types (default bf16 only; both: each shape in bf16 then fp8, same process).
+// FP8 vs bf16 at the issue's shapes (auto kernel only):
+//   SPADE_BENCH_KV=bf16,fp8 SPADE_BENCH_SHAPES=32768:1,32768:8,32768:32,131072:1,131072:8,131072:32 \
+//     ./bench_attention decode attn_fp8.jsonl 1
 // Every decode kernel (v2, auto and the v3 variants; argv[3] = "kernel[:split policy],..."
 // to pick, policy 1 = exact waves, reported as "<name>/x") and
 // both prefill kernels (wgmma, mma.sync) run on the same inputs in the same process.
@@ -52,15 +59,17 @@ const int Hq = 32, Hkv = 8, D = 128, P = 16;
 
 std::vector<std::pair<int, int>> g_decode_kernels;  // (decode kernel index, split policy)
 
-void bench_decode(FILE* out, int L, int B, int force_split) {
+void bench_decode(FILE* out, int L, int B, int force_split, bool fp8) {
   const size_t page_elems = size_t(Hkv) * P * D;
   const int64_t pages_per_seq = (L + P - 1) / P;
-  const size_t cache_bytes = size_t(B) * pages_per_seq * page_elems * 2 * 2;  // K + V
+  const size_t esize = fp8 ? 1 : 2;
+  const size_t cache_bytes = size_t(B) * pages_per_seq * page_elems * esize * 2;  // K + V
   size_t free_b = 0, total_b = 0;
   SPADE_CUDA(cudaMemGetInfo(&free_b, &total_b));
   const size_t budget = free_b > (6ull << 30) ? free_b - (6ull << 30) : 0;
   if (cache_bytes > budget) {
-    std::fprintf(stderr, "decode L=%d B=%d: %.1f GB does not fit, skipped\n", L, B, cache_bytes / 1e9);
+    std::fprintf(stderr, "decode L=%d B=%d kv=%s: %.1f GB does not fit, skipped\n", L, B,
+                 fp8 ? "fp8" : "bf16", cache_bytes / 1e9);
     return;
   }
   int nbuf = int(std::max<size_t>(1, (400ull << 20) / cache_bytes + 1));
@@ -69,12 +78,27 @@ void bench_decode(FILE* out, int L, int B, int force_split) {
   const int64_t n_pages = int64_t(B) * pages_per_seq;
   DeviceArena arena(size_t(nbuf) * cache_bytes + (512ull << 20));
   std::vector<bf16*> kb(nbuf), vb(nbuf);
+  std::vector<KvFp8> f8(nbuf);
+  float* ones = arena.alloc_n<float>(Hkv, "fp8 scales");
+  {
+    const std::vector<float> one(Hkv, 1.f);
+    SPADE_CUDA(cudaMemcpy(ones, one.data(), sizeof(float) * Hkv, cudaMemcpyHostToDevice));
+  }
   for (int i = 0; i < nbuf; ++i) {
+    if (fp8) {
+      uint8_t* k8 = arena.alloc_n<uint8_t>(size_t(n_pages) * page_elems, "K fp8");
+      uint8_t* v8 = arena.alloc_n<uint8_t>(size_t(n_pages) * page_elems, "V fp8");
+      fill_random_fp8(k8, int64_t(n_pages * page_elems), 100 + i, 0);
+      fill_random_fp8(v8, int64_t(n_pages * page_elems), 200 + i, 0);
+      f8[i].k = k8, f8[i].v = v8, f8[i].k_scale = ones, f8[i].v_scale = ones;
+      continue;
+    }
     kb[i] = arena.alloc_n<bf16>(size_t(n_pages) * page_elems, "K");
     vb[i] = arena.alloc_n<bf16>(size_t(n_pages) * page_elems, "V");
     fill_random_bf16(kb[i], int64_t(n_pages * page_elems), 100 + i, 1.f, 0.f, 0);
     fill_random_bf16(vb[i], int64_t(n_pages * page_elems), 200 + i, 1.f, 0.f, 0);
   }
+
   bf16* q = arena.alloc_n<bf16>(size_t(B) * Hq * D, "q");
   bf16* o = arena.alloc_n<bf16>(size_t(B) * Hq * D, "out");
   fill_random_bf16(q, int64_t(B) * Hq * D, 7, 1.f, 0.f, 0);
@@ -95,18 +119,23 @@ void bench_decode(FILE* out, int L, int B, int force_split) {
   for (int b = 0; b < B; ++b)
     batch[b] = {perm.data() + b * pages_per_seq, int(pages_per_seq), L, 1};
   const float scale = 1.f / std::sqrt(float(D));
+  auto run = [&](int i) {
+    if (fp8) ws.run_fp8(q, f8[size_t(i)], o, scale, 0);
+    else ws.run(q, kb[size_t(i)], vb[size_t(i)], o, scale, 0);
+  };
   for (auto [kern, policy] : g_decode_kernels) {
+    if (fp8 && kern == 0) continue;  // v2: no fp8 path (run_fp8 would widen into a scratch)
     ws.set_decode_kernel(kern);
     ws.set_split_policy(policy);
     ws.plan(batch, 0, force_split);
-    for (int i = 0; i < 3 * nbuf; ++i) ws.run(q, kb[i % nbuf], vb[i % nbuf], o, scale, 0);
+    for (int i = 0; i < 3 * nbuf; ++i) run(i % nbuf);
     SPADE_CUDA(cudaDeviceSynchronize());
     const int calls = std::max(nbuf, 8) / nbuf * nbuf;
     Timer t;
     std::vector<float> per;
     for (int rep = 0; rep < 30; ++rep) {
       SPADE_CUDA(cudaEventRecord(t.a));
-      for (int i = 0; i < calls; ++i) ws.run(q, kb[i % nbuf], vb[i % nbuf], o, scale, 0);
+      for (int i = 0; i < calls; ++i) run(i % nbuf);
       SPADE_CUDA(cudaEventRecord(t.b));
       SPADE_CUDA(cudaEventSynchronize(t.b));
       float ms = 0;
@@ -114,13 +143,13 @@ void bench_decode(FILE* out, int L, int B, int force_split) {
       per.push_back(ms * 1000.f / calls);
     }
     const double us = median(per);
-    const double kv_bytes = double(B) * L * Hkv * D * 2 * 2;
+    const double kv_bytes = double(B) * L * Hkv * D * double(esize) * 2;
     const double bytes = kv_bytes + 2.0 * B * Hq * D * 2;
     std::fprintf(out,
-                 "{\"kind\":\"decode\",\"impl\":\"spade\",\"kernel\":\"%s%s\",\"variant\":\"%s\",\"L\":%d,\"B\":%d,"
+                 "{\"kind\":\"decode\",\"impl\":\"spade\",\"kv\":\"%s\",\"kernel\":\"%s%s\",\"variant\":\"%s\",\"L\":%d,\"B\":%d,"
                  "\"Hq\":%d,\"Hkv\":%d,\"D\":%d,\"page\":%d,\"page_order\":\"%s\",\"splits\":%d,\"buffers\":%d,"
                  "\"us\":%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"GBps\":%.1f}\n",
-                 AttentionWorkspace::decode_kernel_name(kern), policy ? "/x" : "",
+                 fp8 ? "fp8" : "bf16", AttentionWorkspace::decode_kernel_name(kern), policy ? "/x" : "",
                  AttentionWorkspace::decode_kernel_name(ws.decode_variant() == 0 ? 0 : ws.decode_variant() + 1),
                  L, B, Hq, Hkv, D, P, sequential ? "sequential" : "shuffled", ws.n_split(), nbuf,
                  us, *std::min_element(per.begin(), per.end()), bytes, bytes / us * 1e-3);
@@ -250,11 +279,16 @@ int main(int argc, char** argv) {
       const int force_split = fs ? std::atoi(fs) : 0;
       // SPADE_BENCH_SHAPES="L:B,L:B": only these decode shapes.
       const char* shapes = std::getenv("SPADE_BENCH_SHAPES");
+      // SPADE_BENCH_KV="bf16,fp8": the cache types, each shape in every one (default bf16).
+      const char* kvs = std::getenv("SPADE_BENCH_KV");
+      const std::string kv_list = std::string(",") + (kvs && *kvs ? kvs : "bf16") + ",";
       for (int L : {8192, 32768, 131072})
         for (int B : {1, 8, 32})
           if (!shapes || (std::string(",") + shapes + ",").find("," + std::to_string(L) + ":" +
                                                                std::to_string(B) + ",") != std::string::npos)
-            bench_decode(out, L, B, force_split);
+            for (const char* kv : {"bf16", "fp8"})
+              if (kv_list.find(std::string(",") + kv + ",") != std::string::npos)
+                bench_decode(out, L, B, force_split, std::string(kv) == "fp8");
     }
     if (mode == "prefill" || mode == "all") {
       for (int L : {8192, 32768}) bench_prefill(out, L);

@@ -48,7 +48,7 @@ def main():
     print(f"device: {device}  commit: {commit}")
     print(f"{'kind':8}{'kernel':>10}{'L':>8}{'B':>4}{'spade':>12}{'GB/s|TF':>10}{'sdpa best':>12}{'GB/s|TF':>10}{'backend':>11}{'ratio':>8}")
     for r in rows:
-        kern = r.get("kernel", "-")
+        kern = r.get("kernel", "-") + ("/fp8" if r.get("kv") == "fp8" else "")  # fp8 KV cache rows
         if r["kind"] == "decode":
             print(f"{'decode':8}{kern:>10}{r['L']:>8}{r['B']:>4}{r['us']:>10.1f}us{r['GBps']:>10.0f}"
                   f"{r.get('sdpa_best_us', float('nan')):>10.1f}us{r.get('sdpa_best_GBps', float('nan')):>10.0f}"
