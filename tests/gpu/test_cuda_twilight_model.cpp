@@ -29,7 +29,10 @@
 //   lists at their granularity, LessIsMore's shared list copied per KV head, LycheeCluster's
 //   lists compacted, full's chunk lists, the kept lists' attention); FullBaseKeptSetsMatchCpu
 //   TeacherForced: the teacher-forced kept-set comparison above over base=full (every token on
-//   both sides), peaked and flat attention.
+//   both sides), peaked and flat attention; TokenBaseKeptSetsMatchCpuTeacherForced: the same
+//   over the token selectors tidal, lessismore and lycheecluster at p = 0.9, their lists checked
+//   and teacher-forced first by their tracing twins (tracing_tidal.h, tracing_lessismore.h,
+//   tracing_cluster.h; compare_twilight_token_base states the rule).
 // - Option checks: bases without a GPU pruning path, budget=auto, head_combine=mean are clear
 //   errors; every GPU selector's stack parses to the selector with twilight_sel.
 #include <algorithm>
@@ -41,10 +44,16 @@
 
 #include "../test_util.h"
 #include "gpu_model_util.h"
+#include "tracing_cluster.h"
+#include "tracing_lessismore.h"
 #include "tracing_quest.h"
+#include "tracing_tidal.h"
 #include "kv/int4_keys.h"
 #include "model/cpu_model.h"
 #include "model/cuda_model.h"
+#include "sparse/methods/lessismore.h"
+#include "sparse/methods/lycheecluster.h"
+#include "sparse/methods/tidal.h"
 #include "sparse/methods/twilight.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
@@ -129,7 +138,9 @@ TEST(CudaTwilightModel, MatchesCpuSession) {
 // TwilightMethod whose prune checks, for every pruned (step, layer, request, KV head), the GPU's
 // traced kept list (CudaModel::QuestTrace::kept) and then continues with it (teacher-forced),
 // so a boundary difference does not cascade into later layers and steps. The base is Quest with
-// a budget >= the context: every token on both sides. Two checks:
+// a budget >= the context (every token on both sides), full, or a traced base whose lists were
+// checked and replaced by the GPU's first (TracingQuest; the token bases of
+// compare_twilight_token_base). Two checks:
 //  (a) exact: the GPU's kept set = the union over the group's query heads of Algorithm 1 run on
 //      the CPU over the GPU's own traced logits (up to the kernel tests' p-boundary near-ties);
 //  (b) explained: the CPU's kept set (from its own INT4 logits) differs from the GPU's only where
@@ -171,7 +182,9 @@ class TracingTwilight final : public sparse::SparseMethod {
       }
     }
     tw_->prune(c, sel);
-    if (!gpu || c.layer < dense_layers_) return;
+    // Layers the base asked scores of (tidal's and lessismore's selection layers) are not
+    // pruned, on the CPU (TwilightMethod::prune) as on the GPU (dense with scores).
+    if (!gpu || c.layer < dense_layers_ || c.scores_requested()) return;
     ASSERT_GT(p_, 0.0) << "not a TwilightMethod";
     const int r = req_of.at(c.pt);
     auto* tws = sparse::twilight_state(c.state);
@@ -186,10 +199,18 @@ class TracingTwilight final : public sparse::SparseMethod {
       const auto& bt = base[size_t(h)];
       const int64_t n = int64_t(bt.size());
       // The GPU's slot of every base token: 16 slots per entry of its Chunk16 list (Quest's
-      // traced pages; base=full: chunks 0, 1, ... of the whole context, so slot = token).
+      // traced pages; base=full: chunks 0, 1, ... of the whole context, so slot = token); a
+      // token base's Token list: slot = entry (token_list).
       std::map<int32_t, int64_t> slot_of;
       if (full_base) {
         for (int64_t t = 0; t < L; ++t) slot_of[int32_t(t)] = t;
+      } else if (token_base) {
+        const std::vector<int32_t>* tl = token_list(c.layer, r, h, Hkv);
+        ASSERT_NE(tl, nullptr) << "GPU base list missing, layer " << c.layer << " request " << r
+                               << " head " << h;
+        for (size_t e = 0; e < tl->size(); ++e) slot_of[(*tl)[e]] = int64_t(e);
+        ASSERT_EQ(slot_of.size(), tl->size()) << "a token twice in the GPU's base list, layer "
+                                              << c.layer;
       } else {
         const auto& pages = gpu->sel.at(size_t(c.layer)).at(list);
         for (size_t e = 0; e < pages.size(); ++e)
@@ -197,6 +218,9 @@ class TracingTwilight final : public sparse::SparseMethod {
             if (int64_t(pages[e]) * 16 + row < L) slot_of[pages[e] * 16 + row] = int64_t(e) * 16 + row;
       }
       ASSERT_EQ(int64_t(slot_of.size()), n) << "base sets differ, layer " << c.layer;
+      for (int32_t t : bt)
+        ASSERT_TRUE(slot_of.count(t)) << "base sets differ, layer " << c.layer << " request " << r
+                                      << " head " << h << ": token " << t << " not the GPU's";
       std::vector<int32_t> cs(sel.head(h), sel.head(h) + sel.count(h)), gset = gk.at(list);
       std::sort(cs.begin(), cs.end());
       std::sort(gset.begin(), gset.end());
@@ -317,11 +341,30 @@ class TracingTwilight final : public sparse::SparseMethod {
 
   const CudaModel::QuestTrace* gpu = nullptr;
   bool full_base = false;  // the GPU's base is Twilight over full (chunk lists of the context)
+  // A token base (tidal, lessismore, lycheecluster): the GPU's base lists are the Token lists
+  // it traced (GpuSelectionTrace::sel) at the layer (lycheecluster: its search of the layer),
+  // or with reused_lists (tidal, lessismore) at the latest selection layer (the reuse layers
+  // read its lists and trace none); shared_base: one list per request (lessismore: [layer][b];
+  // twilight_expand_lists copies it per KV head in its order), else one per (request, KV
+  // head) ([layer][b * Hkv + h]).
+  bool token_base = false, reused_lists = false, shared_base = false;
   std::map<const PageTable*, int> req_of;
   mutable int rows = 0, identical = 0, near_tie = 0, bad = 0;
   mutable double max_err = 0, max_rel_err = 0, max_diff_frac = 0, kept_cpu = 0, kept_gpu = 0;
 
  private:
+  // The GPU's base list of (request r, KV head h) that layer `layer` pruned: the list traced
+  // at `layer`, or with reused_lists at the latest layer <= `layer` that traced any (the trace
+  // is cleared before every step); nullptr where there is none.
+  const std::vector<int32_t>* token_list(int layer, int r, int h, int Hkv) const {
+    const size_t i = shared_base ? size_t(r) : size_t(r) * size_t(Hkv) + size_t(h);
+    for (int l = std::min(layer, int(gpu->sel.size()) - 1); l >= 0; --l) {
+      const auto& t = gpu->sel[size_t(l)];
+      if (!t.empty() && (l == layer || reused_lists)) return i < t.size() ? &t[i] : nullptr;
+      if (!reused_lists) return nullptr;
+    }
+    return nullptr;
+  }
   std::shared_ptr<const sparse::SparseMethod> tw_;
   int dense_layers_;
   double p_ = 0, eps_ = 0;
@@ -426,6 +469,202 @@ TEST(CudaTwilightModel, FullBaseKeptSetsMatchCpuTeacherForced) {
   SKIP_WITHOUT_GPU();
   compare_twilight_traced(Arch::Llama, 64, 0.9, 1, 0, "full");
   compare_twilight_traced(Arch::Qwen3, 128, 0.9, 1, 0, "full");
+}
+
+// Twilight over a token selector, teacher-forced on both levels, Qwen3 / Llama of 3 layers (the
+// model and requests of compare_twilight_traced: 170 and 60 tokens, 12 decode steps; the two
+// requests fed their token text, cluster_text_piece, on both sides where the GPU's request
+// state reads it: LycheeCluster's):
+//   GPU: twilight:base=<base>,p=<p>,<the base's options>, traced (CudaModel::QuestTrace);
+//   CPU: TracingTwilight over TwilightMethod(p, dense_layers=1) over the base's tracing twin,
+//     which checks the base's lists against the GPU's and continues with the GPU's:
+//     tidal        TracingTidal (tracing_tidal.h): at the selection layer (1), the GPU's top-k
+//                  per (request, KV head) equals the CPU's up to score near-ties;
+//     lessismore   TracingLessIsMore (tracing_lessismore.h): the CPU method on the GPU's traced
+//                  per-head scores gives the GPU's one list per request, exactly;
+//     lycheecluster TracingCluster (tracing_cluster.h): at every sparse layer (1, 2) the GPU's
+//                  lists are the CPU's sink, whole CPU chunks within the budget and the CPU's
+//                  un-indexed tail (dense requests: every token), the chosen chunk tokens
+//                  compared by Jaccard (mean >= 0.8, as test_cuda_lycheecluster_model.cpp);
+//   then TracingTwilight compares the GPU's kept list of every pruned (step, layer, request,
+//   KV head) with Algorithm 1 (a) over the GPU's own traced logits and (b) over the CPU's INT4
+//   logits, as for Quest above, the slots of the GPU's logits being the entries of its traced
+//   Token list (lessismore: the request's one list, copied per KV head in its order), and
+//   continues with the GPU's kept set. tidal and lessismore select in layer 1 (dense, with
+//   scores, pruned on neither side) and layer 2 reuses: one pruned layer; lycheecluster's
+//   sparse layers 1 and 2 are both pruned.
+// Budgets: tidal, lessismore 48 tokens (below both contexts); lycheecluster 64 chunk tokens
+// past the sink of 16: request a (170) is sparse from the first step (its index built then,
+// buffer 16 for lazy updates), request b (60) dense throughout (L <= 80: the CPU's dense
+// selection, the GPU's search lists every token), so the pruner sees both.
+// Asserted: every base check (tidal 0 bad, lessismore every list identical, lycheecluster's
+// exact rules and Jaccard), every kept set exact by (a) and identical or explained by the logit
+// error by (b) (0 bad, some identical), the logit error below 0.2 of the row's max |logit|, the
+// counts of checked sets, and decode logits within kTolLogits = 5e-2 at every step.
+void compare_twilight_token_base(const std::string& base, Arch arch, int D, double p) {
+  SCOPED_TRACE(testing::Message() << "twilight " << arch_name(arch) << " D=" << D << " base="
+                                  << base);
+  const ModelConfig c = tiny_config(arch, D);
+  ModelWeights w = random_model(c, 17);
+  round_weights_bf16(w);
+  const bool cluster = base == "lycheecluster";
+  const int dl = 1, na = 170, nb = 60, steps = 12, budget = cluster ? 64 : 48;
+  const std::string base_opts =
+      "budget=" + std::to_string(budget) + ",dense_layers=" + std::to_string(dl) +
+      (cluster ? ",buffer=16" : ",selection_layers=1");
+  // Pruned layers per step: tidal / lessismore's reuse layers, lycheecluster's sparse layers.
+  const int pruned_layers = cluster ? c.n_layers - dl : c.n_layers - dl - 1;
+  const sparse::SparseConfig gsc = sparse::SparseConfig::parse_spec(
+      "twilight:base=" + base + ",p=" + std::to_string(p) + "," + base_opts);
+  CudaModelOptions opt = tw_opts();
+  opt.sparse = cuda_sparse_config(gsc, c, 16);
+  ASSERT_TRUE(opt.sparse.twilight_sel);
+  ASSERT_EQ(opt.sparse.method, base == "tidal"        ? CudaSparse::Method::Tidal
+                               : base == "lessismore" ? CudaSparse::Method::LessIsMore
+                                                      : CudaSparse::Method::LycheeCluster);
+  ASSERT_EQ(opt.sparse.twilight_dense_layers, dl);
+  ASSERT_EQ(opt.sparse.dense_layers, dl);
+  CudaModel gpu(w, opt);
+  CudaModel::QuestTrace trace;
+  KVPool kv({c.n_layers, c.n_kv_heads, c.head_dim, 16}, 128);
+  CpuModel cpu(w, kv);
+  // The CPU's base with the options the GPU's base got, inside its tracing twin.
+  const auto inner =
+      sparse::make_method(sparse::SparseConfig::parse_spec(base + ":" + base_opts), c);
+  std::shared_ptr<TracingTidal> tidal;
+  std::shared_ptr<TracingLessIsMore> lim;
+  std::shared_ptr<TracingCluster> lc;
+  std::shared_ptr<const sparse::SparseMethod> traced;
+  if (base == "tidal") {
+    const auto* tm = dynamic_cast<const sparse::TidalMethod*>(inner.get());
+    ASSERT_NE(tm, nullptr);
+    for (int l = 0; l < c.n_layers; ++l)
+      ASSERT_EQ(int(tm->schedule().role(l)), int(opt.sparse.schedule.role(l))) << "layer " << l;
+    ASSERT_EQ(int(tm->schedule().role(1)), int(sparse::LayerSchedule::Role::Select));
+    traced = tidal = std::make_shared<TracingTidal>(budget, tm->schedule());
+  } else if (base == "lessismore") {
+    ASSERT_NE(dynamic_cast<const sparse::LessIsMoreMethod*>(inner.get()), nullptr);
+    traced = lim = std::make_shared<TracingLessIsMore>(inner);
+  } else {
+    ASSERT_NE(dynamic_cast<const sparse::LycheeClusterMethod*>(inner.get()), nullptr);
+    traced = lc = std::make_shared<TracingCluster>(inner);
+  }
+  sparse::TwilightMethod::Params prm;
+  prm.p = p;
+  prm.dense_layers = dl;
+  auto method = std::make_shared<TracingTwilight>(
+      std::make_shared<sparse::TwilightMethod>(traced, prm), dl);
+  method->token_base = true;
+  method->reused_lists = !cluster;
+  method->shared_base = base == "lessismore";
+  sparse::SparseSession s0(method, c, kv), s1(method, c, kv);
+  constexpr double kTolLogits = 5e-2;  // as compare_twilight_traced
+
+  // traced_decode_compare (gpu_model_util.h) with token text and the GPU's request states.
+  gpu.quest_trace = &trace;
+  std::unique_ptr<sparse::MethodState> g0 = gpu.new_request_state(),
+                                       g1 = gpu.new_request_state();
+  const bool text = g0 && g0->wants_token_text();
+  ASSERT_EQ(text, cluster) << "LycheeCluster's GPU request states read token text";
+  ASSERT_EQ(g1 != nullptr, g0 != nullptr);
+  auto feed = [&](sparse::SparseSession& s, sparse::MethodState* g, const int32_t* ids,
+                  int64_t k) {
+    if (!text) return;
+    for (int64_t i = 0; i < k; ++i) {
+      s.append_token_text(cluster_text_piece(ids[i]));
+      g->append_token_text(cluster_text_piece(ids[i]));
+    }
+  };
+  PageTable pc[2], pg[2];
+  std::mt19937 rng(9);
+  const auto a = random_tokens(rng, na, c.vocab), b = random_tokens(rng, nb, c.vocab);
+  feed(s0, g0.get(), a.data(), na);
+  feed(s1, g1.get(), b.data(), nb);
+  std::vector<int64_t> rc, rg;
+  {
+    const auto& lc0 = cpu.forward({{&pc[0], a.data(), na, false, &s0.attention()},
+                                   {&pc[1], b.data(), nb, false, &s1.attention()}}, rc);
+    const auto& lg0 = gpu.forward({{&pg[0], a.data(), na, false, nullptr, g0.get()},
+                                   {&pg[1], b.data(), nb, false, nullptr, g1.get()}}, rg);
+    EXPECT_LT(rel_err(lg0, lc0), 3e-2) << "prefill";  // dense on both (traced_decode_compare)
+  }
+  method->req_of = {{&pc[0], 0}, {&pc[1], 1}};
+  method->gpu = &trace;
+  if (tidal) tidal->req_of = method->req_of, tidal->gpu = &trace;
+  if (lim) lim->req_of = method->req_of, lim->gpu = &trace;
+  if (lc) lc->req_of = method->req_of, lc->gpu = &trace;
+  double worst = 0;
+  for (int s = 0; s < steps; ++s) {
+    trace.sel.clear();
+    trace.scores.clear();
+    trace.kept.clear();
+    trace.logits.clear();
+    int32_t ta = int32_t(rng() % uint32_t(c.vocab)), tb = int32_t(rng() % uint32_t(c.vocab));
+    feed(s0, g0.get(), &ta, 1);
+    feed(s1, g1.get(), &tb, 1);
+    std::vector<float> lg = gpu.forward({{&pg[0], &ta, 1, false, nullptr, g0.get()},
+                                         {&pg[1], &tb, 1, false, nullptr, g1.get()}}, rg);
+    const auto& lcs = cpu.forward({{&pc[0], &ta, 1, false, &s0.attention()},
+                                   {&pc[1], &tb, 1, false, &s1.attention()}}, rc);
+    const double e = rel_err(lg, lcs);
+    worst = std::max(worst, e);
+    EXPECT_LT(e, kTolLogits) << "decode step " << s;
+  }
+  gpu.quest_trace = nullptr;
+
+  std::printf("[ twilight-model ] %s D=%d p=%.2f base=%s budget=%d teacher-forced: %d kept sets "
+              "(step, layer, request, KV head): GPU vs CPU %d identical, %d explained by the logit "
+              "error, %d bad; mean kept cpu %.1f gpu %.1f; largest logit error %.3g (%.3g of the "
+              "row's max |logit|); at most %.1f%% of a set differs; worst decode logits rel err "
+              "%.3g over %d steps\n",
+              arch_name(arch), D, p, base.c_str(), budget, method->rows, method->identical,
+              method->near_tie, method->bad, method->kept_cpu / std::max(1, method->rows),
+              method->kept_gpu / std::max(1, method->rows), method->max_err, method->max_rel_err,
+              100 * method->max_diff_frac, worst, steps);
+  EXPECT_EQ(method->bad, 0);
+  EXPECT_EQ(method->rows, steps * pruned_layers * 2 * c.n_kv_heads);
+  EXPECT_GT(method->identical, 0);
+  EXPECT_LT(method->max_rel_err, 0.2);  // as compare_twilight_traced
+  const int base_lists = steps * 2 * c.n_kv_heads;  // per layer that selects
+  if (tidal) {
+    std::printf("[ twilight-model ]   tidal base: %d selections, %d identical, %d near-tie, %d "
+                "bad; largest score error %.3g of the row's max |score|; at most %.1f%% of a set "
+                "swapped\n",
+                tidal->rows, tidal->identical, tidal->near_tie, tidal->bad, tidal->max_rel_err,
+                100 * tidal->max_diff_frac);
+    EXPECT_EQ(tidal->bad, 0);
+    EXPECT_EQ(tidal->rows, base_lists);  // selection layer 1
+  }
+  if (lim) {
+    std::printf("[ twilight-model ]   lessismore base: %d lists (step, request), %d identical to "
+                "the CPU method on the GPU's scores; largest score error %.3g of the row's max "
+                "|score|\n",
+                lim->sets, lim->identical, lim->max_rel_err);
+    EXPECT_EQ(lim->sets, steps * 2);  // selection layer 1, one list per request
+    EXPECT_EQ(lim->identical, lim->sets);
+  }
+  if (lc) {
+    const double jac = lc->rows ? lc->jaccard_sum / lc->rows : 0;
+    std::printf("[ twilight-model ]   lycheecluster base: %d sparse lists, %d identical, mean "
+                "Jaccard of the chosen chunk tokens %.3f; %d dense lists\n",
+                lc->rows, lc->identical, jac, lc->dense_rows);
+    EXPECT_EQ(lc->rows + lc->dense_rows, pruned_layers * base_lists);
+    EXPECT_GT(lc->rows, 0);
+    EXPECT_GT(lc->dense_rows, 0);
+    EXPECT_GE(jac, 0.8);
+  }
+  gpu.release(pg[0]);
+  gpu.release(pg[1]);
+}
+
+// Twilight over tidal, lessismore and lycheecluster at p = 0.9 (compare_twilight_token_base
+// states the rule): peaked (Llama D = 64) and flat (Qwen3 D = 128) attention.
+TEST(CudaTwilightModel, TokenBaseKeptSetsMatchCpuTeacherForced) {
+  SKIP_WITHOUT_GPU();
+  for (const char* base : {"tidal", "lessismore", "lycheecluster"}) {
+    compare_twilight_token_base(base, Arch::Llama, 64, 0.9);
+    compare_twilight_token_base(base, Arch::Qwen3, 128, 0.9);
+  }
 }
 
 // p = 1 keeps every token of the base's lists (the threshold ends at 0, as in
