@@ -76,14 +76,16 @@ void CudaModel::route_prefill_rows(const std::vector<SeqInput>& batch) {
     return sp.method == CudaSparse::Method::None && !sp.blasst_any();
   };
   method_decodes_.assign(methods_.size(), 0);
-  bool mixed = false;
   for (size_t i = 0; i < batch.size(); ++i)
     if (decodes(batch[i])) method_decodes_[size_t(method_of_seq_[i])] = 1;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const GpuMethod& m = *methods_[size_t(method_of_seq_[i])];
-    mixed = mixed || (!decodes(batch[i]) && method_decodes_[size_t(method_of_seq_[i])] &&
-                      !plain(m.spec()) && (batch[i].dense || !m.blasst_prefill_active()));
-  }
+  auto moves = [&](size_t i) {
+    const int id = method_of_seq_[i];
+    const GpuMethod& m = *methods_[size_t(id)];
+    return !decodes(batch[i]) && method_decodes_[size_t(id)] && !plain(m.spec()) &&
+           (batch[i].dense || !m.blasst_prefill_active());
+  };
+  bool mixed = false;
+  for (size_t i = 0; i < batch.size() && !mixed; ++i) mixed = moves(i);
   if (!mixed) return;
   if (dense_method_ < 0 || size_t(dense_method_) >= methods_.size() || !methods_[size_t(dense_method_)] ||
       !plain(methods_[size_t(dense_method_)]->spec())) {
@@ -99,13 +101,9 @@ void CudaModel::route_prefill_rows(const std::vector<SeqInput>& batch) {
       }
     }
   }
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const int id = method_of_seq_[i];
-    const GpuMethod& m = *methods_[size_t(id)];
-    if (!decodes(batch[i]) && method_decodes_[size_t(id)] && !plain(m.spec()) &&
-        (batch[i].dense || !m.blasst_prefill_active()))
-      method_of_seq_[i] = dense_method_;
-  }
+  // (moves(i) reads only row i's own method id, so rewriting earlier rows changes nothing.)
+  for (size_t i = 0; i < batch.size(); ++i)
+    if (moves(i)) method_of_seq_[i] = dense_method_;
 }
 
 std::vector<uint64_t> CudaModel::blasst_counts(bool prefill) const {
