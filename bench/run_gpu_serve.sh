@@ -154,6 +154,28 @@ if [ "$phase" = build ]; then
 fi
 [ "$phase" = stage ] && { ls -la /root/stage; exit 0; }
 
+# Decode attention over an FP8 (E4M3) cache beside bf16 (issue 40: bench_attention with
+# SPADE_BENCH_KV=bf16,fp8 at 32K / 128K, batch 1 / 8 / 32, Hq 32 / Hkv 8 / D 128), then PyTorch
+# SDPA (bf16, enable_gqa) on the same shapes, joined by merge_results.py (after build).
+if [ "$phase" = fp8 ]; then
+  nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_attention.cu $B/libspade_cuda.a \
+    -lcublasLt -lcublas -o $B/bench_attention > "$OUT/bench_attention_build.log" 2>&1 || tail -20 "$OUT/bench_attention_build.log"
+  SH=${FP8_SHAPES:-32768:1,32768:8,32768:32,131072:1,131072:8,131072:32}
+  for r in 1 2; do
+    SPADE_BENCH_KV=bf16,fp8 SPADE_BENCH_SHAPES=$SH timeout 200 ./$B/bench_attention decode "$OUT/attn_fp8_r$r.jsonl" 1 \
+      > "$OUT/bench_attention_fp8_r$r.log" 2>&1; echo "bench_attention fp8 run $r rc=$?"
+  done
+  timeout 200 python3 python/bench_sdpa_decode.py decode --out "$OUT/sdpa.jsonl" > "$OUT/sdpa.log" 2>&1; echo "sdpa rc=$?"
+  for r in 1 2; do
+    python3 bench/merge_results.py "$OUT/attn_fp8_r$r.jsonl" "$OUT/sdpa.jsonl" "$OUT/attention_fp8_r$r.json" \
+      "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" "${COMMIT:-unknown}" \
+      "SPADE_BENCH_KV=bf16,fp8 SPADE_BENCH_SHAPES=$SH bench_attention decode; python/bench_sdpa_decode.py decode" 2>&1 | tail -20
+  done
+  (cd "$OUT" && tar czf /tmp/results.tar.gz --exclude=summary.txt . && mv /tmp/results.tar.gz . && \
+    find . -type f ! -name summary.txt ! -name results.tar.gz -delete)
+  exit 0
+fi
+
 # The Python package's GPU tests (after build with PY_BUILD=1 on the same machine): the CUDA
 # ops against the CPU ops, spade.hf on the GPU, the kernel API's decode timing against
 # bench_attention's (same shapes, same process family).
