@@ -316,6 +316,9 @@ void CudaModel::init(const ModelWeights* w, uint64_t seed) {
     v_cache_ = A.alloc_n<uint8_t>(kv_elems, "KV cache (V, fp8)");
     k_wide_ = A.alloc_n<bf16>(kv_layer_elems(), "fp8 KV: one layer of bf16 K (prefill)");
     v_wide_ = A.alloc_n<bf16>(kv_layer_elems(), "fp8 KV: one layer of bf16 V (prefill)");
+    // Zeroed once: slots a prefill kernel may touch beyond what widening wrote stay finite.
+    SPADE_CUDA(cudaMemset(k_wide_, 0, kv_layer_elems() * 2));
+    SPADE_CUDA(cudaMemset(v_wide_, 0, kv_layer_elems() * 2));
     const size_t ns = size_t(NL) * 2 * size_t(Hkv);
     kv_scales_dev_ = A.alloc_n<float>(ns, "fp8 KV scales");
     kv_amax_ = A.alloc_n<unsigned int>(ns, "fp8 KV calibration maxima");

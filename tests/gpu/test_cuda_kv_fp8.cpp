@@ -200,6 +200,9 @@ void attention_case(int Hq, int Hkv, int D, int P, const std::vector<Seq>& seqs,
   DevBuf<uint8_t> dk(std::vector<uint8_t>(kb, kb + cache_n)), dv(std::vector<uint8_t>(vb, vb + cache_n));
   DevBuf<float> dks(ks), dvs(vs);
   DevBuf<bf16> dkw(cache_n), dvw(cache_n), dq(to_bf16(q)), dout(q.size());
+  // Zeroed as CudaModel's scratch (a page widening missed would read zeros: wrong outputs).
+  SPADE_CUDA(cudaMemset(dkw.p, 0, cache_n * 2));
+  SPADE_CUDA(cudaMemset(dvw.p, 0, cache_n * 2));
   cuda::DeviceArena arena(256u << 20);
   cuda::AttnLimits lim;
   lim.max_batch = 64;

@@ -38,12 +38,14 @@
 // rows as float4 with 8 loads in flight per thread (latency, not bytes, bounds it).
 // FP8 cache (F8 instances, AttnArgs::k_scale set; issue 40): the ring holds E4M3 codes (TK*D
 // bytes per tile: 16-byte cp.async of half the bytes, unswizzled rows); after a chunk lands,
-// each lane widens the 16-byte pieces it copied itself (cvt e4m3x2 -> f16x2 -> bf16x2, exact:
-// every E4M3 value is a bf16) into the warp's own bf16 K and V tiles (swizzled as the bf16 ring),
-// and the bf16 chunk math runs on them unchanged. The scales are per (layer, KV head), so one
-// per CTA: K's is folded into the softmax's log2 scale and V's into o before the merge; both
-// are powers of two, so this equals widening code x scale (no rounding moves). The ring gets
-// one more stage than the bf16 variant's (S + 1: same shared memory, same CTAs per SM).
+// each lane widens the 16-byte pieces it copied itself (one cvt.rn.f16x2.e4m3x2 per two codes,
+// exact: every E4M3 value is an f16) into the warp's own f16 K and V tiles (swizzled as the
+// bf16 ring), and the chunk math runs on them with f16 mma.sync (m16n8k16, fp32 accumulate):
+// Q's fragments are converted once from bf16 to f16 (exact for |q| in [2^-14, 65504]), P is
+// packed as f16 (<= 256 by the lazy rescale; finer than bf16). The scales are per (layer, KV
+// head), so one per CTA: K's is folded into the softmax's log2 scale and V's into o before the
+// merge; both are powers of two, so this equals widening code x scale (no rounding moves). The
+// ring gets one more stage than the bf16 variant's (S + 1: same shared memory and CTAs per SM).
 // Napkin math (Llama-3-8B shapes Hq=32, Hkv=8, D=128, bf16): 32K tokens = 134 MB of K/V per
 // sequence and layer -> 30 us at 4.5 TB/s; ~8 KFLOP of mma per token and KV head (16 padded
 // rows), 16 FLOP/byte: far under the tensor-core roof. Measured (H200, docs/cuda.md): 4.39-4.44
@@ -70,7 +72,7 @@ struct DecCfg {
   // Bytes of one ring stage: bf16 tiles, or fp8 codes (F8).
   static constexpr size_t kStageBytes = size_t(kStage) * (F8 ? 1 : sizeof(bf16));
   static constexpr size_t kRing = size_t(W) * S * kStageBytes;
-  // F8: each warp's widened bf16 K and V tiles.
+  // F8: each warp's widened K and V tiles (f16).
   static constexpr size_t kWide = F8 ? size_t(W) * kStage * sizeof(bf16) : 0;
   static constexpr size_t kMerge = size_t(W) * 16 * (D + 2) * sizeof(float);
   static constexpr size_t kSmem =
@@ -83,8 +85,8 @@ struct DecCfg {
   static_assert(16 * D * 2 <= 4096, "Q tile");
 };
 
-// 16 E4M3 codes -> 16 bf16 (exact), as two 16-byte pieces.
-__device__ __forceinline__ void e4m3x16_to_bf16(const uint4& c, uint4& lo, uint4& hi) {
+// 16 E4M3 codes -> 16 f16 (exact), as two 16-byte pieces.
+__device__ __forceinline__ void e4m3x16_to_f16(const uint4& c, uint4& lo, uint4& hi) {
   const uint32_t w[4] = {c.x, c.y, c.z, c.w};
   uint32_t out[8];
 #pragma unroll
@@ -93,14 +95,38 @@ __device__ __forceinline__ void e4m3x16_to_bf16(const uint4& c, uint4& lo, uint4
     for (int h = 0; h < 2; ++h) {
       const __half2_raw hr =
           __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[k] >> (16 * h)), __NV_E4M3);
-      __half2 hv;
-      hv = hr;
-      const float2 f = __half22float2(hv);
-      out[2 * k + h] = pack_bf16(f.x, f.y);
+      out[2 * k + h] = uint32_t(hr.x) | (uint32_t(hr.y) << 16);
     }
   }
   lo = make_uint4(out[0], out[1], out[2], out[3]);
   hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// mma.sync m16n8k16 with fp32 accumulators: bf16 operands, or f16 (F16: the fp8 instances).
+template <bool F16>
+__device__ __forceinline__ void mma_k16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (F16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    mma16816(c, a, b0, b1);
+  }
+}
+template <bool F16>
+__device__ __forceinline__ uint32_t pack_k16(float lo, float hi) {
+  if constexpr (F16) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    return pack_bf16(lo, hi);
+  }
+}
+// A bf16x2 register as f16x2 (Q fragments of the fp8 instances).
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t x) {
+  return pack_k16<true>(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
 }
 
 // Byte offset of (row r, column col % 8 == 0) in a chunk tile [TK][D], 16-byte chunk c of row
@@ -152,6 +178,7 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
   auto chunk_j0 = [&](int k) { return (cb + warp + k * W) * TK; };
   // F8: this lane's 16-byte piece of each copied row (column cc8 * 16, rows rl8 + i * RPI8).
   const int cc8 = lane % C::CH8, rl8 = lane / C::CH8;
+  // (f16 elements behind the bf16 pointer type: 2-byte addressing only.)
   bf16* wide = reinterpret_cast<bf16*>(smem_raw + C::kQ + C::kRing) + warp * C::kStage;
 
   // parts: 1 = the K tile, 2 = the V tile, 3 = both (BLASST loads V only for kept chunks).
@@ -281,6 +308,10 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
       const int r = (lane & 7) + ((mi & 1) ? 8 : 0);
       const int col = kk * 16 + ((mi & 2) ? 8 : 0);
       ldsm_x4(qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], sQ + swz<D>(r, col));
+      if constexpr (F8) {  // the f16 mma's operands
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qa[kk][e] = bf16x2_to_f16x2(qa[kk][e]);
+      }
     }
   }
   const bool hi_rows = G > 8;  // rows 8..15 carry heads only when G > 8
@@ -310,11 +341,11 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
         uint32_t b0, b1, b2, b3;
         ldsm_x4(b0, b1, b2, b3, bK + kv_off<D>(r, col));
         if (kk & 1) {
-          mma16816(sc2[2 * np], qa[kk], b0, b1);
-          mma16816(sc2[2 * np + 1], qa[kk], b2, b3);
+          mma_k16<F8>(sc2[2 * np], qa[kk], b0, b1);
+          mma_k16<F8>(sc2[2 * np + 1], qa[kk], b2, b3);
         } else {
-          mma16816(sc[2 * np], qa[kk], b0, b1);
-          mma16816(sc[2 * np + 1], qa[kk], b2, b3);
+          mma_k16<F8>(sc[2 * np], qa[kk], b0, b1);
+          mma_k16<F8>(sc[2 * np + 1], qa[kk], b2, b3);
         }
       }
     }
@@ -323,10 +354,10 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
   auto pack_p = [&](const float (&sc)[TK / 8][4], uint32_t (&pa)[TK / 16][4]) {
 #pragma unroll
     for (int k2 = 0; k2 < TK / 16; ++k2) {
-      pa[k2][0] = pack_bf16(sc[2 * k2][0], sc[2 * k2][1]);
-      pa[k2][1] = pack_bf16(sc[2 * k2][2], sc[2 * k2][3]);
-      pa[k2][2] = pack_bf16(sc[2 * k2 + 1][0], sc[2 * k2 + 1][1]);
-      pa[k2][3] = pack_bf16(sc[2 * k2 + 1][2], sc[2 * k2 + 1][3]);
+      pa[k2][0] = pack_k16<F8>(sc[2 * k2][0], sc[2 * k2][1]);
+      pa[k2][1] = pack_k16<F8>(sc[2 * k2][2], sc[2 * k2][3]);
+      pa[k2][2] = pack_k16<F8>(sc[2 * k2 + 1][0], sc[2 * k2 + 1][1]);
+      pa[k2][3] = pack_k16<F8>(sc[2 * k2 + 1][2], sc[2 * k2 + 1][3]);
     }
   };
   // O += P V (rows >= 8 carry junk when G <= 8; they are never written out).
@@ -339,8 +370,8 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
         const int col = dp * 16 + ((mi & 2) ? 8 : 0);
         uint32_t b0, b1, b2, b3;
         ldsm_x4_t(b0, b1, b2, b3, bV + kv_off<D>(r, col));
-        mma16816(o[2 * dp], pa[k2], b0, b1);
-        mma16816(o[2 * dp + 1], pa[k2], b2, b3);
+        mma_k16<F8>(o[2 * dp], pa[k2], b0, b1);
+        mma_k16<F8>(o[2 * dp + 1], pa[k2], b2, b3);
       }
     }
   };
@@ -387,7 +418,7 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
   };
 
   // F8: widens this lane's pieces of stage st (its own copies, complete after its wait) into
-  // the warp's bf16 tiles, then makes them visible to the warp.
+  // the warp's f16 tiles, then makes them visible to the warp.
   auto widen = [&](int st) {
     const unsigned char* sK8 = ring8 + (warp * S + st) * C::kStageBytes;
 #pragma unroll
@@ -399,7 +430,7 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
         const int r = rl8 + i * C::RPI8;
         const uint4 c = *reinterpret_cast<const uint4*>(src + r * D + cc8 * 16);
         uint4 lo, hi;
-        e4m3x16_to_bf16(c, lo, hi);
+        e4m3x16_to_f16(c, lo, hi);
         *reinterpret_cast<uint4*>(dst + swz<D>(r, cc8 * 16)) = lo;
         *reinterpret_cast<uint4*>(dst + swz<D>(r, cc8 * 16 + 8)) = hi;
       }
