@@ -2,6 +2,7 @@
 # Batched decode step time of full attention and the GPU sparse methods (bench/bench_tpot_batch.cpp).
 #   here:   bash bench/run_gpu_tpot_batch.sh prebuild        -> .prebuilt-c/bench_tpot_batch
 #   device: bash bench/run_gpu_tpot_batch.sh OUT.json [LENGTHS] [METHODS]   (carry .prebuilt-c)
+#           KV_DTYPE=bf16,fp8: each configuration with both KV caches (fp8: full attention only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = prebuild ]; then
@@ -24,4 +25,4 @@ NVCC=$(command -v nvcc); CH=$(dirname $(dirname $NVCC)); CL=$CH/lib64
 [ -d $CH/targets/x86_64-linux/lib ] && CL=$CH/targets/x86_64-linux/lib
 export LD_LIBRARY_PATH=$CL:${LD_LIBRARY_PATH:-}
 .prebuilt-c/bench_tpot_batch "$OUT" --model llama3-8b --lengths "$LENGTHS" --methods "$METHODS" \
-  --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  --kv-dtype "${KV_DTYPE:-bf16}" --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
