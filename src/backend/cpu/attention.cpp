@@ -724,14 +724,24 @@ SPADE_ATT_AVX512 void chunk_heads64_avx512(const HeadsChunk& c) {
 
 // fp8 cache: the n rows at kp / vp (KV head h of `layer`) widened into fp32 rows k / v
 // ([n, D] each), times the head's K / V scales, and the pointers moved to them.
+// Rows that lie one after another in the cache (a head's rows within a page, K and V alike:
+// same offsets) convert as one run.
 void widen_fp8_rows(const KVPool& kv, int layer, int h, const void** kp, const void** vp,
                     int64_t n, int64_t D, float* k, float* v) {
   const float ks = kv.k_scale(layer, h), vs = kv.v_scale(layer, h);
-  for (int64_t i = 0; i < n; ++i) {
-    kv_to_f32(KvDtype::FP8, kp[i], D, k + i * D, ks);
-    kv_to_f32(KvDtype::FP8, vp[i], D, v + i * D, vs);
-    kp[i] = k + i * D;
-    vp[i] = v + i * D;
+  int64_t i = 0;
+  while (i < n) {
+    const unsigned char* k0 = static_cast<const unsigned char*>(kp[i]);
+    const unsigned char* v0 = static_cast<const unsigned char*>(vp[i]);
+    int64_t run = 1;
+    while (i + run < n && kp[i + run] == k0 + run * D && vp[i + run] == v0 + run * D) ++run;
+    kv_to_f32(KvDtype::FP8, k0, run * D, k + i * D, ks);
+    kv_to_f32(KvDtype::FP8, v0, run * D, v + i * D, vs);
+    for (int64_t j = i; j < i + run; ++j) {
+      kp[j] = k + j * D;
+      vp[j] = v + j * D;
+    }
+    i += run;
   }
 }
 
