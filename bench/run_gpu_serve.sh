@@ -66,6 +66,15 @@ if [ "$phase" = build ]; then
   [ -d .deps-cuda/include/boost ] || tar xzf .deps-cuda/boost-headers.tar.gz -C .deps-cuda/include
   PKGCFG=""; command -v pkg-config >/dev/null || PKGCFG="-DPKG_CONFIG_EXECUTABLE=$ROOT/.deps-cuda/tools/pkg-config"
   export PKG_CONFIG_PATH=$ROOT/.deps-cuda/lib/pkgconfig
+  if [ "${PY_ONLY:-0}" = 1 ]; then  # the Python package alone (build-py), in the foreground
+    mkdir -p /root/py
+    PYB=$(python3 -m pybind11 --cmakedir 2>/dev/null)
+    cmake -S . -B build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a -DSPADE_PYTHON=ON \
+      -DPython3_EXECUTABLE=$(command -v python3) ${PYB:+-Dpybind11_DIR=$PYB} -DCMAKE_PREFIX_PATH=$ROOT/.deps-cuda \
+      -DBLA_VENDOR=OpenBLAS -DBLA_STATIC=ON $PKGCFG > /root/py/cmake.log 2>&1 && \
+      cmake --build build-py -j16 --target spade_python > /root/py/build.log 2>&1; echo $? > /root/py/rc
+    echo "python package build rc=$(cat /root/py/rc) after $(( $(date +%s) - t0 )) s"; exit 0
+  fi
   if [ "${SAN_ONLY:-0}" = 1 ]; then  # the compute-sanitizer build alone, in the foreground
     cmake -S . -B build-san -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
       -DSPADE_CUDA_SANITIZER=ON -DSPADE_PYTHON=OFF -DCMAKE_PREFIX_PATH=$ROOT/.deps-cuda -DBLA_VENDOR=OpenBLAS \
@@ -188,10 +197,10 @@ if [ "$phase" = python ]; then
     PYTHONPATH=build-py/python timeout ${PY_TIMEOUT:-150} python3 tests/python/$t.py -v > "$OUT/py_$t.log" 2>&1
     echo "python $t rc=$?"; grep -E "^(FAIL|ERROR)|Ran |OK|FAILED" "$OUT/py_$t.log" | head -12
   done
-  nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_attention.cu build-py/libspade_cuda.a \
+  [ "${PY_BENCH:-1}" = 1 ] && nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_attention.cu build-py/libspade_cuda.a \
     -lcublasLt -lcublas -o build-py/bench_attention > "$OUT/bench_attention_build.log" 2>&1 \
     && ./build-py/bench_attention decode /tmp/cxx.jsonl 1 > "$OUT/bench_attention.log" 2>&1
-  PYTHONPATH=build-py/python timeout 200 python3 tests/python/test_ops_cuda.py --bench --cxx /tmp/cxx.jsonl \
+  [ "${PY_BENCH:-1}" = 1 ] && PYTHONPATH=build-py/python timeout 200 python3 tests/python/test_ops_cuda.py --bench --cxx /tmp/cxx.jsonl \
     > "$OUT/py_ops_bench.jsonl" 2>&1; echo "ops bench rc=$?"; tail -12 "$OUT/py_ops_bench.jsonl"
   if [ -d /root/fat ]; then  # FAT_BUILD=1 in the build call
     for i in $(seq 1 120); do [ -f /root/fat/building ] || break; sleep 2; done
