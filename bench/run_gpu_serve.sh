@@ -193,8 +193,8 @@ if [ "$phase" = python ]; then
   echo "python package build rc=$(cat /root/py/rc 2>/dev/null)"; grep -E "Python package|spade: " /root/py/cmake.log | head -5
   grep -E "error|FAILED" /root/py/build.log | head -10
   cp /root/py/cmake.log /root/py/build.log "$OUT/" 2>/dev/null
-  for t in test_ops_cuda test_ops test_hf; do
-    PYTHONPATH=build-py/python timeout ${PY_TIMEOUT:-150} python3 tests/python/$t.py -v > "$OUT/py_$t.log" 2>&1
+  for t in test_ops_cuda test_ops test_hf test_api; do
+    PYTHONFAULTHANDLER=1 PYTHONPATH=build-py/python timeout ${PY_TIMEOUT:-150} python3 tests/python/$t.py -v > "$OUT/py_$t.log" 2>&1
     echo "python $t rc=$?"; grep -E "^(FAIL|ERROR)|Ran |OK|FAILED" "$OUT/py_$t.log" | head -12
   done
   [ "${PY_BENCH:-1}" = 1 ] && nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_attention.cu build-py/libspade_cuda.a \

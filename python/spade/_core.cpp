@@ -19,14 +19,32 @@ void bind_ops(py::module_& m);  // _ops.cpp: the kernel API's functions (spade.o
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "spade's engine (spade::api::LLM); use the classes of the spade package";
+  // spade::Error -> spade.Error through a translator local to this module: a global one sits
+  // in the translator chain that every pybind11 module of the process shares when their
+  // internals match, and with PyTorch 2.11 / pybind11 3 loaded beside it the first spade.Error
+  // raised from C++ crashed the interpreter (H200, 2026-11-29). The exception object is kept
+  // the way each pybind11 release supports.
+#if PYBIND11_VERSION_HEX >= 0x020C0000
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::exception<spade::Error>> error;
+  error.call_once_and_store_result(
+      [&]() { return py::exception<spade::Error>(m, "Error", PyExc_ValueError); });
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const spade::Error& e) {
+      py::set_error(error.get_stored(), e.what());
+    }
+  });
+#else
   static py::exception<spade::Error> error(m, "Error", PyExc_ValueError);
-  py::register_exception_translator([](std::exception_ptr p) {
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const spade::Error& e) {
       error(e.what());
     }
   });
+#endif
   py::class_<LLMOptions>(m, "LLMOptions")
       .def(py::init<>())
       .def_readwrite("device", &LLMOptions::device)
