@@ -236,7 +236,7 @@ void print_step_times(std::vector<float> ms) {
 
 
 // --synthetic: random weights with a real model's shapes on the GPU; random prompt ids.
-int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
+int run_synthetic(const Args& a, const sparse::SparseConfig& scfg, KvDtype kv_dtype, float kv_scale) {
 #if defined(SPADE_HAVE_CUDA)
   ModelConfig cfg = synthetic_config(a.str("--synthetic"));
   long long n = a.has("-n") ? a.integer("-n", 128) : a.integer("--max-tokens", 128);
@@ -253,6 +253,10 @@ int run_synthetic(const Args& a, const sparse::SparseConfig& scfg) {
   copt.max_step_tokens = opt.prefill_chunk;
   copt.deterministic = a.has("--deterministic");
   copt.sparse = cuda_sparse_config(scfg, cfg, copt.page_size);
+  // The GPU cache: fp8 (--kv-dtype fp8, --kv-scale) or bf16; a method that does not read fp8 is
+  // refused by the model, by name.
+  copt.kv_dtype = kv_dtype == KvDtype::FP8 ? KvDtype::FP8 : KvDtype::BF16;
+  copt.kv_scale = kv_dtype == KvDtype::FP8 ? kv_scale : 0.f;
   const bool stats = a.has("--stats") || a.has("--stats-steps");
   if (stats)
     std::fprintf(stderr, "[spade] attention (GPU): %s\n", copt.sparse.describe().c_str());
@@ -322,7 +326,7 @@ int run(int argc, char** argv) {
   SPADE_CHECK(device == "cpu" || !scfg.measure_recall, "--recall is CPU-only (--device cpu)");
   const KvDtype kv_dtype = kv_dtype_from_args(a, device);
   const float kv_scale = kv_scale_from_args(a, kv_dtype);
-  if (a.has("--synthetic")) return run_synthetic(a, scfg);
+  if (a.has("--synthetic")) return run_synthetic(a, scfg, kv_dtype, kv_scale);
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   SPADE_CHECK(a.has("--prompt") != a.has("--prompt-file"),
               "give exactly one of --prompt and --prompt-file");

@@ -15,10 +15,13 @@ double since(clk::time_point t) { return std::chrono::duration<double>(clk::now(
 }  // namespace
 
 CudaDecoder::CudaDecoder(const ModelWeights& w, int64_t max_prompt, int64_t max_new,
-                         int page_size, int64_t chunk, const Tokenizer* tok, bool deterministic)
+                         int page_size, int64_t chunk, const Tokenizer* tok, bool deterministic,
+                         KvDtype kv_dtype, float kv_scale)
     : w_(w), tok_(tok), chunk_(std::max<int64_t>(1, chunk)) {
   SPADE_CHECK(page_size > 0, "page size must be positive");
   opt_.deterministic = deterministic;
+  opt_.kv_dtype = kv_dtype == KvDtype::FP8 ? KvDtype::FP8 : KvDtype::BF16;
+  opt_.kv_scale = kv_dtype == KvDtype::FP8 ? kv_scale : 0.f;
   opt_.page_size = page_size;
   opt_.max_tokens = max_prompt + max_new + page_size;
   opt_.max_batch = 1;  // eval decodes one sequence at a time
@@ -47,6 +50,7 @@ DecodeResult CudaDecoder::decode(const std::string& key, const CudaSparse& spars
   SPADE_CHECK(!opt.measure_recall && !opt.on_step,
               "--device cuda: attention recall and per-step counters are CPU-only");
   CudaModel& m = model(key, sparse);
+  m.reset_kv_scales();  // fp8 auto scales: each prompt's own (no page is in use between decodes)
   const int V = w_.config.vocab;
   PageTable pt;
   DecodeResult r;

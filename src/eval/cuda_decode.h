@@ -26,8 +26,11 @@ class CudaDecoder {
   // sequence, prefill chunks of `chunk` tokens. `tok`: token text for the methods that chunk
   // by it (LycheeCluster; without it their chunks are fixed 16-token runs). `deterministic`:
   // every model decodes with the static attention schedule (CudaModelOptions::deterministic).
+  // `kv_dtype` fp8: every model keeps an fp8 cache with scales `kv_scale` (0: auto, set by each
+  // prompt's first step, as the CPU's SharedPrefill does); any other type: bf16.
   CudaDecoder(const ModelWeights& w, int64_t max_prompt, int64_t max_new, int page_size = 16,
-              int64_t chunk = 1024, const Tokenizer* tok = nullptr, bool deterministic = false);
+              int64_t chunk = 1024, const Tokenizer* tok = nullptr, bool deterministic = false,
+              KvDtype kv_dtype = KvDtype::BF16, float kv_scale = 0.f);
   ~CudaDecoder();
   CudaDecoder(const CudaDecoder&) = delete;
   CudaDecoder& operator=(const CudaDecoder&) = delete;

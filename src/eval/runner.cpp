@@ -100,10 +100,15 @@ EvalRunner::EvalRunner(const ModelWeights& w, const std::vector<MethodRun>& runs
 #if defined(SPADE_HAVE_CUDA)
   gpu_->sparse.resize(runs_.size());
   for (size_t i = 0; i < runs_.size(); ++i)
-    if (place_[i].gpu) gpu_->sparse[i] = cuda_sparse_config(runs_[i].config, w.config, opt.page_size);
+    if (place_[i].gpu) {
+      gpu_->sparse[i] = cuda_sparse_config(runs_[i].config, w.config, opt.page_size);
+      // A GPU method that does not read an fp8 cache yet: refused by name before any prompt.
+      check_gpu_kv_dtype(opt.kv_dtype == KvDtype::FP8, gpu_->sparse[i]);
+    }
   if (any_gpu)
     gpu_->dec = std::make_unique<CudaDecoder>(w, opt.max_prompt, opt.max_new, opt.page_size,
-                                              opt.chunk, tok, opt.deterministic);
+                                              opt.chunk, tok, opt.deterministic, opt.kv_dtype,
+                                              opt.kv_scale);
 #else
   SPADE_CHECK(!any_gpu, "EvalRunner: a run is placed on the GPU in a build without CUDA");
 #endif

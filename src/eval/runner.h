@@ -46,7 +46,7 @@ struct RunnerOptions {
   int page_size = 16;
   int64_t chunk = 1024;    // prefill chunk
   bool deterministic = false;  // GPU: static decode schedule, bit-reproducible (CudaModelOptions)
-  KvDtype kv_dtype = KvDtype::F32;  // CPU runs' KV cache (--kv-dtype; f32: the reference)
+  KvDtype kv_dtype = KvDtype::F32;  // KV cache (--kv-dtype; f32: the reference; GPU runs: fp8, else bf16)
   float kv_scale = 0.f;             // fp8 (--kv-scale; 0: auto, from each prompt's prefill)
 };
 

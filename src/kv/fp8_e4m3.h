@@ -7,8 +7,11 @@
 // 0x7F / 0xFF are NaN. 0x80 is -0.
 //
 // fp8_e4m3_from_f32 rounds to nearest, ties to even, and saturates: every finite value beyond
-// +-448 and +-inf become +-448 (as cvt.rn.satfinite.e4m3x2.f32 / __NV_SATFINITE); NaN gives
-// 0x7F (with its sign bit). fp8_e4m3_to_f32 is exact.
+// +-448 and +-inf become +-448 (as cvt.rn.satfinite.e4m3x2.f32 / __NV_SATFINITE). Every NaN,
+// whatever its sign or payload, gives the one canonical code 0x7F (as the hardware's cvt with
+// satfinite does): a NaN's sign is not portable (x86 keeps it through x / scale, a GPU's
+// division returns the canonical positive NaN), so both devices store 0x7F. 0xFF is still read
+// as NaN but never written. fp8_e4m3_to_f32 is exact.
 //
 // The cache's scales (one per layer, KV head, K and V; kv/kv_pool.h) are powers of two:
 // stored code = fp8_e4m3_from_f32(x / scale), value read = fp8_e4m3_to_f32(code) * scale; both
@@ -60,12 +63,12 @@ SPADE_HD inline float fp8_e4m3_to_f32(uint8_t c) {
   return fp8_float_of(sign | ((mag + (120u << 3)) << 20));
 }
 
-// Round to nearest even, saturating to +-448 (inf included); NaN -> 0x7F | sign.
+// Round to nearest even, saturating to +-448 (inf included); every NaN -> 0x7F (no sign).
 SPADE_HD inline uint8_t fp8_e4m3_from_f32(float x) {
   const uint32_t u = fp8_bits_of(x);
   const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return uint8_t(sign | 0x7Fu);  // NaN
+  if (a > 0x7F800000u) return uint8_t(0x7Fu);  // NaN: canonical, sign dropped
   const uint32_t E = a >> 23;                          // fp32 biased exponent
   uint32_t code;
   if (E >= 121u) {  // |x| >= 2^-6: a normal E4M3 value (or beyond the range)
