@@ -86,14 +86,17 @@ class LLM:
     model: a GGUF file or a Hugging Face model directory. device: "cpu" or "cuda".
     threads: CPU threads (0: every core). max_context: longest prompt + completion (0: the
     model's). max_batch: sequences per step. cpu_weights: "auto" | "native" | "f32".
-    kv_dtype: the CPU KV cache's elements, "bf16" (default) | "f16" | "f32" (the reference).
+    kv_dtype: the KV cache's elements, "bf16" (default) | "f16" | "f32" (the reference) |
+    "fp8" (E4M3 with power-of-two scales per layer and KV head; CUDA: "bf16" | "fp8").
+    kv_scale: fp8 only, "auto" (from the first forward step) or a number (rounded up to a
+    power of two), as --kv-scale.
     tokenizer: another tokenizer path. deterministic: batch-invariant GPU decoding.
     """
 
     def __init__(self, model: str, device: str = "cpu", *, threads: int = 0, max_context: int = 0,
                  max_batch: int = 16, max_step_tokens: int = 512, page_size: int = 16,
                  kv_pages: int = 0, cpu_weights: str = "auto", tokenizer: Optional[str] = None,
-                 deterministic: bool = False, kv_dtype: str = "bf16"):
+                 deterministic: bool = False, kv_dtype: str = "bf16", kv_scale="auto"):
         o = _core.LLMOptions()
         o.device = device
         o.threads = threads
@@ -104,6 +107,7 @@ class LLM:
         o.kv_pages = kv_pages
         o.cpu_weights = cpu_weights
         o.kv_dtype = kv_dtype
+        o.kv_scale = str(kv_scale)
         o.tokenizer = tokenizer or ""
         o.deterministic = deterministic
         self._llm = _core.LLM(str(model), o)

@@ -56,6 +56,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("kv_pages", &LLMOptions::kv_pages)
       .def_readwrite("cpu_weights", &LLMOptions::cpu_weights)
       .def_readwrite("kv_dtype", &LLMOptions::kv_dtype)
+      .def_readwrite("kv_scale", &LLMOptions::kv_scale)
       .def_readwrite("tokenizer", &LLMOptions::tokenizer)
       .def_readwrite("deterministic", &LLMOptions::deterministic);
   py::class_<GenerateParams>(m, "GenerateParams")

@@ -20,11 +20,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODEL = os.path.join(ROOT, "tests", "fixtures", "models", "stories260k-hf")
 
 
-def cli_tokens(spade_bin, prompt, n, sparse=None):
+def cli_tokens(spade_bin, prompt, n, sparse=None, extra=()):
     with tempfile.TemporaryDirectory() as tmp:
         js = os.path.join(tmp, "steps.jsonl")
         cmd = [spade_bin, "generate", "-m", MODEL, "-p", prompt, "-n", str(n), "--ignore-eos",
-               "--stats-jsonl", js]
+               "--stats-jsonl", js] + list(extra)
         if sparse:
             cmd += ["--sparse", sparse]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -94,7 +94,14 @@ def main():
     assert llm.generate(prompts[0], t1)[0].token_ids == llm.generate(prompts[0], t1)[0].token_ids
     assert llm.generate(prompts[0], spade.SamplingParams(max_tokens=40, ignore_eos=True, seed=5))[0].token_ids \
         == outs[0].token_ids
+    # An FP8 KV cache (E4M3, a fixed scale, and auto) gives the CLI's tokens with the same options.
+    for scale in (0.25, "auto"):
+        llm8 = spade.LLM(MODEL, kv_dtype="fp8", kv_scale=scale)
+        want8 = cli_tokens(spade_bin, prompts[1], 24, extra=["--kv-dtype", "fp8", "--kv-scale", str(scale)])
+        assert llm8.generate(prompts[1], spade.SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids == want8, scale
     # Errors.
+    expect_error(lambda: spade.LLM(MODEL, kv_dtype="fp8", kv_scale="x"), ["kv_scale"])
+    expect_error(lambda: spade.LLM(MODEL, kv_scale=0.5), ["kv_scale", "fp8"])
     expect_error(lambda: llm.generate(prompts[:2], greedy, sparse=["full", "quest:budget=-1"]), ["prompt 1", "budget"])
     expect_error(lambda: llm.generate("x", greedy, sparse="nosuchmethod"), ["nosuchmethod"])
     expect_error(lambda: llm.generate(prompts, [greedy, greedy]), ["one per prompt"])
