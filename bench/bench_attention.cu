@@ -10,6 +10,7 @@
 // 1; AttentionWorkspace::run_fp8, the v3 kernels' F8 instances; v2 has no fp8 path and is
 // skipped), "kv":"fp8" in its line and half the bytes counted; SPADE_BENCH_KV=bf16|fp8|bf16,fp8
 // picks the cache types (default bf16 only; both: each shape in bf16 then fp8, same process).
+// SPADE_FP8_DIRECT=1: the fp8 rows run the direct kernel (D = 128; "kernel":"<name>/direct").
 // FP8 vs bf16 at the issue's shapes (auto kernel only):
 //   SPADE_BENCH_KV=bf16,fp8 SPADE_BENCH_SHAPES=32768:1,32768:8,32768:32,131072:1,131072:8,131072:32 \
 //     ./bench_attention decode attn_fp8.jsonl 1
@@ -32,6 +33,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/ops.h"
+#include "core/tuning.h"
 
 using namespace spade;
 using namespace spade::cuda;
@@ -146,10 +148,11 @@ void bench_decode(FILE* out, int L, int B, int force_split, bool fp8) {
     const double kv_bytes = double(B) * L * Hkv * D * double(esize) * 2;
     const double bytes = kv_bytes + 2.0 * B * Hq * D * 2;
     std::fprintf(out,
-                 "{\"kind\":\"decode\",\"impl\":\"spade\",\"kv\":\"%s\",\"kernel\":\"%s%s\",\"variant\":\"%s\",\"L\":%d,\"B\":%d,"
+                 "{\"kind\":\"decode\",\"impl\":\"spade\",\"kv\":\"%s\",\"kernel\":\"%s%s%s\",\"variant\":\"%s\",\"L\":%d,\"B\":%d,"
                  "\"Hq\":%d,\"Hkv\":%d,\"D\":%d,\"page\":%d,\"page_order\":\"%s\",\"splits\":%d,\"buffers\":%d,"
                  "\"us\":%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"GBps\":%.1f}\n",
                  fp8 ? "fp8" : "bf16", AttentionWorkspace::decode_kernel_name(kern), policy ? "/x" : "",
+                 fp8 && tuning().fp8_direct ? "/direct" : "",  // SPADE_FP8_DIRECT=1 (D = 128)
                  AttentionWorkspace::decode_kernel_name(ws.decode_variant() == 0 ? 0 : ws.decode_variant() + 1),
                  L, B, Hq, Hkv, D, P, sequential ? "sequential" : "shuffled", ws.n_split(), nbuf,
                  us, *std::min_element(per.begin(), per.end()), bytes, bytes / us * 1e-3);

@@ -46,6 +46,27 @@
 // head), so one per CTA: K's is folded into the softmax's log2 scale and V's into o before the
 // merge; both are powers of two, so this equals widening code x scale (no rounding moves). The
 // ring gets one more stage than the bf16 variant's (S + 1: same shared memory and CTAs per SM).
+// FP8 direct (F8R instances, SPADE_FP8_DIRECT=1, D = 128 only; A/B candidate): no widened tile.
+// The widened path moves ~6 shared-memory bytes per code byte (cp.async write 1, lds 1, sts 2,
+// ldmatrix 2; bf16 moves 2 per byte) at twice bf16's bytes per second: near the SM's 128 B/clk.
+// Here each code byte is written once (cp.async) and read once (lds.128 into registers), then
+// cvt.rn.f16x2.e4m3x2 builds the mma fragments directly:
+// - Tile layout: rows of 128 codes (8 pieces of 16 bytes); piece p of row r at p ^ h(r),
+//   h(r) = (r & 6) ^ ((r & 1) << 2): both read patterns below hit 8 distinct pieces (32 banks)
+//   per quarter-warp.
+// - S = Q K^T: the sum over d may take the d's in any order, as long as Q and K agree. Lane
+//   (g8 = lane / 4, t4 = lane % 4) loads piece 4 kk4 + t4 of K row (8 nb + g8): 16 codes, d =
+//   64 kk4 + 16 t4 + 0..15. K-step kk = 4 kk4 + j takes bytes 4j..4j+3 of it: B slots k = 2 t4,
+//   2 t4 + 1 are d0 + 0, 1 and slots 2 t4 + 8, 9 are d0 + 2, 3 (d0 = 64 kk4 + 16 t4 + 4 j); Q's A
+//   fragments are loaded once in that same order (two bf16x2 loads per k-step and row).
+// - O += P V: B slot n of n-block dp holds d = 16 n + dp, so lane g8 needs d = 16 g8 + dp for all
+//   16 dp: piece g8 of the V rows 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9 (4 lds.128); a byte permute
+//   (prmt) pairs the two rows' codes of one d (k slots 2 t4, 2 t4 + 1) before the cvt. P's
+//   fragments and the token order are unchanged (masking as before). o's columns come out
+//   permuted (o[dp][e] of lane t4 is d = 16 (2 t4 + e) + dp); the warp merge stores them to
+//   their natural columns (rows of D + 4 floats: 4-way conflicts on that one store).
+// - The freed shared memory (no widened tiles) goes to the ring: 6 stages at 4 and 8 warps (4
+//   for the two-stage variant's twin): the same bytes and CTAs per SM as the bf16 variant.
 // Napkin math (Llama-3-8B shapes Hq=32, Hkv=8, D=128, bf16): 32K tokens = 134 MB of K/V per
 // sequence and layer -> 30 us at 4.5 TB/s; ~8 KFLOP of mma per token and KV head (16 padded
 // rows), 16 FLOP/byte: far under the tensor-core roof. Measured (H200, docs/cuda.md): 4.39-4.44
@@ -57,11 +78,12 @@
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "core/tuning.h"
 
 namespace spade::cuda::attn_detail {
 namespace {
 
-template <int D, int W, int S, int TK, bool F8 = false>
+template <int D, int W, int S, int TK, bool F8 = false, bool F8R = false>
 struct DecCfg {
   static constexpr int kThreads = W * 32;
   static constexpr int CH = D / 8;     // 16-byte chunks per row
@@ -72,9 +94,10 @@ struct DecCfg {
   // Bytes of one ring stage: bf16 tiles, or fp8 codes (F8).
   static constexpr size_t kStageBytes = size_t(kStage) * (F8 ? 1 : sizeof(bf16));
   static constexpr size_t kRing = size_t(W) * S * kStageBytes;
-  // F8: each warp's widened K and V tiles (f16).
-  static constexpr size_t kWide = F8 ? size_t(W) * kStage * sizeof(bf16) : 0;
-  static constexpr size_t kMerge = size_t(W) * 16 * (D + 2) * sizeof(float);
+  // F8: each warp's widened K and V tiles (f16); none with F8R (codes read into registers).
+  static constexpr size_t kWide = F8 && !F8R ? size_t(W) * kStage * sizeof(bf16) : 0;
+  // The warp merge: [W][16] rows of D floats (F8R: D + 4) and the rows' m and l.
+  static constexpr size_t kMerge = size_t(W) * 16 * (D + (F8R ? 6 : 2)) * sizeof(float);
   static constexpr size_t kSmem =
       1024 + ((kQ + kRing + kWide) > kMerge ? (kQ + kRing + kWide) : kMerge);
   // F8 copies: 16 codes per cp.async.
@@ -136,10 +159,78 @@ __device__ __forceinline__ uint32_t kv_off(int r, int col) {
   return uint32_t(swz<D>(r, col)) * 2;
 }
 
-template <int D, int W, int S, int TK, bool SKIP, bool EMIT, bool DYN, bool F8 = false>
+// F8R: byte offset of the 16-byte piece p (0..7) of row r in a code tile [TK][128] (piece p at
+// p ^ h(r); see the comment on top).
+__device__ __forceinline__ uint32_t f8r_off(int r, int p) {
+  return uint32_t(r * 128 + ((p ^ ((r & 6) ^ ((r & 1) << 2))) << 4));
+}
+// F8R: the two E4M3 codes in the low 16 bits of x as f16x2 (exact; the low byte in the low half).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
+  const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(x & 0xffffu), __NV_E4M3);
+  return uint32_t(hr.x) | (uint32_t(hr.y) << 16);
+}
+
+// F8R: merge_warps_store (attention_common.cuh) for o's permuted columns: o[dp][2 i + e] (row
+// g8 + 8 i) is column 16 (2 t4 + e) + dp; rows of sO padded to D + 4 floats.
+template <int D, int W>
+__device__ __forceinline__ void merge_warps_store_f8r(const float (&o)[D / 8][4], const float (&m)[2],
+                                                      const float (&l)[2], unsigned char* smem,
+                                                      int G, int64_t row_base, int split, int nsplit,
+                                                      int64_t total_rows, bf16* out, float* part_o,
+                                                      float* part_lse) {
+  static_assert(D == 128, "F8R: D = 128");
+  constexpr int NT = W * 32, SD = D + 4;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+  float* sO = reinterpret_cast<float*>(smem);  // [W][16][SD]
+  float* sM = sO + W * 16 * SD;                // [W][16]
+  float* sL = sM + W * 16;                     // [W][16]
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = g8 + 8 * i;
+    if (r < G) {
+      float* dst = sO + (warp * 16 + r) * SD;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) dst[16 * (2 * t4 + e) + nd] = o[nd][2 * i + e];
+      if (t4 == 0) {
+        sM[warp * 16 + r] = m[i];
+        sL[warp * 16 + r] = l[i];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * D; idx += NT) {
+    const int g = idx / D, d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, sM[w * 16 + g]);
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float sc = exp2f(sM[w * 16 + g] - mu);
+      num += sc * sO[(w * 16 + g) * SD + d];
+      den += sc * sL[w * 16 + g];
+    }
+    const float val = den > 0.f ? num / den : 0.f;
+    const int64_t gr = row_base + g;
+    if (nsplit == 1) {
+      out[gr * D + d] = __float2bfloat16(val);
+    } else {
+      part_o[(int64_t(split) * total_rows + gr) * D + d] = val;
+      if (d == 0) part_lse[int64_t(split) * total_rows + gr] = den > 0.f ? mu + log2f(den) : -INFINITY;
+    }
+  }
+}
+
+template <int D, int W, int S, int TK, bool SKIP, bool EMIT, bool DYN, bool F8 = false,
+          bool F8R = false>
 __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
   pdl_begin();  // pdl.cuh: first, before any global access
-  using C = DecCfg<D, W, S, TK, F8>;
+  using C = DecCfg<D, W, S, TK, F8, F8R>;
+  static_assert(!F8R || (F8 && D == 128), "the direct fp8 path: fp8 instances at D = 128");
   static_assert(!(EMIT && SKIP) && !(DYN && SKIP),
                 "BLASST skipping runs with neither score emission nor drawn chunks");
   static_assert(!(F8 && (SKIP || EMIT)), "the fp8 cache runs without BLASST and score emission");
@@ -197,8 +288,13 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
         if (valid)
           off = int64_t(fast ? pid : pt[pdiv(j)]) * page_stride + kvh * head_stride +
                 int64_t(pmod(j)) * D + cc8 * 16;
-        cp_async16(dK8 + r * D + cc8 * 16, k8 + off, valid);
-        cp_async16(dV8 + r * D + cc8 * 16, v8 + off, valid);
+        if constexpr (F8R) {  // pieces swizzled (see the comment on top)
+          cp_async16(dK8 + f8r_off(r, cc8), k8 + off, valid);
+          cp_async16(dV8 + f8r_off(r, cc8), v8 + off, valid);
+        } else {
+          cp_async16(dK8 + r * D + cc8 * 16, k8 + off, valid);
+          cp_async16(dV8 + r * D + cc8 * 16, v8 + off, valid);
+        }
       }
       return;
     }
@@ -301,7 +397,21 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
   __syncthreads();
 
   uint32_t qa[D / 16][4];
-  {
+  if constexpr (F8R) {
+    // K-step kk = 4 kk4 + j: slots 2 t4 + 0, 1 are d0 + 0, 1 and slots 2 t4 + 8, 9 are d0 + 2, 3
+    // (d0 = 64 kk4 + 16 t4 + 4 j): the order the K fragments come in (see the comment on top).
+    const int t4q = lane & 3, g8q = lane >> 2;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int d0 = 64 * (kk >> 2) + 16 * t4q + 4 * (kk & 3);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint2 v = *reinterpret_cast<const uint2*>(sQ + swz<D>(g8q + 8 * i, d0 & ~7) + (d0 & 7));
+        qa[kk][i] = bf16x2_to_f16x2(v.x);
+        qa[kk][2 + i] = bf16x2_to_f16x2(v.y);
+      }
+    }
+  } else {
     const int mi = lane >> 3;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -332,6 +442,22 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
     for (int nb = 0; nb < TK / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[nb][e] = 0.f, sc2[nb][e] = 0.f;
+    if constexpr (F8R) {  // K row 8 nb + g8, piece 4 kk4 + t4: 4 k-steps per lds.128
+#pragma unroll
+      for (int nb = 0; nb < TK / 8; ++nb) {
+#pragma unroll
+        for (int kk4 = 0; kk4 < D / 64; ++kk4) {
+          const uint4 c = *reinterpret_cast<const uint4*>(bK + f8r_off(nb * 8 + g8, 4 * kk4 + t4));
+          const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t b0 = e4m3x2_to_f16x2(w[j]), b1 = e4m3x2_to_f16x2(w[j] >> 16);
+            if (j & 1) mma_k16<true>(sc2[nb], qa[4 * kk4 + j], b0, b1);
+            else mma_k16<true>(sc[nb], qa[4 * kk4 + j], b0, b1);
+          }
+        }
+      }
+    } else {  // bf16, or the widened f16 tile (ldmatrix)
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -349,6 +475,7 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
         }
       }
     }
+    }
   };
   // P (bf16 A fragments) of one chunk from the probabilities in sc.
   auto pack_p = [&](const float (&sc)[TK / 8][4], uint32_t (&pa)[TK / 16][4]) {
@@ -362,6 +489,32 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
   };
   // O += P V (rows >= 8 carry junk when G <= 8; they are never written out).
   auto pv = [&](const uint32_t (&pa)[TK / 16][4], const unsigned char* bV) {
+    if constexpr (F8R) {  // piece g8 (d = 16 g8 + dp) of rows 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9
+#pragma unroll
+      for (int k2 = 0; k2 < TK / 16; ++k2) {
+        const int r0 = 16 * k2 + 2 * t4;
+        const uint4 c0 = *reinterpret_cast<const uint4*>(bV + f8r_off(r0, g8));
+        const uint4 c1 = *reinterpret_cast<const uint4*>(bV + f8r_off(r0 + 1, g8));
+        const uint4 c2 = *reinterpret_cast<const uint4*>(bV + f8r_off(r0 + 8, g8));
+        const uint4 c3 = *reinterpret_cast<const uint4*>(bV + f8r_off(r0 + 9, g8));
+        const uint32_t x0[4] = {c0.x, c0.y, c0.z, c0.w}, x1[4] = {c1.x, c1.y, c1.z, c1.w};
+        const uint32_t x2[4] = {c2.x, c2.y, c2.z, c2.w}, x3[4] = {c3.x, c3.y, c3.z, c3.w};
+#pragma unroll
+        for (int wi = 0; wi < 4; ++wi) {
+          // [row a byte b, row b byte b] pairs: bytes 0, 1 (0x5140) and 2, 3 (0x7362).
+          const uint32_t lo01 = __byte_perm(x0[wi], x1[wi], 0x5140);
+          const uint32_t hi01 = __byte_perm(x0[wi], x1[wi], 0x7362);
+          const uint32_t lo23 = __byte_perm(x2[wi], x3[wi], 0x5140);
+          const uint32_t hi23 = __byte_perm(x2[wi], x3[wi], 0x7362);
+          mma_k16<true>(o[4 * wi + 0], pa[k2], e4m3x2_to_f16x2(lo01), e4m3x2_to_f16x2(lo23));
+          mma_k16<true>(o[4 * wi + 1], pa[k2], e4m3x2_to_f16x2(lo01 >> 16),
+                        e4m3x2_to_f16x2(lo23 >> 16));
+          mma_k16<true>(o[4 * wi + 2], pa[k2], e4m3x2_to_f16x2(hi01), e4m3x2_to_f16x2(hi23));
+          mma_k16<true>(o[4 * wi + 3], pa[k2], e4m3x2_to_f16x2(hi01 >> 16),
+                        e4m3x2_to_f16x2(hi23 >> 16));
+        }
+      }
+    } else {  // bf16, or the widened f16 tile (ldmatrix.trans)
 #pragma unroll
     for (int k2 = 0; k2 < TK / 16; ++k2) {
 #pragma unroll
@@ -373,6 +526,7 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
         mma_k16<F8>(o[2 * dp], pa[k2], b0, b1);
         mma_k16<F8>(o[2 * dp + 1], pa[k2], b2, b3);
       }
+    }
     }
   };
   // Score emission (EMIT): the chunk's q.k products, per query head or as the group mean.
@@ -453,7 +607,10 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
       const int j0 = cq[0] * TK;
       cp_async_wait<S - 1>();
       __syncwarp();  // make every lane's copies of chunk cq[0] visible to the warp
-      if constexpr (F8) {
+      if constexpr (F8R) {  // the codes themselves (byte stages)
+        const unsigned char* t8 = ring8 + (warp * S + st_use) * C::kStageBytes;
+        attend_chunk(reinterpret_cast<const bf16*>(t8), reinterpret_cast<const bf16*>(t8 + C::kTile), j0);
+      } else if constexpr (F8) {
         widen(st_use);
         attend_chunk(wide, wide + C::kTile, j0);
       } else {
@@ -477,7 +634,10 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
     const int j0 = chunk_j0(k);
     cp_async_wait<S - 1>();
     __syncwarp();  // make every lane's copies of chunk k visible to the warp
-    if constexpr (F8) {
+    if constexpr (F8R) {  // the codes themselves (byte stages)
+      const unsigned char* t8 = ring8 + (warp * S + st_use) * C::kStageBytes;
+      attend_chunk(reinterpret_cast<const bf16*>(t8), reinterpret_cast<const bf16*>(t8 + C::kTile), j0);
+    } else if constexpr (F8) {
       widen(st_use);
       attend_chunk(wide, wide + C::kTile, j0);
     } else {
@@ -592,8 +752,13 @@ __global__ void __launch_bounds__(W * 32) decode_v3_kernel(const AttnArgs a) {
   // Merge the W warps (rows < G) through shared memory (the ring is free now), then the split
   // combine by the last CTA of this (sequence, KV head) to finish.
   const int64_t row_base = int64_t(q0) * a.Hq + kvh * G;
-  merge_warps_store<D, W>(o, m, l, smem_raw, G, row_base, split, a.nsplit, a.total_rows, a.out,
-                          a.part_o, a.part_lse);
+  if constexpr (F8R) {
+    merge_warps_store_f8r<D, W>(o, m, l, smem_raw, G, row_base, split, a.nsplit, a.total_rows,
+                                a.out, a.part_o, a.part_lse);
+  } else {
+    merge_warps_store<D, W>(o, m, l, smem_raw, G, row_base, split, a.nsplit, a.total_rows, a.out,
+                            a.part_o, a.part_lse);
+  }
   if (a.nsplit == 1) {
     if (DYN && tid == 0) *tick = 0;  // the merge's barriers: every warp is done drawing
     return;
@@ -624,13 +789,13 @@ constexpr DecodeVariant kVariants[] = {
 constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
 
 template <int D, int W, int S, int TK, bool SKIP = false, bool EMIT = false, bool DYN = false,
-          bool F8 = false>
+          bool F8 = false, bool F8R = false>
 struct Inst {
-  using C = DecCfg<D, W, S, TK, F8>;
+  using C = DecCfg<D, W, S, TK, F8, F8R>;
   static void prepare() {
     static bool done = false;
     if (!done) {
-      set_max_dynamic_smem(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN, F8>, int(C::kSmem));
+      set_max_dynamic_smem(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN, F8, F8R>, int(C::kSmem));
       done = true;
     }
   }
@@ -639,27 +804,42 @@ struct Inst {
     prepare();
     int n = 0;
     SPADE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN, F8>, C::kThreads, C::kSmem));
+        &n, decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN, F8, F8R>, C::kThreads, C::kSmem));
     return n;
   }
   static void launch(const AttnArgs& a, dim3 grid, cudaStream_t s) {
     prepare();
-    launch_pdl(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN, F8>, grid, C::kThreads, C::kSmem, s, a);
+    launch_pdl(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN, F8, F8R>, grid, C::kThreads, C::kSmem, s, a);
     SPADE_CUDA_LAUNCH();
   }
 };
 
 // skip: the BLASST instance; emit: the score-emitting instance (TidalDecode, LessIsMore,
 // LycheeDecode); allow_dyn: the DYN variants draw their chunks (else their static twins run).
-// f8: the fp8-cache instances (one more ring stage than the variant's; neither skip nor emit).
+// f8: the fp8-cache instances (one more ring stage than the variant's; neither skip nor emit);
+// f8r: at D = 128 their direct twins (codes into registers, no widened tiles: the ring gets the
+// freed bytes, 6 stages, or 4 for the two-stage variant; same shared memory as the variant).
 template <typename F>
-void dispatch(int D, int v, bool skip, bool emit, bool allow_dyn, F&& f, bool f8 = false) {
+void dispatch(int D, int v, bool skip, bool emit, bool allow_dyn, F&& f, bool f8 = false,
+              bool f8r = false) {
   const int vi = (v >= 1 && v <= kNumVariants ? v : 1) - 1;
   const DecodeVariant dv = kVariants[vi];
   const bool dyn = dv.dyn && allow_dyn && !skip;  // BLASST and deterministic runs: static twin
   if (f8) {
     SPADE_CHECK(!skip && !emit, "fp8 KV cache: the v3 decode kernel reads it without BLASST "
                                 "skipping and score emission");
+    if (f8r && D == 128) {
+      if (dv.stages == 2) {
+        if (dyn) return f(Inst<128, 4, 4, 16, false, false, true, true, true>{});
+        return f(Inst<128, 4, 4, 16, false, false, false, true, true>{});
+      }
+      if (dv.warps == 8) {
+        if (dyn) return f(Inst<128, 8, 6, 16, false, false, true, true, true>{});
+        return f(Inst<128, 8, 6, 16, false, false, false, true, true>{});
+      }
+      if (dyn) return f(Inst<128, 4, 6, 16, false, false, true, true, true>{});
+      return f(Inst<128, 4, 6, 16, false, false, false, true, true>{});
+    }
     if (D == 64) {
       if (dyn) return f(Inst<64, 4, 4, 16, false, false, true, true>{});
       return f(Inst<64, 4, 4, 16, false, false, false, true>{});
@@ -719,7 +899,8 @@ int decode_v3_occupancy(int D, int v) {
 }
 void launch_decode_v3(int D, int v, const AttnArgs& a, dim3 grid, cudaStream_t s) {
   dispatch(D, v, a.skip_log2 > -INFINITY, a.scores_out != nullptr, a.tickets != nullptr,
-           [&](auto inst) { decltype(inst)::launch(a, grid, s); }, a.k_scale != nullptr);
+           [&](auto inst) { decltype(inst)::launch(a, grid, s); }, a.k_scale != nullptr,
+           tuning().fp8_direct);
 }
 
 bool encode_kv_tensor_map(CUtensorMap* map, const void* base, int D) {
