@@ -174,9 +174,11 @@ if [ "$phase" = fp8 ]; then
     SPADE_BENCH_KV=bf16,fp8 SPADE_BENCH_SHAPES=$SH timeout 200 ./$B/bench_attention decode "$OUT/attn_fp8_r$r.jsonl" 1 \
       > "$OUT/bench_attention_fp8_r$r.log" 2>&1; echo "bench_attention fp8 run $r rc=$?"
     # A/B: the direct fp8 kernel (codes into registers, SPADE_FP8_DIRECT=1), same shapes, same
-    # merged file ("kernel":"<name>/direct" rows beside the widened kernel's).
+    # merged file ("kernel":"<name>/direct" rows beside the widened kernel's). Kernels 1 (auto:
+    # 4 or 8 warps, 6-stage rings, 8 warps per SM), 6 and 7 (4 warps, 4 stages, 69 KB: 3 CTAs,
+    # 12 warps per SM).
     SPADE_FP8_DIRECT=1 SPADE_BENCH_KV=fp8 SPADE_BENCH_SHAPES=$SH timeout 200 ./$B/bench_attention decode \
-      "$OUT/attn_fp8d_r$r.jsonl" 1 > "$OUT/bench_attention_fp8d_r$r.log" 2>&1; echo "bench_attention fp8 direct run $r rc=$?"
+      "$OUT/attn_fp8d_r$r.jsonl" 1,6,7 > "$OUT/bench_attention_fp8d_r$r.log" 2>&1; echo "bench_attention fp8 direct run $r rc=$?"
     cat "$OUT/attn_fp8d_r$r.jsonl" >> "$OUT/attn_fp8_r$r.jsonl" 2>/dev/null
   done
   timeout 200 python3 python/bench_sdpa_decode.py decode --out "$OUT/sdpa.jsonl" > "$OUT/sdpa.log" 2>&1; echo "sdpa rc=$?"
