@@ -10,7 +10,8 @@
 // 1; AttentionWorkspace::run_fp8, the v3 kernels' F8 instances; v2 has no fp8 path and is
 // skipped), "kv":"fp8" in its line and half the bytes counted; SPADE_BENCH_KV=bf16|fp8|bf16,fp8
 // picks the cache types (default bf16 only; both: each shape in bf16 then fp8, same process).
-// SPADE_FP8_DIRECT=1: the fp8 rows run the direct kernel (D = 128; "kernel":"<name>/direct").
+// The fp8 rows run the direct kernel (D = 128; "kernel":"<name>/direct"; SPADE_FP8_DIRECT=0: the
+// widened-tile kernel), auto being the engine's fp8 pick (v3_w4s2).
 // FP8 vs bf16 at the issue's shapes (auto kernel only):
 //   SPADE_BENCH_KV=bf16,fp8 SPADE_BENCH_SHAPES=32768:1,32768:8,32768:32,131072:1,131072:8,131072:32 \
 //     ./bench_attention decode attn_fp8.jsonl 1
@@ -109,6 +110,7 @@ void bench_decode(FILE* out, int L, int B, int force_split, bool fp8) {
   lim.max_q_tokens = B;
   lim.max_pages = n_pages;
   AttentionWorkspace ws(arena, lim, Hq, Hkv, D, P);
+  ws.set_fp8_cache(fp8);  // auto's fp8 pick (v3_w4s2 with the direct kernel at D = 128)
   std::vector<int32_t> perm(n_pages);
   std::iota(perm.begin(), perm.end(), 0);
   std::mt19937 rng(1);

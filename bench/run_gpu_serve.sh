@@ -171,7 +171,7 @@ if [ "$phase" = fp8 ]; then
     -lcublasLt -lcublas -o $B/bench_attention > "$OUT/bench_attention_build.log" 2>&1 || tail -20 "$OUT/bench_attention_build.log"
   SH=${FP8_SHAPES:-32768:1,32768:8,32768:32,131072:1,131072:8,131072:32}
   for r in 1 2; do
-    SPADE_BENCH_KV=bf16,fp8 SPADE_BENCH_SHAPES=$SH timeout 200 ./$B/bench_attention decode "$OUT/attn_fp8_r$r.jsonl" 1 \
+    SPADE_FP8_DIRECT=0 SPADE_BENCH_KV=bf16,fp8 SPADE_BENCH_SHAPES=$SH timeout 200 ./$B/bench_attention decode "$OUT/attn_fp8_r$r.jsonl" 1 \
       > "$OUT/bench_attention_fp8_r$r.log" 2>&1; echo "bench_attention fp8 run $r rc=$?"
     # A/B: the direct fp8 kernel (codes into registers, SPADE_FP8_DIRECT=1), same shapes, same
     # merged file ("kernel":"<name>/direct" rows beside the widened kernel's). Kernels 1 (auto:

@@ -42,7 +42,7 @@ TEST(Tuning, DefaultsWhenUnsetOrEmpty) {
     EXPECT_TRUE(t.tma);
     EXPECT_EQ(t.attn_decode, -1);
     EXPECT_EQ(t.attn_prefill, -1);
-    EXPECT_FALSE(t.fp8_direct);
+    EXPECT_TRUE(t.fp8_direct);
     EXPECT_EQ(t.twilight_est_tiles, -1);
     EXPECT_EQ(t.graph_min_uses, -1);
     EXPECT_EQ(t.graph_log, "");
@@ -61,7 +61,7 @@ TEST(Tuning, EveryVariableReachesItsField) {
                           {"SPADE_TMA", "0"},
                           {"SPADE_ATTN_DECODE", "4"},
                           {"SPADE_ATTN_PREFILL", "0"},
-                          {"SPADE_FP8_DIRECT", "1"},
+                          {"SPADE_FP8_DIRECT", "0"},
                           {"SPADE_TWL_EST_TPW", "12"},
                           {"SPADE_GRAPH_MIN_USES", "3"},
                           {"SPADE_GRAPH_LOG", "/tmp/keys.log"},
@@ -76,7 +76,7 @@ TEST(Tuning, EveryVariableReachesItsField) {
   EXPECT_FALSE(t.tma);
   EXPECT_EQ(t.attn_decode, 4);
   EXPECT_EQ(t.attn_prefill, 0);
-  EXPECT_TRUE(t.fp8_direct);
+  EXPECT_FALSE(t.fp8_direct);
   EXPECT_EQ(t.twilight_est_tiles, 12);
   EXPECT_EQ(t.graph_min_uses, 3);
   EXPECT_EQ(t.graph_log, "/tmp/keys.log");

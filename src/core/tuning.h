@@ -24,8 +24,8 @@ struct Tuning {
   bool tma = true;                 // SPADE_TMA=0: no TMA load anywhere (the prefill's)
   int attn_decode = -1;            // SPADE_ATTN_DECODE: decode attention variant, >= 0
   int attn_prefill = -1;           // SPADE_ATTN_PREFILL: prefill kernel, 0 (generic) .. 2
-  bool fp8_direct = false;         // SPADE_FP8_DIRECT=1: the fp8 decode kernel converts the codes
-                                   // in registers (D = 128), not through a widened f16 tile
+  bool fp8_direct = true;          // SPADE_FP8_DIRECT=0: the fp8 decode kernel widens the codes
+                                   // through an f16 tile (A/B); 1 (default): in registers (D = 128)
   int twilight_est_tiles = -1;     // SPADE_TWL_EST_TPW: Twilight estimate tiles per warp, >= 1
   int graph_min_uses = -1;         // SPADE_GRAPH_MIN_USES: capture a decode launch shape the
                                    // n-th time it occurs, [1, 64] (CudaModelOptions)
@@ -75,7 +75,7 @@ inline Tuning parse_tuning(const tuning_detail::Getenv& get) {
   t.tma = switch_var(get, "SPADE_TMA", true);
   t.attn_decode = int_var(get, "SPADE_ATTN_DECODE", 0, 64, -1);
   t.attn_prefill = int_var(get, "SPADE_ATTN_PREFILL", 0, 2, -1);
-  t.fp8_direct = switch_var(get, "SPADE_FP8_DIRECT", false);
+  t.fp8_direct = switch_var(get, "SPADE_FP8_DIRECT", true);
   t.twilight_est_tiles = int_var(get, "SPADE_TWL_EST_TPW", 1, 1 << 20, -1);
   t.graph_min_uses = int_var(get, "SPADE_GRAPH_MIN_USES", 1, 64, -1);
   if (const char* f = get("SPADE_GRAPH_LOG")) t.graph_log = f;

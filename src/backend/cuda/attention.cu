@@ -669,7 +669,7 @@ void AttentionWorkspace::plan(const std::vector<AttnSeq>& batch, cudaStream_t s,
   // Deterministic with the auto kernel: one static variant whatever the batch (the warps of a
   // CTA, hence each split's summation order, are fixed).
   variant_ = !decode                                   ? 0
-             : deterministic_ && decode_kernel_ == 1 ? fitting_variant(1)
+             : deterministic_ && decode_kernel_ == 1 ? (fp8_variant() > 0 ? fp8_variant() : fitting_variant(1))
                                                      : resolve_variant(B, schedule_kv(max_kv));
   n_items_ = n;
   n_split_ = ns;

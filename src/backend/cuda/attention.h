@@ -156,6 +156,11 @@ class AttentionWorkspace {
   // Decode steps will run with BLASST skipping (BlasstSkip): plan the static schedule, whose
   // split count suits the skip kernel (it has no DYN twin). Takes effect at the next plan().
   void set_blasst_decode(bool b) { blasst_decode_ = b; }
+  // The cache this workspace's decode steps read is fp8 (run_fp8): auto picks v3_w4s2 at D = 128
+  // with the direct fp8 kernel (SPADE_FP8_DIRECT, default on), 1.61-1.72x of PyTorch SDPA's bf16
+  // where auto's bf16 picks gave 1.13-1.28x (H200, bench/results/attention_fp8_h200_20261129b.json).
+  // Takes effect at the next plan().
+  void set_fp8_cache(bool f) { fp8_cache_ = f; }
   // Whether a run() of the last plan (without BLASST) draws its chunks: a DYN variant, neither
   // deterministic nor planned for BLASST. Two such runs may differ in the output's last bits.
   bool draws_chunks() const;
@@ -192,6 +197,7 @@ class AttentionWorkspace {
   int decode_kernel_ = 1;
   int variant_ = 0;
   int split_policy_ = 0;
+  bool fp8_cache_ = false;
   bool deterministic_ = false;
   bool blasst_decode_ = false;
   bool may_draw() const { return !deterministic_ && !blasst_decode_; }
@@ -202,6 +208,7 @@ class AttentionWorkspace {
   int resolve_variant(int B, int max_kv) const;
   int fitting_variant(int v) const;
   int auto_variant(int B, int max_kv) const;
+  int fp8_variant() const;  // auto's pick for an fp8 cache (set_fp8_cache), 0 = the bf16 rule
   int split_for(int variant, int B, int max_kv) const;  // one wave (v3), as documented above
   int dyn_split(int variant, int B, int max_kv) const;
   int variant_occupancy(int variant) const;

@@ -103,6 +103,7 @@ void GpuMethod::init(cuda::DeviceArena* arena, size_t bytes) {
   // BLASST decode: the skip kernel keeps the static schedule, so plan its split counts.
   attn_->set_blasst_decode(sp_.blasst_any() && sp_.blasst_decode);
   if (ctx_.deterministic) attn_->set_deterministic(true);
+  attn_->set_fp8_cache(ctx_.kv_fp8);
   if (sp_.blasst_any()) {
     const size_t n = size_t(4) * c.n_layers * c.n_kv_heads;
     blasst_counts_ = A.alloc_n<unsigned long long>(n, "blasst tile counters");
