@@ -470,6 +470,52 @@ void rows_generic(const RowJob& j, int64_t n0, int64_t n1, SimdLevel level) {
   }
 }
 
+#if SPADE_QGEMV_X86
+// Prefill tiles: n consecutive blocks dequantized with AVX2, the scalar dequantize's values
+// (Q8_0: d * q; Q4_0: d * (q - 8); Q4_1: d * q + m, two roundings as the scalar code: the
+// product and the sum stay separate instructions, fp-contract off).
+template <DType T>
+__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off")))
+void dequant_blocks_avx2(const uint8_t* src, float* dst, int64_t n) {
+  constexpr int64_t kBytes = Fused<T>::kBytes;
+  for (int64_t b = 0; b < n; ++b) {
+    const uint8_t* blk = src + b * kBytes;
+    __m256 c[4];
+    codes_avx2<T>(blk, c);
+    float d, off;
+    scale_off_avx2<T>(blk, d, off);
+    const __m256 dv = _mm256_set1_ps(d);
+    float* y = dst + b * 32;
+    for (int i = 0; i < 4; ++i) {
+      __m256 v;
+      if constexpr (T == DType::Q4_0)
+        v = _mm256_mul_ps(_mm256_sub_ps(c[i], _mm256_set1_ps(8.f)), dv);
+      else if constexpr (T == DType::Q4_1)
+        v = _mm256_add_ps(_mm256_mul_ps(c[i], dv), _mm256_set1_ps(off));
+      else
+        v = _mm256_mul_ps(c[i], dv);
+      _mm256_storeu_ps(y + 8 * i, v);
+    }
+  }
+}
+#endif
+
+// n elements (whole blocks) of a stored matrix's consecutive rows -> fp32 (the sgemm tiles).
+void dequant_tile(DType t, const void* src, float* dst, int64_t n, SimdLevel level) {
+#if SPADE_QGEMV_X86
+  if (level != SimdLevel::Scalar) {
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+    switch (t) {
+      case DType::Q8_0: return dequant_blocks_avx2<DType::Q8_0>(s, dst, n / 32);
+      case DType::Q4_0: return dequant_blocks_avx2<DType::Q4_0>(s, dst, n / 32);
+      case DType::Q4_1: return dequant_blocks_avx2<DType::Q4_1>(s, dst, n / 32);
+      default: break;
+    }
+  }
+#endif
+  dequantize_serial(t, src, dst, n);
+}
+
 void rows_dispatch(const RowJob& j, int64_t n0, int64_t n1, SimdLevel level) {
 #if SPADE_QGEMV_X86
   if (level != SimdLevel::Scalar) {
@@ -531,12 +577,13 @@ void qmatmul(const float* x, const QuantMatrix& w, const float* bias, float* y, 
     // Prefill: each thread takes a range of output rows and runs sgemm over tiles of ~1 MB of
     // its dequantized rows (never the whole matrix; BLAS itself single-threaded).
     const int64_t tile_rows = std::clamp<int64_t>((int64_t(1) << 18) / K, 16, N);
+    const SimdLevel level = simd_level();
     ThreadPool::global().parallel_for(N, 16, [&](int64_t r0, int64_t r1) {
       thread_local std::vector<float> tile;
       if (int64_t(tile.size()) < tile_rows * K) tile.resize(size_t(tile_rows * K));
       for (int64_t n0 = r0; n0 < r1; n0 += tile_rows) {
         const int64_t nt = std::min(tile_rows, r1 - n0);
-        dequantize_serial(w.dtype, w.row(n0), tile.data(), nt * K);
+        dequant_tile(w.dtype, w.row(n0), tile.data(), nt * K, level);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(M), int(nt), int(K), 1.f, x,
                     int(K), tile.data(), int(K), 0.f, y + n0, int(N));
       }
