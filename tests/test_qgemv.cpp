@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "backend/cpu/qgemv.h"
+
+#include <cblas.h>
 #include "core/half.h"
 #include "engine/sampler.h"
 #include "io/dequant.h"
@@ -179,6 +181,32 @@ TEST(QGemv, MatmulThreadedAndTiledWithBias) {
                 << ", " << n << ")";
           }
       }
+    }
+  }
+}
+
+// The prefill path's SIMD tile dequantization gives the scalar dequantize's values: with one
+// tile (N <= 16 rows: one thread, one sgemm call) qmatmul equals dequantize_serial + the same
+// cblas_sgemm bit for bit, at every level.
+TEST(QGemv, PrefillTilesDequantizeAsTheScalarCode) {
+  LevelGuard guard;
+  std::mt19937 rng(19);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
+    const int64_t K = 576, N = 16, M = 37;
+    std::vector<uint8_t> data = random_matrix(t, N, K, rng);
+    const QuantMatrix w{t, data.data(), N, K};
+    std::vector<float> x(size_t(M * K)), wf(size_t(N * K)), want(size_t(M * N));
+    for (float& v : x) v = nd(rng);
+    dequantize_serial(t, data.data(), wf.data(), N * K);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(M), int(N), int(K), 1.f, x.data(),
+                int(K), wf.data(), int(K), 0.f, want.data(), int(N));
+    for (SimdLevel level : levels()) {
+      set_simd_level(level);
+      std::vector<float> y(size_t(M * N), NAN);
+      qmatmul(x.data(), w, nullptr, y.data(), M);
+      EXPECT_EQ(std::memcmp(y.data(), want.data(), y.size() * sizeof(float)), 0)
+          << dtype_name(t) << " " << simd_level_name(level);
     }
   }
 }

@@ -473,10 +473,17 @@ void rows_generic(const RowJob& j, int64_t n0, int64_t n1, SimdLevel level) {
 #if SPADE_QGEMV_X86
 // Prefill tiles: n consecutive blocks dequantized with AVX2, the scalar dequantize's values
 // (Q8_0: d * q; Q4_0: d * (q - 8); Q4_1: d * q + m, two roundings as the scalar code: the
-// product and the sum stay separate instructions, fp-contract off).
+// product and the sum stay separate instructions: no contraction into an FMA).
+#if defined(__clang__)
+#define SPADE_NO_CONTRACT SPADE_AVX2
+#else
+#define SPADE_NO_CONTRACT __attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off")))
+#endif
 template <DType T>
-__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off")))
-void dequant_blocks_avx2(const uint8_t* src, float* dst, int64_t n) {
+SPADE_NO_CONTRACT void dequant_blocks_avx2(const uint8_t* src, float* dst, int64_t n) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
   constexpr int64_t kBytes = Fused<T>::kBytes;
   for (int64_t b = 0; b < n; ++b) {
     const uint8_t* blk = src + b * kBytes;
