@@ -468,6 +468,8 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
   if (!batch_.empty()) last_step_decoded_ = only_pass == 0;
   if (batch_.empty()) {  // every running request ends with its pending token
     flush_pending(running, true);
+    std::lock_guard<std::mutex> lk(mu_);
+    metrics_.busy_seconds += seconds(clock_type::now() - t0);  // holds the flush's sample time
     return;
   }
   for (size_t i = 0; i < batch_.size(); ++i) {
@@ -523,6 +525,8 @@ void Scheduler::step(std::vector<std::unique_ptr<Seq>>& running) {
     running.erase(std::remove_if(running.begin(), running.end(),
                                  [](const std::unique_ptr<Seq>& r) { return r->ch->finished(); }),
                   running.end());
+    std::lock_guard<std::mutex> lk(mu_);
+    metrics_.busy_seconds += seconds(clock_type::now() - t0);
     return;
   }
   const auto t_sample = clock_type::now();
