@@ -200,10 +200,23 @@ if [ "$phase" = python ]; then
   echo "python package build rc=$(cat /root/py/rc 2>/dev/null)"; grep -E "Python package|spade: " /root/py/cmake.log | head -5
   grep -E "error|FAILED" /root/py/build.log | head -10
   cp /root/py/cmake.log /root/py/build.log "$OUT/" 2>/dev/null
+  # test_api compares spade.LLM with the CLI: the build phase's binary, else one built in build-py.
+  SPADE_BIN=$B/spade
+  [ -x $SPADE_BIN ] || { SPADE_BIN=build-py/spade; cmake --build build-py -j16 --target spade > "$OUT/py_spade_build.log" 2>&1 \
+    || { echo "spade CLI build for test_api failed"; grep -E "error" "$OUT/py_spade_build.log" | head -5; }; }
+  PY_CRASH=0
   for t in test_ops_cuda test_ops test_hf test_api; do
-    PYTHONFAULTHANDLER=1 PYTHONPATH=build-py/python timeout ${PY_TIMEOUT:-150} python3 tests/python/$t.py -v > "$OUT/py_$t.log" 2>&1
-    echo "python $t rc=$?"; grep -E "^(FAIL|ERROR)|Ran |OK|FAILED" "$OUT/py_$t.log" | head -12
+    args=(-v); [ $t = test_api ] && args=(--spade "$SPADE_BIN")
+    PYTHONFAULTHANDLER=1 PYTHONPATH=build-py/python timeout ${PY_TIMEOUT:-150} python3 tests/python/$t.py "${args[@]}" > "$OUT/py_$t.log" 2>&1
+    rc=$?; echo "python $t rc=$rc"; grep -E "^(FAIL|ERROR)|Ran |OK|FAILED|python api|Fatal Python error" "$OUT/py_$t.log" | head -12
+    [ $rc -ge 128 ] && [ $rc != 124 ] && PY_CRASH=1
   done
+  # A test killed by a signal (the SIGSEGV at the first spade::Error under torch 2.11): the
+  # module's variants side by side, the bindings of its unwinding symbols, gdb's backtrace.
+  if [ "${PY_DIAG:-$PY_CRASH}" = 1 ]; then
+    OUT=$OUT timeout 400 bash bench/py_crash_diag.sh > "$OUT/py_crash_diag.txt" 2>&1; echo "py_crash_diag rc=$?"
+    cat "$OUT/py_crash_diag.txt" | cut -c1-300 | head -90
+  fi
   [ "${PY_BENCH:-1}" = 1 ] && nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc bench/bench_attention.cu build-py/libspade_cuda.a \
     -lcublasLt -lcublas -o build-py/bench_attention > "$OUT/bench_attention_build.log" 2>&1 \
     && ./build-py/bench_attention decode /tmp/cxx.jsonl 1 > "$OUT/bench_attention.log" 2>&1

@@ -17,6 +17,16 @@ using spade::api::LLMOptions;
 
 void bind_ops(py::module_& m);  // _ops.cpp: the kernel API's functions (spade.ops)
 
+namespace {
+// SPADE_PY_KEEP_GIL: the engine's calls keep the GIL (a diagnostic build of
+// bench/py_crash_diag.sh).
+#ifdef SPADE_PY_KEEP_GIL
+using Release = py::call_guard<>;
+#else
+using Release = py::call_guard<py::gil_scoped_release>;
+#endif
+}  // namespace
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "spade's engine (spade::api::LLM); use the classes of the spade package";
   // spade::Error -> spade.Error through a translator local to this module: a global one sits
@@ -83,11 +93,11 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("density", &Completion::density);
   py::class_<LLM>(m, "LLM")
       .def(py::init<const std::string&, const LLMOptions&>(), py::arg("model"), py::arg("options"),
-           py::call_guard<py::gil_scoped_release>())
+           Release())
       .def("generate", &LLM::generate, py::arg("prompts"), py::arg("params"),
-           py::call_guard<py::gil_scoped_release>())
+           Release())
       .def("generate_ids", &LLM::generate_ids, py::arg("prompts"), py::arg("params"),
-           py::call_guard<py::gil_scoped_release>())
+           Release())
       .def("encode", &LLM::encode, py::arg("text"), py::arg("add_special") = true)
       .def("decode", &LLM::decode, py::arg("ids"))
       .def("apply_chat_template", &LLM::apply_chat_template, py::arg("messages"))

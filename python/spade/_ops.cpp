@@ -32,7 +32,12 @@ Paged paged(uintptr_t k, uintptr_t v, int64_t n_pages, int Hkv, int P, int D, ui
   return p;
 }
 
+// SPADE_PY_KEEP_GIL: every call keeps the GIL (a diagnostic build of bench/py_crash_diag.sh).
+#ifdef SPADE_PY_KEEP_GIL
+using Release = py::call_guard<>;
+#else
 using Release = py::call_guard<py::gil_scoped_release>;
+#endif
 
 }  // namespace
 
