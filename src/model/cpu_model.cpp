@@ -6,6 +6,7 @@
 
 #include "backend/cpu/ops.h"
 #include "backend/cpu/qgemv.h"
+#include "dist/communicator.h"
 
 namespace spade {
 
@@ -23,7 +24,8 @@ void linear(const float* x, const HostTensor& f, const cpu::QuantMatrix& q, cons
 
 }  // namespace
 
-CpuModel::CpuModel(const ModelWeights& w, KVPool& kv) : w_(w), kv_(kv) {
+CpuModel::CpuModel(const ModelWeights& w, KVPool& kv, dist::Communicator* tp)
+    : w_(w), kv_(kv), tp_(tp) {
   const ModelConfig& c = w.config;
   SPADE_CHECK(kv.layout().n_layers == c.n_layers && kv.layout().n_kv_heads == c.n_kv_heads &&
                   kv.layout().head_dim == c.head_dim,
@@ -142,12 +144,14 @@ const std::vector<float>& CpuModel::forward(const std::vector<SeqInput>& batch,
       r += s.n_tokens;
     }
     linear(att, L.wo, L.qwo, {}, tmp, T, H, Hq * D);
+    if (tp_) tp_->all_reduce_sum(tmp, T * H);  // the ranks' partial sums
     cpu::add_inplace(x, tmp, T * H);
     cpu::rmsnorm(x, L.ffn_norm.data(), eps, xn, T, H);
     linear(xn, L.w_gate, L.qw_gate, {}, gate, T, c.ffn, H);
     linear(xn, L.w_up, L.qw_up, {}, up, T, c.ffn, H);
     cpu::swiglu(gate, up, gate, T * c.ffn);
     linear(gate, L.w_down, L.qw_down, {}, tmp, T, H, c.ffn);
+    if (tp_) tp_->all_reduce_sum(tmp, T * H);
     cpu::add_inplace(x, tmp, T * H);
   }
   // Final norm and LM head only for the rows whose logits are wanted.

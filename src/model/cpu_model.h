@@ -16,6 +16,9 @@ namespace spade {
 namespace sparse {
 struct MethodState;
 }
+namespace dist {
+class Communicator;
+}
 
 // Attention for one sequence and layer: q [T, Hq, D] of tokens at positions [p0, p0+T)
 // whose K/V are already in the cache -> out [T, Hq, D].
@@ -40,7 +43,11 @@ struct SeqInput {
 
 class CpuModel {
  public:
-  CpuModel(const ModelWeights& w, KVPool& kv);
+  // Tensor parallelism (dist/shard.h): with `tp`, `w` is this rank's shard and `kv` holds its
+  // KV heads; the partial o-proj and down-proj outputs are all-reduced over `tp` before each
+  // residual add, so every rank ends each layer with the same x (and the same logits). Every
+  // rank must call forward with the same batch. Null: one rank.
+  CpuModel(const ModelWeights& w, KVPool& kv, dist::Communicator* tp = nullptr);
 
   const ModelConfig& config() const { return w_.config; }
   KVPool& kv() { return kv_; }
@@ -60,6 +67,7 @@ class CpuModel {
 
   const ModelWeights& w_;
   KVPool& kv_;
+  dist::Communicator* tp_ = nullptr;
   std::vector<float> inv_freq_;
   // Workspaces (grow-only).
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_, logits_, last_;
