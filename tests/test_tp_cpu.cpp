@@ -163,7 +163,7 @@ TEST(TpComm, StalledRankTimesOutAndLaterCallsThrow) {
       },
       quick(300ms));
   EXPECT_LT(Clock::now() - t0, test::scaled(5s));
-  EXPECT_TRUE(has(message(err[0]), "no data from rank 1 for 0.3 s")) << message(err[0]);
+  EXPECT_TRUE(has(message(err[0]), "no data from rank 1 for ")) << message(err[0]);
   EXPECT_EQ(again, message(err[0]));
   EXPECT_TRUE(err[1]);
   EXPECT_TRUE(err[2]);
