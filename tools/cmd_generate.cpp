@@ -17,6 +17,7 @@
 #include "sampling_args.h"
 #include "kv_args.h"
 #include "sparse_args.h"
+#include "tp_args.h"
 #include "tokenizer_args.h"
 #include "core/thread_pool.h"
 #include "engine/generator.h"
@@ -78,6 +79,8 @@ const char* kHelp = R"(usage: spade generate --model PATH (--prompt TEXT | --pro
   --kv-scale auto|X     fp8 scales per (layer, KV head), K and V apart: auto (default) from
                         the first prefill (its largest |value| at most half of fp8's 448),
                         then fixed; X: every scale X (rounded up to a power of two)
+  --tp N                tensor parallelism over N processes of this host (default 1; cpu,
+                        full attention): heads and KV heads must divide by N (docs/cli.md)
   --device cpu|cuda     where the model runs (default cpu; cuda: bf16 weights on the GPU,
                         dense attention or --sparse streaming|quest|tidal|lessismore|lycheedecode|
                         twilight|blasst; quest on the GPU
@@ -302,7 +305,8 @@ int run(int argc, char** argv) {
           "--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed",
           "--threads", "--page-size", "--prefill-chunk", "--sparse", "--budget", "--sparse-opt",
           "--sparse-config", "--device", "--synthetic", "--prompt-len", "--ctx-size", "--tokenizer",
-          "--stats-jsonl", "--progress-after", "--cpu-weights", "--kv-dtype", "--kv-scale"},
+          "--stats-jsonl", "--progress-after", "--cpu-weights", "--kv-dtype", "--kv-scale", "--tp",
+          "--tp-rank", "--dist-init"},
          {"--help", "--chat", "--no-bos", "--ignore-eos", "--stats", "--stats-steps", "--recall",
           "--deterministic"});
   if (a.has("--help")) {
@@ -326,6 +330,8 @@ int run(int argc, char** argv) {
   SPADE_CHECK(device == "cpu" || !scfg.measure_recall, "--recall is CPU-only (--device cpu)");
   const KvDtype kv_dtype = kv_dtype_from_args(a, device);
   const float kv_scale = kv_scale_from_args(a, kv_dtype);
+  TpLaunch tp(a, argc, argv);  // tensor parallelism: checked now, ranks started once the model loads
+  SPADE_CHECK(tp.size() == 1 || !a.has("--synthetic"), "--tp does not run --synthetic models yet");
   if (a.has("--synthetic")) return run_synthetic(a, scfg, kv_dtype, kv_scale);
   SPADE_CHECK(a.has("--model"), "--model is required (see --help)");
   SPADE_CHECK(a.has("--prompt") != a.has("--prompt-file"),
@@ -339,6 +345,7 @@ int run(int argc, char** argv) {
   auto weights = load_model(a.str("--model"), device == "cpu"
                                                   ? parse_cpu_weights(a.str("--cpu-weights", "auto"))
                                                   : CpuWeights::F32);
+  if (tp.follower()) return tp.follow(*weights);
   auto tok = tokenizer_from_args(a);
   const ModelConfig& cfg = weights->config;
   double load_s = std::chrono::duration<double>(clock::now() - t0).count();
@@ -387,6 +394,7 @@ int run(int argc, char** argv) {
   ro.deterministic = a.has("--deterministic");
   ro.sparse = scfg;
   ro.per_request_methods = false;
+  tp.start(*weights, ro);
   Runner runner = make_runner(*weights, ro);
   StepModel& model = *runner.model;
   opt.prefill_chunk = std::min<int64_t>(opt.prefill_chunk, runner.max_step_tokens);

@@ -12,6 +12,7 @@
 #include "args.h"
 #include "kv_args.h"
 #include "sparse_args.h"
+#include "tp_args.h"
 #include "command.h"
 #include "core/thread_pool.h"
 #include "engine/runner.h"
@@ -63,6 +64,8 @@ Sampling follows the OpenAI API: a request without "temperature" samples at 1.0 
                           the server's first forward step (its largest |value| at most half
                           of fp8's 448), then fixed for the server's life (later values beyond
                           448 x scale saturate); X: every scale X (rounded up to a power of two)
+  --tp N                  tensor parallelism over N processes of this host (default 1; cpu,
+                          full attention only): heads and KV heads must divide by N (docs/cli.md)
   --device cpu|cuda       where the model runs (default cpu). cuda (CUDA builds): bf16
                           weights and the KV cache on the GPU; each request runs its own
                           method (its "sparse" field, else --sparse) if the method has a
@@ -105,7 +108,7 @@ int run(int argc, char** argv) {
           "--max-step-tokens", "--ctx-size", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
           "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device", "--cpu-weights", "--kv-dtype", "--kv-scale",
           "--max-connections", "--header-timeout",
-          "--shutdown-timeout"},
+          "--shutdown-timeout", "--tp", "--tp-rank", "--dist-init"},
          {"--help", "--deterministic", "--quiet"});
   if (a.has("--help")) {
     std::fputs(kHelp, stdout);
@@ -123,6 +126,7 @@ int run(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
 
   if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
+  TpLaunch tp(a, argc, argv);  // tensor parallelism: checked now, ranks started once the model loads
   const std::string path = a.str("--model");
   const bool on_cpu = a.str("--device", "cpu") == "cpu";
   const KvDtype kv_dtype = kv_dtype_from_args(a, a.str("--device", "cpu"));
@@ -130,6 +134,7 @@ int run(int argc, char** argv) {
   SPADE_CHECK(on_cpu || !a.has("--cpu-weights"), "--cpu-weights is for --device cpu");
   auto weights = load_model(
       path, on_cpu ? parse_cpu_weights(a.str("--cpu-weights", "auto")) : CpuWeights::F32);
+  if (tp.follower()) return tp.follow(*weights);
   auto tok = Tokenizer::load(a.str("--tokenizer", path));
   const ModelConfig& cfg = weights->config;
 
@@ -169,6 +174,7 @@ int run(int argc, char** argv) {
   ro.deterministic = a.has("--deterministic");
   so.isolate_prefill = ro.deterministic;  // batch invariance: no step mixes prefill and decode
   ro.sparse = sc;
+  tp.start(*weights, ro);
   Runner runner = make_runner(*weights, ro);
   StepModel* model = runner.model.get();
   so.max_step_tokens = runner.max_step_tokens;

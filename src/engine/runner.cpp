@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "dist/tp_runner.h"
 #include "model/cpu_model.h"
 
 namespace spade {
@@ -22,6 +23,8 @@ int64_t default_kv_pages(int64_t context, int max_batch, int page_size) {
 Runner make_runner(const ModelWeights& w, const RunnerOptions& opt) {
   SPADE_CHECK(opt.kv_pages >= 1, "runner: the KV cache needs at least one page");
   SPADE_CHECK(opt.page_size >= 1, "runner: page size must be positive");
+  SPADE_CHECK(opt.tp >= 1, "--tp must be >= 1, got ", opt.tp);
+  if (opt.tp > 1) return dist::make_tp_runner(w, opt);
   if (opt.device == "cuda") {
 #if defined(SPADE_HAVE_CUDA)
     return make_cuda_runner(w, opt);

@@ -13,6 +13,10 @@
 
 namespace spade {
 
+namespace dist {
+class TcpListener;
+}
+
 struct RunnerOptions {
   std::string device = "cpu";  // "cpu" or "cuda"
   int64_t kv_pages = 0;        // pages of page_size tokens (> 0)
@@ -27,6 +31,12 @@ struct RunnerOptions {
   bool deterministic = false;  // cuda: decode attention with the static schedule only
   sparse::SparseConfig sparse;  // the runner's own method (cuda: inside the model)
   bool per_request_methods = true;  // cuda: methods added per request (keeps their page data)
+  // Tensor parallelism (issue 39, dist/tp_runner.h): tp > 1 makes this process rank 0 of tp
+  // ranks (cpu only so far): it joins the followers at `dist_listener` (rank 0's socket, bound
+  // before the followers started) or else listens on `dist_init` ("host:port").
+  int tp = 1;
+  std::string dist_init;
+  std::shared_ptr<dist::TcpListener> dist_listener;
 };
 
 struct Runner {

@@ -53,7 +53,8 @@ void CpuModel::ensure_workspace(int64_t T, int64_t logit_rows) {
   grow(up_, T * c.ffn);
   grow(pos_, T);
   grow(last_, logit_rows * c.hidden);
-  if (int64_t(logits_.size()) != logit_rows * c.vocab) logits_.resize(size_t(logit_rows * c.vocab));
+  const int64_t n_logits = logits_on_ ? logit_rows * c.vocab : 0;
+  if (int64_t(logits_.size()) != n_logits) logits_.resize(size_t(n_logits));
 }
 
 void CpuModel::dense_attention(int layer, const PageTable& pt, const float* q, int64_t p0,
@@ -171,6 +172,7 @@ const std::vector<float>& CpuModel::forward(const std::vector<SeqInput>& batch,
     r += s.n_tokens;
     s.pages->length += s.n_tokens;
   }
+  if (!logits_on_) return logits_;  // empty (ensure_workspace)
   cpu::rmsnorm(last, w_.final_norm.data(), eps, last, lr, H);
   // The LM head: lm_head when the model has one, else the (tied) embedding table.
   const bool untied = w_.lm_head.numel() || w_.q_lm_head;

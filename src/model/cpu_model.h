@@ -58,6 +58,11 @@ class CpuModel {
   const std::vector<float>& forward(const std::vector<SeqInput>& batch,
                                     std::vector<int64_t>& row_of);
 
+  // Off: forward computes no logits (no final norm, no LM head) and returns an empty vector;
+  // row_of and the page tables advance as usual. Tensor-parallel followers (dist/tp_runner.h),
+  // whose logits nobody reads.
+  void set_logits(bool on) { logits_on_ = on; }
+
   // Default attention: dense causal over the whole cached prefix.
   void dense_attention(int layer, const PageTable& pt, const float* q, int64_t p0, int64_t T,
                        float* out);
@@ -68,6 +73,7 @@ class CpuModel {
   const ModelWeights& w_;
   KVPool& kv_;
   dist::Communicator* tp_ = nullptr;
+  bool logits_on_ = true;
   std::vector<float> inv_freq_;
   // Workspaces (grow-only).
   std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, gate_, up_, logits_, last_;

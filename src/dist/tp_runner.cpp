@@ -1,0 +1,369 @@
+// The tensor-parallel step protocol (tp_runner.h): rank 0's TpStepModel and the followers' loop.
+#include "dist/tp_runner.h"
+
+#include <cstring>
+#include <limits>
+
+#include "core/error.h"
+#include "dist/shard.h"
+#include "dist/tcp_communicator.h"
+#include "model/cpu_model.h"
+
+namespace spade::dist {
+
+namespace {
+
+constexpr uint32_t kInitMagic = 0x54504931;  // "TPI1"
+constexpr uint32_t kMsgMagic = 0x54504d31;   // "TPM1"
+enum : uint32_t { kStep = 1, kShutdown = 2 };
+
+struct MsgHeader {
+  uint32_t magic = kMsgMagic;
+  uint32_t kind = 0;
+  int64_t bytes = 0;
+};
+
+class Writer {
+ public:
+  template <typename T>
+  void put(T v) {
+    const size_t at = b_.size();
+    b_.resize(at + sizeof(T));
+    std::memcpy(b_.data() + at, &v, sizeof(T));
+  }
+  template <typename T>
+  void put_vec(const std::vector<T>& v) {
+    put<int64_t>(int64_t(v.size()));
+    const size_t at = b_.size();
+    b_.resize(at + v.size() * sizeof(T));
+    if (!v.empty()) std::memcpy(b_.data() + at, v.data(), v.size() * sizeof(T));
+  }
+  std::vector<uint8_t> take() { return std::move(b_); }
+
+ private:
+  std::vector<uint8_t> b_;
+};
+
+class Reader {
+ public:
+  Reader(const uint8_t* p, size_t n) : p_(p), n_(n) {}
+  template <typename T>
+  T get() {
+    need(sizeof(T));
+    T v;
+    std::memcpy(&v, p_ + at_, sizeof(T));
+    at_ += sizeof(T);
+    return v;
+  }
+  template <typename T>
+  std::vector<T> get_vec() {
+    const int64_t n = get<int64_t>();
+    SPADE_CHECK(n >= 0 && uint64_t(n) <= (n_ - at_) / sizeof(T), "tensor parallelism: bad step message");
+    std::vector<T> v(static_cast<size_t>(n));
+    if (n) std::memcpy(v.data(), p_ + at_, size_t(n) * sizeof(T));
+    at_ += size_t(n) * sizeof(T);
+    return v;
+  }
+  bool done() const { return at_ == n_; }
+
+ private:
+  void need(size_t k) const {
+    SPADE_CHECK(k <= n_ - at_, "tensor parallelism: bad step message (truncated)");
+  }
+  const uint8_t* p_;
+  size_t n_, at_ = 0;
+};
+
+void send_message(Communicator& c, uint32_t kind, std::vector<uint8_t> payload) {
+  MsgHeader h;
+  h.kind = kind;
+  h.bytes = int64_t(payload.size());
+  c.broadcast(&h, sizeof h, 0);
+  if (h.bytes) c.broadcast(payload.data(), h.bytes, 0);
+}
+
+TpInit make_init(const ModelConfig& c, int tp, const RunnerOptions& opt) {
+  TpInit i;
+  i.magic = kInitMagic;
+  i.tp = tp;
+  i.n_layers = c.n_layers;
+  i.hidden = int32_t(c.hidden);
+  i.n_heads = c.n_heads;
+  i.n_kv_heads = c.n_kv_heads;
+  i.head_dim = c.head_dim;
+  i.ffn = int32_t(c.ffn);
+  i.vocab = int32_t(c.vocab);
+  i.page_size = opt.page_size;
+  i.kv_dtype = int32_t(opt.kv_dtype);
+  i.kv_scale = opt.kv_scale;
+  i.kv_pages = opt.kv_pages;
+  return i;
+}
+
+bool same_shape(const TpInit& a, const TpInit& b) {
+  return a.n_layers == b.n_layers && a.hidden == b.hidden && a.n_heads == b.n_heads &&
+         a.n_kv_heads == b.n_kv_heads && a.head_dim == b.head_dim && a.ffn == b.ffn &&
+         a.vocab == b.vocab;
+}
+
+// Every rank: whether all loaded the same model (rank 0's TpInit against each one's own).
+void agree_on_model(Communicator& c, bool mine_matches) {
+  float bad = mine_matches ? 0.f : 1.f;
+  c.all_reduce_sum(&bad, 1);
+  SPADE_CHECK(bad == 0.f, "tensor parallelism: ", int(bad), " rank(s) loaded a model of another "
+              "shape than rank 0's (every rank needs the same --model)");
+}
+
+std::unique_ptr<KVPool> shard_pool(const ModelConfig& shard, int page_size, KvDtype dtype,
+                                   float kv_scale, int64_t pages) {
+  KVLayout lay{shard.n_layers, shard.n_kv_heads, shard.head_dim, page_size};
+  lay.dtype = dtype;
+  lay.kv_scale = kv_scale;
+  return std::make_unique<KVPool>(lay, pages);
+}
+
+}  // namespace
+
+std::vector<uint8_t> StepPlan::encode() const {
+  Writer w;
+  w.put_vec(released);
+  w.put<int64_t>(int64_t(seqs.size()));
+  for (const Seq& s : seqs) {
+    w.put<uint64_t>(s.id);
+    w.put<int64_t>(s.cached);
+    w.put<uint32_t>((s.all_logits ? 1u : 0u) | (s.dense ? 2u : 0u));
+    w.put_vec(s.tokens);
+    w.put_vec(s.pages);
+  }
+  return w.take();
+}
+
+StepPlan StepPlan::decode(const uint8_t* p, size_t n) {
+  Reader r(p, n);
+  StepPlan plan;
+  plan.released = r.get_vec<uint64_t>();
+  const int64_t k = r.get<int64_t>();
+  SPADE_CHECK(k >= 0 && uint64_t(k) <= n, "tensor parallelism: bad step message");
+  plan.seqs.resize(size_t(k));
+  for (Seq& s : plan.seqs) {
+    s.id = r.get<uint64_t>();
+    s.cached = r.get<int64_t>();
+    const uint32_t f = r.get<uint32_t>();
+    s.all_logits = f & 1u;
+    s.dense = f & 2u;
+    s.tokens = r.get_vec<int32_t>();
+    s.pages = r.get_vec<int32_t>();
+  }
+  SPADE_CHECK(r.done(), "tensor parallelism: bad step message (trailing bytes)");
+  return plan;
+}
+
+// ---- rank 0
+
+TpStepModel::TpStepModel(std::unique_ptr<Communicator> comm, const ModelWeights& w,
+                         const RunnerOptions& opt)
+    : comm_(std::move(comm)), full_config_(w.config) {
+  SPADE_CHECK(comm_ && comm_->rank() == 0, "TpStepModel runs on rank 0");
+  const int tp = comm_->size();
+  TpInit init = make_init(w.config, tp, opt);
+  comm_->broadcast(&init, sizeof init, 0);
+  agree_on_model(*comm_, true);
+  shard_ = shard_weights(w, 0, tp);
+  kv_ = shard_pool(shard_.config, opt.page_size, opt.kv_dtype, opt.kv_scale, opt.kv_pages);
+  model_ = std::make_unique<CpuModel>(shard_, *kv_, comm_.get());
+}
+
+TpStepModel::~TpStepModel() {
+  try {
+    shutdown();
+  } catch (...) {
+    // the ranks no longer talk: the followers see rank 0's connection close
+  }
+}
+
+void TpStepModel::shutdown() {
+  if (shut_down_ || !broken_.empty()) return;
+  shut_down_ = true;
+  Writer w;
+  w.put_vec(released_);
+  released_.clear();
+  send_message(*comm_, kShutdown, w.take());
+}
+
+std::string TpStepModel::device() const { return cat("cpu, --tp ", comm_->size()); }
+
+void TpStepModel::release(PageTable& pt) {
+  auto it = seqs_.find(&pt);
+  if (it != seqs_.end()) {
+    released_.push_back(it->second.id);
+    seqs_.erase(it);
+  }
+  kv_->release(pt);
+}
+
+const std::vector<float>& TpStepModel::forward(const std::vector<SeqInput>& batch,
+                                               std::vector<int64_t>& row_of) {
+  SPADE_CHECK(broken_.empty(), broken_);
+  SPADE_CHECK(!shut_down_, "tensor parallelism: the ranks were shut down");
+  const ModelConfig& c = full_config_;
+  // Everything the forward would refuse, refused before any rank hears of the step.
+  const int64_t P = kv_->layout().page_size;
+  int64_t need = 0;
+  for (const SeqInput& s : batch) {
+    SPADE_CHECK(s.n_tokens > 0 && s.pages && s.tokens, "forward: empty sequence input");
+    SPADE_CHECK(!s.attention || s.dense, "--tp: sparse attention callbacks do not run across "
+                "tensor-parallel ranks (use --tp 1 for sparse methods)");
+    SPADE_CHECK(s.pages->length + s.n_tokens <= c.max_context, "sequence of ",
+                s.pages->length + s.n_tokens, " tokens exceeds the model's context of ",
+                c.max_context, " tokens");
+    for (int64_t t = 0; t < s.n_tokens; ++t)
+      SPADE_CHECK(s.tokens[t] >= 0 && s.tokens[t] < c.vocab, "token id ", s.tokens[t],
+                  " outside the vocabulary (", c.vocab, " tokens)");
+    auto it = seqs_.find(s.pages);
+    if (it == seqs_.end())
+      SPADE_CHECK(s.pages->length == 0 && s.pages->pages.empty(),
+                  "tensor parallelism: a sequence of ", s.pages->length,
+                  " tokens the other ranks never saw (its page table was filled elsewhere)");
+    else
+      SPADE_CHECK(it->second.length == s.pages->length, "tensor parallelism: a sequence's length ",
+                  "changed outside the runner (", it->second.length, " -> ", s.pages->length, ")");
+    need += std::max<int64_t>(0, (s.pages->length + s.n_tokens + P - 1) / P -
+                                     int64_t(s.pages->pages.size()));
+  }
+  SPADE_CHECK(need <= kv_->free_pages(), "KV cache full: need ", need, " more pages of ", P,
+              " tokens for this step, ", kv_->free_pages(), " of ", kv_->n_pages(),
+              " pages free (raise --kv-pages)");
+  StepPlan plan;
+  plan.released = std::move(released_);
+  released_.clear();
+  for (const SeqInput& s : batch) {
+    kv_->reserve(*s.pages, s.pages->length + s.n_tokens);  // cannot fail now
+    auto [it, fresh] = seqs_.try_emplace(s.pages);
+    if (fresh) it->second.id = next_id_++;
+    StepPlan::Seq q;
+    q.id = it->second.id;
+    q.cached = s.pages->length;
+    q.all_logits = s.all_logits;
+    q.dense = s.dense;
+    q.tokens.assign(s.tokens, s.tokens + s.n_tokens);
+    q.pages = s.pages->pages;
+    plan.seqs.push_back(std::move(q));
+    it->second.length = s.pages->length + s.n_tokens;
+  }
+  // From here on every rank runs this step: a failure leaves them out of step for good.
+  try {
+    send_message(*comm_, kStep, plan.encode());
+    return model_->forward(batch, row_of);
+  } catch (const std::exception& e) {
+    broken_ = cat("tensor parallelism stopped: ", e.what());
+    throw Error(broken_);
+  }
+}
+
+Runner make_tp_runner(const ModelWeights& w, const RunnerOptions& opt) {
+  SPADE_CHECK(opt.device == "cpu", "--tp ", opt.tp, " runs on --device cpu only so far (the GPU "
+              "ranks are not wired yet: docs/cli.md)");
+  SPADE_CHECK(opt.sparse.method == "full" && !opt.sparse.measure_recall, "--tp ", opt.tp,
+              ": sparse method '", opt.sparse.method, "'", opt.sparse.measure_recall ? " with recall" : "",
+              " does not run under tensor parallelism yet (its CPU sessions would have to run on "
+              "every rank; use --tp 1)");
+  check_shardable(w.config, opt.tp);
+  std::unique_ptr<Communicator> comm;
+  if (opt.dist_listener)
+    comm = std::make_unique<TcpCommunicator>(std::move(*opt.dist_listener), opt.tp);
+  else
+    comm = std::make_unique<TcpCommunicator>(opt.dist_init, 0, opt.tp);
+  auto model = std::make_unique<TpStepModel>(std::move(comm), w, opt);
+  Runner r;
+  r.kv_mib = model->kv_mib();
+  r.max_step_tokens = opt.max_step_tokens;
+  const int tp = opt.tp;
+  r.check_method = [tp](const sparse::SparseConfig& m) {
+    fail("sparse method '", m.method, "' does not run under tensor parallelism yet (--tp ", tp,
+         "; use --tp 1)");
+  };
+  r.model = std::move(model);
+  return r;
+}
+
+// ---- followers
+
+void run_follower(StepModel& model, Communicator& comm) {
+  std::unordered_map<uint64_t, PageTable> seqs;
+  std::vector<uint8_t> payload;
+  std::vector<SeqInput> batch;
+  std::vector<int64_t> row_of;
+  auto release = [&](const std::vector<uint64_t>& ids) {
+    for (uint64_t id : ids) {
+      auto it = seqs.find(id);
+      SPADE_CHECK(it != seqs.end(), "tensor parallelism: rank 0 released sequence ", id,
+                  ", unknown to rank ", comm.rank());
+      model.release(it->second);
+      seqs.erase(it);
+    }
+  };
+  for (;;) {
+    MsgHeader h;
+    comm.broadcast(&h, sizeof h, 0);
+    SPADE_CHECK(h.magic == kMsgMagic && h.bytes >= 0, "tensor parallelism: bad message from rank 0");
+    payload.resize(size_t(h.bytes));
+    if (h.bytes) comm.broadcast(payload.data(), h.bytes, 0);
+    if (h.kind == kShutdown) {
+      Reader r(payload.data(), payload.size());
+      release(r.get_vec<uint64_t>());
+      for (auto& [id, pt] : seqs) model.release(pt);
+      return;
+    }
+    SPADE_CHECK(h.kind == kStep, "tensor parallelism: unknown message ", h.kind, " from rank 0");
+    const StepPlan plan = StepPlan::decode(payload.data(), payload.size());
+    release(plan.released);
+    batch.clear();
+    for (const StepPlan::Seq& s : plan.seqs) {
+      auto it = seqs.find(s.id);
+      if (it == seqs.end()) {
+        SPADE_CHECK(s.cached == 0, "tensor parallelism: sequence ", s.id, " of ", s.cached,
+                    " cached tokens is unknown to rank ", comm.rank());
+        it = seqs.emplace(s.id, PageTable{}).first;
+      }
+      SPADE_CHECK(it->second.length == s.cached, "tensor parallelism: rank ", comm.rank(),
+                  " holds ", it->second.length, " tokens of sequence ", s.id, ", rank 0 ", s.cached);
+      SeqInput in;
+      in.pages = &it->second;
+      in.tokens = s.tokens.data();
+      in.n_tokens = int64_t(s.tokens.size());
+      in.all_logits = s.all_logits;
+      in.dense = s.dense;
+      batch.push_back(in);
+    }
+    model.forward(batch, row_of);
+    for (size_t i = 0; i < plan.seqs.size(); ++i)
+      SPADE_CHECK(batch[i].pages->pages == plan.seqs[i].pages, "tensor parallelism: rank ",
+                  comm.rank(), " diverged from rank 0 (the KV pages of sequence ",
+                  plan.seqs[i].id, " differ)");
+  }
+}
+
+void run_follower_rank(const ModelWeights& w, const std::string& address, int rank, int size) {
+  SPADE_CHECK(rank >= 1 && rank < size, "--tp-rank must be in [1, ", size, "), got ", rank);
+  check_shardable(w.config, size);
+  TcpOptions o;
+  // A follower waits for rank 0's next step as long as rank 0 is idle (a server with no
+  // requests); rank 0 exiting closes its connection, which ends the wait at once.
+  o.io_timeout = std::chrono::milliseconds(int64_t(1) << 29);
+  TcpCommunicator comm(address, rank, size, o);
+  TpInit init;
+  comm.broadcast(&init, sizeof init, 0);
+  SPADE_CHECK(init.magic == kInitMagic && init.tp == size, "tensor parallelism: rank 0 is not a "
+              "spade rank of --tp ", size);
+  RunnerOptions mine;
+  agree_on_model(comm, same_shape(init, make_init(w.config, size, mine)));
+  ModelWeights shard = shard_weights(w, rank, size);
+  auto kv = shard_pool(shard.config, init.page_size, KvDtype(init.kv_dtype), init.kv_scale,
+                       init.kv_pages);
+  CpuModel model(shard, *kv, &comm);
+  model.set_logits(false);
+  CpuStepModel step(model);
+  run_follower(step, comm);
+}
+
+}  // namespace spade::dist
