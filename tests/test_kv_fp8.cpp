@@ -2,8 +2,9 @@
 // kv/fp8_e4m3.h (shared with the CUDA code) against an independent formula for all 256 codes,
 // round trips, ties to even, saturation, NaN, -0 and subnormals; the scale rule of --kv-scale
 // auto and the parsing of --kv-scale; a pool of fp8 stores codes with its per-(layer, KV head)
-// scales in a quarter of f32's bytes; every CPU method over an fp8 cache equals the method
-// over an f32 cache of the dequantized values, bit for bit; model logits (random weights and
+// scales in a quarter of f32's bytes; keys rotated (kv/key_rotation.h); every CPU method over
+// an fp8 cache equals the method over an f32 cache of the dequantized values, bit for bit (to
+// fp32 rounding for Quest, whose page bounds stay in the model's basis); model logits (random weights and
 // the stories260k fixture) within a stated tolerance of f32; the front ends' options.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -24,6 +25,7 @@
 #include "engine/runner.h"
 #include "eval/decode.h"
 #include "kv/fp8_e4m3.h"
+#include "kv/key_rotation.h"
 #include "kv/kv_dtype.h"
 #include "kv/kv_pool.h"
 #include "model/cpu_model.h"
@@ -222,8 +224,49 @@ TEST(Fp8E4m3, BulkConversionsMatchTheScalarFunctions) {
   }
 }
 
+// The key rotation of fp8 caches (kv/key_rotation.h) against the orthonormal Hadamard matrix
+// H[i][j] = (-1)^popcount(i & j) / sqrt(D) in double, for every power-of-two D it takes; it
+// keeps dot products (what attention reads) and norms, and only fp8 caches of such a D use it.
+TEST(KvFp8, KeyRotationIsTheOrthonormalHadamardTransform) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int D = 2; D <= 512; D *= 2) {
+    SCOPED_TRACE(D);
+    EXPECT_EQ(double(key_rotation_scale(D)), double(float(1.0 / std::sqrt(double(D)))));
+    std::vector<float> q(static_cast<size_t>(D)), k(static_cast<size_t>(D));
+    for (int i = 0; i < D; ++i) q[size_t(i)] = nd(rng), k[size_t(i)] = nd(rng) * (i == 3 ? 50.f : 1.f);
+    std::vector<double> want(static_cast<size_t>(D), 0.0);
+    for (int i = 0; i < D; ++i)
+      for (int j = 0; j < D; ++j)
+        want[size_t(i)] += ((std::popcount(unsigned(i & j)) & 1) ? -1.0 : 1.0) * k[size_t(j)] / std::sqrt(double(D));
+    std::vector<float> qr = q, kr = k;
+    rotate_key_row(qr.data(), D);
+    rotate_key_row(kr.data(), D);
+    double nk = 0, nkr = 0, dot = 0, dotr = 0;
+    for (int i = 0; i < D; ++i) {
+      ASSERT_NEAR(kr[size_t(i)], want[size_t(i)], 1e-5 * (1 + std::abs(want[size_t(i)]))) << i;
+      nk += double(k[size_t(i)]) * k[size_t(i)], nkr += double(kr[size_t(i)]) * kr[size_t(i)];
+      dot += double(q[size_t(i)]) * k[size_t(i)], dotr += double(qr[size_t(i)]) * kr[size_t(i)];
+    }
+    EXPECT_NEAR(nkr, nk, 1e-5 * nk);
+    EXPECT_NEAR(dotr, dot, 1e-5 * std::sqrt(nk * D));
+    // The outlier channel is spread: no rotated element keeps more than 2x its share.
+    double peak = 0;
+    for (int i = 0; i < D; ++i) peak = std::max(peak, std::abs(double(kr[size_t(i)])));
+    if (D >= 16) EXPECT_LT(peak, 50.0 / std::sqrt(double(D)) * 2);
+  }
+  EXPECT_FALSE(kv_rotates_keys(KvDtype::FP8, 32));  // small heads: stored as they are
+  EXPECT_TRUE(kv_rotates_keys(KvDtype::FP8, 64));
+  EXPECT_TRUE(kv_rotates_keys(KvDtype::FP8, 128));
+  EXPECT_FALSE(kv_rotates_keys(KvDtype::FP8, 96));   // not a power of two: stored as is
+  EXPECT_FALSE(kv_rotates_keys(KvDtype::FP8, 1024));
+  EXPECT_FALSE(kv_rotates_keys(KvDtype::BF16, 64));
+  EXPECT_FALSE(kv_rotates_keys(KvDtype::F32, 64));
+}
+
 TEST(KvFp8, PoolStoresCodesWithItsScalesInAQuarterOfF32sBytes) {
   ModelConfig c = test::tiny_config();
+  c.head_dim = 64;  // keys rotated (kv_rotates_keys)
   const int P = 4, D = c.head_dim, H = c.n_kv_heads, HD = H * D;
   KVPool f32(layout(c, P, KvDtype::F32), 8), bf(layout(c, P, KvDtype::BF16), 8);
   KVPool kv(layout(c, P, KvDtype::FP8), 8);
@@ -237,6 +280,12 @@ TEST(KvFp8, PoolStoresCodesWithItsScalesInAQuarterOfF32sBytes) {
   EXPECT_EQ(bf.k_scale(1, 0), 1.f);
   std::vector<float> K = test::random_vec(size_t(10 * HD), 10), V = test::random_vec(size_t(10 * HD), 50);
   for (int d = 0; d < D; ++d) K[size_t(D + d)] *= 40.f;  // head 1's keys much larger
+  // The keys as the pool stores them: each head's row rotated (kv/key_rotation.h).
+  ASSERT_TRUE(kv.keys_rotated());
+  EXPECT_FALSE(bf.keys_rotated());
+  EXPECT_FALSE(f32.keys_rotated());
+  std::vector<float> Kr = K;
+  rotate_key_rows(Kr.data(), 10 * H, D);
   kv.calibrate_scales(1, K.data(), V.data(), 10);
   ASSERT_TRUE(kv.scales_set(1));
   EXPECT_FALSE(kv.scales_set(0));
@@ -244,7 +293,7 @@ TEST(KvFp8, PoolStoresCodesWithItsScalesInAQuarterOfF32sBytes) {
     float ka = 0, va = 0;
     for (int r = 0; r < 10; ++r)
       for (int d = 0; d < D; ++d) {
-        ka = std::max(ka, std::abs(K[size_t(r * HD + h * D + d)]));
+        ka = std::max(ka, std::abs(Kr[size_t(r * HD + h * D + d)]));
         va = std::max(va, std::abs(V[size_t(r * HD + h * D + d)]));
       }
     EXPECT_EQ(kv.k_scale(1, h), fp8_e4m3_scale_for_amax(ka)) << h;
@@ -269,7 +318,7 @@ TEST(KvFp8, PoolStoresCodesWithItsScalesInAQuarterOfF32sBytes) {
     kv.load_k(1, pt, 0, h, 10, row.data());  // crosses pages
     for (int64_t p = 0; p < 10; ++p)
       for (int d = 0; d < D; ++d) {
-        const float x = K[size_t(p * HD + h * D + d)];
+        const float x = Kr[size_t(p * HD + h * D + d)];
         ASSERT_EQ(row[size_t(p * D + d)], stored(true, h, x));
         // E4M3 keeps 3 mantissa bits: within 1/16 relative (or the subnormal step) of x.
         ASSERT_LE(std::abs(row[size_t(p * D + d)] - x),
@@ -277,18 +326,26 @@ TEST(KvFp8, PoolStoresCodesWithItsScalesInAQuarterOfF32sBytes) {
       }
     kv.load_v(1, pt, 3, h, 1, row.data());
     for (int d = 0; d < D; ++d) ASSERT_EQ(row[size_t(d)], stored(false, h, V[size_t(3 * HD + h * D + d)]));
-    // Quest's bounds are those of the stored keys.
-    for (int d = 0; d < D; ++d) {
-      float mn = INFINITY, mx = -INFINITY;
-      for (int64_t p = 0; p < P; ++p) {
-        mn = std::min(mn, stored(true, h, K[size_t(p * HD + h * D + d)]));
-        mx = std::max(mx, stored(true, h, K[size_t(p * HD + h * D + d)]));
+    // Quest's bounds are those of the stored keys turned back to the model's basis (R R = I):
+    // within fp8's rounding of the keys written.
+    std::vector<float> mn(size_t(D), INFINITY), mx(size_t(D), -INFINITY), back(static_cast<size_t>(D));
+    for (int64_t p = 0; p < P; ++p) {
+      for (int d = 0; d < D; ++d) back[size_t(d)] = stored(true, h, Kr[size_t(p * HD + h * D + d)]);
+      rotate_key_row(back.data(), D);
+      for (int d = 0; d < D; ++d) {
+        const float x = K[size_t(p * HD + h * D + d)];
+        ASSERT_NEAR(back[size_t(d)], x, 0.1 * std::sqrt(double(D)) * kv.k_scale(1, h) * 16 + std::abs(x) / 8);
+        mn[size_t(d)] = std::min(mn[size_t(d)], back[size_t(d)]);
+        mx[size_t(d)] = std::max(mx[size_t(d)], back[size_t(d)]);
       }
-      EXPECT_EQ(kv.page_kmin(1, pt.pages[0], h)[d], mn);
-      EXPECT_EQ(kv.page_kmax(1, pt.pages[0], h)[d], mx);
+    }
+    for (int d = 0; d < D; ++d) {
+      EXPECT_EQ(kv.page_kmin(1, pt.pages[0], h)[d], mn[size_t(d)]);
+      EXPECT_EQ(kv.page_kmax(1, pt.pages[0], h)[d], mx[size_t(d)]);
     }
   }
-  // A value far beyond the first prefill's range saturates at 448 x scale.
+  // A value far beyond the first prefill's range saturates at 448 x scale (a constant row
+  // rotates to (sqrt(D) x, 0, ..., 0)).
   std::vector<float> huge(size_t(HD), 1e6f);
   kv.reserve(pt, 11);
   kv.write(1, pt, 10, huge.data(), huge.data());
@@ -299,7 +356,7 @@ TEST(KvFp8, PoolStoresCodesWithItsScalesInAQuarterOfF32sBytes) {
   kv.write(0, pt, 0, K.data(), V.data());
   EXPECT_TRUE(kv.scales_set(0));
   float a0 = 0;
-  for (int d = 0; d < D; ++d) a0 = std::max(a0, std::abs(K[size_t(d)]));
+  for (int d = 0; d < D; ++d) a0 = std::max(a0, std::abs(Kr[size_t(d)]));
   EXPECT_EQ(kv.k_scale(0, 0), fp8_e4m3_scale_for_amax(a0));
   // A fork copies the codes of the partial last page.
   pt.length = 10;
@@ -355,7 +412,9 @@ TEST(KvFp8, EveryCpuMethodReadsAnFp8CacheAsTheF32CacheOfItsValues) {
       "lycheecluster:budget=64,chunking=fixed",
       "lycheedecode:roles=RR/SS/RS/SS,budget=48",
       "twilight",
-      "quest+twilight+blasst",
+      // (Twilight over Quest on fp8 mixes the two bases, the twins cannot: each composite apart.)
+      "quest+blasst",
+      "tidal+twilight+blasst",
       "blasst:lambda=0.9,tile=8,prefill_tile=8,q_block=16",
   };
   const int Hq = c.n_heads, D = c.head_dim, H = c.n_kv_heads, HD = H * D;
@@ -375,6 +434,14 @@ TEST(KvFp8, EveryCpuMethodReadsAnFp8CacheAsTheF32CacheOfItsValues) {
       for (int64_t p = 0; p < L0; ++p)
         for (auto* s : {&sa, &sb}) s->append_token_text("word ");
       std::vector<float> rk(static_cast<size_t>(HD)), rv(static_cast<size_t>(HD));
+      // The fp8 cache stores keys rotated (kv/key_rotation.h), so its queries come rotated (as
+      // the CPU model rotates them): the f32 twin holds the stored (rotated) keys and gets the
+      // same rotated queries. Quest's page bounds are kept in the model's basis (kv_pool.h):
+      // for methods with Quest the twin holds the stored keys turned back and gets the query
+      // turned back, which is what Quest computes inside, so the bounds and selections match
+      // bit for bit and the outputs to fp32 rounding (attention meets the other basis).
+      ASSERT_TRUE(a.keys_rotated());
+      const bool model_basis = spec.find("quest") != std::string::npos;
       // Writes row p of layer l into the fp8 cache and its dequantized values into the f32 one.
       auto write = [&](int l, int64_t p) {
         const size_t o = size_t((l * total + p) * HD);
@@ -383,7 +450,22 @@ TEST(KvFp8, EveryCpuMethodReadsAnFp8CacheAsTheF32CacheOfItsValues) {
           a.load_k(l, pa, p, h, 1, rk.data() + h * D);
           a.load_v(l, pa, p, h, 1, rv.data() + h * D);
         }
+        if (model_basis) rotate_key_rows(rk.data(), H, D);
         b.write(l, pb, p, rk.data(), rv.data());
+      };
+      std::vector<float> qa, qb;
+      auto queries = [&](const float* q, int64_t n) {  // n tokens of [Hq, D]
+        qa.assign(q, q + n * Hq * D);
+        rotate_key_rows(qa.data(), n * Hq, D);
+        qb = qa;
+        if (model_basis) rotate_key_rows(qb.data(), n * Hq, D);
+      };
+      auto same = [&](const std::vector<float>& x, const std::vector<float>& y, int64_t n) {
+        if (!model_basis) return std::equal(x.begin(), x.begin() + n, y.begin());
+        float peak = 0, diff = 0;
+        for (int64_t i = 0; i < n; ++i)
+          peak = std::max(peak, std::abs(y[size_t(i)])), diff = std::max(diff, std::abs(x[size_t(i)] - y[size_t(i)]));
+        return diff <= 1e-5f * peak + 1e-7f;
       };
       std::vector<float> oa(size_t(L0 * Hq * D)), ob(oa.size());
       for (int l = 0; l < c.n_layers; ++l) {
@@ -399,10 +481,10 @@ TEST(KvFp8, EveryCpuMethodReadsAnFp8CacheAsTheF32CacheOfItsValues) {
           a.set_scales(l, ks.data(), vs.data());
         }
         for (int64_t p = 0; p < L0; ++p) write(l, p);
-        const float* q = Q.data() + size_t(l * total * Hq * D);
-        sa.attend(l, pa, q, 0, L0, oa.data());
-        sb.attend(l, pb, q, 0, L0, ob.data());
-        ASSERT_EQ(oa, ob) << "prefill, layer " << l;
+        queries(Q.data() + size_t(l * total * Hq * D), L0);
+        sa.attend(l, pa, qa.data(), 0, L0, oa.data());
+        sb.attend(l, pb, qb.data(), 0, L0, ob.data());
+        ASSERT_TRUE(same(oa, ob, int64_t(oa.size()))) << "prefill, layer " << l;
       }
       pa.length = pb.length = L0;
       for (int64_t s = 0; s < steps; ++s) {
@@ -412,12 +494,10 @@ TEST(KvFp8, EveryCpuMethodReadsAnFp8CacheAsTheF32CacheOfItsValues) {
         for (auto* ss : {&sa, &sb}) ss->append_token_text("word ");
         for (int l = 0; l < c.n_layers; ++l) {
           write(l, p);
-          const float* q = Q.data() + size_t((l * total + p) * Hq * D);
-          sa.attend(l, pa, q, p, 1, oa.data());
-          sb.attend(l, pb, q, p, 1, ob.data());
-          ASSERT_EQ(std::vector<float>(oa.begin(), oa.begin() + Hq * D),
-                    std::vector<float>(ob.begin(), ob.begin() + Hq * D))
-              << "decode step " << s << ", layer " << l;
+          queries(Q.data() + size_t((l * total + p) * Hq * D), 1);
+          sa.attend(l, pa, qa.data(), p, 1, oa.data());
+          sb.attend(l, pb, qb.data(), p, 1, ob.data());
+          ASSERT_TRUE(same(oa, ob, Hq * D)) << "decode step " << s << ", layer " << l;
         }
         pa.length = pb.length = p + 1;
       }

@@ -4,7 +4,8 @@
 // the type llama.cpp keeps. Values are rounded to nearest even on write; readers widen to fp32
 // and compute in fp32. fp8 (issue 40) is OCP FP8 E4M3 (kv/fp8_e4m3.h) with a scale per (layer,
 // KV head), K and V apart, that the pool keeps (kv/kv_pool.h: `--kv-scale auto|X`): stored
-// code = e4m3(x / scale), value read = e4m3 value * scale, exactly (scales are powers of two).
+// code = e4m3(x / scale), value read = e4m3 value * scale, exactly (scales are powers of two);
+// keys of a 64..512 head dim are stored rotated (kv/key_rotation.h).
 #pragma once
 #include <cstddef>
 #include <cstdint>

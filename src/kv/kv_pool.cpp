@@ -10,6 +10,7 @@
 #include <new>
 
 #include "kv/fp8_e4m3.h"
+#include "kv/key_rotation.h"
 
 namespace spade {
 
@@ -81,6 +82,7 @@ KVPool::KVPool(const KVLayout& layout, int64_t n_pages) : layout_(layout), n_pag
     kscale_.assign(ns, s0);
     vscale_.assign(ns, s0);
     scale_set_.assign(size_t(layout.n_layers), fixed ? 1 : 0);
+    rotates_keys_ = kv_rotates_keys(layout.dtype, layout.head_dim);
   }
   refs_.assign(size_t(n_pages), 0);
   free_.resize(size_t(n_pages));
@@ -107,11 +109,18 @@ void KVPool::calibrate_scales(int layer, const float* k, const float* v, int64_t
   if (layout_.dtype != KvDtype::FP8 || scales_set(layer)) return;
   const int H = layout_.n_kv_heads, D = layout_.head_dim;
   std::vector<float> ks(static_cast<size_t>(H)), vs(static_cast<size_t>(H));
+  const bool rot = keys_rotated();
+  std::vector<float> krot(rot ? size_t(D) : 0);
   for (int h = 0; h < H; ++h) {
     float ka = 0.f, va = 0.f;
     for (int64_t r = 0; r < rows; ++r) {
       const float* kr = k + (r * H + h) * int64_t(D);
       const float* vr = v + (r * H + h) * int64_t(D);
+      if (rot) {  // the keys as they will be stored (key_rotation.h)
+        std::copy(kr, kr + D, krot.begin());
+        rotate_key_row(krot.data(), D);
+        kr = krot.data();
+      }
       for (int d = 0; d < D; ++d) {
         // Largest finite magnitude (NaN and inf are left out: they saturate or stay NaN).
         const float a = std::fabs(kr[d]), b = std::fabs(vr[d]);
@@ -210,9 +219,15 @@ void KVPool::write(int layer, const PageTable& pt, int64_t pos, const float* k, 
   if (!scales_set(layer)) calibrate_scales(layer, k, v, 1);
   unsigned char* kp = k_ + offset(layer, page) * esize_;
   unsigned char* vp = v_ + offset(layer, page) * esize_;
-  float stored[512];
+  float stored[512], rotated[512];
+  const bool rot = keys_rotated();
   for (int h = 0; h < layout_.n_kv_heads; ++h) {
     const float* kh = k + int64_t(h) * D;
+    if (rot) {  // fp8: the key rotated (key_rotation.h; D <= 512)
+      std::copy(kh, kh + D, rotated);
+      rotate_key_row(rotated, D);
+      kh = rotated;
+    }
     void* kd = kp + row_offset(pos, h) * esize_;
     const float ksc = k_scale(layer, h);
     kv_from_f32(layout_.dtype, kh, D, kd, ksc);
@@ -227,6 +242,9 @@ void KVPool::write(int layer, const PageTable& pt, int64_t pos, const float* k, 
         const float* ks = kh + d0;
         if (layout_.dtype != KvDtype::F32) {
           kv_to_f32(layout_.dtype, static_cast<unsigned char*>(kd) + size_t(d0) * esize_, n, stored, ksc);
+          // Rotated keys (D <= 512: one chunk): the bounds are in the model's basis, the stored
+          // row turned back (R R = I), so Quest's box keeps its meaning (kv_pool.h).
+          if (rot) rotate_key_row(stored, D);
           ks = stored;
         }
         for (int d = 0; d < n; ++d) {

@@ -10,6 +10,8 @@
 // (CpuModel passes each layer every row of its first forward step: the first prefill), each
 // from that head's largest |K| or |V| (fp8_e4m3_scale_for_amax: 2x headroom); later values
 // beyond 448 scale saturate. write() into a layer still unset calibrates from that one row.
+// Keys of an fp8 cache are stored rotated (kv/key_rotation.h, keys_rotated()); scales are
+// those of the rotated rows.
 // Scales stay for the life of the pool (reset_scales() forgets them while it is empty).
 // A sequence owns a PageTable (list of page ids + length). Pages are taken from and
 // returned to a free list; nothing is allocated after construction.
@@ -118,13 +120,23 @@ class KVPool {
   }
 
   // Element-wise min / max (D floats) of the keys written so far into `page` for one KV
-  // head. Only with layout().page_minmax. An empty page has min = +inf, max = -inf.
+  // head. Only with layout().page_minmax. An empty page has min = +inf, max = -inf. With
+  // keys_rotated(): of the stored rows turned back to the model's basis (R applied once more,
+  // R R = I up to rounding), where a box bounds keys tightly (a rotation spreads every key over
+  // all channels and would make the box loose); the query meeting them is un-rotated alike.
+  // q'.k' = q.(R k') makes Quest's bound hold, to fp32 rounding, for what attention reads.
   const float* page_kmin(int layer, int32_t page, int head) const {
     return kmin_.data() + meta_offset(layer, page, head);
   }
   const float* page_kmax(int layer, int32_t page, int head) const {
     return kmax_.data() + meta_offset(layer, page, head);
   }
+
+  // fp8 caches of a power-of-two head dim store each key row rotated (kv/key_rotation.h): what
+  // load_k / k_row_data give is R k, and a query must be rotated alike (rotate_key_rows; the
+  // CPU model does) before it meets them. write() and calibrate_scales() take keys unrotated;
+  // the page bounds stay in the model's basis (page_kmin).
+  bool keys_rotated() const { return rotates_keys_; }
 
   // Writes K and V of token `pos` (all KV heads: [Hkv, D] each, fp32) into the cache, rounded
   // to dtype(), and updates the page's key min/max from the stored keys.
@@ -187,6 +199,7 @@ class KVPool {
   std::vector<float> kmin_, kmax_;
   std::vector<float> kscale_, vscale_;   // [n_layers][Hkv]
   std::vector<uint8_t> scale_set_;       // [n_layers]
+  bool rotates_keys_ = false;            // kv_rotates_keys(dtype, head_dim)
   std::vector<int32_t> free_;
   std::vector<int32_t> refs_;
 };

@@ -7,6 +7,7 @@
 #include "backend/cpu/ops.h"
 #include "backend/cpu/qgemv.h"
 #include "dist/communicator.h"
+#include "kv/key_rotation.h"
 
 namespace spade {
 
@@ -131,6 +132,8 @@ const std::vector<float>& CpuModel::forward(const std::vector<SeqInput>& batch,
     }
     cpu::rope(q, pos.data(), inv_freq_.data(), T, Hq, D);
     cpu::rope(k, pos.data(), inv_freq_.data(), T, Hkv, D);
+    // fp8 cache: its keys are stored rotated, so the queries turn alike (kv/key_rotation.h).
+    if (kv_.keys_rotated()) rotate_key_rows(q, T * Hq, D);
     // fp8 cache with auto scales: a layer's scales come from every K/V row of its first step.
     kv_.calibrate_scales(l, k, v, T);
     int64_t r = 0;

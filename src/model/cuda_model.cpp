@@ -30,6 +30,7 @@
 #include "backend/cuda/twilight.h"
 #include "core/half.h"
 #include "kv/fp8_e4m3.h"
+#include "kv/key_rotation.h"
 
 namespace spade {
 
@@ -607,6 +608,7 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     a.quest_meta = meta_in_append_ ? meta : nullptr;
     float* layer_scales = fp8_ ? kv_scales_dev_ + l * 2 * size_t(Hkv) : nullptr;
     a.kv_scale = layer_scales;
+    a.rotate_qk = fp8_ && kv_rotates_keys(KvDtype::FP8, D);  // as the CPU pool (key_rotation.h)
     if (calibrate) {  // the maxima of this layer's K / V rows -> its scales, then the append
       gemm_->run_f32(xn, L.wqkv, qkv_, T, NQKV, H, 0.f, st);
       cuda::QkvPostArgs c = a;

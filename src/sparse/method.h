@@ -63,7 +63,7 @@ class StepContext {
   float scale = 1.f;
   const KVPool* kv = nullptr;
   const PageTable* pt = nullptr;
-  const float* q = nullptr;  // [Hq, D] queries of the decode token (after RoPE)
+  const float* q = nullptr;  // [Hq, D] queries of the decode token (after RoPE; rotated when kv->keys_rotated())
   int64_t L = 0;             // context length, the decode token included (its position L-1)
   int64_t step = 0;          // decode step index in this request
   MethodState* state = nullptr;

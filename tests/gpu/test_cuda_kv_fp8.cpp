@@ -21,10 +21,12 @@
 #include "backend/cpu/attention.h"
 #include "backend/cuda/attention.h"
 #include "backend/cuda/ops.h"
+#include "core/half.h"
 #include "engine/runner.h"
 #include "gpu_model_util.h"
 #include "gpu_util.h"
 #include "kv/fp8_e4m3.h"
+#include "kv/key_rotation.h"
 #include "model/cpu_model.h"
 #include "model/cuda_model.h"
 #include "sparse/gpu/method.h"
@@ -51,9 +53,11 @@ std::vector<float> special_qkv(int T, int NQKV, std::mt19937& rng, float mag) {
 
 // T tokens, each in its own page (K rows at position 0: RoPE is the identity there, so the
 // GPU's K values are exactly the inputs plus bias); V rows at any position.
-void check_append(int Hq, int Hkv, int D, int P, bool bias, uint32_t seed) {
+// rotate: the key rotation of fp8 caches (QkvPostArgs::rotate_qk, kv/key_rotation.h): K rows
+// and q rows are rotated after RoPE, and equal the CPU's rotate_key_row of the same values.
+void check_append(int Hq, int Hkv, int D, int P, bool bias, uint32_t seed, bool rotate = false) {
   SCOPED_TRACE(testing::Message() << "Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << " P=" << P
-                                  << " bias=" << bias);
+                                  << " bias=" << bias << " rotate=" << rotate);
   std::mt19937 rng(seed);
   const int T = 6, NQKV = (Hq + 2 * Hkv) * D;
   const int n_pages = T + 2;
@@ -89,6 +93,7 @@ void check_append(int Hq, int Hkv, int D, int P, bool bias, uint32_t seed) {
     a.k_cache = reinterpret_cast<bf16*>(dk.p);
     a.v_cache = reinterpret_cast<bf16*>(dv.p);
     a.kv_scale = dsc.p;
+    a.rotate_qk = rotate;
     a.T = T, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.P = P;
     cuda::qkv_post(a, 0);
     // Calibration pass over the same rows: the maxima and the auto scales.
@@ -103,6 +108,28 @@ void check_append(int Hq, int Hkv, int D, int P, bool bias, uint32_t seed) {
     const std::vector<uint8_t> gk = dk.download(), gv = dv.download();
     const std::vector<float> gauto = dauto.download();
     int64_t checked = 0;
+    if (rotate && k_pos_zero) {  // q rows at position 0 (RoPE: x itself), rotated, as bf16
+      const std::vector<bf16> gq = dq.download();
+      std::vector<float> row(static_cast<size_t>(D));
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < Hq; ++h) {
+          const int half = D / 2;
+          auto in = [&](int d) {
+            return qkv[size_t(t) * NQKV + size_t(h) * D + d] + (bias ? b[size_t(h) * D + d] : 0.f);
+          };
+          for (int d = 0; d < D; ++d) {
+            const float lo = in(d % half), hi = in(d % half + half);
+            row[size_t(d)] = d < half ? std::fma(lo, 1.f, -(0.f * hi)) : std::fma(lo, 0.f, 1.f * hi);
+          }
+          rotate_key_row(row.data(), D);
+          for (int d = 0; d < D; ++d) {
+            if (!std::isfinite(row[size_t(d)])) continue;
+            const float got = __bfloat162float(gq[(size_t(t) * Hq + size_t(h)) * D + size_t(d)]);
+            ASSERT_EQ(got, bf16_to_f32(f32_to_bf16(row[size_t(d)]))) << "q head " << h << " token " << t << " d " << d;
+            ++checked;
+          }
+        }
+    }
     for (int kv = k_pos_zero ? 0 : 1; kv < 2; ++kv) {
       for (int h = 0; h < Hkv; ++h) {
         const float s = sc[size_t(kv * Hkv + h)];
@@ -116,6 +143,7 @@ void check_append(int Hq, int Hkv, int D, int P, bool bias, uint32_t seed) {
           auto in = [&](int d) {
             return qkv[size_t(t) * NQKV + size_t(head) * D + d] + (bias ? b[size_t(head) * D + d] : 0.f);
           };
+          std::vector<float> krow(static_cast<size_t>(D));
           for (int d = 0; d < D; ++d) {
             const int half = D / 2;
             float x = in(d);
@@ -123,6 +151,11 @@ void check_append(int Hq, int Hkv, int D, int P, bool bias, uint32_t seed) {
               const float lo = in(d % half), hi = in(d % half + half);
               x = d < half ? std::fma(lo, 1.f, -(0.f * hi)) : std::fma(lo, 0.f, 1.f * hi);
             }
+            krow[size_t(d)] = x;
+          }
+          if (kv == 0 && rotate) rotate_key_row(krow.data(), D);
+          for (int d = 0; d < D; ++d) {
+            const float x = krow[size_t(d)];
             if (std::isfinite(x)) amax = std::max(amax, std::fabs(x));
             const uint8_t want = fp8_e4m3_from_f32(x / s);
             const uint8_t got = (kv ? gv : gk)[row * D + size_t(d)];
@@ -144,6 +177,8 @@ TEST(CudaKvFp8, AppendStoresTheCpuCodes) {
   check_append(9, 3, 64, 16, false, 1);
   check_append(32, 8, 128, 16, true, 2);
   check_append(8, 2, 128, 7, true, 3);
+  check_append(9, 3, 64, 16, false, 4, true);
+  check_append(32, 8, 128, 16, true, 5, true);
 }
 
 // ---- Attention.

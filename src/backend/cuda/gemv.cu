@@ -239,7 +239,8 @@ void gemv_swiglu(const bf16* x, const bf16* W_gu, bf16* h, int M, int F, int K, 
 
 bool gemv_qkv_post_supported(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K) {
   return gemv_supported(x, W, M, K) && post.T == M && !post.q_norm && !post.k_norm &&
-         !post.k_int4 && !post.k_int4_sz && !post.kv_amax && post.D % 8 == 0 && post.D <= 256;
+         !post.k_int4 && !post.k_int4_sz && !post.kv_amax && !post.rotate_qk && post.D % 8 == 0 &&
+         post.D <= 256;
 }
 
 void gemv_qkv_post(const bf16* x, const bf16* W, const QkvPostArgs& post, int M, int K,

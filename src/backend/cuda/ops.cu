@@ -148,10 +148,24 @@ __global__ void qkv_post_kernel(QkvPostArgs a) {
       }
     }
   }
+  if (a.rotate_qk && head < a.Hq + a.Hkv) {  // warp-uniform: fp8 keys rotated, q alike
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int i = lane + 32 * j;
-    if (i < half) qkv_post_pair(a, t, head, i, dst, lo[j], hi[j]);
+    for (int j = 0; j < 4; ++j) {
+      const int i = lane + 32 * j;
+      if (i < half) qkv_post_rope(a, t, head, i, lo[j], hi[j]);
+    }
+    rotate_key_warp(lo, hi, D, lane);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = lane + 32 * j;
+      if (i < half) qkv_post_store(a, t, head, i, dst, lo[j], hi[j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = lane + 32 * j;
+      if (i < half) qkv_post_pair(a, t, head, i, dst, lo[j], hi[j]);
+    }
   }
   if (!is_q && a.kv_amax) {  // warp-uniform: fp8 calibration pass, the head's largest |value|
     float mx = 0.f;
@@ -268,6 +282,8 @@ void qkv_post(const QkvPostArgs& a, cudaStream_t s) {
               "qkv_post: INT4 keys need both outputs and D % 4 == 0");
   SPADE_CHECK(!(a.kv_scale || a.kv_amax) || (!a.k_int4 && !a.quest_meta),
               "qkv_post: an fp8 cache keeps neither INT4 keys nor Quest metadata");
+  SPADE_CHECK(!a.rotate_qk || (kv_rotates_keys(KvDtype::FP8, a.D) && (a.kv_scale || a.kv_amax)),
+              "qkv_post: the key rotation is for fp8 caches of head_dim 64, 128 or 256 (got ", a.D, ")");
   if (a.T == 0) return;
   const int nh = a.Hq + 2 * a.Hkv, warps = 4;
   dim3 grid((nh + warps - 1) / warps, a.T);

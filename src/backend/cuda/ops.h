@@ -57,6 +57,11 @@ struct QkvPostArgs {
   // max-reduced into kv_amax[kh] (K) / kv_amax[Hkv + kh] (V) as float bits (zero it first).
   // Not with the fused qkv GEMV.
   unsigned int* kv_amax = nullptr;
+  // FP8 cache whose keys are stored rotated (kv/key_rotation.h, kv_rotates_keys: D 64 / 128 /
+  // 256): each q and k row, after RoPE, is rotated (qkv_post_pair.cuh rotate_key_warp, the CPU's
+  // rotate_key_row bit for bit) before its store, quantization or calibration maximum. Not with
+  // the fused qkv GEMV.
+  bool rotate_qk = false;
   int T = 0, Hq = 0, Hkv = 0, D = 0, P = 16;
   float eps = 1e-5f;
 };

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kv/key_rotation.h"
 #include "sparse/methods/common.h"
 #include "sparse/topk.h"
 
@@ -47,10 +48,17 @@ void QuestMethod::select(StepContext& c, Selection& out) const {
   const int chunk = page_ / lay.page_size;
   const int D = c.D;
   float* score = SelectScratch::ensure(c.scratch.f0, size_t(n_pages));
-  float* comb = SelectScratch::ensure(c.scratch.f1, size_t(2 * D));
+  float* comb = SelectScratch::ensure(c.scratch.f1, size_t(2 * D + c.G * D));
+  float* q_plain = comb + 2 * D;
+  const bool rotated = c.kv->keys_rotated();
   out.begin_per_head(c.Hkv, c.L);
   for (int h = 0; h < c.Hkv; ++h) {
     const float* qh = c.q + int64_t(h) * c.G * D;
+    if (rotated) {  // fp8: the query comes rotated, the page bounds do not (kv_pool.h page_kmin)
+      std::copy(qh, qh + int64_t(c.G) * D, q_plain);
+      rotate_key_rows(q_plain, c.G, D);
+      qh = q_plain;
+    }
     for (int64_t i = 0; i + 1 < n_pages; ++i) {  // the last page is always taken
       const float *mn, *mx;
       if (chunk == 1) {
