@@ -253,7 +253,9 @@ TEST(KvFp8, KeyRotationIsTheOrthonormalHadamardTransform) {
     // The outlier channel is spread: no rotated element keeps more than 2x its share.
     double peak = 0;
     for (int i = 0; i < D; ++i) peak = std::max(peak, std::abs(double(kr[size_t(i)])));
-    if (D >= 16) EXPECT_LT(peak, 50.0 / std::sqrt(double(D)) * 2);
+    if (D >= 16) {
+      EXPECT_LT(peak, 50.0 / std::sqrt(double(D)) * 2);
+    }
   }
   EXPECT_FALSE(kv_rotates_keys(KvDtype::FP8, 32));  // small heads: stored as they are
   EXPECT_TRUE(kv_rotates_keys(KvDtype::FP8, 64));
@@ -262,6 +264,21 @@ TEST(KvFp8, KeyRotationIsTheOrthonormalHadamardTransform) {
   EXPECT_FALSE(kv_rotates_keys(KvDtype::FP8, 1024));
   EXPECT_FALSE(kv_rotates_keys(KvDtype::BF16, 64));
   EXPECT_FALSE(kv_rotates_keys(KvDtype::F32, 64));
+}
+
+// --kv-mem: at the same memory an fp8 cache holds twice bf16's pages, four times f32's.
+TEST(KvFp8, KvMemHoldsTwiceBf16sPages) {
+  ModelConfig c = test::tiny_config();  // 2 layers x 2 KV heads x 16 dims
+  const double page_f32 = 2.0 * c.n_layers * c.n_kv_heads * 16 * c.head_dim * 4;  // 16-token pages
+  const double gib = 1000 * page_f32 / (1024.0 * 1024.0 * 1024.0);
+  EXPECT_EQ(kv_pages_for_memory(c, 16, KvDtype::F32, gib), 1000);
+  EXPECT_EQ(kv_pages_for_memory(c, 16, KvDtype::BF16, gib), 2000);
+  EXPECT_EQ(kv_pages_for_memory(c, 16, KvDtype::FP8, gib), 4000);
+  EXPECT_EQ(kv_pages_for_memory(c, 16, KvDtype::FP8, gib * 0.9999), 3999);  // whole pages only
+  for (double bad : {0.0, -1.0, double(NAN), double(INFINITY)}) {
+    EXPECT_THROW(kv_pages_for_memory(c, 16, KvDtype::FP8, bad), Error) << bad;
+  }
+  EXPECT_THROW(kv_pages_for_memory(c, 16, KvDtype::FP8, 1e-12), Error);  // not one page
 }
 
 TEST(KvFp8, PoolStoresCodesWithItsScalesInAQuarterOfF32sBytes) {

@@ -48,6 +48,8 @@ Sampling follows the OpenAI API: a request without "temperature" samples at 1.0 
                           also sizes the default KV cache
   --kv-pages N            KV cache pages (default: max(ctx-size, max-batch x min(ctx-size,
                           1024)) tokens)
+  --kv-mem GIB            KV cache pages that GIB GiB of K and V hold in --kv-dtype (fp8: twice
+                          bf16's tokens); instead of --kv-pages
   --page-size N           KV cache page size in tokens (default 16)
   --default-max-tokens N  /v1/completions max_tokens when not given (default 16)
   --sparse NAME[:k=v,..]  default sparse method for requests without "sparse" (default full)
@@ -105,7 +107,7 @@ std::string default_model_name(const std::string& path) {
 int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--tokenizer", "--model-name", "--host", "--port", "--api-key", "--max-batch", "--max-queue",
-          "--max-step-tokens", "--ctx-size", "--kv-pages", "--page-size", "--default-max-tokens", "--sparse",
+          "--max-step-tokens", "--ctx-size", "--kv-pages", "--kv-mem", "--page-size", "--default-max-tokens", "--sparse",
           "--budget", "--sparse-opt", "--sparse-config", "--threads", "--http-threads", "--device", "--cpu-weights", "--kv-dtype", "--kv-scale",
           "--max-connections", "--header-timeout",
           "--shutdown-timeout", "--tp", "--tp-rank", "--dist-init"},
@@ -156,7 +158,11 @@ int run(int argc, char** argv) {
   SPADE_CHECK(ctx >= 1 && ctx <= cfg.max_context, "--ctx-size must be in [1, ", cfg.max_context,
               "] (the model's context), got ", ctx);
   so.max_context = ctx;
-  const int64_t pages = a.integer("--kv-pages", default_kv_pages(ctx, so.max_batch, layout.page_size));
+  SPADE_CHECK(!(a.has("--kv-mem") && a.has("--kv-pages")),
+              "--kv-mem and --kv-pages both size the KV cache: give one");
+  const int64_t pages =
+      a.has("--kv-mem") ? kv_pages_for_memory(cfg, layout.page_size, kv_dtype, a.number("--kv-mem", 0))
+                        : a.integer("--kv-pages", default_kv_pages(ctx, so.max_batch, layout.page_size));
   SPADE_CHECK(pages >= 1, "--kv-pages must be positive");
   const std::string device = a.str("--device", "cpu");
   SPADE_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '", device, "'");

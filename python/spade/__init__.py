@@ -89,13 +89,15 @@ class LLM:
     kv_dtype: the KV cache's elements, "bf16" (default) | "f16" | "f32" (the reference) |
     "fp8" (E4M3 with power-of-two scales per layer and KV head; CUDA: "bf16" | "fp8").
     kv_scale: fp8 only, "auto" (from the first forward step) or a number (rounded up to a
-    power of two), as --kv-scale.
+    power of two), as --kv-scale. kv_pages: KV pages (0: sized like `spade serve`); kv_mem: or
+    the pages that many GiB of K and V hold (fp8: twice bf16's), as --kv-mem.
     tokenizer: another tokenizer path. deterministic: batch-invariant GPU decoding.
     """
 
     def __init__(self, model: str, device: str = "cpu", *, threads: int = 0, max_context: int = 0,
                  max_batch: int = 16, max_step_tokens: int = 512, page_size: int = 16,
-                 kv_pages: int = 0, cpu_weights: str = "auto", tokenizer: Optional[str] = None,
+                 kv_pages: int = 0, kv_mem: float = 0.0, cpu_weights: str = "auto",
+                 tokenizer: Optional[str] = None,
                  deterministic: bool = False, kv_dtype: str = "bf16", kv_scale="auto"):
         o = _core.LLMOptions()
         o.device = device
@@ -105,6 +107,7 @@ class LLM:
         o.max_step_tokens = max_step_tokens
         o.page_size = page_size
         o.kv_pages = kv_pages
+        o.kv_mem = float(kv_mem)
         o.cpu_weights = cpu_weights
         o.kv_dtype = kv_dtype
         o.kv_scale = str(kv_scale)

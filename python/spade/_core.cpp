@@ -64,6 +64,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("max_step_tokens", &LLMOptions::max_step_tokens)
       .def_readwrite("page_size", &LLMOptions::page_size)
       .def_readwrite("kv_pages", &LLMOptions::kv_pages)
+      .def_readwrite("kv_mem", &LLMOptions::kv_mem)
       .def_readwrite("cpu_weights", &LLMOptions::cpu_weights)
       .def_readwrite("kv_dtype", &LLMOptions::kv_dtype)
       .def_readwrite("kv_scale", &LLMOptions::kv_scale)

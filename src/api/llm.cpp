@@ -60,7 +60,10 @@ LLM::LLM(const std::string& model, const LLMOptions& o) : impl_(std::make_unique
   so.max_context = ctx;
   RunnerOptions ro;
   ro.device = o.device;
-  ro.kv_pages = o.kv_pages ? o.kv_pages : default_kv_pages(ctx, o.max_batch, o.page_size);
+  SPADE_CHECK(!(o.kv_pages && o.kv_mem != 0), "kv_pages and kv_mem both size the KV cache: give one");
+  ro.kv_pages = o.kv_mem != 0 ? kv_pages_for_memory(cfg, o.page_size, kv_dtype, o.kv_mem)
+                : o.kv_pages  ? o.kv_pages
+                              : default_kv_pages(ctx, o.max_batch, o.page_size);
   ro.page_size = o.page_size;
   ro.kv_dtype = kv_dtype;
   ro.kv_scale = kv_scale;

@@ -26,6 +26,7 @@ struct LLMOptions {
   int64_t max_step_tokens = 512;     // tokens per step (prefill chunks)
   int page_size = 16;                // KV page size in tokens
   int64_t kv_pages = 0;              // KV pool pages (0: sized like `spade serve`)
+  double kv_mem = 0;                 // or the pages this many GiB of K and V hold (--kv-mem)
   std::string cpu_weights = "auto";  // "auto" | "native" | "f32" (--cpu-weights)
   std::string kv_dtype = "bf16";     // KV cache: "bf16" | "f16" | "f32" | "fp8" (--kv-dtype; cuda: bf16 | fp8)
   std::string kv_scale = "auto";     // fp8 cache: "auto" | a number (--kv-scale)

@@ -1,6 +1,8 @@
 #include "engine/runner.h"
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
 
 #include "core/error.h"
 #include "dist/tp_runner.h"
@@ -18,6 +20,18 @@ struct CpuParts {
 int64_t default_kv_pages(int64_t context, int max_batch, int page_size) {
   const int64_t want = std::max<int64_t>(context, int64_t(max_batch) * std::min<int64_t>(context, 1024));
   return (want + page_size - 1) / page_size;
+}
+
+int64_t kv_pages_for_memory(const ModelConfig& c, int page_size, KvDtype t, double gib) {
+  SPADE_CHECK(std::isfinite(gib) && gib > 0, "--kv-mem must be a positive number of GiB, got ", gib);
+  const double page_bytes = 2.0 * double(c.n_layers) * c.n_kv_heads * double(page_size) *
+                            c.head_dim * double(kv_dtype_bytes(t));
+  const double pages = std::floor(gib * 1024.0 * 1024.0 * 1024.0 / page_bytes);
+  SPADE_CHECK(pages >= 1, "--kv-mem ", gib, " GiB holds no KV page (one page of ", page_size,
+              " tokens in ", kv_dtype_name(t), " is ", page_bytes / (1024.0 * 1024.0), " MiB)");
+  SPADE_CHECK(pages <= double(INT32_MAX), "--kv-mem ", gib, " GiB is ", pages,
+              " pages; page ids are 32-bit");
+  return int64_t(pages);
 }
 
 Runner make_runner(const ModelWeights& w, const RunnerOptions& opt) {

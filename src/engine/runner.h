@@ -55,6 +55,13 @@ struct Runner {
 // room for one sequence of `context` tokens, or max_batch sequences of min(context, 1024).
 int64_t default_kv_pages(int64_t context, int max_batch, int page_size);
 
+// KV pages that `gib` GiB of K and V elements hold (`--kv-mem`): one page is every layer's
+// and KV head's page_size rows of K and V in `t`'s bytes, so at the same memory fp8 holds
+// twice bf16's pages and four times f32's. Per-page metadata a method keeps (Quest's bounds,
+// Twilight's INT4 keys) comes on top. Throws when `gib` is not a positive finite number or
+// holds not one page.
+int64_t kv_pages_for_memory(const ModelConfig& c, int page_size, KvDtype t, double gib);
+
 // Throws spade::Error for an unknown device, a build without it, or options it cannot run
 // (its own method, GPU memory).
 Runner make_runner(const ModelWeights& weights, const RunnerOptions& opt);

@@ -255,6 +255,17 @@ def progress_checks(spade, tmp, tok):
           "chat: the progress line on stderr, the same answer on stdout")
 
 
+def kv_mem_checks(spade):
+    """serve --kv-mem GIB: the pages that much K and V holds; bad values and --kv-pages with
+    it are errors before the server starts."""
+    for extra, words in ((["--kv-mem", "0"], "--kv-mem must be a positive number"),
+                         (["--kv-mem", "x"], "--kv-mem expects a number"),
+                         (["--kv-mem", "1e-9"], "holds no KV page"),
+                         (["--kv-mem", "1", "--kv-pages", "8"], "give one")):
+        p = run(spade, "serve", "-m", STORIES, "--port", "0", *extra, timeout=60)
+        check(p.returncode == 1 and words in p.stderr, "serve %s: %r (%r)" % (" ".join(extra), words, p.stderr[-300:]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--spade", required=True)
@@ -265,6 +276,7 @@ def main():
         temperature_checks(args.spade, tok)
         stats_checks(args.spade, tmp)
         progress_checks(args.spade, tmp, tok)
+        kv_mem_checks(args.spade)
     print("%d failure(s)" % failures)
     return 1 if failures else 0
 

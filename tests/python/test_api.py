@@ -99,6 +99,14 @@ def main():
         llm8 = spade.LLM(MODEL, kv_dtype="fp8", kv_scale=scale)
         want8 = cli_tokens(spade_bin, prompts[1], 24, extra=["--kv-dtype", "fp8", "--kv-scale", str(scale)])
         assert llm8.generate(prompts[1], spade.SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids == want8, scale
+    # --kv-mem as kv_mem: the pages that many GiB of K and V hold (fp8: twice bf16's); the
+    # tokens are those of a pool sized by pages.
+    llm_mem = spade.LLM(MODEL, kv_dtype="fp8", kv_scale=0.25, kv_mem=0.05)
+    assert llm_mem.generate(prompts[1], spade.SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids \
+        == cli_tokens(spade_bin, prompts[1], 24, extra=["--kv-dtype", "fp8", "--kv-scale", "0.25"])
+    expect_error(lambda: spade.LLM(MODEL, kv_mem=-1), ["kv-mem", "positive"])
+    expect_error(lambda: spade.LLM(MODEL, kv_mem=1e-9), ["kv-mem", "holds no KV page"])
+    expect_error(lambda: spade.LLM(MODEL, kv_mem=0.5, kv_pages=8), ["kv_pages", "kv_mem"])
     # Errors.
     expect_error(lambda: spade.LLM(MODEL, kv_dtype="fp8", kv_scale="x"), ["kv_scale"])
     expect_error(lambda: spade.LLM(MODEL, kv_scale=0.5), ["kv_scale", "fp8"])
