@@ -24,6 +24,7 @@
 #include "model/cpu_model.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
+#include "kv_cache_test_util.h"
 #include "test_util.h"
 
 using namespace spade;
@@ -40,13 +41,6 @@ std::vector<float> representable(KvDtype t, size_t n, std::mt19937& rng) {
   kv_to_f32(t, buf.data(), int64_t(n), r.data());
   return r;
 }
-
-KVLayout layout(const ModelConfig& c, int page, KvDtype t) {
-  KVLayout l{c.n_layers, c.n_kv_heads, c.head_dim, page};
-  l.dtype = t;
-  return l;
-}
-
 }  // namespace
 
 TEST(KvDtype, ParsesItsNamesAndRefusesOthersClearly) {
@@ -79,9 +73,9 @@ TEST(KvDtype, ParsesItsNamesAndRefusesOthersClearly) {
 TEST(KvDtype, PoolStoresRoundedValuesInHalfTheBytes) {
   ModelConfig c = test::tiny_config();
   const int P = 4;
-  KVPool f32(layout(c, P, KvDtype::F32), 8);
+  KVPool f32(test::kv_layout(c, P, KvDtype::F32), 8);
   for (KvDtype t : {KvDtype::BF16, KvDtype::F16}) {
-    KVPool kv(layout(c, P, t), 8);
+    KVPool kv(test::kv_layout(c, P, t), 8);
     EXPECT_EQ(kv.dtype(), t);
     // K/V bytes halve; the fp32 page bounds stay.
     const size_t meta = size_t(c.n_layers) * 8 * c.n_kv_heads * c.head_dim * 2 * sizeof(float);
@@ -143,20 +137,7 @@ TEST(KvDtype, EveryCpuMethodReadsA16BitCacheAsTheF32CacheOfItsValues) {
   c.head_dim = 64;  // the decode kernels' fast paths (and G = 3)
   c.hidden = c.n_heads * c.head_dim;
   const int64_t L0 = 300, steps = 3;
-  const std::vector<std::string> specs = {
-      "full",
-      "streaming:budget=48",
-      "quest:budget=64",
-      "tidal:budget=48,dense_layers=1,selection_layers=1,3",
-      "lessismore:budget=64,dense_layers=1,selection_layers=1,3",
-      "oracle-topk:budget=40",
-      "oracle-topp:p=0.5",
-      "lycheecluster:budget=64,chunking=fixed",
-      "lycheedecode:roles=RR/SS/RS/SS,budget=48",
-      "twilight",
-      "quest+twilight+blasst",
-      "blasst:lambda=0.9,tile=8,prefill_tile=8,q_block=16",
-  };
+  const std::vector<std::string> specs = test::twin_method_specs({"quest+twilight+blasst"});
   const int Hq = c.n_heads, D = c.head_dim, HD = c.n_kv_heads * D;
   for (KvDtype t : {KvDtype::BF16, KvDtype::F16}) {
     std::mt19937 rng(11);
@@ -166,45 +147,22 @@ TEST(KvDtype, EveryCpuMethodReadsA16BitCacheAsTheF32CacheOfItsValues) {
     std::vector<float> Q = test::random_vec(size_t(c.n_layers * total * Hq * D), 5);
     for (const std::string& spec : specs) {
       SCOPED_TRACE(std::string(kv_dtype_name(t)) + " " + spec);
-      KVPool a(layout(c, 16, t), 32), b(layout(c, 16, KvDtype::F32), 32);
-      auto method = sparse::make_method(sparse::SparseConfig::parse_spec(spec), c);
-      sparse::SparseSession sa(method, c, a, {true, true}), sb(method, c, b, {true, true});
-      PageTable pa, pb;
-      a.reserve(pa, L0);
-      b.reserve(pb, L0);
-      for (int64_t p = 0; p < L0; ++p)
-        for (auto* s : {&sa, &sb}) s->append_token_text("word ");
-      std::vector<float> oa(size_t(L0 * Hq * D)), ob(oa.size());
-      for (int l = 0; l < c.n_layers; ++l) {
-        for (int64_t p = 0; p < L0; ++p) {
-          const size_t o = size_t((l * total + p) * HD);
-          a.write(l, pa, p, K.data() + o, V.data() + o);
-          b.write(l, pb, p, K.data() + o, V.data() + o);
-        }
-        const float* q = Q.data() + size_t(l * total * Hq * D);
-        sa.attend(l, pa, q, 0, L0, oa.data());
-        sb.attend(l, pb, q, 0, L0, ob.data());
-        ASSERT_EQ(oa, ob) << "prefill, layer " << l;
-      }
-      pa.length = pb.length = L0;
-      for (int64_t s = 0; s < steps; ++s) {
-        const int64_t p = L0 + s;
-        a.reserve(pa, p + 1);
-        b.reserve(pb, p + 1);
-        for (auto* ss : {&sa, &sb}) ss->append_token_text("word ");
-        for (int l = 0; l < c.n_layers; ++l) {
-          const size_t o = size_t((l * total + p) * HD);
-          a.write(l, pa, p, K.data() + o, V.data() + o);
-          b.write(l, pb, p, K.data() + o, V.data() + o);
-          const float* q = Q.data() + size_t((l * total + p) * Hq * D);
-          sa.attend(l, pa, q, p, 1, oa.data());
-          sb.attend(l, pb, q, p, 1, ob.data());
-          ASSERT_EQ(std::vector<float>(oa.begin(), oa.begin() + Hq * D),
-                    std::vector<float>(ob.begin(), ob.begin() + Hq * D))
-              << "decode step " << s << ", layer " << l;
-        }
-        pa.length = pb.length = p + 1;
-      }
+      test::TwinCaches tw(c, spec, t, L0);
+      // Both caches get the same rows and queries; the outputs are equal bit for bit.
+      auto write = [&](int l, int64_t p) {
+        const size_t o = size_t((l * total + p) * HD);
+        tw.a.write(l, tw.pa, p, K.data() + o, V.data() + o);
+        tw.b.write(l, tw.pb, p, K.data() + o, V.data() + o);
+      };
+      auto queries = [&](int l, int64_t p, int64_t) {
+        const float* q = Q.data() + size_t((l * total + p) * Hq * D);
+        return std::pair{q, q};
+      };
+      auto same = [](const std::vector<float>& x, const std::vector<float>& y, int64_t n) {
+        return std::equal(x.begin(), x.begin() + n, y.begin());
+      };
+      ASSERT_NO_FATAL_FAILURE(
+          test::run_twin_caches(tw, c.n_layers, L0, steps, Hq * D, write, queries, same));
     }
   }
 }
@@ -220,7 +178,7 @@ TEST(KvDtype, DecodeKernelsOfEverySimdLevelAgreeOnA16BitCache) {
     const int Hq = c.n_heads, G = c.n_heads / c.n_kv_heads;
     for (KvDtype t : {KvDtype::BF16, KvDtype::F16}) {
       const int64_t L = 700;  // several chunks, a partial last one
-      KVPool kv(layout(c, 16, t), 64);
+      KVPool kv(test::kv_layout(c, 16, t), 64);
       PageTable pt;
       kv.reserve(pt, L);
       std::mt19937 rng(4);
@@ -256,10 +214,7 @@ TEST(KvDtype, DecodeKernelsOfEverySimdLevelAgreeOnA16BitCache) {
           }
         }
       }
-      std::vector<cpu::SimdLevel> levels = {cpu::SimdLevel::Scalar};
-      if (int(cpu::detected_simd_level()) >= int(cpu::SimdLevel::Avx2)) levels.push_back(cpu::SimdLevel::Avx2);
-      if (cpu::detected_simd_level() == cpu::SimdLevel::Avx512) levels.push_back(cpu::SimdLevel::Avx512);
-      for (cpu::SimdLevel lv : levels) {
+      for (cpu::SimdLevel lv : test::simd_levels()) {
         const cpu::SimdLevel prev = cpu::set_simd_level(lv);
         std::vector<float> out(size_t(Hq * D));
         cpu::AttentionScratch sc;
@@ -286,7 +241,7 @@ TEST(KvDtype, ModelLogitsOnA16BitCacheStayWithinToleranceOfF32) {
   std::vector<int32_t> seq(112);
   for (auto& x : seq) x = int32_t(rng() % uint32_t(c.vocab));
   auto run = [&](KvDtype t) {
-    KVPool kv(layout(c, 16, t), 16);
+    KVPool kv(test::kv_layout(c, 16, t), 16);
     CpuModel model(w, kv);
     PageTable pt;
     std::vector<int64_t> row_of;
@@ -332,25 +287,10 @@ TEST(KvDtype, RunnerBuildsTheCacheOfTheTypeAsked) {
 // `spade generate --kv-dtype X`: an unknown X is an error naming the option and the choices;
 // f32, bf16 and f16 run.
 TEST(KvDtypeCli, GenerateTakesKvDtypeAndRefusesUnknownTypes) {
-  char self[4096] = {};
-  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
-  ASSERT_GT(len, 0);
-  std::string dir(self, size_t(len));
-  const std::string spade = dir.substr(0, dir.rfind('/')) + "/spade";
+  const std::string spade = test::spade_binary();
+  ASSERT_FALSE(spade.empty());  // /proc/self/exe read
   if (!std::ifstream(spade).good()) GTEST_SKIP() << spade << " not built";
-  const std::string model = test::source_dir() + "/tests/fixtures/models/stories260k-hf";
-  auto run = [&](const std::string& extra, int* rc) {
-    const std::string cmd = spade + " generate --model " + model +
-                            " --prompt 'Once upon a time' -n 6 -t 1 " + extra + " 2>&1";
-    std::string out;
-    FILE* p = popen(cmd.c_str(), "r");
-    if (!p) return out;
-    char buf[4096];
-    size_t got;
-    while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, got);
-    *rc = pclose(p);
-    return out;
-  };
+  auto run = [&](const std::string& extra, int* rc) { return test::run_generate(spade, extra, rc); };
   int rc = 0;
   std::string out = run("--kv-dtype q8", &rc);
   EXPECT_NE(rc, 0) << out;

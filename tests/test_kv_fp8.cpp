@@ -32,6 +32,7 @@
 #include "model/loader.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
+#include "kv_cache_test_util.h"
 #include "test_util.h"
 #include "../tools/kv_args.h"
 
@@ -66,22 +67,6 @@ uint8_t naive_encode(float x) {
   }
   return uint8_t((std::signbit(x) ? 0x80 : 0) | best);
 }
-
-KVLayout layout(const ModelConfig& c, int page, KvDtype t, float scale = 0.f) {
-  KVLayout l{c.n_layers, c.n_kv_heads, c.head_dim, page};
-  l.dtype = t;
-  l.kv_scale = scale;
-  return l;
-}
-
-std::string spade_binary() {
-  char self[4096] = {};
-  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
-  if (len <= 0) return "";
-  std::string dir(self, size_t(len));
-  return dir.substr(0, dir.rfind('/')) + "/spade";
-}
-
 }  // namespace
 
 TEST(Fp8E4m3, EveryCodeDecodesToTheOcpValue) {
@@ -285,8 +270,8 @@ TEST(KvFp8, PoolStoresCodesWithItsScalesInAQuarterOfF32sBytes) {
   ModelConfig c = test::tiny_config();
   c.head_dim = 64;  // keys rotated (kv_rotates_keys)
   const int P = 4, D = c.head_dim, H = c.n_kv_heads, HD = H * D;
-  KVPool f32(layout(c, P, KvDtype::F32), 8), bf(layout(c, P, KvDtype::BF16), 8);
-  KVPool kv(layout(c, P, KvDtype::FP8), 8);
+  KVPool f32(test::kv_layout(c, P, KvDtype::F32), 8), bf(test::kv_layout(c, P, KvDtype::BF16), 8);
+  KVPool kv(test::kv_layout(c, P, KvDtype::FP8), 8);
   const size_t meta = size_t(c.n_layers) * 8 * H * D * 2 * sizeof(float);
   EXPECT_EQ(kv.bytes() - meta, (f32.bytes() - meta) / 4);
   EXPECT_EQ(kv.bytes() - meta, (bf.bytes() - meta) / 2);
@@ -400,12 +385,12 @@ TEST(KvFp8, PoolStoresCodesWithItsScalesInAQuarterOfF32sBytes) {
   EXPECT_THROW(bf.set_scales(0, ok.data(), ok.data()), Error);
   // A fixed scale: every layer set from the start, reset_scales keeps it; a scale that is not
   // a power of two is refused.
-  KVPool fx(layout(c, P, KvDtype::FP8, 0.5f), 4);
+  KVPool fx(test::kv_layout(c, P, KvDtype::FP8, 0.5f), 4);
   EXPECT_TRUE(fx.scales_set(0));
   EXPECT_EQ(fx.k_scale(1, 1), 0.5f);
   fx.reset_scales();
   EXPECT_EQ(fx.v_scale(0, 0), 0.5f);
-  EXPECT_THROW(KVPool(layout(c, P, KvDtype::FP8, 0.3f), 4), Error);
+  EXPECT_THROW(KVPool(test::kv_layout(c, P, KvDtype::FP8, 0.3f), 4), Error);
 }
 
 // Every CPU method over an fp8 cache gives the outputs (bit for bit) it gives over an f32 cache
@@ -418,22 +403,11 @@ TEST(KvFp8, EveryCpuMethodReadsAnFp8CacheAsTheF32CacheOfItsValues) {
   c.head_dim = 64;  // the decode kernels' fast paths (and G = 3)
   c.hidden = c.n_heads * c.head_dim;
   const int64_t L0 = 300, steps = 3;
-  const std::vector<std::string> specs = {
-      "full",
-      "streaming:budget=48",
-      "quest:budget=64",
-      "tidal:budget=48,dense_layers=1,selection_layers=1,3",
-      "lessismore:budget=64,dense_layers=1,selection_layers=1,3",
-      "oracle-topk:budget=40",
-      "oracle-topp:p=0.5",
-      "lycheecluster:budget=64,chunking=fixed",
-      "lycheedecode:roles=RR/SS/RS/SS,budget=48",
-      "twilight",
+  const std::vector<std::string> specs = test::twin_method_specs({
       // (Twilight over Quest on fp8 mixes the two bases, the twins cannot: each composite apart.)
       "quest+blasst",
       "tidal+twilight+blasst",
-      "blasst:lambda=0.9,tile=8,prefill_tile=8,q_block=16",
-  };
+  });
   const int Hq = c.n_heads, D = c.head_dim, H = c.n_kv_heads, HD = H * D;
   const int64_t total = L0 + steps;
   std::vector<float> K = test::random_vec(size_t(c.n_layers * total * HD), 3, 2.f);
@@ -442,14 +416,9 @@ TEST(KvFp8, EveryCpuMethodReadsAnFp8CacheAsTheF32CacheOfItsValues) {
   for (bool auto_scales : {false, true}) {
     for (const std::string& spec : specs) {
       SCOPED_TRACE(std::string(auto_scales ? "auto scales " : "set scales ") + spec);
-      KVPool a(layout(c, 16, KvDtype::FP8), 32), b(layout(c, 16, KvDtype::F32), 32);
-      auto method = sparse::make_method(sparse::SparseConfig::parse_spec(spec), c);
-      sparse::SparseSession sa(method, c, a, {true, true}), sb(method, c, b, {true, true});
-      PageTable pa, pb;
-      a.reserve(pa, L0);
-      b.reserve(pb, L0);
-      for (int64_t p = 0; p < L0; ++p)
-        for (auto* s : {&sa, &sb}) s->append_token_text("word ");
+      test::TwinCaches tw(c, spec, KvDtype::FP8, L0);
+      KVPool &a = tw.a, &b = tw.b;
+      PageTable &pa = tw.pa, &pb = tw.pb;
       std::vector<float> rk(static_cast<size_t>(HD)), rv(static_cast<size_t>(HD));
       // The fp8 cache stores keys rotated (kv/key_rotation.h), so its queries come rotated (as
       // the CPU model rotates them): the f32 twin holds the stored (rotated) keys and gets the
@@ -471,11 +440,13 @@ TEST(KvFp8, EveryCpuMethodReadsAnFp8CacheAsTheF32CacheOfItsValues) {
         b.write(l, pb, p, rk.data(), rv.data());
       };
       std::vector<float> qa, qb;
-      auto queries = [&](const float* q, int64_t n) {  // n tokens of [Hq, D]
+      auto queries = [&](int l, int64_t p, int64_t n) {  // n tokens of [Hq, D] at p
+        const float* q = Q.data() + size_t((l * total + p) * Hq * D);
         qa.assign(q, q + n * Hq * D);
         rotate_key_rows(qa.data(), n * Hq, D);
         qb = qa;
         if (model_basis) rotate_key_rows(qb.data(), n * Hq, D);
+        return std::pair<const float*, const float*>{qa.data(), qb.data()};
       };
       auto same = [&](const std::vector<float>& x, const std::vector<float>& y, int64_t n) {
         if (!model_basis) return std::equal(x.begin(), x.begin() + n, y.begin());
@@ -484,8 +455,7 @@ TEST(KvFp8, EveryCpuMethodReadsAnFp8CacheAsTheF32CacheOfItsValues) {
           peak = std::max(peak, std::abs(y[size_t(i)])), diff = std::max(diff, std::abs(x[size_t(i)] - y[size_t(i)]));
         return diff <= 1e-5f * peak + 1e-7f;
       };
-      std::vector<float> oa(size_t(L0 * Hq * D)), ob(oa.size());
-      for (int l = 0; l < c.n_layers; ++l) {
+      auto scales = [&](int l) {
         if (auto_scales) {
           const size_t o = size_t(l * total * HD);
           a.calibrate_scales(l, K.data() + o, V.data() + o, L0);
@@ -497,27 +467,9 @@ TEST(KvFp8, EveryCpuMethodReadsAnFp8CacheAsTheF32CacheOfItsValues) {
           }
           a.set_scales(l, ks.data(), vs.data());
         }
-        for (int64_t p = 0; p < L0; ++p) write(l, p);
-        queries(Q.data() + size_t(l * total * Hq * D), L0);
-        sa.attend(l, pa, qa.data(), 0, L0, oa.data());
-        sb.attend(l, pb, qb.data(), 0, L0, ob.data());
-        ASSERT_TRUE(same(oa, ob, int64_t(oa.size()))) << "prefill, layer " << l;
-      }
-      pa.length = pb.length = L0;
-      for (int64_t s = 0; s < steps; ++s) {
-        const int64_t p = L0 + s;
-        a.reserve(pa, p + 1);
-        b.reserve(pb, p + 1);
-        for (auto* ss : {&sa, &sb}) ss->append_token_text("word ");
-        for (int l = 0; l < c.n_layers; ++l) {
-          write(l, p);
-          queries(Q.data() + size_t((l * total + p) * Hq * D), 1);
-          sa.attend(l, pa, qa.data(), p, 1, oa.data());
-          sb.attend(l, pb, qb.data(), p, 1, ob.data());
-          ASSERT_TRUE(same(oa, ob, Hq * D)) << "decode step " << s << ", layer " << l;
-        }
-        pa.length = pb.length = p + 1;
-      }
+      };
+      ASSERT_NO_FATAL_FAILURE(
+          test::run_twin_caches(tw, c.n_layers, L0, steps, Hq * D, write, queries, same, scales));
     }
   }
 }
@@ -532,7 +484,7 @@ TEST(KvFp8, DecodeKernelsOfEverySimdLevelReadFp8AsF32) {
     c.n_layers = 1;
     const int Hq = c.n_heads, H = c.n_kv_heads;
     const int64_t L = 700;  // several chunks, a partial last one
-    KVPool a(layout(c, 16, KvDtype::FP8), 64), b(layout(c, 16, KvDtype::F32), 64);
+    KVPool a(test::kv_layout(c, 16, KvDtype::FP8), 64), b(test::kv_layout(c, 16, KvDtype::F32), 64);
     PageTable pa, pb;
     a.reserve(pa, L);
     b.reserve(pb, L);
@@ -550,10 +502,7 @@ TEST(KvFp8, DecodeKernelsOfEverySimdLevelReadFp8AsF32) {
     pa.length = pb.length = L;
     auto q = test::random_vec(size_t(Hq * D), 77);
     const float scale = 1.f / std::sqrt(float(D));
-    std::vector<cpu::SimdLevel> levels = {cpu::SimdLevel::Scalar};
-    if (int(cpu::detected_simd_level()) >= int(cpu::SimdLevel::Avx2)) levels.push_back(cpu::SimdLevel::Avx2);
-    if (cpu::detected_simd_level() == cpu::SimdLevel::Avx512) levels.push_back(cpu::SimdLevel::Avx512);
-    for (cpu::SimdLevel lv : levels) {
+    for (cpu::SimdLevel lv : test::simd_levels()) {
       const cpu::SimdLevel prev = cpu::set_simd_level(lv);
       std::vector<float> oa(size_t(Hq * D)), ob(oa.size());
       cpu::AttentionScratch sc;
@@ -571,7 +520,7 @@ namespace {
 std::vector<float> step_logits(const ModelWeights& w, const std::vector<int32_t>& seq, int64_t n0,
                                KvDtype t) {
   const ModelConfig& c = w.config;
-  KVPool kv(layout(c, 16, t), int64_t(seq.size()) / 16 + 2);
+  KVPool kv(test::kv_layout(c, 16, t), int64_t(seq.size()) / 16 + 2);
   CpuModel model(w, kv);
   PageTable pt;
   std::vector<int64_t> row_of;
@@ -645,7 +594,7 @@ TEST(KvFp8, Stories260kLogitsOnAnFp8CacheStayWithinToleranceOfF32) {
   for (auto& x : seq) x = int32_t(rng() % uint32_t(c.vocab));
   // Greedy continuation as the text (f32 cache): realistic activations, not random tokens.
   {
-    KVPool kv(layout(c, 16, KvDtype::F32), 20);
+    KVPool kv(test::kv_layout(c, 16, KvDtype::F32), 20);
     CpuModel model(*w, kv);
     PageTable pt;
     std::vector<int64_t> row_of;
@@ -779,21 +728,9 @@ TEST(KvFp8Api, LlmTakesFp8AndItsScale) {
 // `spade generate --kv-dtype fp8 [--kv-scale X]` runs; bad scales, --kv-scale without fp8 and an
 // unknown type are refused with errors that say why (fp8 on the GPU: KvFp8Cli.CudaTakesBf16AndFp8).
 TEST(KvFp8Cli, GenerateTakesFp8AndRefusesBadScales) {
-  const std::string spade = spade_binary();
+  const std::string spade = test::spade_binary();
   if (spade.empty() || !std::ifstream(spade).good()) GTEST_SKIP() << spade << " not built";
-  const std::string model = test::source_dir() + "/tests/fixtures/models/stories260k-hf";
-  auto run = [&](const std::string& extra, int* rc) {
-    const std::string cmd = spade + " generate --model " + model +
-                            " --prompt 'Once upon a time' -n 6 -t 1 " + extra + " 2>&1";
-    std::string out;
-    FILE* p = popen(cmd.c_str(), "r");
-    if (!p) return out;
-    char buf[4096];
-    size_t got;
-    while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, got);
-    *rc = pclose(p);
-    return out;
-  };
+  auto run = [&](const std::string& extra, int* rc) { return test::run_generate(spade, extra, rc); };
   int rc = 0;
   for (const char* ok : {"--kv-dtype fp8", "--kv-dtype fp8_e4m3 --kv-scale auto",
                          "--kv-dtype fp8 --kv-scale 0.05"}) {
