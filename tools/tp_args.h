@@ -57,9 +57,10 @@ class TpLaunch {
   void start(const ModelWeights& w, RunnerOptions& ro) {
     ro.tp = size_;
     if (size_ == 1) return;
-    SPADE_CHECK(ro.device == "cpu", "--tp ", size_, " runs on --device cpu only so far (the GPU "
-                "ranks are not wired yet)");
     dist::check_shardable(w.config, size_);
+    // GPU ranks: NCCL in the build and, with every rank on this host, a GPU per rank (rank r
+    // takes GPU r), checked before any rank starts.
+    if (ro.device == "cuda") dist::check_cuda_tp(size_, address_.empty());
     if (!address_.empty()) {
       ro.dist_init = address_;
       return;

@@ -1,10 +1,13 @@
 // NCCL transport of the tensor-parallel collectives (nccl_communicator.h). Compiled only in
-// CUDA builds that find NCCL; untested until a multi-GPU run (issue 39).
+// CUDA builds that find NCCL; untested until a multi-GPU run (issue 39:
+// tests/gpu/test_cuda_tp.cpp).
 #include "dist/nccl_communicator.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cstdlib>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -20,7 +23,29 @@ void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail("NCCL communicator: ", what, ": ", cudaGetErrorString(e));
 }
 
+// NVLink SHARP (NVLS, multicast memory) stays off unless the environment says otherwise: the
+// device machines require it (their notes), and the all-reduces here are small. Set once per
+// process, before the first communicator is created (setenv is not thread-safe).
+void nvls_off_unless_set() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0); });
+}
+
 }  // namespace
+
+void NcclCommunicator::settle(int result, const char* what) {
+  check(result, what);
+  if (static_cast<ncclResult_t>(result) != ncclInProgress) return;
+  const auto deadline = Clock::now() + std::chrono::minutes(5);
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    check(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) check(state, what);
+    if (Clock::now() > deadline) abort_with(cat(what, " did not return within 300 s"));
+    std::this_thread::yield();
+  }
+}
 
 void NcclCommunicator::abort_with(const std::string& why) {
   if (comm_) ncclCommAbort(comm_);
@@ -38,6 +63,7 @@ void NcclCommunicator::check(int result, const char* what) {
 NcclCommunicator::NcclCommunicator(Communicator& bootstrap, int device, CUstream_st* stream,
                                    std::chrono::milliseconds timeout)
     : stream_(stream), rank_(bootstrap.rank()), size_(bootstrap.size()), device_(device) {
+  nvls_off_unless_set();
   cuda_check(cudaSetDevice(device), "cudaSetDevice");
   if (!stream_) {
     cudaStream_t s = nullptr;
@@ -90,16 +116,16 @@ NcclCommunicator::~NcclCommunicator() {
 void NcclCommunicator::all_reduce_sum(float* device_data, int64_t n) {
   SPADE_CHECK(comm_, "NCCL rank ", rank_, ": the communicator was aborted");
   if (n == 0) return;
-  check(ncclAllReduce(device_data, device_data, size_t(n), ncclFloat32, ncclSum, comm_, stream_),
-        "ncclAllReduce");
+  settle(ncclAllReduce(device_data, device_data, size_t(n), ncclFloat32, ncclSum, comm_, stream_),
+         "ncclAllReduce");
 }
 
 void NcclCommunicator::broadcast(void* device_data, int64_t bytes, int root) {
   SPADE_CHECK(comm_, "NCCL rank ", rank_, ": the communicator was aborted");
   SPADE_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is outside [0, ", size_, ")");
   if (bytes == 0) return;
-  check(ncclBroadcast(device_data, device_data, size_t(bytes), ncclUint8, root, comm_, stream_),
-        "ncclBroadcast");
+  settle(ncclBroadcast(device_data, device_data, size_t(bytes), ncclUint8, root, comm_, stream_),
+         "ncclBroadcast");
 }
 
 void NcclCommunicator::barrier() {
@@ -107,20 +133,41 @@ void NcclCommunicator::barrier() {
   wait();
 }
 
-void NcclCommunicator::wait(std::chrono::milliseconds timeout) {
+void NcclCommunicator::all_reduce_sum_on(float* device_data, int64_t n, void* stream) {
   SPADE_CHECK(comm_, "NCCL rank ", rank_, ": the communicator was aborted");
-  const auto deadline = Clock::now() + timeout;
+  if (n == 0) return;
+  settle(ncclAllReduce(device_data, device_data, size_t(n), ncclFloat32, ncclSum, comm_,
+                       static_cast<cudaStream_t>(stream)),
+         "ncclAllReduce");
+}
+
+void NcclCommunicator::synchronize(void* stream) {
+  wait_on(static_cast<cudaStream_t>(stream), std::chrono::minutes(5));
+}
+
+void NcclCommunicator::wait(std::chrono::milliseconds timeout) { wait_on(stream_, timeout); }
+
+void NcclCommunicator::wait_on(CUstream_st* stream, std::chrono::milliseconds timeout) {
+  SPADE_CHECK(comm_, "NCCL rank ", rank_, ": the communicator was aborted");
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
   for (;;) {
-    const cudaError_t q = cudaStreamQuery(stream_);
+    const cudaError_t q = cudaStreamQuery(stream);
     if (q == cudaSuccess) return;
     if (q != cudaErrorNotReady) abort_with(cat("the stream failed: ", cudaGetErrorString(q)));
     ncclResult_t state = ncclSuccess;
     check(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
     if (state != ncclSuccess && state != ncclInProgress) check(state, "a collective");
-    if (Clock::now() > deadline)
+    const auto now = Clock::now();
+    if (now > deadline)
       abort_with(cat("a collective did not finish within ",
                      std::chrono::duration<double>(timeout).count(), " s (did a rank exit?)"));
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    // A decode step takes milliseconds: yield at first (no sleep granularity on the step
+    // time), then sleep between polls.
+    if (now - start < std::chrono::milliseconds(5))
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
 

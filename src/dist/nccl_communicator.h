@@ -8,20 +8,27 @@
 // poll NCCL's asynchronous error and abort the communicator on an error or a timeout, so a
 // rank that dies makes the others throw spade::Error instead of hanging.
 //
-// UNTESTED: compiled in CUDA builds that find NCCL (CMakeLists.txt: SPADE_HAVE_NCCL), never
-// run yet: it needs a multi-GPU machine (issue 39).
+// It also implements DeviceCollectives (device_collectives.h): CudaModel's all-reduces go on
+// the model's own stream (all_reduce_sum_on), and the model's host syncs poll NCCL's errors
+// (synchronize). NVLink SHARP / multicast (NVLS) stays off: the constructor sets
+// NCCL_NVLS_ENABLE=0 unless the environment already sets it (the device machines need it off).
+//
+// UNTESTED until a multi-GPU run: compiled in CUDA builds that find NCCL (CMakeLists.txt:
+// SPADE_HAVE_NCCL); tests/gpu/test_cuda_tp.cpp exercises it on 2+ GPUs (issue 39).
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <string>
 
 #include "dist/communicator.h"
+#include "dist/device_collectives.h"
 
 struct ncclComm;     // nccl.h: typedef struct ncclComm* ncclComm_t
 struct CUstream_st;  // cuda_runtime.h: typedef struct CUstream_st* cudaStream_t
 
 namespace spade::dist {
 
-class NcclCommunicator : public Communicator {
+class NcclCommunicator : public Communicator, public DeviceCollectives {
  public:
   // Collective over `bootstrap`'s ranks: binds this thread to `device`, rank 0 creates the
   // unique id and broadcasts it, every rank joins (at most `timeout`). `stream` (null: a new
@@ -44,9 +51,16 @@ class NcclCommunicator : public Communicator {
   // error or after `timeout`.
   void wait(std::chrono::milliseconds timeout = std::chrono::minutes(5));
   CUstream_st* stream() const { return stream_; }
+  // DeviceCollectives: the all-reduce on any stream of this device; synchronize = wait on it.
+  void all_reduce_sum_on(float* device_data, int64_t n, void* stream) override;
+  void synchronize(void* stream) override;
+  void wait_on(CUstream_st* stream, std::chrono::milliseconds timeout);
 
  private:
   void check(int result, const char* what);  // an ncclResult_t
+  // After an enqueue that returned ncclInProgress (non-blocking communicator): polls until
+  // the call is done, as NCCL requires before more work goes to the stream.
+  void settle(int result, const char* what);
   [[noreturn]] void abort_with(const std::string& why);
 
   ncclComm* comm_ = nullptr;

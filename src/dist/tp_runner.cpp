@@ -1,6 +1,7 @@
 // The tensor-parallel step protocol (tp_runner.h): rank 0's TpStepModel and the followers' loop.
 #include "dist/tp_runner.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -97,6 +98,11 @@ TpInit make_init(const ModelConfig& c, int tp, const RunnerOptions& opt) {
   i.kv_dtype = int32_t(opt.kv_dtype);
   i.kv_scale = opt.kv_scale;
   i.kv_pages = opt.kv_pages;
+  i.cuda = opt.device == "cuda" ? 1 : 0;
+  i.max_batch = opt.max_batch;
+  i.deterministic = opt.deterministic ? 1 : 0;
+  i.max_step_tokens = opt.max_step_tokens;
+  i.max_logit_rows = opt.max_logit_rows;
   return i;
 }
 
@@ -120,6 +126,27 @@ std::unique_ptr<KVPool> shard_pool(const ModelConfig& shard, int page_size, KvDt
   lay.dtype = dtype;
   lay.kv_scale = kv_scale;
   return std::make_unique<KVPool>(lay, pages);
+}
+
+// The CPU rank: CpuModel of `shard` over a pool of its KV heads.
+TpRankModel make_cpu_rank(const ModelWeights& shard, Communicator& comm, const TpInit& init,
+                          bool logits) {
+  struct Owned {
+    std::unique_ptr<KVPool> kv;
+    std::unique_ptr<CpuModel> model;
+  };
+  auto o = std::make_shared<Owned>();
+  o->kv = shard_pool(shard.config, init.page_size, KvDtype(init.kv_dtype), init.kv_scale,
+                     init.kv_pages);
+  o->model = std::make_unique<CpuModel>(shard, *o->kv, &comm);
+  o->model->set_logits(logits);
+  TpRankModel r;
+  r.step = std::make_unique<CpuStepModel>(*o->model);
+  KVPool* kv = o->kv.get();
+  r.reserve = [kv](PageTable& pt, int64_t n) { kv->reserve(pt, n); };
+  r.kv_mib = double(kv->bytes()) / (1024.0 * 1024.0);
+  r.owned = std::move(o);
+  return r;
 }
 
 }  // namespace
@@ -169,8 +196,13 @@ TpStepModel::TpStepModel(std::unique_ptr<Communicator> comm, const ModelWeights&
   comm_->broadcast(&init, sizeof init, 0);
   agree_on_model(*comm_, true);
   shard_ = shard_weights(w, 0, tp);
-  kv_ = shard_pool(shard_.config, opt.page_size, opt.kv_dtype, opt.kv_scale, opt.kv_pages);
-  model_ = std::make_unique<CpuModel>(shard_, *kv_, comm_.get());
+  if (init.cuda) {
+    rank_ = make_cuda_rank(shard_, *comm_, init, cuda_device_of_rank(0));
+    shard_ = ModelWeights{};  // uploaded
+    comm_->barrier();  // every rank built its model (one that failed has closed its connection)
+  } else {
+    rank_ = make_cpu_rank(shard_, *comm_, init, true);
+  }
 }
 
 TpStepModel::~TpStepModel() {
@@ -190,7 +222,9 @@ void TpStepModel::shutdown() {
   send_message(*comm_, kShutdown, w.take());
 }
 
-std::string TpStepModel::device() const { return cat("cpu, --tp ", comm_->size()); }
+std::string TpStepModel::device() const {
+  return cat(rank_.step->device(), ", --tp ", comm_->size());
+}
 
 void TpStepModel::release(PageTable& pt) {
   auto it = seqs_.find(&pt);
@@ -198,16 +232,59 @@ void TpStepModel::release(PageTable& pt) {
     released_.push_back(it->second.id);
     seqs_.erase(it);
   }
-  kv_->release(pt);
+  rank_.step->release(pt);
+}
+
+void TpStepModel::broke(const std::exception& e) {
+  broken_ = cat("tensor parallelism stopped: ", e.what());
+  throw Error(broken_);
 }
 
 const std::vector<float>& TpStepModel::forward(const std::vector<SeqInput>& batch,
                                                std::vector<int64_t>& row_of) {
+  begin_step(batch);
+  try {
+    return rank_.step->forward(batch, row_of);
+  } catch (const std::exception& e) {
+    broke(e);
+  }
+}
+
+const std::vector<int32_t>& TpStepModel::forward_sample(const std::vector<SeqInput>& batch,
+                                                        const std::vector<RowSampling>& rows) {
+  begin_step(batch);
+  try {
+    return rank_.step->forward_sample(batch, rows);
+  } catch (const std::exception& e) {
+    broke(e);
+  }
+}
+
+void TpStepModel::forward_sample_launch(const std::vector<SeqInput>& batch,
+                                        const std::vector<RowSampling>& rows) {
+  begin_step(batch);
+  try {
+    rank_.step->forward_sample_launch(batch, rows);
+  } catch (const std::exception& e) {
+    broke(e);
+  }
+}
+
+const std::vector<int32_t>& TpStepModel::forward_sample_wait() {
+  SPADE_CHECK(broken_.empty(), broken_);
+  try {
+    return rank_.step->forward_sample_wait();
+  } catch (const std::exception& e) {
+    broke(e);
+  }
+}
+
+void TpStepModel::begin_step(const std::vector<SeqInput>& batch) {
   SPADE_CHECK(broken_.empty(), broken_);
   SPADE_CHECK(!shut_down_, "tensor parallelism: the ranks were shut down");
   const ModelConfig& c = full_config_;
   // Everything the forward would refuse, refused before any rank hears of the step.
-  const int64_t P = kv_->layout().page_size;
+  const int64_t P = rank_.step->page_size();
   int64_t need = 0;
   for (const SeqInput& s : batch) {
     SPADE_CHECK(s.n_tokens > 0 && s.pages && s.tokens, "forward: empty sequence input");
@@ -230,14 +307,14 @@ const std::vector<float>& TpStepModel::forward(const std::vector<SeqInput>& batc
     need += std::max<int64_t>(0, (s.pages->length + s.n_tokens + P - 1) / P -
                                      int64_t(s.pages->pages.size()));
   }
-  SPADE_CHECK(need <= kv_->free_pages(), "KV cache full: need ", need, " more pages of ", P,
-              " tokens for this step, ", kv_->free_pages(), " of ", kv_->n_pages(),
-              " pages free (raise --kv-pages)");
+  SPADE_CHECK(need <= rank_.step->free_pages(), "KV cache full: need ", need, " more pages of ",
+              P, " tokens for this step, ", rank_.step->free_pages(), " of ",
+              rank_.step->total_pages(), " pages free (raise --kv-pages)");
   StepPlan plan;
   plan.released = std::move(released_);
   released_.clear();
   for (const SeqInput& s : batch) {
-    kv_->reserve(*s.pages, s.pages->length + s.n_tokens);  // cannot fail now
+    rank_.reserve(*s.pages, s.pages->length + s.n_tokens);  // cannot fail now
     auto [it, fresh] = seqs_.try_emplace(s.pages);
     if (fresh) it->second.id = next_id_++;
     StepPlan::Seq q;
@@ -253,21 +330,20 @@ const std::vector<float>& TpStepModel::forward(const std::vector<SeqInput>& batc
   // From here on every rank runs this step: a failure leaves them out of step for good.
   try {
     send_message(*comm_, kStep, plan.encode());
-    return model_->forward(batch, row_of);
   } catch (const std::exception& e) {
-    broken_ = cat("tensor parallelism stopped: ", e.what());
-    throw Error(broken_);
+    broke(e);
   }
 }
 
 Runner make_tp_runner(const ModelWeights& w, const RunnerOptions& opt) {
-  SPADE_CHECK(opt.device == "cpu", "--tp ", opt.tp, " runs on --device cpu only so far (the GPU "
-              "ranks are not wired yet: docs/cli.md)");
+  SPADE_CHECK(opt.device == "cpu" || opt.device == "cuda", "--device must be cpu or cuda, got '",
+              opt.device, "'");
   SPADE_CHECK(opt.sparse.method == "full" && !opt.sparse.measure_recall, "--tp ", opt.tp,
               ": sparse method '", opt.sparse.method, "'", opt.sparse.measure_recall ? " with recall" : "",
               " does not run under tensor parallelism yet (its CPU sessions would have to run on "
               "every rank; use --tp 1)");
   check_shardable(w.config, opt.tp);
+  if (opt.device == "cuda") check_cuda_tp(opt.tp, opt.dist_listener != nullptr);
   std::unique_ptr<Communicator> comm;
   if (opt.dist_listener)
     comm = std::make_unique<TcpCommunicator>(std::move(*opt.dist_listener), opt.tp);
@@ -276,7 +352,8 @@ Runner make_tp_runner(const ModelWeights& w, const RunnerOptions& opt) {
   auto model = std::make_unique<TpStepModel>(std::move(comm), w, opt);
   Runner r;
   r.kv_mib = model->kv_mib();
-  r.max_step_tokens = opt.max_step_tokens;
+  r.max_step_tokens = std::max(opt.max_step_tokens, model->rank_model().max_step_tokens);
+  r.max_logit_rows = model->rank_model().max_logit_rows;
   const int tp = opt.tp;
   r.check_method = [tp](const sparse::SparseConfig& m) {
     fail("sparse method '", m.method, "' does not run under tensor parallelism yet (--tp ", tp,
@@ -358,12 +435,15 @@ void run_follower_rank(const ModelWeights& w, const std::string& address, int ra
   RunnerOptions mine;
   agree_on_model(comm, same_shape(init, make_init(w.config, size, mine)));
   ModelWeights shard = shard_weights(w, rank, size);
-  auto kv = shard_pool(shard.config, init.page_size, KvDtype(init.kv_dtype), init.kv_scale,
-                       init.kv_pages);
-  CpuModel model(shard, *kv, &comm);
-  model.set_logits(false);
-  CpuStepModel step(model);
-  run_follower(step, comm);
+  TpRankModel m;
+  if (init.cuda) {
+    m = make_cuda_rank(shard, comm, init, cuda_device_of_rank(rank));
+    shard = ModelWeights{};  // uploaded
+    comm.barrier();          // every rank built its model
+  } else {
+    m = make_cpu_rank(shard, comm, init, false);
+  }
+  run_follower(*m.step, comm);
 }
 
 }  // namespace spade::dist

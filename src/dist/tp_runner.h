@@ -17,10 +17,20 @@
 // options): followers need only the model path and the rendezvous address, and a follower
 // that loaded another model makes every rank fail at start-up.
 //
-// Followers compute no logits (CpuModel::set_logits(false)). Sparse methods are refused under
-// TP so far (the CPU sparse sessions would have to run on every rank; see docs/cli.md).
+// Followers compute no logits (CpuModel::set_logits(false), CudaModelOptions::logits).
+// Sparse methods are refused under TP so far (the CPU sparse sessions would have to run on
+// every rank; see docs/cli.md).
+//
+// GPU ranks (TpInit::cuda; tp_cuda.cpp, CUDA builds with NCCL): each rank is one process on
+// its own GPU (rank r takes device r mod the visible GPUs), a CudaModel of its shard whose
+// all-reduces go over NCCL (the communicator made after the TCP rendezvous, its unique id
+// broadcast over TCP). The CudaModels' page allocators are identical and see the same
+// reserve / release sequence, so every rank hands out rank 0's page ids (checked per step, as
+// on the CPU). Rank 0 samples on its GPU (TpStepModel::forward_sample*). Untested until a
+// multi-GPU run (tests/gpu/test_cuda_tp.cpp, tests/e2e/test_tp_cuda.py).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -54,10 +64,35 @@ struct TpInit {
   int32_t page_size = 0, kv_dtype = 0;
   float kv_scale = 0.f;
   int64_t kv_pages = 0;
+  // The GPU ranks (cuda != 0): what CudaModelOptions every rank needs alike.
+  int32_t cuda = 0, max_batch = 0, deterministic = 0;
+  int64_t max_step_tokens = 0, max_logit_rows = 0;
 };
 
-// Rank 0's model: its shard (CpuModel over a pool of its KV heads) driven through the step
-// protocol. Destroying it tells the followers to shut down (when the ranks still talk).
+// One rank's shard on its device, as TpStepModel (rank 0) and the followers drive it.
+struct TpRankModel {
+  std::shared_ptr<void> owned;  // what `step` runs on (the model, its pool or communicator)
+  std::unique_ptr<StepModel> step;
+  std::function<void(PageTable&, int64_t)> reserve;  // the pool's reserve (pages for a length)
+  double kv_mib = 0;
+  int64_t max_logit_rows = 0, max_step_tokens = 0;  // cuda: what the runner takes
+};
+
+// tp_cuda.cpp. Throws spade::Error unless this build has CUDA and NCCL and, when every rank
+// runs on this host (`local`), at least `tp` GPUs are visible ("--tp 2 needs 2 GPUs, 1 visible").
+void check_cuda_tp(int tp, bool local);
+// The GPU of rank `rank` on its host: rank mod the visible GPUs.
+int cuda_device_of_rank(int rank);
+// Binds this thread to `device`, joins the NCCL communicator of bootstrap's ranks (collective:
+// every rank calls it at the same point) and builds the CudaModel of `shard` (its config: the
+// rank's heads / ffn) with init's options on it; logits on rank 0 only. Untested until a
+// multi-GPU run.
+TpRankModel make_cuda_rank(const ModelWeights& shard, Communicator& bootstrap, const TpInit& init,
+                           int device);
+
+// Rank 0's model: its shard (CpuModel over a pool of its KV heads, or a CudaModel on GPU 0)
+// driven through the step protocol. Destroying it tells the followers to shut down (when the
+// ranks still talk).
 class TpStepModel : public StepModel {
  public:
   // `comm`: rank 0 of tp ranks, every follower joined. Sends TpInit and checks that every rank
@@ -68,13 +103,22 @@ class TpStepModel : public StepModel {
   const ModelConfig& config() const override { return full_config_; }
   const std::vector<float>& forward(const std::vector<SeqInput>& batch,
                                     std::vector<int64_t>& row_of) override;
-  int page_size() const override { return kv_->layout().page_size; }
-  int64_t total_pages() const override { return kv_->n_pages(); }
-  int64_t free_pages() const override { return kv_->free_pages(); }
+  int page_size() const override { return rank_.step->page_size(); }
+  int64_t total_pages() const override { return rank_.step->total_pages(); }
+  int64_t free_pages() const override { return rank_.step->free_pages(); }
   void release(PageTable& pt) override;
   bool supports_attention_callbacks() const override { return false; }
   std::string device() const override;
-  double kv_mib() const { return double(kv_->bytes()) / (1024.0 * 1024.0); }
+  // The GPU ranks sample on rank 0's GPU (the followers run the same step without logits).
+  bool samples_on_device() const override { return rank_.step->samples_on_device(); }
+  const std::vector<int32_t>& forward_sample(const std::vector<SeqInput>& batch,
+                                             const std::vector<RowSampling>& rows) override;
+  void forward_sample_launch(const std::vector<SeqInput>& batch,
+                             const std::vector<RowSampling>& rows) override;
+  const std::vector<int32_t>& forward_sample_wait() override;
+  StepCounters step_counters() const override { return rank_.step->step_counters(); }
+  double kv_mib() const { return rank_.kv_mib; }
+  const TpRankModel& rank_model() const { return rank_; }
   // Sends shutdown now (the destructor's job; idempotent).
   void shutdown();
 
@@ -83,11 +127,15 @@ class TpStepModel : public StepModel {
     uint64_t id = 0;
     int64_t length = 0;  // what the followers hold
   };
+  // Checks the step (a refused step reaches no rank), reserves its pages and broadcasts its
+  // plan; from then on a failure leaves the ranks out of step (broken_).
+  void begin_step(const std::vector<SeqInput>& batch);
+  [[noreturn]] void broke(const std::exception& e);
+
   std::unique_ptr<Communicator> comm_;
   ModelConfig full_config_;
-  ModelWeights shard_;
-  std::unique_ptr<KVPool> kv_;
-  std::unique_ptr<CpuModel> model_;
+  ModelWeights shard_;  // the CPU rank's weights (the CUDA rank's are on its GPU)
+  TpRankModel rank_;
   std::unordered_map<const PageTable*, Tracked> seqs_;
   std::vector<uint64_t> released_;  // since the last message
   uint64_t next_id_ = 1;
@@ -96,8 +144,9 @@ class TpStepModel : public StepModel {
 };
 
 // rank 0: the runner for opt.tp > 1 (make_runner's TP branch). Joins the followers at
-// opt.dist_listener (a socket already bound) or opt.dist_init (throws spade::Error for
-// options TP cannot run yet: --device cuda, a sparse method).
+// opt.dist_listener (a socket already bound: the ranks run on this host) or opt.dist_init
+// (throws spade::Error for options TP cannot run yet: a sparse method; --device cuda without
+// NCCL or with fewer local GPUs than ranks).
 Runner make_tp_runner(const ModelWeights& w, const RunnerOptions& opt);
 
 // A follower's loop: mirrors rank 0's steps on `model` (its shard, logits off) until rank 0
@@ -106,7 +155,9 @@ Runner make_tp_runner(const ModelWeights& w, const RunnerOptions& opt);
 void run_follower(StepModel& model, Communicator& comm);
 
 // A follower process: joins rank 0 at `address` as rank `rank` of `size`, receives TpInit,
-// builds its shard of `w` (CPU), and runs run_follower until shutdown.
+// builds its shard of `w` (on the CPU, or with TpInit::cuda a CudaModel on GPU
+// cuda_device_of_rank(rank), selected before the process's first CUDA work), and runs
+// run_follower until shutdown.
 void run_follower_rank(const ModelWeights& w, const std::string& address, int rank, int size);
 
 }  // namespace spade::dist

@@ -29,6 +29,7 @@
 #include "backend/cuda/sparse_attention.h"
 #include "backend/cuda/twilight.h"
 #include "core/half.h"
+#include "dist/device_collectives.h"
 #include "kv/fp8_e4m3.h"
 #include "kv/key_rotation.h"
 
@@ -553,7 +554,7 @@ void CudaModel::prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>
     g.m->trace = g.id == 0 ? quest_trace : nullptr;
     g.m->plan(group_inputs_.data() + g.b0, aseq_.data() + g.b0, g.n);
   }
-  SPADE_CUDA(cudaStreamSynchronize(st));  // the pinned inputs above are consumed
+  sync_stream();  // the pinned inputs above are consumed
   for (const SeqInput& s : batch) s.pages->length += s.n_tokens;
 }
 
@@ -582,6 +583,11 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
   const size_t layer_meta = size_t(n_pages_) * size_t(Hkv) * 2 * D;
   const size_t row_elems = size_t(Hq) * D;  // one token's q / attention output
   for (const Group& g : groups_) g.m->begin_step();
+  // Tensor parallelism (CudaModelOptions::tp): rank 0 adds its o- / down-projection partial to
+  // the residual, the other ranks write theirs alone; the all-reduce then sums residual and
+  // partials on every rank.
+  dist::DeviceCollectives* tp = opt_.tp && opt_.tp->size() > 1 ? opt_.tp : nullptr;
+  const float beta_res = tp && tp->rank() > 0 ? 0.f : 1.f;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
     // (fp8: uint8 codes behind the bf16 pointer type, QkvPostArgs::kv_scale.)
@@ -638,7 +644,8 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
                             att + size_t(g.t0) * row_elems, scale);
       for (const Group& g : groups_) g.m->join_lane();
     }
-    gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, 1.f, st);
+    gemm_->run_f32(att, L.wo, x_, T, H, Hq * D, beta_res, st);
+    if (tp) tp->all_reduce_sum_on(x_, int64_t(T) * H, st);
     cuda::rmsnorm(x_, nullptr, L.ffn_norm, c.rms_eps, xn, T, H, st);
     if ((fused_gemv_ & CudaModelOptions::kFuseSwiglu) && gemm_->uses_gemv(T) &&
         cuda::gemv_supported(xn, L.wgu, T, H)) {
@@ -647,9 +654,11 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
       gemm_->run_f32(xn, L.wgu, gu_, T, 2 * F, H, 0.f, st);
       cuda::swiglu(gu_, h, T, F, st);
     }
-    gemm_->run_f32(h, L.wdown, x_, T, H, F, 1.f, st);
+    gemm_->run_f32(h, L.wdown, x_, T, H, F, beta_res, st);
+    if (tp) tp->all_reduce_sum_on(x_, int64_t(T) * H, st);
   }
   for (const Group& g : groups_) g.m->join();
+  if (!opt_.logits) return;  // a tensor-parallel follower: rank 0 computes the logits
   cuda::rmsnorm(x_, tok_in_ + 3 * S, final_norm_, c.rms_eps, xn, R, H, st);
   gemm_->run_f32(xn, static_cast<const bf16*>(lm_head_), logits_, R, V, H, 0.f, st);
   if (sample && rows_mode_)
@@ -735,7 +744,7 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
         enqueue(sample, sp, step);
         for (const Group& g : groups_) g.m->count_blasst = true, g.m->warm = true;
         eager_T_.insert(T_);
-        SPADE_CUDA(cudaStreamSynchronize(st));
+        sync_stream();
       }
       cudaGraph_t g;
       SPADE_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -746,7 +755,11 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
       // (a server's batch composition changes every few steps); else instantiate.
       graph_class(sample);
       cudaGraphExec_t ge = nullptr;
-      if (auto c = graph_class_last_.find(graph_class_); c != graph_class_last_.end()) {
+      // Tensor parallelism: no update in place. NCCL ties each captured collective's resources
+      // to the graph captured (a user object), and an update would leave the exec on the
+      // resources of the graph it was instantiated from: always instantiate.
+      const bool tp_graph = opt_.tp && opt_.tp->size() > 1;
+      if (auto c = graph_class_last_.find(graph_class_); !tp_graph && c != graph_class_last_.end()) {
         auto old = graphs_.find(c->second);
         if (old != graphs_.end()) {
           cudaGraphExecUpdateResultInfo info;
@@ -793,6 +806,13 @@ void CudaModel::launch(bool sample, const cuda::GpuSampling* sp, uint64_t step) 
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev1_), st));
 }
 
+void CudaModel::sync_stream() {
+  if (opt_.tp)
+    opt_.tp->synchronize(stream_);
+  else
+    SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+}
+
 void CudaModel::step_done() {
   SPADE_CUDA(cudaEventElapsedTime(&last_ms_, static_cast<cudaEvent_t>(ev0_),
                                   static_cast<cudaEvent_t>(ev1_)));
@@ -804,23 +824,30 @@ const std::vector<float>& CudaModel::forward(const std::vector<SeqInput>& batch,
                                              std::vector<int64_t>& row_of) {
   prepare(batch, row_of, false);
   launch(false, nullptr, 0);
+  if (!opt_.logits) {  // a tensor-parallel follower: no rows
+    logits_host_.clear();
+    sync_stream();
+    step_done();
+    return logits_host_;
+  }
   logits_host_.resize(size_t(R_) * cfg_.vocab);
   SPADE_CUDA(cudaMemcpyAsync(logits_host_.data(), logits_, sizeof(float) * logits_host_.size(),
                              cudaMemcpyDeviceToHost, S_(stream_)));
-  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  sync_stream();
   step_done();
   return logits_host_;
 }
 
 std::vector<int32_t> CudaModel::forward_sample(const std::vector<SeqInput>& batch,
                                                const cuda::GpuSampling& sp, uint64_t step) {
+  SPADE_CHECK(opt_.logits, "forward_sample: this model computes no logits (CudaModelOptions::logits)");
   std::vector<int64_t> row_of;
   prepare(batch, row_of, true);
   rows_mode_ = false;
   launch(true, &sp, step);
   SPADE_CUDA(cudaMemcpyAsync(sampled_host_, sampled_, sizeof(int32_t) * size_t(R_),
                              cudaMemcpyDeviceToHost, S_(stream_)));
-  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  sync_stream();
   step_done();
   return std::vector<int32_t>(sampled_host_, sampled_host_ + R_);
 }
@@ -833,6 +860,7 @@ const std::vector<int32_t>& CudaModel::forward_sample_rows(
 
 void CudaModel::forward_sample_rows_launch(const std::vector<SeqInput>& batch,
                                            const std::vector<cuda::GpuSamplingRow>& rows) {
+  SPADE_CHECK(opt_.logits, "forward_sample_rows: this model computes no logits (CudaModelOptions::logits)");
   SPADE_CHECK(rows.size() == batch.size(), "forward_sample_rows: ", rows.size(),
               " parameter rows for ", batch.size(), " sequences");
   for (const SeqInput& s : batch)
@@ -849,7 +877,7 @@ void CudaModel::forward_sample_rows_launch(const std::vector<SeqInput>& batch,
 }
 
 const std::vector<int32_t>& CudaModel::forward_sample_rows_wait() {
-  SPADE_CUDA(cudaStreamSynchronize(S_(stream_)));
+  sync_stream();
   step_done();
   sampled_rows_.assign(sampled_host_, sampled_host_ + R_);
   return sampled_rows_;

@@ -38,6 +38,9 @@ namespace cuda {
 class DeviceArena;
 class Gemm;
 }  // namespace cuda
+namespace dist {
+class DeviceCollectives;
+}  // namespace dist
 
 struct CudaModelOptions {
   int64_t kv_pages = 0;          // pages in the KV pool (0: enough for max_tokens)
@@ -94,6 +97,18 @@ struct CudaModelOptions {
   // GPU method is refused with an error naming it (its kernels read bf16 caches).
   KvDtype kv_dtype = KvDtype::BF16;
   float kv_scale = 0.f;
+  // Tensor parallelism (issue 39, dist/tp_runner.h): this model is one rank's shard
+  // (dist::shard_weights: its heads, its ffn slice; o-proj and down-proj columns) and `tp` its
+  // collectives on this GPU (an NcclCommunicator). The o- and down-projections then add the
+  // rank's partial into the residual (rank 0) or write it alone (ranks > 0), and an in-place
+  // all-reduce of the residual on the model's stream follows each (inside captured graphs
+  // too): every rank ends each layer with the full residual. Host syncs poll the collectives'
+  // errors (a dead rank throws instead of hanging). Null (or one rank): no change at all.
+  // Untested until a multi-GPU run (tests/gpu/test_cuda_tp.cpp).
+  dist::DeviceCollectives* tp = nullptr;
+  // false: no final norm, LM head nor sampling (tensor-parallel followers: rank 0 alone
+  // samples); forward() returns no rows, forward_sample*() throw.
+  bool logits = true;
 };
 
 // Configs for synthetic-weight runs: "llama3-8b" (Llama-3.1-8B: 128K context, llama3 RoPE
@@ -221,6 +236,7 @@ class CudaModel {
   void prepare(const std::vector<SeqInput>& batch, std::vector<int64_t>& row_of, bool sample);
   void enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step);
   void launch(bool sample, const cuda::GpuSampling* sp, uint64_t step);
+  void sync_stream();  // cudaStreamSynchronize, or with opt_.tp its polling wait
   void drop_graphs();
   int method_of(const SeqInput& s) const;  // its device_state's method id (0 without one)
   // Rows that prefill (or correct the cache) densely, of a method that also decodes rows in

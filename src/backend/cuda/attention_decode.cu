@@ -78,6 +78,7 @@
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/per_device.h"
 #include "core/tuning.h"
 
 namespace spade::cuda::attn_detail {
@@ -793,10 +794,10 @@ template <int D, int W, int S, int TK, bool SKIP = false, bool EMIT = false, boo
 struct Inst {
   using C = DecCfg<D, W, S, TK, F8, F8R>;
   static void prepare() {
-    static bool done = false;
-    if (!done) {
+    static PerDeviceOnce done;  // per device: tensor-parallel ranks as threads (per_device.h)
+    if (done.pending()) {
       set_max_dynamic_smem(decode_v3_kernel<D, W, S, TK, SKIP, EMIT, DYN, F8, F8R>, int(C::kSmem));
-      done = true;
+      done.mark();
     }
   }
   static int occupancy() {

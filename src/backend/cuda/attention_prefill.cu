@@ -58,6 +58,7 @@
 #include <cstdlib>
 
 #include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/per_device.h"
 #include "core/tuning.h"
 #include "backend/cuda/wgmma_sm90.cuh"
 
@@ -707,10 +708,10 @@ __global__ void wgmma_probe(int* flag) {
 
 template <int ST, bool SKIP, bool KTMA>
 void prepare_prefill() {
-  static bool done = false;
-  if (!done) {
+  static PerDeviceOnce done;  // per device: tensor-parallel ranks as threads (per_device.h)
+  if (done.pending()) {
     set_max_dynamic_smem(prefill_wgmma_kernel<ST, SKIP, KTMA>, int(pf_smem<ST>()));
-    done = true;
+    done.mark();
   }
 }
 

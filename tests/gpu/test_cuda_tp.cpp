@@ -1,0 +1,402 @@
+// Tensor parallelism on the GPU (issue 39): CudaModel shards (dist::shard_weights) whose
+// o-proj / down-proj partials are all-reduced over NCCL (CudaModelOptions::tp), against one
+// CudaModel of the whole model. Ranks are threads of this process, rank r on GPU r, each with
+// its own TcpCommunicator (the rendezvous, as the CLI's ranks) and NcclCommunicator.
+//   CudaTp.TinyLlamaTp2MatchesTp1   prefill (two sequences in one step) + 8 decode steps,
+//                                   graphs off and on (decode steps replay captured graphs)
+//   CudaTp.RunnerProtocolTp2        TpStepModel on rank 0 (make_tp_runner, device cuda) and
+//                                   run_follower_rank on rank 1: logits and device sampling
+//   CudaTp.SmolLM2Tp3MatchesTp1     the real model (Q4_1 file, dequantized) at TP=3
+//   CudaTp.SpeedProbeLlama8B        TPOT at TP=1 / 2 of synthetic Llama-3.1-8B at 32K context
+//                                   (only with SPADE_TP_SPEED=1; prints the step times)
+// Each test skips with a message when fewer GPUs are visible than it needs, or when the build
+// has no NCCL. Untested until a multi-GPU run (written without one).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../test_util.h"
+#include "dist/shard.h"
+#include "dist/tcp_communicator.h"
+#include "dist/tp_runner.h"
+#include "engine/runner.h"
+#include "gpu_model_util.h"
+#include "model/cuda_model.h"
+#include "model/loader.h"
+#if defined(SPADE_HAVE_NCCL)
+#include "dist/nccl_communicator.h"
+#endif
+
+using namespace spade;
+using namespace spade::dist;
+using namespace spade::test;
+
+namespace {
+
+int visible_gpus() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+#if defined(SPADE_HAVE_NCCL)
+#define SKIP_WITHOUT_NCCL() \
+  do {                      \
+  } while (0)
+#else
+#define SKIP_WITHOUT_NCCL() GTEST_SKIP() << "this build has no NCCL (SPADE_HAVE_NCCL)"
+#endif
+
+#define SKIP_UNLESS_GPUS(n)                                                              \
+  do {                                                                                   \
+    SKIP_WITHOUT_GPU();                                                                  \
+    SKIP_WITHOUT_NCCL();                                                                 \
+    if (visible_gpus() < (n))                                                            \
+      GTEST_SKIP() << "needs " << (n) << " GPUs, " << visible_gpus() << " visible";      \
+  } while (0)
+
+#if defined(SPADE_HAVE_NCCL)
+TcpOptions quick() {
+  TcpOptions o;
+  o.connect_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(scaled(std::chrono::seconds(60)));
+  o.io_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(scaled(std::chrono::seconds(120)));
+  return o;
+}
+
+// Runs fn(tcp) on `n` ranks, each a thread with its own TcpCommunicator; returns what each
+// rank threw (null: nothing).
+std::vector<std::exception_ptr> run_ranks(int n, const std::function<void(Communicator&)>& fn) {
+  TcpListener l("127.0.0.1:0");
+  const std::string addr = "127.0.0.1:" + std::to_string(l.port());
+  std::vector<std::exception_ptr> err(static_cast<size_t>(n));
+  std::vector<std::thread> th;
+  for (int r = 1; r < n; ++r)
+    th.emplace_back([&, r] {
+      try {
+        TcpCommunicator c(addr, r, n, quick());
+        fn(c);
+      } catch (...) {
+        err[size_t(r)] = std::current_exception();
+      }
+    });
+  try {
+    TcpCommunicator c(std::move(l), n, quick());
+    fn(c);
+  } catch (...) {
+    err[0] = std::current_exception();
+  }
+  for (auto& t : th) t.join();
+  return err;
+}
+
+void expect_ok(const std::vector<std::exception_ptr>& err) {
+  for (size_t r = 0; r < err.size(); ++r)
+    if (err[r]) {
+      try {
+        std::rethrow_exception(err[r]);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << r << ": " << e.what();
+      }
+    }
+}
+
+// The steps every run feeds: two sequences prefilled in one step (lengths na, nb), then
+// `decode` steps of one fixed token each (the same on every rank: no sampling needed).
+struct Script {
+  std::vector<int32_t> a, b;  // prompts
+  std::vector<std::vector<int32_t>> dec;  // per step: the token of a, of b
+};
+
+Script make_script(int vocab, int na, int nb, int decode, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Script s;
+  s.a = random_tokens(rng, na, vocab);
+  s.b = random_tokens(rng, nb, vocab);
+  for (int i = 0; i < decode; ++i) s.dec.push_back(random_tokens(rng, 2, vocab));
+  return s;
+}
+
+// Runs the script on `m`; returns the logits of every step ([steps][2 * V]) when the model
+// computes them (empty rows on followers). `pages` gets each sequence's final page table.
+std::vector<std::vector<float>> run_script(CudaModel& m, const Script& s,
+                                           std::vector<std::vector<int32_t>>* pages = nullptr) {
+  PageTable pa, pb;
+  std::vector<std::vector<float>> out;
+  std::vector<int64_t> row_of;
+  auto step = [&](const int32_t* ta, int64_t na, const int32_t* tb, int64_t nb) {
+    std::vector<SeqInput> batch(2);
+    batch[0].pages = &pa, batch[0].tokens = ta, batch[0].n_tokens = na;
+    batch[1].pages = &pb, batch[1].tokens = tb, batch[1].n_tokens = nb;
+    out.push_back(m.forward(batch, row_of));
+  };
+  step(s.a.data(), int64_t(s.a.size()), s.b.data(), int64_t(s.b.size()));
+  for (const auto& d : s.dec) step(&d[0], 1, &d[1], 1);
+  if (pages) *pages = {pa.pages, pb.pages};
+  m.release(pa);
+  m.release(pb);
+  return out;
+}
+
+CudaModelOptions small_options(bool graphs) {
+  CudaModelOptions o;
+  o.kv_pages = 64;
+  o.max_batch = 4;
+  o.max_step_tokens = 512;
+  o.cuda_graphs = graphs;
+  return o;
+}
+
+// The script at TP=n: rank r on GPU r, its shard of `w`; returns rank 0's logits. Checks
+// that every rank's page tables equal rank 0's and (graphs) that decode steps replayed.
+std::vector<std::vector<float>> run_tp(const ModelWeights& w, int n, const Script& s,
+                                       bool graphs) {
+  std::vector<std::vector<float>> logits;
+  std::vector<std::vector<std::vector<int32_t>>> pages(static_cast<size_t>(n));
+  std::vector<uint64_t> replays(static_cast<size_t>(n), 0);
+  auto err = run_ranks(n, [&](Communicator& tcp) {
+    const int r = tcp.rank();
+    SPADE_CUDA(cudaSetDevice(r));
+    ModelWeights shard = shard_weights(w, r, n);
+    NcclCommunicator nccl(tcp, r);
+    CudaModelOptions o = small_options(graphs);
+    o.tp = &nccl;
+    o.logits = r == 0;
+    CudaModel m(shard, o);
+    auto lg = run_script(m, s, &pages[size_t(r)]);
+    replays[size_t(r)] = m.graph_counters().replays.load();
+    if (r == 0) logits = std::move(lg);
+    else
+      for (const auto& row : lg) EXPECT_TRUE(row.empty()) << "rank " << r << " computed logits";
+    nccl.barrier();
+  });
+  expect_ok(err);
+  for (int r = 1; r < n; ++r) EXPECT_EQ(pages[size_t(r)], pages[0]) << "rank " << r << "'s pages";
+  for (int r = 0; r < n; ++r) {
+    if (graphs)
+      EXPECT_GE(replays[size_t(r)], s.dec.size() - 2) << "rank " << r << ": decode graphs";
+    else
+      EXPECT_EQ(replays[size_t(r)], 0u) << "rank " << r;
+  }
+  return logits;
+}
+
+std::vector<std::vector<float>> run_tp1(const ModelWeights& w, const Script& s, bool graphs) {
+  SPADE_CUDA(cudaSetDevice(0));
+  CudaModel m(w, small_options(graphs));
+  return run_script(m, s);
+}
+
+// Step by step: rel_err (the GPU model tests' measure) within `tol`; returns the worst.
+double compare_steps(const std::vector<std::vector<float>>& got,
+                     const std::vector<std::vector<float>>& want, double tol, const char* what) {
+  EXPECT_EQ(got.size(), want.size()) << what;
+  double worst = 0;
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
+    const double e = rel_err(got[i], want[i]);
+    worst = std::max(worst, e);
+    EXPECT_LT(e, tol) << what << ": step " << i;
+  }
+  return worst;
+}
+
+constexpr double kTolLogits = 3e-2;  // test_cuda_model.cpp's GPU-vs-CPU bar (rel_err)
+#endif  // SPADE_HAVE_NCCL
+
+}  // namespace
+
+TEST(CudaTp, TinyLlamaTp2MatchesTp1) {
+  SKIP_UNLESS_GPUS(2);
+#if defined(SPADE_HAVE_NCCL)
+  ModelConfig c = tiny_config(Arch::Llama, 128, 3, 4096);  // Hq 8, Hkv 2, D 128, ffn 512
+  ModelWeights w = random_model(c, 91);
+  round_weights_bf16(w);
+  const Script s = make_script(c.vocab, 37, 20, 8, 5);
+  for (bool graphs : {false, true}) {
+    const auto want = run_tp1(w, s, graphs);
+    const auto got = run_tp(w, 2, s, graphs);
+    const double worst = compare_steps(got, want, kTolLogits, graphs ? "graphs on" : "graphs off");
+    std::printf("[cuda tp] tiny Llama TP=2 vs TP=1 (graphs %s): worst rel err %.3g over %zu steps\n",
+                graphs ? "on" : "off", worst, got.size());
+  }
+#endif
+}
+
+TEST(CudaTp, RunnerProtocolTp2) {
+  SKIP_UNLESS_GPUS(2);
+#if defined(SPADE_HAVE_NCCL)
+  ModelConfig c = tiny_config(Arch::Qwen2, 128, 2, 4096);  // biases, untied LM head
+  ModelWeights w = random_model(c, 17);
+  round_weights_bf16(w);
+  const Script s = make_script(c.vocab, 29, 11, 6, 8);
+  // TP=1 reference: logits of every step.
+  const auto want = run_tp1(w, s, true);
+  RunnerOptions ro;
+  ro.device = "cuda";
+  ro.kv_pages = 64;
+  ro.max_batch = 4;
+  ro.max_step_tokens = 512;
+  ro.tp = 2;
+  auto listener = std::make_shared<TcpListener>("127.0.0.1:0");
+  const std::string addr = "127.0.0.1:" + std::to_string(listener->port());
+  ro.dist_init = addr;
+  ro.dist_listener = listener;
+  std::exception_ptr follower_err;
+  std::thread follower([&] {
+    try {
+      run_follower_rank(w, addr, 1, 2);  // GPU cuda_device_of_rank(1) = 1
+    } catch (...) {
+      follower_err = std::current_exception();
+    }
+  });
+  std::vector<std::vector<float>> got;
+  std::vector<int32_t> sampled;
+  try {
+    SPADE_CUDA(cudaSetDevice(0));
+    Runner run = make_tp_runner(w, ro);
+    StepModel& m = *run.model;
+    EXPECT_NE(m.device().find("--tp 2"), std::string::npos) << m.device();
+    ASSERT_TRUE(m.samples_on_device());
+    PageTable pa, pb;
+    std::vector<int64_t> row_of;
+    auto batch_of = [&](const int32_t* ta, int64_t na, const int32_t* tb, int64_t nb) {
+      std::vector<SeqInput> b(2);
+      b[0].pages = &pa, b[0].tokens = ta, b[0].n_tokens = na;
+      b[1].pages = &pb, b[1].tokens = tb, b[1].n_tokens = nb;
+      return b;
+    };
+    got.push_back(m.forward(batch_of(s.a.data(), int64_t(s.a.size()), s.b.data(),
+                                     int64_t(s.b.size())), row_of));
+    for (size_t i = 0; i < s.dec.size(); ++i) {
+      const auto& d = s.dec[i];
+      if (i % 2 == 0) {
+        got.push_back(m.forward(batch_of(&d[0], 1, &d[1], 1), row_of));
+      } else {  // greedy on rank 0's GPU, launch / wait (the scheduler's path)
+        std::vector<StepModel::RowSampling> rows(2);
+        m.forward_sample_launch(batch_of(&d[0], 1, &d[1], 1), rows);
+        const std::vector<int32_t> t = m.forward_sample_wait();
+        ASSERT_EQ(t.size(), 2u);
+        sampled.insert(sampled.end(), t.begin(), t.end());
+        got.emplace_back();  // no logits this step
+      }
+    }
+    m.release(pa);
+    m.release(pb);
+    EXPECT_EQ(m.free_pages(), m.total_pages());
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "rank 0: " << e.what();
+  }
+  follower.join();
+  if (follower_err) expect_ok({nullptr, follower_err});
+  ASSERT_EQ(got.size(), want.size());
+  const int V = c.vocab;
+  size_t k = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!got[i].empty()) {
+      EXPECT_LT(rel_err(got[i], want[i]), kTolLogits) << "step " << i;
+      continue;
+    }
+    for (int q = 0; q < 2 && k < sampled.size(); ++q, ++k) {  // greedy: TP=1's argmax or a near-tie
+      const float* row = want[i].data() + size_t(q) * size_t(V);
+      const float best = *std::max_element(row, row + V);
+      ASSERT_GE(sampled[k], 0);
+      ASSERT_LT(sampled[k], V);
+      EXPECT_GE(row[sampled[k]], best - 2e-2f * std::max(1.f, std::fabs(best)))
+          << "step " << i << " seq " << q << ": token " << sampled[k];
+    }
+  }
+  EXPECT_EQ(k, sampled.size());
+#endif
+}
+
+TEST(CudaTp, SmolLM2Tp3MatchesTp1) {
+  SKIP_UNLESS_GPUS(3);
+#if defined(SPADE_HAVE_NCCL)
+  const std::string path = smollm2_model_file();
+  if (!std::ifstream(path).good()) GTEST_SKIP() << "model not found: " << path;
+  auto w = load_model(path);
+  round_weights_bf16(*w);
+  const Script s = make_script(w->config.vocab, 200, 64, 8, 3);
+  for (bool graphs : {false, true}) {
+    const auto want = run_tp1(*w, s, graphs);
+    const auto got = run_tp(*w, 3, s, graphs);
+    const double worst = compare_steps(got, want, kTolLogits, graphs ? "graphs on" : "graphs off");
+    std::printf("[cuda tp] SmolLM2 TP=3 vs TP=1 (graphs %s): worst rel err %.3g over %zu steps\n",
+                graphs ? "on" : "off", worst, got.size());
+  }
+#endif
+}
+
+// TPOT of synthetic Llama-3.1-8B (random bf16 weights, K/V of random values: fill_kv_random)
+// at 32K context, batch 1 and 8, TP=1 and TP=2: warm steps, then timed steps on rank 0 (wall
+// clock per step, the followers' forward in lockstep). Only with SPADE_TP_SPEED=1.
+TEST(CudaTp, SpeedProbeLlama8B) {
+  const char* on = std::getenv("SPADE_TP_SPEED");
+  if (!on || std::string(on) != "1") GTEST_SKIP() << "set SPADE_TP_SPEED=1 to measure";
+  SKIP_UNLESS_GPUS(2);
+#if defined(SPADE_HAVE_NCCL)
+  const ModelConfig full = synthetic_config("llama3-8b");
+  const int64_t ctx = 32768;
+  const int warm = 8, steps = 48;
+  for (int batch : {1, 8}) {
+    double ms[3] = {0, 0, 0};
+    for (int n : {1, 2}) {
+      auto err = run_ranks(n, [&](Communicator& tcp) {
+        const int r = tcp.rank();
+        SPADE_CUDA(cudaSetDevice(r));
+        ModelConfig c = full;
+        c.n_heads /= n, c.n_kv_heads /= n, c.ffn /= n;  // the shard's shapes (dist/shard.h)
+        std::unique_ptr<NcclCommunicator> nccl;
+        if (n > 1) nccl = std::make_unique<NcclCommunicator>(tcp, r);
+        CudaModelOptions o;
+        o.max_batch = batch;
+        o.max_step_tokens = 64;
+        o.kv_pages = (ctx + warm + steps + 16) / 16 * batch + batch;
+        o.tp = nccl.get();
+        o.logits = r == 0;
+        CudaModel m(c, o, 1234);
+        std::vector<PageTable> pt(static_cast<size_t>(batch));
+        for (int b = 0; b < batch; ++b) m.fill_kv_random(pt[size_t(b)], ctx, 7 + uint64_t(b));
+        std::vector<int32_t> tok(static_cast<size_t>(batch), 1);
+        std::vector<SeqInput> in(static_cast<size_t>(batch));
+        for (int b = 0; b < batch; ++b)
+          in[size_t(b)].pages = &pt[size_t(b)], in[size_t(b)].tokens = &tok[size_t(b)],
+          in[size_t(b)].n_tokens = 1;
+        std::vector<cuda::GpuSamplingRow> rows(static_cast<size_t>(batch));
+        std::vector<int64_t> row_of;
+        auto one = [&] {
+          if (r == 0) m.forward_sample_rows(in, rows);  // greedy on the GPU (the engine's path)
+          else m.forward(in, row_of);
+        };
+        for (int i = 0; i < warm; ++i) one();
+        if (nccl) nccl->barrier();
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < steps; ++i) one();
+        const double dt = std::chrono::duration<double, std::milli>(
+                              std::chrono::steady_clock::now() - t0).count() / steps;
+        if (r == 0) ms[n] = dt;
+        for (auto& p : pt) m.release(p);
+        if (nccl) nccl->barrier();
+      });
+      expect_ok(err);
+    }
+    std::printf("[cuda tp] llama3-8b synthetic, %lld context x batch %d: TPOT TP=1 %.3f ms, "
+                "TP=2 %.3f ms (%.2fx)\n",
+                (long long)ctx, batch, ms[1], ms[2], ms[2] > 0 ? ms[1] / ms[2] : 0.0);
+    EXPECT_GT(ms[1], 0);
+    EXPECT_GT(ms[2], 0);
+  }
+#endif
+}
