@@ -32,12 +32,14 @@ export PKG_CONFIG_PATH=$ROOT/.deps-cuda/lib/pkgconfig
     || { tail -30 "$OUT/cmake.log"; exit 1; }
 grep -i "spade: NCCL" "$OUT/cmake.log" 2>/dev/null; grep -i "^SPADE_NCCL" $B/CMakeCache.txt
 cmake --build $B -j${JOBS:-16} --target spade spade_gpu_tests -- -k 0 >"$OUT/build.log" 2>&1 \
-  || { grep -E "error" "$OUT/build.log" | head -20; exit 1; }
+  || grep -E "error" "$OUT/build.log" | head -20
+[ -x $B/spade_gpu_tests ] || { echo "no spade_gpu_tests"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 timeout 300 ./$B/spade_gpu_tests --gtest_filter='CudaTp.*:CudaModel.RandomLlamaMatchesCpu' \
   >"$OUT/cuda_tp.log" 2>&1; rc1=$?
 echo "CudaTp tests rc=$rc1 after $(( $(date +%s) - t0 )) s"
-timeout 240 python3 tests/e2e/test_tp_cuda.py --spade $B/spade >"$OUT/e2e_tp_cuda.log" 2>&1; rc2=$?
+rc2=skipped
+[ -x $B/spade ] && { timeout 240 python3 tests/e2e/test_tp_cuda.py --spade $B/spade >"$OUT/e2e_tp_cuda.log" 2>&1; rc2=$?; }
 echo "tp_cuda e2e rc=$rc2 after $(( $(date +%s) - t0 )) s"
 rc3=skipped
 if [ "${SPEED:-1}" = 1 ]; then
@@ -47,6 +49,6 @@ if [ "${SPEED:-1}" = 1 ]; then
 fi
 echo "==== summary"
 grep -E "^\[ *(OK|FAILED|SKIPPED) *\]|\[cuda tp\]|Failure|rank [0-9]:|error" "$OUT/cuda_tp.log" | head -40
-grep -E "^(ok|FAIL|skip|note|info|PASS)|FAILED" "$OUT/e2e_tp_cuda.log" | head -20
+[ -f "$OUT/e2e_tp_cuda.log" ] && grep -E "^(ok|FAIL|skip|note|info|PASS)|FAILED" "$OUT/e2e_tp_cuda.log" | head -20
 [ -f "$OUT/speed_tp.log" ] && grep -E "\[cuda tp\]|FAILED|Failure|error" "$OUT/speed_tp.log" | head
 echo "rc: tests $rc1, e2e $rc2, speed $rc3"
