@@ -78,6 +78,9 @@ common options:
 tasks / agree:
   --tasks LIST          comma-separated task names or "all" (default all; agree:
                         niah_single_number,niah_multikey,json_lookup)
+  --ref-kv-dtype T      agree: each method's reference is the same method over a KV cache of
+                        type T (e.g. --kv-dtype fp8 --ref-kv-dtype bf16: fp8's greedy agreement
+                        with bf16 per method), instead of full attention
   --max-new N           cap on generated tokens per answer (default: the task's own)
   --recall              tasks: also measure attention recall (slower; CPU only)
 ppl / recall:
@@ -111,7 +114,7 @@ int run(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--text", "--methods", "--budgets", "--lengths", "--samples", "--seed",
           "--out", "--md", "--threads", "--device", "--page-size", "--prefill-chunk", "--tasks", "--max-new",
-          "--decode", "--prompt-tokens", "--window", "--cpu-weights", "--kv-dtype", "--kv-scale"},
+          "--decode", "--prompt-tokens", "--window", "--cpu-weights", "--kv-dtype", "--kv-scale", "--ref-kv-dtype"},
          {"--help", "--recall", "--deterministic", "--follow-text"});
   if (a.has("--help") || a.positional().empty()) {
     std::fputs(kHelp, a.has("--help") ? stdout : stderr);

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 
 #include "eval_common.h"
 #include "eval/longgen.h"
 #include "eval/scoring.h"
+#include "kv_args.h"
 
 namespace spade::cli::eval_cmd {
 namespace {
@@ -77,12 +79,30 @@ int run_agree(const Args& a, const std::string& cmd) {
   const std::vector<std::string> hay = lines_of(s.text);
   const int64_t cap = a.integer("--max-new", 1 << 20);
   const std::string out = a.str("--out", "eval_agree.json");
+  // --ref-kv-dtype T: each run's reference is the same method over a KV cache of type T (the
+  // greedy agreement of one cache type with another, per method), not full attention.
+  std::optional<KvDtype> ref_dtype;
+  if (a.has("--ref-kv-dtype")) {
+    ref_dtype = s.device == Device::CPU ? kv_dtype_from_args(a, "cpu", "f32", "--ref-kv-dtype")
+                                        : kv_dtype_from_args(a, "cuda", "bf16", "--ref-kv-dtype");
+    SPADE_CHECK(*ref_dtype != s.ro.kv_dtype, "--ref-kv-dtype ", kv_dtype_name(*ref_dtype),
+                " is the sweep's own --kv-dtype: nothing to compare");
+  }
   json meta = s.meta;
   meta["tasks"] = tasks;
+  meta["reference"] = ref_dtype ? cat("each method over a ", kv_dtype_name(*ref_dtype), " KV cache")
+                                : std::string("full attention on each run's backend");
   ResultFile file = open_results(out, "agree", meta, cmd);
   s.ro.max_prompt = *std::max_element(s.lengths.begin(), s.lengths.end());
   s.ro.max_new = 128;
   EvalRunner runner(*s.w, s.runs, s.place, s.methods, s.ro, s.tok.get());
+  std::unique_ptr<EvalRunner> ref_runner;
+  if (ref_dtype) {
+    eval::RunnerOptions ro = s.ro;
+    ro.kv_dtype = *ref_dtype;
+    ro.kv_scale = 0.f;
+    ref_runner = std::make_unique<EvalRunner>(*s.w, s.runs, s.place, s.methods, ro, s.tok.get());
+  }
   const int V = s.w->config.vocab;
   Progress prog("eval agree", int64_t(s.lengths.size() * tasks.size()) * s.samples *
                                   int64_t(s.runs.size()));
@@ -92,27 +112,30 @@ int run_agree(const Args& a, const std::string& cmd) {
         DecodeOptions opt;
         opt.max_new = std::min<int64_t>(cap, p.sample.max_new_tokens);
         opt.stop = s.tok->eos_ids();
-        // Full attention's greedy answer and its log-probabilities per step, once per backend
-        // (a method is compared with full attention of its own backend's numerics).
+        // The reference's greedy answer and its log-probabilities per step: full attention once
+        // per backend (a method is compared with full attention of its own backend's numerics),
+        // or with --ref-kv-dtype the run's own method over the other cache type.
         struct Ref {
           DecodeResult r;
           std::vector<std::vector<float>> logp;
           std::string text;
         };
-        std::map<bool, Ref> refs;  // by runner.gpu(m)
+        std::map<size_t, Ref> refs;  // by runner.gpu(m), or by m with --ref-kv-dtype
         std::vector<float> tmp;
+        if (ref_runner) ref_runner->set_prompt(p.tokens);
         for (size_t m : todo) {
-          if (!refs.count(runner.gpu(m))) {
-            Ref& R = refs[runner.gpu(m)];
+          const size_t rk = ref_runner ? m : size_t(runner.gpu(m));
+          if (!refs.count(rk)) {
+            Ref& R = refs[rk];
             opt.on_logits = [&](int64_t, const float* lg) {
               log_softmax_into(lg, V, tmp);
               R.logp.push_back(tmp);
             };
-            R.r = runner.decode_full(m, opt);
+            R.r = ref_runner ? ref_runner->decode(m, opt) : runner.decode_full(m, opt);
             opt.on_logits = nullptr;
             R.text = s.tok->decode(R.r.tokens, true);
           }
-          const Ref& own = refs.at(runner.gpu(m));
+          const Ref& own = refs.at(rk);
           const DecodeResult& ref = own.r;
           const auto& ref_logp = own.logp;
           const std::string& ref_text = own.text;
@@ -150,6 +173,8 @@ int run_agree(const Args& a, const std::string& cmd) {
                       {"sample", k},
                       {"seed", p.sample.seed},
                       {"prompt_tokens", p.tokens.size()},
+                      {"reference", ref_dtype ? cat(s.runs[m].label, " kv ", kv_dtype_name(*ref_dtype))
+                                              : std::string("full")},
                       {"full_output", ref_text},
                       {"output", text},
                       {"first_divergence", div},
