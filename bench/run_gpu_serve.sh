@@ -84,7 +84,7 @@ if [ "$phase" = build ]; then
   [ -f $B/build.ninja ] || cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
       -DCMAKE_PREFIX_PATH=$ROOT/.deps-cuda -DBLA_VENDOR=OpenBLAS -DBLA_STATIC=ON $PKGCFG >"$OUT/cmake.log" 2>&1 \
       || { tail -30 "$OUT/cmake.log"; exit 1; }
-  cmake --build $B -j12 --target spade spade_gpu_tests -- -k 0 >"$OUT/build.log" 2>&1 || grep -E "error:" "$OUT/build.log" | head -10
+  cmake --build $B -j${JOBS:-12} --target spade spade_gpu_tests -- -k 0 >"$OUT/build.log" 2>&1 || grep -E "error:" "$OUT/build.log" | head -10
   g++ -std=c++20 -O2 -Isrc -Ibench -I$CUDA_HOME/include -DSPADE_HAVE_CUDA=1 bench/bench_tpot_batch.cpp $B/libspade_lib.a \
     $B/libspade_cuda.a -L$CUDA_LIB -lcudart -lcublasLt -lcublas .deps-cuda/lib/libpcre2-8.a \
     .deps-cuda/lib/libopenblas.a .deps-cuda/lib/libz.a -lpthread -o $B/bench_tpot_batch >>"$OUT/build.log" 2>&1 || tail -20 "$OUT/build.log"
