@@ -5,8 +5,9 @@
 #      protocol with device sampling, SmolLM2 at TP=3 when 3 GPUs and the model are there)
 #      and CudaModel.RandomLlamaMatchesCpu (TP=1 unchanged);
 #   2. tests/e2e/test_tp_cuda.py (spade generate --device cuda --tp 2 equals --tp 1);
-#   3. the TPOT probe: CudaTp.SpeedProbeLlama8B with SPADE_TP_SPEED=1 (synthetic Llama-3.1-8B,
-#      32K context, batch 1 and 8, TP=1 and TP=2).
+#   3. the TPOT probe: CudaTp.SpeedProbe with SPADE_TP_SPEED=1 (tests/gpu/test_cuda_tp_speed.cpp):
+#      synthetic Llama-3.1-8B at 32K / 128K x batch 1 / 8, TP = 1..GPUs, then Llama-3.1-70B at
+#      128K x batch 1 / 8 (TP where it fits); records in $OUT/tp_speed.jsonl.
 #   device (kind nvidia-h200-x2):  bash bench/run_gpu_tp.sh   carry .deps-cuda
 #   Env: SPEED=0 skips 3; JOBS (default 16) build jobs.
 # Results: $OUT/build.log, $OUT/cuda_tp.log, $OUT/e2e_tp_cuda.log, $OUT/speed_tp.log, and a
@@ -43,8 +44,13 @@ rc2=skipped
 echo "tp_cuda e2e rc=$rc2 after $(( $(date +%s) - t0 )) s"
 rc3=skipped
 if [ "${SPEED:-1}" = 1 ]; then
-  SPADE_TP_SPEED=1 timeout 240 ./$B/spade_gpu_tests --gtest_filter='CudaTp.SpeedProbeLlama8B' \
-    >"$OUT/speed_tp.log" 2>&1; rc3=$?
+  NG=$(nvidia-smi -L | wc -l); RANKS=1; for i in $(seq 2 $NG); do RANKS=$RANKS,$i; done
+  SPADE_TP_SPEED=1 SPADE_TP_JSON=$OUT/tp_speed.jsonl SPADE_TP_MODEL=llama3-8b SPADE_TP_RANKS=$RANKS \
+    SPADE_TP_SHAPES=${SHAPES_8B:-32768:1,32768:8,131072:1,131072:8} timeout 300 ./$B/spade_gpu_tests \
+    --gtest_filter='CudaTp.SpeedProbe' >"$OUT/speed_tp.log" 2>&1; rc3=$?
+  SPADE_TP_SPEED=1 SPADE_TP_JSON=$OUT/tp_speed.jsonl SPADE_TP_MODEL=llama3-70b SPADE_TP_RANKS=$RANKS \
+    SPADE_TP_SHAPES=${SHAPES_70B:-131072:1,131072:8} timeout 300 ./$B/spade_gpu_tests \
+    --gtest_filter='CudaTp.SpeedProbe' >>"$OUT/speed_tp.log" 2>&1 || rc3=$?
   echo "speed probe rc=$rc3 after $(( $(date +%s) - t0 )) s"
 fi
 echo "==== summary"

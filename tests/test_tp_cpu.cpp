@@ -18,58 +18,17 @@
 #include "model/cpu_model.h"
 #include "model/loader.h"
 #include "test_util.h"
+#include "tp_test_util.h"
 
 using namespace spade;
 using namespace spade::dist;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+using test::expect_ok;
+using test::run_ranks;
+using test::tp_quick;
 
 namespace {
-
-TcpOptions quick(std::chrono::milliseconds io = 10s) {
-  TcpOptions o;
-  o.connect_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(test::scaled(10s));
-  o.io_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(io * test::time_scale());
-  return o;
-}
-
-// Runs fn(comm) on `n` ranks, each a thread with its own TcpCommunicator; returns what each
-// rank threw (null: nothing).
-std::vector<std::exception_ptr> run_ranks(int n, const std::function<void(Communicator&)>& fn,
-                                          TcpOptions o = quick()) {
-  TcpListener l("127.0.0.1:0");
-  const std::string addr = "127.0.0.1:" + std::to_string(l.port());
-  std::vector<std::exception_ptr> err(static_cast<size_t>(n));
-  std::vector<std::thread> th;
-  for (int r = 1; r < n; ++r)
-    th.emplace_back([&, r] {
-      try {
-        TcpCommunicator c(addr, r, n, o);
-        fn(c);
-      } catch (...) {
-        err[size_t(r)] = std::current_exception();
-      }
-    });
-  try {
-    TcpCommunicator c(std::move(l), n, o);
-    fn(c);
-  } catch (...) {
-    err[0] = std::current_exception();
-  }
-  for (auto& t : th) t.join();
-  return err;
-}
-
-void expect_ok(const std::vector<std::exception_ptr>& err) {
-  for (size_t r = 0; r < err.size(); ++r)
-    if (err[r]) {
-      try {
-        std::rethrow_exception(err[r]);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << r << ": " << e.what();
-      }
-    }
-}
 
 std::string message(const std::exception_ptr& e) {
   if (!e) return "(no error)";
@@ -161,7 +120,7 @@ TEST(TpComm, StalledRankTimesOutAndLaterCallsThrow) {
           throw;
         }
       },
-      quick(300ms));
+      tp_quick(10s, 300ms));
   EXPECT_LT(Clock::now() - t0, test::scaled(5s));
   EXPECT_TRUE(has(message(err[0]), "no data from rank 1 for ")) << message(err[0]);
   EXPECT_EQ(again, message(err[0]));
@@ -180,7 +139,7 @@ TEST(TpComm, DivergedCollectivesAreNamed) {
 }
 
 TEST(TpComm, RendezvousFailuresAreErrors) {
-  TcpOptions o = quick();
+  TcpOptions o = tp_quick();
   o.connect_timeout = 300ms;
   // Nobody listens: the peer gives up.
   int port = 0;

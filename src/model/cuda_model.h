@@ -112,7 +112,8 @@ struct CudaModelOptions {
 };
 
 // Configs for synthetic-weight runs: "llama3-8b" (Llama-3.1-8B: 128K context, llama3 RoPE
-// scaling), "qwen3-8b" (Qwen3-8B), or the path of any config.json / model directory.
+// scaling), "llama3-70b" (Llama-3.1-70B, for tensor-parallel runs), "qwen3-8b" (Qwen3-8B),
+// "smollm2-135m", or the path of any config.json / model directory.
 ModelConfig synthetic_config(const std::string& name_or_path);
 
 class CudaModel {

@@ -31,6 +31,15 @@ ModelConfig synthetic_config(const std::string& name) {
                        "original_max_position_embeddings": 8192, "rope_type": "llama3"},
       "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": 128001})",
                            "synthetic llama3-8b");
+  if (name == "llama3-70b" || name == "llama3.1-70b")  // Llama-3.1-70B (TP speed runs)
+    return parse_hf_config(R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+      "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+      "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+      "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+      "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": 128001})",
+                           "synthetic llama3-70b");
   if (name == "qwen3-8b")
     return parse_hf_config(R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
       "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,

@@ -156,7 +156,7 @@ struct TracedSets {
   std::map<const PageTable*, int> req_of;
   mutable int rows = 0, identical = 0, near_tie = 0, bad = 0;
   mutable double max_err = 0, max_diff_frac = 0;
-  mutable int over_cap = 0;  // sets with more near-tie swaps than a test allows
+  mutable double swapped_total = 0, set_total = 0;  // near-tie swapped tokens, set tokens (all sets)
 };
 
 // Whether the sorted sets g (GPU) and c (CPU) differ only by near-ties of the CPU's values v

@@ -208,11 +208,12 @@ class TracingOracleTopP final : public sparse::SparseMethod, public TracedSets {
       double frac = 0;
       const bool tie = topp_sets_near_ties(g_h, cs, tr, union_ ? p_ : p_ * c.G, &frac, &max_err);
       max_diff_frac = std::max(max_diff_frac, frac);
-      // Near-tie swaps allowed per set: 10% of it, and at least one token (a set of 5-9
-      // tokens, common at top-p, would otherwise allow none: one near-tie is 11-20% of it).
+      // Every differing token must be a near-tie (below); how many there are is bounded over
+      // all sets: 10% of the CPU's tokens (a flat tail near the cut can hold several tokens
+      // within the rounding, so one set may swap more than 10% of itself).
       const int64_t n_set = int64_t(std::max<size_t>(1, cs.size()));
-      const int64_t swapped = std::llround(frac * double(n_set));
-      if (swapped > std::max<int64_t>(1, n_set / 10)) ++over_cap;
+      swapped_total += frac * double(n_set);
+      set_total += double(n_set);
       if (tie) {
         ++near_tie;
       } else {
@@ -265,7 +266,10 @@ void compare_model_topp(int D, double p, bool uni, int dense, int na, int nb, in
               method->max_err, 100 * method->max_diff_frac, worst, steps);
   EXPECT_EQ(method->bad, 0);
   EXPECT_GT(method->identical, 0);
-  EXPECT_EQ(method->over_cap, 0) << "sets with more near-tie swaps than max(1, 10% of the set)";
+  const double swapped_frac = method->swapped_total / std::max(1.0, method->set_total);
+  std::printf("[ oracle-topp-model ] tokens swapped over all sets: %.0f of %.0f (%.2f%%)\n",
+              method->swapped_total, method->set_total, 100 * swapped_frac);
+  EXPECT_LE(swapped_frac, 0.1) << "near-tie swaps over all sets";
   EXPECT_EQ(method->rows, steps * 2 * (c.n_layers - dense) * c.n_kv_heads);
 }
 

@@ -7,10 +7,9 @@
 //   CudaTp.RunnerProtocolTp2        TpStepModel on rank 0 (make_tp_runner, device cuda) and
 //                                   run_follower_rank on rank 1: logits and device sampling
 //   CudaTp.SmolLM2Tp3MatchesTp1     the real model (Q4_1 file, dequantized) at TP=3
-//   CudaTp.SpeedProbeLlama8B        TPOT at TP=1 / 2 of synthetic Llama-3.1-8B at 32K context
-//                                   (only with SPADE_TP_SPEED=1; prints the step times)
+// (The TPOT probe at TP = 1, 2, ... is in test_cuda_tp_speed.cpp.)
 // Each test skips with a message when fewer GPUs are visible than it needs, or when the build
-// has no NCCL. Untested until a multi-GPU run (written without one).
+// has no NCCL. All passed on two H200s (2026-11-29, bench/run_gpu_tp.sh).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,6 +25,7 @@
 #include <vector>
 
 #include "../test_util.h"
+#include "../tp_test_util.h"
 #include "dist/shard.h"
 #include "dist/tcp_communicator.h"
 #include "dist/tp_runner.h"
@@ -69,48 +69,9 @@ int visible_gpus() {
   } while (0)
 
 #if defined(SPADE_HAVE_NCCL)
-TcpOptions quick() {
-  TcpOptions o;
-  o.connect_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(scaled(std::chrono::seconds(60)));
-  o.io_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(scaled(std::chrono::seconds(120)));
-  return o;
-}
-
-// Runs fn(tcp) on `n` ranks, each a thread with its own TcpCommunicator; returns what each
-// rank threw (null: nothing).
-std::vector<std::exception_ptr> run_ranks(int n, const std::function<void(Communicator&)>& fn) {
-  TcpListener l("127.0.0.1:0");
-  const std::string addr = "127.0.0.1:" + std::to_string(l.port());
-  std::vector<std::exception_ptr> err(static_cast<size_t>(n));
-  std::vector<std::thread> th;
-  for (int r = 1; r < n; ++r)
-    th.emplace_back([&, r] {
-      try {
-        TcpCommunicator c(addr, r, n, quick());
-        fn(c);
-      } catch (...) {
-        err[size_t(r)] = std::current_exception();
-      }
-    });
-  try {
-    TcpCommunicator c(std::move(l), n, quick());
-    fn(c);
-  } catch (...) {
-    err[0] = std::current_exception();
-  }
-  for (auto& t : th) t.join();
-  return err;
-}
-
-void expect_ok(const std::vector<std::exception_ptr>& err) {
-  for (size_t r = 0; r < err.size(); ++r)
-    if (err[r]) {
-      try {
-        std::rethrow_exception(err[r]);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << r << ": " << e.what();
-      }
-    }
+// GPU ranks: a minute to meet (NCCL's init), two between messages.
+std::vector<std::exception_ptr> run_gpu_ranks(int n, const std::function<void(Communicator&)>& fn) {
+  return test::run_ranks(n, fn, tp_quick(std::chrono::seconds(60), std::chrono::seconds(120)));
 }
 
 // The steps every run feeds: two sequences prefilled in one step (lengths na, nb), then
@@ -166,7 +127,7 @@ std::vector<std::vector<float>> run_tp(const ModelWeights& w, int n, const Scrip
   std::vector<std::vector<float>> logits;
   std::vector<std::vector<std::vector<int32_t>>> pages(static_cast<size_t>(n));
   std::vector<uint64_t> replays(static_cast<size_t>(n), 0);
-  auto err = run_ranks(n, [&](Communicator& tcp) {
+  auto err = run_gpu_ranks(n, [&](Communicator& tcp) {
     const int r = tcp.rank();
     SPADE_CUDA(cudaSetDevice(r));
     ModelWeights shard = shard_weights(w, r, n);
@@ -339,64 +300,3 @@ TEST(CudaTp, SmolLM2Tp3MatchesTp1) {
 #endif
 }
 
-// TPOT of synthetic Llama-3.1-8B (random bf16 weights, K/V of random values: fill_kv_random)
-// at 32K context, batch 1 and 8, TP=1 and TP=2: warm steps, then timed steps on rank 0 (wall
-// clock per step, the followers' forward in lockstep). Only with SPADE_TP_SPEED=1.
-TEST(CudaTp, SpeedProbeLlama8B) {
-  const char* on = std::getenv("SPADE_TP_SPEED");
-  if (!on || std::string(on) != "1") GTEST_SKIP() << "set SPADE_TP_SPEED=1 to measure";
-  SKIP_UNLESS_GPUS(2);
-#if defined(SPADE_HAVE_NCCL)
-  const ModelConfig full = synthetic_config("llama3-8b");
-  const int64_t ctx = 32768;
-  const int warm = 8, steps = 48;
-  for (int batch : {1, 8}) {
-    double ms[3] = {0, 0, 0};
-    for (int n : {1, 2}) {
-      auto err = run_ranks(n, [&](Communicator& tcp) {
-        const int r = tcp.rank();
-        SPADE_CUDA(cudaSetDevice(r));
-        ModelConfig c = full;
-        c.n_heads /= n, c.n_kv_heads /= n, c.ffn /= n;  // the shard's shapes (dist/shard.h)
-        std::unique_ptr<NcclCommunicator> nccl;
-        if (n > 1) nccl = std::make_unique<NcclCommunicator>(tcp, r);
-        CudaModelOptions o;
-        o.max_batch = batch;
-        o.max_step_tokens = 64;
-        o.kv_pages = (ctx + warm + steps + 16) / 16 * batch + batch;
-        o.tp = nccl.get();
-        o.logits = r == 0;
-        CudaModel m(c, o, 1234);
-        std::vector<PageTable> pt(static_cast<size_t>(batch));
-        for (int b = 0; b < batch; ++b) m.fill_kv_random(pt[size_t(b)], ctx, 7 + uint64_t(b));
-        std::vector<int32_t> tok(static_cast<size_t>(batch), 1);
-        std::vector<SeqInput> in(static_cast<size_t>(batch));
-        for (int b = 0; b < batch; ++b)
-          in[size_t(b)].pages = &pt[size_t(b)], in[size_t(b)].tokens = &tok[size_t(b)],
-          in[size_t(b)].n_tokens = 1;
-        std::vector<cuda::GpuSamplingRow> rows(static_cast<size_t>(batch));
-        std::vector<int64_t> row_of;
-        auto one = [&] {
-          if (r == 0) m.forward_sample_rows(in, rows);  // greedy on the GPU (the engine's path)
-          else m.forward(in, row_of);
-        };
-        for (int i = 0; i < warm; ++i) one();
-        if (nccl) nccl->barrier();
-        const auto t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < steps; ++i) one();
-        const double dt = std::chrono::duration<double, std::milli>(
-                              std::chrono::steady_clock::now() - t0).count() / steps;
-        if (r == 0) ms[n] = dt;
-        for (auto& p : pt) m.release(p);
-        if (nccl) nccl->barrier();
-      });
-      expect_ok(err);
-    }
-    std::printf("[cuda tp] llama3-8b synthetic, %lld context x batch %d: TPOT TP=1 %.3f ms, "
-                "TP=2 %.3f ms (%.2fx)\n",
-                (long long)ctx, batch, ms[1], ms[2], ms[2] > 0 ? ms[1] / ms[2] : 0.0);
-    EXPECT_GT(ms[1], 0);
-    EXPECT_GT(ms[2], 0);
-  }
-#endif
-}
