@@ -71,6 +71,16 @@ struct Ref {
 
 // Dequantize each row, dot in double. Tolerance: 1e-5 of sum |w x| plus 1e-5 of
 // max|w| * sum |x| (the offset term of Q4_0 / Q4_1 / K-quants cancels inside w), + 1e-6.
+// Why these: every kernel multiplies fp32 x by exact weight values (codes, or the dequantized
+// values of f16 / bf16 / Q6_K) and sums in fp32; its rounding error is that of a sum of K
+// products split over 8-32 independent lanes and accumulators (chains of at most K / 4 + 8
+// additions, the scalar dot's), with the scale d applied per block in the fused kernels (one
+// more rounding of a block's partial sum). For terms of random sign the error grows as
+// sqrt(chain) * 2^-24 * sum |w x|: at most ~32 * 6e-8 = 2e-6 of sum |w x| at K = 4096, the
+// largest K here, 5x under 1e-5. The factored kernels (Q4_0 / Q4_1 / Q4_K / Q5_K: d * sum(code
+// x) + offset * sum(x)) add the offset term's rounding, bounded by the offset (<= max|w|) times
+// sum |x| times the same factor: the second term. A kernel reading a wrong code, scale or sign
+// is off by about a weight times x: >= 1e-3 of sum |w x| for these random rows, 100x the bound.
 Ref reference(const QuantMatrix& w, const std::vector<float>& x, int64_t M) {
   const int64_t N = w.rows, K = w.cols;
   Ref r{std::vector<double>(size_t(M * N)), std::vector<double>(size_t(M * N))};
@@ -146,11 +156,41 @@ void check_type(DType t, const std::vector<int64_t>& Ks, const std::vector<int64
 TEST(QGemv, Q8_0) { check_type(DType::Q8_0, {32, 96, 608}, {1, 7, 67}); }
 TEST(QGemv, Q4_0) { check_type(DType::Q4_0, {32, 96, 608}, {1, 7, 67}); }
 TEST(QGemv, Q4_1) { check_type(DType::Q4_1, {32, 96, 608}, {1, 7, 67}); }
-TEST(QGemv, Q4_K) { check_type(DType::Q4_K, {256, 768}, {1, 5, 33}); }
-TEST(QGemv, Q5_K) { check_type(DType::Q5_K, {256, 768}, {1, 5, 33}); }
-TEST(QGemv, Q6_K) { check_type(DType::Q6_K, {256, 768}, {1, 5, 33}); }
-TEST(QGemv, F16) { check_type(DType::F16, {1, 17, 200}, {1, 7, 67}); }
-TEST(QGemv, BF16) { check_type(DType::BF16, {1, 17, 200}, {1, 7, 67}); }
+// K-quants: one super-block (256), three, and sixteen (4096); rows not a multiple of anything
+// (1, 5, 33); x rows 1-5 and 8 (the kernels take x rows four at a time: every tail of 1-3).
+TEST(QGemv, Q4_K) { check_type(DType::Q4_K, {256, 768, 4096}, {1, 5, 33}); }
+TEST(QGemv, Q5_K) { check_type(DType::Q5_K, {256, 768, 4096}, {1, 5, 33}); }
+TEST(QGemv, Q6_K) { check_type(DType::Q6_K, {256, 768, 4096}, {1, 5, 33}); }
+// f16 / bf16: K under one vector (1, 17), exactly one AVX-512 step (64), with the AVX2 kernel's
+// 8-wide step (200), and many steps with a masked / scalar tail (1003).
+TEST(QGemv, F16) { check_type(DType::F16, {1, 17, 64, 200, 1003}, {1, 7, 67}); }
+TEST(QGemv, BF16) { check_type(DType::BF16, {1, 17, 64, 200, 1003}, {1, 7, 67}); }
+
+// A weight row's value for an x row does not depend on how many x rows run with it (decode of
+// one sequence and of a batch give the same logits): M = 7 (x rows taken 4 + 3) equals seven
+// runs of M = 1, bit for bit, for the types whose kernels promise it, at every level.
+TEST(QGemv, RowValueIndependentOfM) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (DType t : {DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::F16, DType::BF16}) {
+    const bool k = dtype_info(t).block_elems == 256;
+    const int64_t K = k ? 512 : 203, N = 13, M = 7;
+    std::vector<uint8_t> data = random_matrix(t, N, K, rng);
+    const QuantMatrix w{t, data.data(), N, K};
+    std::vector<float> x(size_t(M * K));
+    for (float& v : x) v = nd(rng);
+    for (SimdLevel level : levels()) {
+      std::vector<float> all(static_cast<size_t>(M * N)), one(static_cast<size_t>(N));
+      qgemv_rows(x.data(), M, w, 0, N, all.data(), N, level);
+      for (int64_t m = 0; m < M; ++m) {
+        qgemv_rows(x.data() + m * K, 1, w, 0, N, one.data(), N, level);
+        for (int64_t n = 0; n < N; ++n)
+          ASSERT_EQ(all[size_t(m * N + n)], one[size_t(n)])
+              << dtype_name(t) << " " << simd_level_name(level) << " at (" << m << ", " << n << ")";
+      }
+    }
+  }
+}
 
 // qmatmul: the threaded GEMV (M <= kGemvMaxM) at every level and the tiled sgemm (larger M),
 // with a bias, against the reference; levels agree with each other to the same tolerance.
@@ -158,8 +198,11 @@ TEST(QGemv, MatmulThreadedAndTiledWithBias) {
   LevelGuard guard;
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.f, 1.f);
-  for (DType t : {DType::Q4_1, DType::Q8_0, DType::Q4_0, DType::Q6_K}) {
-    const int64_t K = t == DType::Q6_K ? 512 : 576, N = 1100;  // several GEMV chunks and tiles
+  for (DType t : {DType::Q4_1, DType::Q8_0, DType::Q4_0, DType::Q6_K, DType::Q4_K, DType::Q5_K,
+                 DType::F16, DType::BF16}) {
+    // several GEMV chunks and tiles
+    const int64_t K = dtype_info(t).block_elems == 256 ? 512 : t == DType::F16 ? 579 : 576;
+    const int64_t N = 1100;
     std::vector<uint8_t> data = random_matrix(t, N, K, rng);
     const QuantMatrix w{t, data.data(), N, K};
     std::vector<float> bias(static_cast<size_t>(N));
@@ -192,8 +235,12 @@ TEST(QGemv, PrefillTilesDequantizeAsTheScalarCode) {
   LevelGuard guard;
   std::mt19937 rng(19);
   std::normal_distribution<float> nd(0.f, 1.f);
-  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
-    const int64_t K = 576, N = 16, M = 37;
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q5_K, DType::Q6_K,
+                 DType::F16, DType::BF16}) {
+    // K-quants: three super-blocks; f16 / bf16: rows of an odd length (the tail after 8s).
+    const bool half = t == DType::F16 || t == DType::BF16;
+    const int64_t K = dtype_info(t).block_elems == 256 ? 768 : half ? 203 : 576;
+    const int64_t N = 16, M = 37;
     std::vector<uint8_t> data = random_matrix(t, N, K, rng);
     const QuantMatrix w{t, data.data(), N, K};
     std::vector<float> x(size_t(M * K)), wf(size_t(N * K)), want(size_t(M * N));

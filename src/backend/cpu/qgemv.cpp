@@ -7,28 +7,11 @@
 #include <cstring>
 #include <vector>
 
+#include "backend/cpu/qgemv_internal.h"
 #include "core/error.h"
 #include "core/half.h"
 #include "core/thread_pool.h"
 #include "io/dequant.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#define SPADE_QGEMV_X86 1
-// g++ 12 warns inside its own AVX-512 headers (_mm512_undefined_* used as a pass-through
-// operand, GCC bug 105593); the warning's location is the header, so it is silenced there.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <cpuid.h>
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-// The same bug reported where those intrinsics inline into the kernels below.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#endif
 
 namespace spade::cpu {
 
@@ -78,9 +61,23 @@ SimdLevel set_simd_level(SimdLevel l) {
   return prev;
 }
 
-bool qgemv_fused(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1; }
+bool qgemv_fused(DType t) {
+  switch (t) {
+    case DType::Q8_0:
+    case DType::Q4_0:
+    case DType::Q4_1:
+    case DType::Q4_K:
+    case DType::Q5_K:
+    case DType::Q6_K:
+    case DType::F16:
+    case DType::BF16: return true;
+    default: return false;
+  }
+}
 
 namespace {
+
+using namespace qgemv_detail;
 
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
@@ -132,16 +129,6 @@ struct Fused<DType::Q4_1> {
   }
 };
 
-// What every row kernel gets.
-struct RowJob {
-  const QuantMatrix* w;
-  const float* x;   // [M, K]
-  int64_t M, K, nb;
-  const float* xs;  // block sums [M, nb] (Q4_0 / Q4_1)
-  float* y;
-  int64_t ldy;
-};
-
 template <DType T>
 void rows_scalar(const RowJob& j, int64_t n0, int64_t n1) {
   using F = Fused<T>;
@@ -178,15 +165,6 @@ float dot_scalar(const float* a, const float* b, int64_t n) {
 }
 
 #if SPADE_QGEMV_X86
-#define SPADE_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define SPADE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-
-SPADE_AVX2 inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 SPADE_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
@@ -334,13 +312,6 @@ SPADE_AVX2 inline void scale_off_avx2(const uint8_t* blk, float& d, float& off) 
   }
 }
 
-// The sum of 16 lanes (the upper half brought down by a shuffle: g++ 12 warns inside
-// _mm512_reduce_add_ps's extract of an undefined register, GCC bug 105593).
-SPADE_AVX512 inline float hsum16(__m512 v) {
-  const __m512 hi = _mm512_shuffle_f32x4(v, v, 0xEE);
-  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_castps512_ps256(hi)));
-}
-
 template <DType T, int NR>
 SPADE_AVX512 void rows1_avx512(const RowJob& j, int64_t n) {
   using F = Fused<T>;
@@ -474,11 +445,6 @@ void rows_generic(const RowJob& j, int64_t n0, int64_t n1, SimdLevel level) {
 // Prefill tiles: n consecutive blocks dequantized with AVX2, the scalar dequantize's values
 // (Q8_0: d * q; Q4_0: d * (q - 8); Q4_1: d * q + m, two roundings as the scalar code: the
 // product and the sum stay separate instructions: no contraction into an FMA).
-#if defined(__clang__)
-#define SPADE_NO_CONTRACT SPADE_AVX2
-#else
-#define SPADE_NO_CONTRACT __attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off")))
-#endif
 template <DType T>
 SPADE_NO_CONTRACT void dequant_blocks_avx2(const uint8_t* src, float* dst, int64_t n) {
 #if defined(__clang__)
@@ -516,6 +482,11 @@ void dequant_tile(DType t, const void* src, float* dst, int64_t n, SimdLevel lev
       case DType::Q8_0: return dequant_blocks_avx2<DType::Q8_0>(s, dst, n / 32);
       case DType::Q4_0: return dequant_blocks_avx2<DType::Q4_0>(s, dst, n / 32);
       case DType::Q4_1: return dequant_blocks_avx2<DType::Q4_1>(s, dst, n / 32);
+      case DType::Q4_K:
+      case DType::Q5_K:
+      case DType::Q6_K: return dequant_tile_kquant(t, s, dst, n);
+      case DType::F16:
+      case DType::BF16: return dequant_tile_half(t, s, dst, n);
       default: break;
     }
   }
@@ -530,6 +501,11 @@ void rows_dispatch(const RowJob& j, int64_t n0, int64_t n1, SimdLevel level) {
       case DType::Q8_0: return rows_simd<DType::Q8_0>(j, n0, n1, level);
       case DType::Q4_0: return rows_simd<DType::Q4_0>(j, n0, n1, level);
       case DType::Q4_1: return rows_simd<DType::Q4_1>(j, n0, n1, level);
+      case DType::Q4_K:
+      case DType::Q5_K:
+      case DType::Q6_K: return rows_kquant(j, n0, n1, level);
+      case DType::F16:
+      case DType::BF16: return rows_half(j, n0, n1, level);
       default: return rows_generic(j, n0, n1, level);
     }
   }
@@ -551,7 +527,8 @@ void check_matrix(const QuantMatrix& w) {
 RowJob make_job(const float* x, int64_t M, const QuantMatrix& w, float* y, int64_t ldy,
                 std::vector<float>& xs) {
   RowJob j{&w, x, M, w.cols, w.cols / 32, nullptr, y, ldy};
-  if (w.dtype == DType::Q4_0 || w.dtype == DType::Q4_1) {
+  if (w.dtype == DType::Q4_0 || w.dtype == DType::Q4_1 || w.dtype == DType::Q4_K ||
+      w.dtype == DType::Q5_K) {
     if (int64_t(xs.size()) < M * j.nb) xs.resize(size_t(M * j.nb));
     block_sums(x, M, w.cols, xs.data());
     j.xs = xs.data();

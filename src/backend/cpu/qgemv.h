@@ -32,7 +32,9 @@ SimdLevel simd_level();           // the one in use: detected unless forced
 // Returns the previous one. Not thread-safe against running products.
 SimdLevel set_simd_level(SimdLevel l);
 
-// Types with a fused kernel at AVX2 / AVX-512 (the others decode a row, then dot it).
+// Types with a fused kernel at AVX2 / AVX-512: Q8_0, Q4_0, Q4_1 (qgemv.cpp), Q4_K, Q5_K, Q6_K
+// (qgemv_kquant.cpp), f16, bf16 (qgemv_half.cpp). The others, and every type at the scalar
+// level, decode a row, then dot it.
 bool qgemv_fused(DType t);
 
 // y[M,N] = x[M,K] * W[N,K]^T (+ bias[N]); any stored type dequantize() reads. M <= kGemvMaxM
