@@ -7,7 +7,7 @@
 #   2. tests/e2e/test_tp_cuda.py (spade generate --device cuda --tp 2 equals --tp 1);
 #   3. the TPOT probe: CudaTp.SpeedProbe with SPADE_TP_SPEED=1 (tests/gpu/test_cuda_tp_speed.cpp):
 #      synthetic Llama-3.1-8B at 32K / 128K x batch 1 / 8, TP = 1..GPUs, then Llama-3.1-70B at
-#      128K x batch 1 / 8 (TP where it fits); records in $OUT/tp_speed.jsonl.
+#      128K x batch 1 / 8 and 32K x 8 (TP where it fits); records in $OUT/tp_speed.jsonl.
 #   device (kind nvidia-h200-x2):  bash bench/run_gpu_tp.sh   carry .deps-cuda
 #   Env: SPEED=0 skips 3; JOBS (default 16) build jobs.
 # Results: $OUT/build.log, $OUT/cuda_tp.log, $OUT/e2e_tp_cuda.log, $OUT/speed_tp.log, and a
@@ -46,10 +46,10 @@ rc3=skipped
 if [ "${SPEED:-1}" = 1 ]; then
   NG=$(nvidia-smi -L | wc -l); RANKS=1; for i in $(seq 2 $NG); do RANKS=$RANKS,$i; done
   SPADE_TP_SPEED=1 SPADE_TP_JSON=$OUT/tp_speed.jsonl SPADE_TP_MODEL=llama3-8b SPADE_TP_RANKS=$RANKS \
-    SPADE_TP_SHAPES=${SHAPES_8B:-32768:1,32768:8,131072:1,131072:8} timeout 300 ./$B/spade_gpu_tests \
+    SPADE_TP_SHAPES=${SHAPES_8B:-32768:1,32768:8,130900:1,130900:8} timeout 300 ./$B/spade_gpu_tests \
     --gtest_filter='CudaTp.SpeedProbe' >"$OUT/speed_tp.log" 2>&1; rc3=$?
   SPADE_TP_SPEED=1 SPADE_TP_JSON=$OUT/tp_speed.jsonl SPADE_TP_MODEL=llama3-70b SPADE_TP_RANKS=$RANKS \
-    SPADE_TP_SHAPES=${SHAPES_70B:-131072:1,131072:8} timeout 300 ./$B/spade_gpu_tests \
+    SPADE_TP_SHAPES=${SHAPES_70B:-130900:1,32768:8,130900:8} timeout 300 ./$B/spade_gpu_tests \
     --gtest_filter='CudaTp.SpeedProbe' >>"$OUT/speed_tp.log" 2>&1 || rc3=$?
   echo "speed probe rc=$rc3 after $(( $(date +%s) - t0 )) s"
 fi

@@ -11,7 +11,8 @@
 // A rank count whose shard (weights + KV) does not fit the GPU's free memory is reported as
 // skipped (e.g. Llama-3.1-70B at TP = 1, or 128K x batch 8 at TP = 1), not run.
 // Env: SPADE_TP_MODEL (a synthetic_config name: llama3-8b (default), llama3-70b, qwen3-8b),
-//      SPADE_TP_SHAPES ("context:batch,...", default 32768:1,32768:8), SPADE_TP_RANKS
+//      SPADE_TP_SHAPES ("context:batch,...", default 32768:1,32768:8; the context plus the
+//      timed steps must fit the model's, e.g. 130900 for 128K), SPADE_TP_RANKS
 //      (default "1,2"; counts above the visible GPUs are skipped), SPADE_TP_JSON (a file the
 //      records are appended to, one JSON object per line).
 #include <gtest/gtest.h>
@@ -153,26 +154,42 @@ TEST(CudaTp, SpeedProbe) {
             if (r == 0) tpot = dt;
             for (auto& p : pt) m.release(p);
             if (nccl) {
-              // The step's all-reduces alone: 2 per layer of batch x hidden fp32.
+              // The step's all-reduces alone, as the step runs them: 2 per layer of
+              // batch x hidden fp32 on one stream, captured into a graph, replayed.
+              const int64_t n_ar = int64_t(batch) * full.hidden;
               float* buf = nullptr;
-              SPADE_CUDA(cudaMalloc(&buf, sizeof(float) * size_t(batch) * size_t(full.hidden)));
-              SPADE_CUDA(cudaMemset(buf, 0, sizeof(float) * size_t(batch) * size_t(full.hidden)));
-              const int reps = 10;
+              SPADE_CUDA(cudaMalloc(&buf, sizeof(float) * size_t(n_ar)));
+              SPADE_CUDA(cudaMemset(buf, 0, sizeof(float) * size_t(n_ar)));
+              cudaStream_t st;
+              SPADE_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+              cudaGraph_t g;
+              cudaGraphExec_t ge;
+              SPADE_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+              for (int l = 0; l < 2 * full.n_layers; ++l) nccl->all_reduce_sum_on(buf, n_ar, st);
+              SPADE_CUDA(cudaStreamEndCapture(st, &g));
+              SPADE_CUDA(cudaGraphInstantiate(&ge, g, 0));
+              const int reps = 20;
               for (int w = 0; w < 2; ++w) {
                 nccl->barrier();
                 const auto a0 = std::chrono::steady_clock::now();
-                for (int i = 0; i < (w ? reps : 2); ++i)
-                  for (int l = 0; l < 2 * full.n_layers; ++l) nccl->all_reduce_sum(buf, int64_t(batch) * full.hidden);
-                nccl->wait();
+                for (int i = 0; i < (w ? reps : 3); ++i) SPADE_CUDA(cudaGraphLaunch(ge, st));
+                nccl->synchronize(st);
                 if (w && r == 0)
                   ar_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a0).count() / reps;
               }
+              cudaGraphExecDestroy(ge);
+              cudaGraphDestroy(g);
+              cudaStreamDestroy(st);
               cudaFree(buf);
               nccl->barrier();
             }
           },
           test::tp_quick(std::chrono::seconds(120), std::chrono::seconds(300)));
       test::expect_ok(err);
+      if (!(tpot > 0)) {
+        emit(std::string(head) + ",\"failed\":\"a rank threw (the test's failure says what)\"}");
+        continue;
+      }
       const double ctx_mid = double(ctx + warm + steps / 2);
       const double kv_read = double(batch) * full.n_layers * ctx_mid * c.n_kv_heads * D * 2 * 2;
       const double floor_ms = (wbytes + kv_read) / bw * 1e3;
@@ -185,7 +202,6 @@ TEST(CudaTp, SpeedProbe) {
                     tpot, wbytes, kv_read, floor_ms, ar_ms, bar_ms, tpot / (floor_ms + ar_ms),
                     tpot <= bar_ms ? "true" : "false");
       emit(std::string(head) + rec);
-      EXPECT_GT(tpot, 0);
     }
   }
 #endif
