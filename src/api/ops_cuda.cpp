@@ -55,25 +55,41 @@ void host_batch(const Paged& kv, std::vector<cuda::AttnSeq>& out) {
 
 }  // namespace
 
-struct CudaDecode::Impl {
-  int device, max_batch, Hq, Hkv, D, P;
-  int64_t max_pages;
+namespace {
+
+// What the plan / run ops (DecodeAttention, SparseAttention) are made for: the device, the
+// largest batch and page count a plan may take, the heads and page shape; B: the planned batch.
+struct OpShape {
+  int device = 0, max_batch = 0, Hq = 0, Hkv = 0, D = 0, P = 0;
+  int64_t max_pages = 0;
   std::unique_ptr<cuda::DeviceArena> arena;
+  int B = -1;
+};
+
+// Checks the constructor's arguments of op `name` (a clear error for each), that the current
+// device is supported (the caller holds a DeviceScope of `device`), and records them.
+void init_shape(OpShape& m, const char* name, int device, int max_batch, int64_t max_pages, int Hq,
+                int Hkv, int D, int P) {
+  SPADE_CHECK(max_batch >= 1 && max_pages >= 1, name, ": max_batch and max_pages must be >= 1");
+  SPADE_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "query heads (", Hq,
+              ") must be a multiple of the KV heads (", Hkv, ")");
+  cuda::check_device_supported();
+  m.device = device, m.max_batch = max_batch, m.Hq = Hq, m.Hkv = Hkv, m.D = D, m.P = P;
+  m.max_pages = max_pages;
+}
+
+}  // namespace
+
+struct CudaDecode::Impl : OpShape {
   std::unique_ptr<cuda::AttentionWorkspace> ws;
   std::vector<cuda::AttnSeq> seqs;
-  int B = -1;
 };
 
 CudaDecode::CudaDecode(int device, int max_batch, int64_t max_pages, int Hq, int Hkv, int D, int P)
     : impl_(std::make_unique<Impl>()) {
-  SPADE_CHECK(max_batch >= 1 && max_pages >= 1, "DecodeAttention: max_batch and max_pages must be >= 1");
-  SPADE_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "query heads (", Hq,
-              ") must be a multiple of the KV heads (", Hkv, ")");
   DeviceScope ds(device);
-  cuda::check_device_supported();
   Impl& m = *impl_;
-  m.device = device, m.max_batch = max_batch, m.Hq = Hq, m.Hkv = Hkv, m.D = D, m.P = P;
-  m.max_pages = max_pages;
+  init_shape(m, "DecodeAttention", device, max_batch, max_pages, Hq, Hkv, D, P);
   cuda::AttnLimits lim;
   lim.max_batch = max_batch;
   lim.max_q_tokens = max_batch;  // decode: one query token per request
@@ -118,25 +134,16 @@ void CudaDecode::run(const void* q, const void* k, const void* v, void* out, flo
 int CudaDecode::batch() const { return impl_->B; }
 size_t CudaDecode::arena_bytes() const { return impl_->arena->capacity(); }
 
-struct CudaSparse::Impl {
-  int device, max_batch, Hq, Hkv, D, P;
-  int64_t max_pages;
-  std::unique_ptr<cuda::DeviceArena> arena;
+struct CudaSparse::Impl : OpShape {
   std::unique_ptr<cuda::SparseAttention> sp;
   std::vector<cuda::SparseSeq> seqs;
-  int B = -1;
 };
 
 CudaSparse::CudaSparse(int device, int max_batch, int64_t max_pages, int Hq, int Hkv, int D, int P)
     : impl_(std::make_unique<Impl>()) {
-  SPADE_CHECK(max_batch >= 1 && max_pages >= 1, "SparseAttention: max_batch and max_pages must be >= 1");
-  SPADE_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "query heads (", Hq,
-              ") must be a multiple of the KV heads (", Hkv, ")");
   DeviceScope ds(device);
-  cuda::check_device_supported();
   Impl& m = *impl_;
-  m.device = device, m.max_batch = max_batch, m.Hq = Hq, m.Hkv = Hkv, m.D = D, m.P = P;
-  m.max_pages = max_pages;
+  init_shape(m, "SparseAttention", device, max_batch, max_pages, Hq, Hkv, D, P);
   m.arena = std::make_unique<cuda::DeviceArena>(
       cuda::SparseAttention::arena_bytes(max_batch, max_pages, Hq, Hkv, D));
   m.sp = std::make_unique<cuda::SparseAttention>(*m.arena, max_batch, max_pages, Hq, Hkv, D, P);
