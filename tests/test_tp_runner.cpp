@@ -117,6 +117,9 @@ TEST(TpRunner, StepPlanRoundTrips) {
   s.all_logits = true;
   s.tokens = {1, 2, 3};
   s.pages = {4, 0, 2, 5};
+  s.has_method = true;
+  s.method = sparse::SparseConfig::parse_spec("lessismore:budget=64,selection_layers=1,3");
+  s.text = {"int ", "", "x\n"};
   p.seqs = {s, StepPlan::Seq{}};
   p.seqs[1].dense = true;
   const std::vector<uint8_t> b = p.encode();
@@ -129,7 +132,13 @@ TEST(TpRunner, StepPlanRoundTrips) {
   EXPECT_FALSE(q.seqs[0].dense);
   EXPECT_EQ(q.seqs[0].tokens, s.tokens);
   EXPECT_EQ(q.seqs[0].pages, s.pages);
+  EXPECT_TRUE(q.seqs[0].has_method);
+  EXPECT_EQ(q.seqs[0].method.to_string(), s.method.to_string());
+  EXPECT_EQ(q.seqs[0].method.options, s.method.options);
+  EXPECT_EQ(q.seqs[0].text, s.text);
   EXPECT_TRUE(q.seqs[1].dense);
+  EXPECT_FALSE(q.seqs[1].has_method);
+  EXPECT_TRUE(q.seqs[1].text.empty());
   EXPECT_TRUE(has(what([&] { StepPlan::decode(b.data(), b.size() - 1); }), "bad step message"));
 }
 
@@ -146,7 +155,7 @@ TEST_P(TpRunnerRanks, StepsEqualOneRankAndFollowersShutDown) {
   Followers f(w, n);
   {
     Runner r = make_runner(w, tp_options(f, n));
-    EXPECT_EQ(r.host_pool, nullptr);  // no CPU sparse sessions over rank 0's heads only
+    EXPECT_EQ(r.host_pool, nullptr);  // the runner runs each request's method on every rank
     EXPECT_FALSE(r.model->supports_attention_callbacks());
     EXPECT_EQ(r.model->config().n_kv_heads, 6);  // the model's, not the shard's
     const auto got = run(*r.model, &free_tp);
@@ -234,14 +243,17 @@ TEST(TpRunner, RanksWithAnotherModelAreRefused) {
   EXPECT_TRUE(has(err[1], "loaded a model of another shape")) << err[1];
 }
 
-TEST(TpRunner, SparseMethodsAndTheGpuAreRefusedByName) {
+TEST(TpRunner, RecallAndTheGpuAreRefusedByName) {
   ModelWeights w = test::random_model(tp_config(), 15);
   RunnerOptions ro;
   ro.kv_pages = 16;
   ro.tp = 2;
   ro.dist_init = "127.0.0.1:1";  // never reached: refused first
+  // Sparse methods run under TP (tests/test_tp_sparse.cpp); recall needs every head's weights.
   ro.sparse.method = "quest";
-  EXPECT_TRUE(has(what([&] { (void)make_runner(w, ro); }), "sparse method 'quest' does not run under tensor parallelism"));
+  ro.sparse.measure_recall = true;
+  EXPECT_TRUE(has(what([&] { (void)make_runner(w, ro); }), "--tp 2: sparse option 'recall'"));
+  ro.sparse.measure_recall = false;
   ro.sparse.method = "full";
   // --device cuda runs where the build has CUDA and NCCL (tests/gpu/test_cuda_tp.cpp); else
   // a clear error naming what the build lacks.
@@ -255,14 +267,18 @@ TEST(TpRunner, SparseMethodsAndTheGpuAreRefusedByName) {
   ro.device = "cpu";
   ro.tp = 4;  // 6 KV heads
   EXPECT_TRUE(has(what([&] { (void)make_runner(w, ro); }), "6 KV heads are not divisible by 4"));
-  // Per request (spade serve): the runner's check names the method.
+  // Per request (spade serve): the runner's check takes a method and refuses recall.
   Followers f(w, 2);
   {
     Runner r = make_runner(w, tp_options(f, 2));
     ASSERT_TRUE(r.check_method);
+    EXPECT_TRUE(r.model->runs_methods());
     sparse::SparseConfig m;
     m.method = "tidal";
-    EXPECT_TRUE(has(what([&] { r.check_method(m); }), "sparse method 'tidal' does not run under tensor parallelism"));
+    EXPECT_EQ(what([&] { r.check_method(m); }), "");
+    m.measure_recall = true;
+    EXPECT_TRUE(has(what([&] { r.check_method(m); }), "sparse option 'recall'"));
+    EXPECT_TRUE(has(what([&] { (void)r.model->new_request_state(&m); }), "sparse option 'recall'"));
   }
   for (const std::string& e : f.join()) EXPECT_EQ(e, "") << e;
 }

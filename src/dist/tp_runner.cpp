@@ -9,6 +9,8 @@
 #include "dist/shard.h"
 #include "dist/tcp_communicator.h"
 #include "model/cpu_model.h"
+#include "sparse/registry.h"
+#include "sparse/session.h"
 
 namespace spade::dist {
 
@@ -39,6 +41,7 @@ class Writer {
     b_.resize(at + v.size() * sizeof(T));
     if (!v.empty()) std::memcpy(b_.data() + at, v.data(), v.size() * sizeof(T));
   }
+  void put_str(const std::string& v) { put_vec(std::vector<char>(v.begin(), v.end())); }
   std::vector<uint8_t> take() { return std::move(b_); }
 
  private:
@@ -55,6 +58,10 @@ class Reader {
     std::memcpy(&v, p_ + at_, sizeof(T));
     at_ += sizeof(T);
     return v;
+  }
+  std::string get_str() {
+    const std::vector<char> v = get_vec<char>();
+    return std::string(v.begin(), v.end());
   }
   template <typename T>
   std::vector<T> get_vec() {
@@ -143,13 +150,111 @@ TpRankModel make_cpu_rank(const ModelWeights& shard, Communicator& comm, const T
   TpRankModel r;
   r.step = std::make_unique<CpuStepModel>(*o->model);
   KVPool* kv = o->kv.get();
+  r.pool = kv;
+  r.shard_config = shard.config;
   r.reserve = [kv](PageTable& pt, int64_t n) { kv->reserve(pt, n); };
   r.kv_mib = double(kv->bytes()) / (1024.0 * 1024.0);
   r.owned = std::move(o);
   return r;
 }
 
+TpSelectTrace g_select_trace;  // tests (set_tp_select_trace)
+
+bool is_dense_method(const sparse::SparseConfig& m) {
+  return m.method == "full" && m.options.empty() && !m.measure_recall;
+}
+
+// What a method needs to run under tensor parallelism, or a spade::Error saying why it cannot.
+void check_tp_method(const sparse::SparseConfig& m, int tp, bool cuda) {
+  SPADE_CHECK(!m.measure_recall, "--tp ", tp, ": sparse option 'recall' measures the attention "
+              "mass over every head, and each rank holds only its own heads (use --tp 1)");
+  SPADE_CHECK(!cuda || is_dense_method(m), "--tp ", tp, " --device cuda: sparse method '",
+              m.method, "' does not run on tensor-parallel GPU ranks yet (use --device cpu or "
+              "--tp 1)");
+}
+
 }  // namespace
+
+// A rank's sparse sessions: each method is built for the whole model (its defaults and
+// per-head tables are the model's), each session runs over the rank's pool and heads and
+// gathers across the ranks through `comm` where its selection spans heads (sparse/method.h:
+// HeadShard).
+class RankSessions {
+ public:
+  RankSessions(const ModelConfig& full, const TpRankModel& rank, Communicator& comm)
+      : full_(full), shard_(rank.shard_config), pool_(rank.pool), comm_(comm) {}
+
+  std::unique_ptr<sparse::SparseSession> make(const sparse::SparseConfig& cfg) {
+    SPADE_CHECK(pool_, "tensor parallelism: this rank has no host KV pool for sparse sessions");
+    const std::string key = cfg.to_string();
+    std::shared_ptr<const sparse::SparseMethod> m;
+    if (auto it = methods_.find(key); it != methods_.end()) {
+      m = it->second;
+    } else {
+      m = sparse::make_method(cfg, full_);
+      if (methods_.size() < 64) methods_[key] = m;
+    }
+    sparse::HeadShard h;
+    const int r = comm_.rank();
+    h.q0 = r * shard_.n_heads;
+    h.kv0 = r * shard_.n_kv_heads;
+    h.Hq_all = full_.n_heads;
+    h.Hkv_all = full_.n_kv_heads;
+    Communicator* c = &comm_;
+    h.all_reduce_sum = [c](float* p, int64_t n) { c->all_reduce_sum(p, n); };
+    return std::make_unique<sparse::SparseSession>(std::move(m), shard_, *pool_,
+                                                   sparse::SessionOptions{}, std::move(h));
+  }
+
+  // Sends the session's selections to the test trace as sequence `id`'s.
+  void trace(sparse::SparseSession& s, uint64_t id) const {
+    if (!g_select_trace) return;
+    const int r = comm_.rank();
+    s.on_select = [r, id](int layer, const sparse::Selection& sel) {
+      if (g_select_trace) g_select_trace(r, id, layer, sel);
+    };
+  }
+
+ private:
+  ModelConfig full_, shard_;
+  KVPool* pool_;
+  Communicator& comm_;
+  std::unordered_map<std::string, std::shared_ptr<const sparse::SparseMethod>> methods_;
+};
+
+namespace {
+
+// Rank 0's state of a request with a sparse method: its session, and what the followers are
+// told with its next step (the method on the first, the token text given since).
+class TpMethodState : public sparse::MethodState {
+ public:
+  TpMethodState(sparse::SparseConfig cfg, std::unique_ptr<sparse::SparseSession> s,
+                int64_t rows_per_token)
+      : cfg_(std::move(cfg)), session_(std::move(s)), rows_per_token_(rows_per_token) {}
+  void append_token_text(std::string_view piece) override {
+    if (!session_->wants_token_text()) return;
+    session_->append_token_text(piece);
+    text_.emplace_back(piece);
+  }
+  bool wants_token_text() const override { return session_->wants_token_text(); }
+  // Rank 0's mean per KV head, over every KV head of the model.
+  int64_t attended_rows() const override {
+    return int64_t(session_->totals().tokens_sum * double(rows_per_token_) + 0.5);
+  }
+  sparse::SparseSession& session() { return *session_; }
+  const sparse::SparseConfig& config() const { return cfg_; }
+  std::vector<std::string> take_text() { return std::exchange(text_, {}); }
+
+ private:
+  sparse::SparseConfig cfg_;
+  std::unique_ptr<sparse::SparseSession> session_;
+  int64_t rows_per_token_;
+  std::vector<std::string> text_;
+};
+
+}  // namespace
+
+void set_tp_select_trace(TpSelectTrace fn) { g_select_trace = std::move(fn); }
 
 std::vector<uint8_t> StepPlan::encode() const {
   Writer w;
@@ -158,9 +263,20 @@ std::vector<uint8_t> StepPlan::encode() const {
   for (const Seq& s : seqs) {
     w.put<uint64_t>(s.id);
     w.put<int64_t>(s.cached);
-    w.put<uint32_t>((s.all_logits ? 1u : 0u) | (s.dense ? 2u : 0u));
+    w.put<uint32_t>((s.all_logits ? 1u : 0u) | (s.dense ? 2u : 0u) | (s.has_method ? 4u : 0u));
     w.put_vec(s.tokens);
     w.put_vec(s.pages);
+    if (s.has_method) {
+      w.put_str(s.method.method);
+      w.put<uint32_t>(s.method.measure_recall ? 1u : 0u);
+      w.put<int64_t>(int64_t(s.method.options.size()));
+      for (const auto& [k, v] : s.method.options) {
+        w.put_str(k);
+        w.put_str(v);
+      }
+    }
+    w.put<int64_t>(int64_t(s.text.size()));
+    for (const std::string& t : s.text) w.put_str(t);
   }
   return w.take();
 }
@@ -178,8 +294,23 @@ StepPlan StepPlan::decode(const uint8_t* p, size_t n) {
     const uint32_t f = r.get<uint32_t>();
     s.all_logits = f & 1u;
     s.dense = f & 2u;
+    s.has_method = f & 4u;
     s.tokens = r.get_vec<int32_t>();
     s.pages = r.get_vec<int32_t>();
+    if (s.has_method) {
+      s.method.method = r.get_str();
+      s.method.measure_recall = r.get<uint32_t>() & 1u;
+      const int64_t m = r.get<int64_t>();
+      SPADE_CHECK(m >= 0 && uint64_t(m) <= n, "tensor parallelism: bad step message");
+      for (int64_t i = 0; i < m; ++i) {
+        std::string key = r.get_str();
+        s.method.options[key] = r.get_str();
+      }
+    }
+    const int64_t t = r.get<int64_t>();
+    SPADE_CHECK(t >= 0 && uint64_t(t) <= n, "tensor parallelism: bad step message");
+    s.text.resize(size_t(t));
+    for (std::string& x : s.text) x = r.get_str();
   }
   SPADE_CHECK(r.done(), "tensor parallelism: bad step message (trailing bytes)");
   return plan;
@@ -196,13 +327,26 @@ TpStepModel::TpStepModel(std::unique_ptr<Communicator> comm, const ModelWeights&
   comm_->broadcast(&init, sizeof init, 0);
   agree_on_model(*comm_, true);
   shard_ = shard_weights(w, 0, tp);
+  own_method_ = opt.sparse;
+  cuda_ = init.cuda != 0;
   if (init.cuda) {
     rank_ = make_cuda_rank(shard_, *comm_, init, cuda_device_of_rank(0));
     shard_ = ModelWeights{};  // uploaded
     comm_->barrier();  // every rank built its model (one that failed has closed its connection)
   } else {
     rank_ = make_cpu_rank(shard_, *comm_, init, true);
+    sessions_ = std::make_unique<RankSessions>(full_config_, rank_, *comm_);
   }
+}
+
+std::unique_ptr<sparse::MethodState> TpStepModel::new_request_state(
+    const sparse::SparseConfig* method) {
+  const sparse::SparseConfig& m = method ? *method : own_method_;
+  check_tp_method(m, comm_->size(), cuda_);
+  if (is_dense_method(m)) return nullptr;
+  SPADE_CHECK(sessions_, "tensor parallelism: no sparse sessions on this rank");
+  return std::make_unique<TpMethodState>(
+      m, sessions_->make(m), int64_t(full_config_.n_layers) * full_config_.n_kv_heads);
 }
 
 TpStepModel::~TpStepModel() {
@@ -242,9 +386,9 @@ void TpStepModel::broke(const std::exception& e) {
 
 const std::vector<float>& TpStepModel::forward(const std::vector<SeqInput>& batch,
                                                std::vector<int64_t>& row_of) {
-  begin_step(batch);
+  const std::vector<SeqInput>& mine = begin_step(batch);
   try {
-    return rank_.step->forward(batch, row_of);
+    return rank_.step->forward(mine, row_of);
   } catch (const std::exception& e) {
     broke(e);
   }
@@ -252,9 +396,9 @@ const std::vector<float>& TpStepModel::forward(const std::vector<SeqInput>& batc
 
 const std::vector<int32_t>& TpStepModel::forward_sample(const std::vector<SeqInput>& batch,
                                                         const std::vector<RowSampling>& rows) {
-  begin_step(batch);
+  const std::vector<SeqInput>& mine = begin_step(batch);
   try {
-    return rank_.step->forward_sample(batch, rows);
+    return rank_.step->forward_sample(mine, rows);
   } catch (const std::exception& e) {
     broke(e);
   }
@@ -262,9 +406,9 @@ const std::vector<int32_t>& TpStepModel::forward_sample(const std::vector<SeqInp
 
 void TpStepModel::forward_sample_launch(const std::vector<SeqInput>& batch,
                                         const std::vector<RowSampling>& rows) {
-  begin_step(batch);
+  const std::vector<SeqInput>& mine = begin_step(batch);
   try {
-    rank_.step->forward_sample_launch(batch, rows);
+    rank_.step->forward_sample_launch(mine, rows);
   } catch (const std::exception& e) {
     broke(e);
   }
@@ -279,7 +423,7 @@ const std::vector<int32_t>& TpStepModel::forward_sample_wait() {
   }
 }
 
-void TpStepModel::begin_step(const std::vector<SeqInput>& batch) {
+const std::vector<SeqInput>& TpStepModel::begin_step(const std::vector<SeqInput>& batch) {
   SPADE_CHECK(broken_.empty(), broken_);
   SPADE_CHECK(!shut_down_, "tensor parallelism: the ranks were shut down");
   const ModelConfig& c = full_config_;
@@ -289,7 +433,10 @@ void TpStepModel::begin_step(const std::vector<SeqInput>& batch) {
   for (const SeqInput& s : batch) {
     SPADE_CHECK(s.n_tokens > 0 && s.pages && s.tokens, "forward: empty sequence input");
     SPADE_CHECK(!s.attention || s.dense, "--tp: sparse attention callbacks do not run across "
-                "tensor-parallel ranks (use --tp 1 for sparse methods)");
+                "tensor-parallel ranks (the runner runs each request's method: "
+                "new_request_state)");
+    SPADE_CHECK(!s.device_state || dynamic_cast<TpMethodState*>(s.device_state),
+                "--tp: a request state that this runner did not make");
     SPADE_CHECK(s.pages->length + s.n_tokens <= c.max_context, "sequence of ",
                 s.pages->length + s.n_tokens, " tokens exceeds the model's context of ",
                 c.max_context, " tokens");
@@ -313,7 +460,8 @@ void TpStepModel::begin_step(const std::vector<SeqInput>& batch) {
   StepPlan plan;
   plan.released = std::move(released_);
   released_.clear();
-  for (const SeqInput& s : batch) {
+  batch_ = batch;
+  for (SeqInput& s : batch_) {
     rank_.reserve(*s.pages, s.pages->length + s.n_tokens);  // cannot fail now
     auto [it, fresh] = seqs_.try_emplace(s.pages);
     if (fresh) it->second.id = next_id_++;
@@ -324,6 +472,17 @@ void TpStepModel::begin_step(const std::vector<SeqInput>& batch) {
     q.dense = s.dense;
     q.tokens.assign(s.tokens, s.tokens + s.n_tokens);
     q.pages = s.pages->pages;
+    if (auto* st = static_cast<TpMethodState*>(s.device_state)) {
+      // The request's method: rank 0's session attends here, the followers' in their loop.
+      if (fresh) {
+        q.has_method = true;
+        q.method = st->config();
+        sessions_->trace(st->session(), q.id);
+      }
+      q.text = st->take_text();
+      s.attention = s.dense ? nullptr : &st->session().attention();
+      s.device_state = nullptr;
+    }
     plan.seqs.push_back(std::move(q));
     it->second.length = s.pages->length + s.n_tokens;
   }
@@ -333,15 +492,13 @@ void TpStepModel::begin_step(const std::vector<SeqInput>& batch) {
   } catch (const std::exception& e) {
     broke(e);
   }
+  return batch_;
 }
 
 Runner make_tp_runner(const ModelWeights& w, const RunnerOptions& opt) {
   SPADE_CHECK(opt.device == "cpu" || opt.device == "cuda", "--device must be cpu or cuda, got '",
               opt.device, "'");
-  SPADE_CHECK(opt.sparse.method == "full" && !opt.sparse.measure_recall, "--tp ", opt.tp,
-              ": sparse method '", opt.sparse.method, "'", opt.sparse.measure_recall ? " with recall" : "",
-              " does not run under tensor parallelism yet (its CPU sessions would have to run on "
-              "every rank; use --tp 1)");
+  check_tp_method(opt.sparse, opt.tp, opt.device == "cuda");
   check_shardable(w.config, opt.tp);
   if (opt.device == "cuda") check_cuda_tp(opt.tp, opt.dist_listener != nullptr);
   std::unique_ptr<Communicator> comm;
@@ -355,18 +512,22 @@ Runner make_tp_runner(const ModelWeights& w, const RunnerOptions& opt) {
   r.max_step_tokens = std::max(opt.max_step_tokens, model->rank_model().max_step_tokens);
   r.max_logit_rows = model->rank_model().max_logit_rows;
   const int tp = opt.tp;
-  r.check_method = [tp](const sparse::SparseConfig& m) {
-    fail("sparse method '", m.method, "' does not run under tensor parallelism yet (--tp ", tp,
-         "; use --tp 1)");
-  };
+  const bool cuda = opt.device == "cuda";
+  r.check_method = [tp, cuda](const sparse::SparseConfig& m) { check_tp_method(m, tp, cuda); };
   r.model = std::move(model);
   return r;
 }
 
 // ---- followers
 
-void run_follower(StepModel& model, Communicator& comm) {
-  std::unordered_map<uint64_t, PageTable> seqs;
+void run_follower(StepModel& model, Communicator& comm) { run_follower(model, comm, nullptr); }
+
+void run_follower(StepModel& model, Communicator& comm, RankSessions* sessions) {
+  struct Seq {
+    PageTable pt;
+    std::unique_ptr<sparse::SparseSession> session;  // its method on this rank's heads
+  };
+  std::unordered_map<uint64_t, Seq> seqs;
   std::vector<uint8_t> payload;
   std::vector<SeqInput> batch;
   std::vector<int64_t> row_of;
@@ -375,7 +536,7 @@ void run_follower(StepModel& model, Communicator& comm) {
       auto it = seqs.find(id);
       SPADE_CHECK(it != seqs.end(), "tensor parallelism: rank 0 released sequence ", id,
                   ", unknown to rank ", comm.rank());
-      model.release(it->second);
+      model.release(it->second.pt);
       seqs.erase(it);
     }
   };
@@ -388,7 +549,7 @@ void run_follower(StepModel& model, Communicator& comm) {
     if (h.kind == kShutdown) {
       Reader r(payload.data(), payload.size());
       release(r.get_vec<uint64_t>());
-      for (auto& [id, pt] : seqs) model.release(pt);
+      for (auto& [id, q] : seqs) model.release(q.pt);
       return;
     }
     SPADE_CHECK(h.kind == kStep, "tensor parallelism: unknown message ", h.kind, " from rank 0");
@@ -400,16 +561,26 @@ void run_follower(StepModel& model, Communicator& comm) {
       if (it == seqs.end()) {
         SPADE_CHECK(s.cached == 0, "tensor parallelism: sequence ", s.id, " of ", s.cached,
                     " cached tokens is unknown to rank ", comm.rank());
-        it = seqs.emplace(s.id, PageTable{}).first;
+        it = seqs.emplace(s.id, Seq{}).first;
+        if (s.has_method) {
+          SPADE_CHECK(sessions, "tensor parallelism: rank ", comm.rank(), " runs no sparse "
+                      "sessions (sequence ", s.id, " has method '", s.method.method, "')");
+          it->second.session = sessions->make(s.method);
+          sessions->trace(*it->second.session, s.id);
+        }
       }
-      SPADE_CHECK(it->second.length == s.cached, "tensor parallelism: rank ", comm.rank(),
-                  " holds ", it->second.length, " tokens of sequence ", s.id, ", rank 0 ", s.cached);
+      Seq& q = it->second;
+      SPADE_CHECK(q.pt.length == s.cached, "tensor parallelism: rank ", comm.rank(),
+                  " holds ", q.pt.length, " tokens of sequence ", s.id, ", rank 0 ", s.cached);
+      if (q.session)
+        for (const std::string& t : s.text) q.session->append_token_text(t);
       SeqInput in;
-      in.pages = &it->second;
+      in.pages = &q.pt;
       in.tokens = s.tokens.data();
       in.n_tokens = int64_t(s.tokens.size());
       in.all_logits = s.all_logits;
       in.dense = s.dense;
+      if (q.session && !s.dense) in.attention = &q.session->attention();
       batch.push_back(in);
     }
     model.forward(batch, row_of);
@@ -440,10 +611,12 @@ void run_follower_rank(const ModelWeights& w, const std::string& address, int ra
     m = make_cuda_rank(shard, comm, init, cuda_device_of_rank(rank));
     shard = ModelWeights{};  // uploaded
     comm.barrier();          // every rank built its model
+    run_follower(*m.step, comm);
   } else {
     m = make_cpu_rank(shard, comm, init, false);
+    RankSessions sessions(w.config, m, comm);
+    run_follower(*m.step, comm, &sessions);
   }
-  run_follower(*m.step, comm);
 }
 
 }  // namespace spade::dist

@@ -18,8 +18,20 @@
 // that loaded another model makes every rank fail at start-up.
 //
 // Followers compute no logits (CpuModel::set_logits(false), CudaModelOptions::logits).
-// Sparse methods are refused under TP so far (the CPU sparse sessions would have to run on
-// every rank; see docs/cli.md).
+//
+// Sparse methods (CPU ranks): the runner runs each request's method itself (runs_methods():
+// new_request_state, the method of the request or RunnerOptions::sparse). Every rank runs a
+// SparseSession of it over its own KV pool and heads: the method is built for the whole model
+// (its defaults, LycheeDecode's roles), the session knows which of the model's heads it holds
+// and how to gather across ranks (sparse/method.h HeadShard). The request's first step names
+// its method in the plan (StepPlan::Seq::method), so followers make the same session; each
+// step carries the token text given since the last (LycheeCluster's chunking). Selections per
+// KV head stay on their rank (a KV head's query heads are on the same rank, dist/shard.h);
+// LessIsMore's one set for all heads gathers every rank's per-head top lists (an all-reduce of
+// a zero-padded table, exact) and merges them alike on every rank, so every rank's selection
+// is the one-rank selection (tests/test_tp_sparse.cpp). Refused, with the reason: recall
+// (it measures the attention mass over every head; a rank holds only its own), LycheeDecode
+// roles in a reordered head order (sets would cross ranks).
 //
 // GPU ranks (TpInit::cuda; tp_cuda.cpp, CUDA builds with NCCL): each rank is one process on
 // its own GPU (rank r takes device r mod the visible GPUs), a CudaModel of its shard whose
@@ -39,6 +51,7 @@
 #include "dist/communicator.h"
 #include "engine/runner.h"
 #include "engine/step_model.h"
+#include "sparse/selection.h"
 
 namespace spade::dist {
 
@@ -49,6 +62,11 @@ struct StepPlan {
     bool all_logits = false, dense = false;
     std::vector<int32_t> tokens;
     std::vector<int32_t> pages;  // its page table once this step's pages are reserved
+    // The sequence's sparse method, sent with its first step (has_method; none: dense), and
+    // the token text its method was given since the previous step (LycheeCluster's chunking).
+    bool has_method = false;
+    sparse::SparseConfig method;
+    std::vector<std::string> text;
   };
   std::vector<uint64_t> released;  // sequences released before this step (in order)
   std::vector<Seq> seqs;
@@ -69,6 +87,8 @@ struct TpInit {
   int64_t max_step_tokens = 0, max_logit_rows = 0;
 };
 
+class RankSessions;  // tp_runner.cpp: a rank's sparse sessions
+
 // One rank's shard on its device, as TpStepModel (rank 0) and the followers drive it.
 struct TpRankModel {
   std::shared_ptr<void> owned;  // what `step` runs on (the model, its pool or communicator)
@@ -76,7 +96,18 @@ struct TpRankModel {
   std::function<void(PageTable&, int64_t)> reserve;  // the pool's reserve (pages for a length)
   double kv_mib = 0;
   int64_t max_logit_rows = 0, max_step_tokens = 0;  // cuda: what the runner takes
+  // CPU ranks: the pool of the rank's KV heads (its sparse sessions read it) and the shard's
+  // config (the rank's head counts); null on GPU ranks.
+  KVPool* pool = nullptr;
+  ModelConfig shard_config;
 };
+
+// Tests: called with the final selection of every sparse decode layer on every CPU rank (the
+// rank, the sequence's plan id, the layer, the selection over the rank's KV heads), from the
+// ranks' threads. Process-wide: set it before the ranks start, clear it after they stopped.
+using TpSelectTrace =
+    std::function<void(int rank, uint64_t seq, int layer, const sparse::Selection& sel)>;
+void set_tp_select_trace(TpSelectTrace fn);
 
 // tp_cuda.cpp. Throws spade::Error unless this build has CUDA and NCCL and, when every rank
 // runs on this host (`local`), at least `tp` GPUs are visible ("--tp 2 needs 2 GPUs, 1 visible").
@@ -117,6 +148,11 @@ class TpStepModel : public StepModel {
                              const std::vector<RowSampling>& rows) override;
   const std::vector<int32_t>& forward_sample_wait() override;
   StepCounters step_counters() const override { return rank_.step->step_counters(); }
+  // Sparse methods (CPU ranks): each request's method runs as a SparseSession on every rank
+  // over the rank's KV heads; the state returned here holds rank 0's, and the request's first
+  // step tells the followers to make theirs. nullptr for full attention.
+  std::unique_ptr<sparse::MethodState> new_request_state(const sparse::SparseConfig* method) override;
+  bool runs_methods() const override { return true; }
   double kv_mib() const { return rank_.kv_mib; }
   const TpRankModel& rank_model() const { return rank_; }
   // Sends shutdown now (the destructor's job; idempotent).
@@ -129,11 +165,16 @@ class TpStepModel : public StepModel {
   };
   // Checks the step (a refused step reaches no rank), reserves its pages and broadcasts its
   // plan; from then on a failure leaves the ranks out of step (broken_).
-  void begin_step(const std::vector<SeqInput>& batch);
+  // Returns the batch for rank 0's shard (its sparse sessions' attention set).
+  const std::vector<SeqInput>& begin_step(const std::vector<SeqInput>& batch);
   [[noreturn]] void broke(const std::exception& e);
 
   std::unique_ptr<Communicator> comm_;
   ModelConfig full_config_;
+  sparse::SparseConfig own_method_;  // RunnerOptions::sparse: the method of requests with none
+  bool cuda_ = false;
+  std::vector<SeqInput> batch_;  // the step's batch as rank 0's shard runs it
+  std::unique_ptr<RankSessions> sessions_;  // CPU ranks
   ModelWeights shard_;  // the CPU rank's weights (the CUDA rank's are on its GPU)
   TpRankModel rank_;
   std::unordered_map<const PageTable*, Tracked> seqs_;
@@ -153,6 +194,9 @@ Runner make_tp_runner(const ModelWeights& w, const RunnerOptions& opt);
 // sends shutdown (returns) or a rank fails (throws spade::Error). `model` may be any StepModel
 // whose page allocator works like KVPool's (a CudaModel rank later, see docs/design.md).
 void run_follower(StepModel& model, Communicator& comm);
+// The same with the rank's sparse sessions (CPU ranks): a sequence's first step names its
+// method, and the follower runs it on its heads as rank 0 does on its own.
+void run_follower(StepModel& model, Communicator& comm, RankSessions* sessions);
 
 // A follower process: joins rank 0 at `address` as rank `rank` of `size`, receives TpInit,
 // builds its shard of `w` (on the CPU, or with TpInit::cuda a CudaModel on GPU

@@ -79,6 +79,7 @@ ResolvedSparse SparseMethods::resolve(const std::optional<SparseSpec>& given) {
     // The GPU model runs the method itself: the server's own (no device_method), or one it
     // adds for this request.
     if (!given) device_key_ = key;
+    if (cfg.measure_recall && device_check_) device_check_(cfg);  // the runner's reason (--tp)
     SPADE_CHECK(!cfg.measure_recall, "sparse option 'recall' is CPU-only (spade serve --device cpu)");
     if (key == device_key_) return r;
     if (device_check_) device_check_(cfg);

@@ -28,6 +28,12 @@ void StepContext::bind(const ModelConfig& cfg, const KVPool& pool, cpu::Attentio
   D = cfg.head_dim;
   G = cfg.n_heads / cfg.n_kv_heads;
   scale = 1.f / std::sqrt(float(cfg.head_dim));
+  if (shard.Hq_all == 0) shard.Hq_all = Hq;
+  if (shard.Hkv_all == 0) shard.Hkv_all = Hkv;
+  SPADE_CHECK(shard.q0 >= 0 && shard.kv0 >= 0 && shard.q0 + Hq <= shard.Hq_all &&
+                  shard.kv0 + Hkv <= shard.Hkv_all && shard.q0 == shard.kv0 * G,
+              who, ": the rank's heads [", shard.q0, ", ", shard.q0 + Hq, ") / [", shard.kv0, ", ",
+              shard.kv0 + Hkv, ") do not fit the model's ", shard.Hq_all, " / ", shard.Hkv_all);
   kv = &pool;
   attention_scratch = scratch;
 }

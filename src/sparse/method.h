@@ -16,6 +16,7 @@
 // is maintained by the KV pool itself on every append.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -54,6 +55,20 @@ struct SelectScratch {
   }
 };
 
+// Tensor parallelism (dist/tp_runner.h): a session that runs one rank's heads. The rank holds
+// the model's query heads [q0, q0 + Hq) and KV heads [kv0, kv0 + Hkv) of Hq_all / Hkv_all
+// (StepContext::Hq / Hkv are the rank's counts); all_reduce_sum sums a float vector over the
+// ranks in place (every rank gets the same values), called by every rank at the same point of
+// the same layer. Methods whose selection spans KV heads (LessIsMore's one set) gather what
+// they need through it; methods with tables indexed by the model's head (LycheeDecode's
+// roles) read them at kv0 + h. Default: one rank, every head.
+struct HeadShard {
+  int q0 = 0, kv0 = 0;
+  int Hq_all = 0, Hkv_all = 0;  // 0: the context's Hq / Hkv (set by StepContext::bind)
+  std::function<void(float*, int64_t)> all_reduce_sum;  // null: one rank
+  bool split() const { return bool(all_reduce_sum); }
+};
+
 class StepContext {
  public:
   // What the current layer's selection sees.
@@ -68,6 +83,7 @@ class StepContext {
   int64_t step = 0;          // decode step index in this request
   MethodState* state = nullptr;
   SelectScratch scratch;
+  HeadShard shard;  // the rank's heads under tensor parallelism (one rank: every head)
 
   // True full-attention softmax weights [Hq, L] of this layer's query: a measurement
   // computed on first use per layer (oracle methods, recall), never the attention output.

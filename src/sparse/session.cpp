@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <utility>
 
 #include "core/error.h"
 
@@ -58,10 +59,11 @@ double StepStats::min_recall() const {
 }
 
 SparseSession::SparseSession(std::shared_ptr<const SparseMethod> method, const ModelConfig& cfg,
-                             KVPool& kv, SessionOptions opt)
+                             KVPool& kv, SessionOptions opt, HeadShard shard)
     : method_(std::move(method)), cfg_(cfg), kv_(kv), opt_(opt) {
   SPADE_CHECK(method_, "SparseSession: no method");
   method_->check_kv_layout(kv_.layout());
+  ctx_.shard = std::move(shard);
   ctx_.bind(cfg, kv_, &scratch_, "SparseSession");
   step_.n_layers = cfg.n_layers;
   step_.n_kv_heads = cfg.n_kv_heads;

@@ -63,8 +63,11 @@ struct SessionOptions {
 
 class SparseSession {
  public:
+  // Tensor parallelism (dist/tp_runner.h): `cfg` and `kv` are one rank's (its head counts, its
+  // KV heads) and `shard` says which of the model's heads they are and how the ranks gather
+  // (sparse/method.h). Default: one rank.
   SparseSession(std::shared_ptr<const SparseMethod> method, const ModelConfig& cfg, KVPool& kv,
-                SessionOptions opt = {});
+                SessionOptions opt = {}, HeadShard shard = {});
   SparseSession(const SparseSession&) = delete;
   SparseSession& operator=(const SparseSession&) = delete;
 

@@ -4,11 +4,15 @@
 - generate --tp 2 on stories260k prints exactly the greedy text of --tp 1 (and a chat-style
   SmolLM2 prompt at --tp 3, its 3 KV heads, when models/SmolLM2-135M-Instruct.Q4_1.gguf is
   present); no rank is left behind.
+- every CPU sparse method: generate --tp 2 --sparse M on stories260k (4 KV heads, budgets below
+  its 60-token context) prints exactly --tp 1 --sparse M's greedy text (LessIsMore's one set
+  gathered across the ranks, LycheeDecode's roles sliced to each rank's heads).
 - clear errors before any rank starts: --tp 2 on SmolLM2 (3 KV heads), --tp 0, --tp-rank
-  without --dist-init, a sparse method under --tp.
-- serve --tp 2: a completion equals generate's text; a per-request sparse method is refused
-  with a 400 naming it; a follower killed while the server idles makes rank 0 exit non-zero
-  with a message naming the rank, within seconds.
+  without --dist-init, --recall under --tp.
+- serve --tp 2: a completion equals generate's text, and one with a per-request sparse method
+  equals generate --sparse's; a per-request recall is refused with a 400; a follower killed
+  while the server idles makes rank 0 exit non-zero with a message naming the rank, within
+  seconds.
 - a follower killed during a long generation (SmolLM2) makes rank 0 exit non-zero with a
   message within seconds, and the other follower exits too.
 """
@@ -103,11 +107,39 @@ def test_generate_equal():
         print("skip SmolLM2 --tp 3 (no models/SmolLM2-135M-Instruct.Q4_1.gguf)")
 
 
+# One spec per CPU method, sized for stories260k (5 layers, 4 KV heads) at ~60 tokens.
+METHODS = [
+    ("streaming", "budget=24"),
+    ("quest", "budget=32"),
+    ("tidal", "budget=24"),
+    ("lessismore", "budget=32"),
+    ("oracle-topk", "budget=24"),
+    ("oracle-topp", "p=0.8"),
+    ("lycheecluster", "budget=32"),
+    ("lycheedecode", "roles=RRRR/SRSR/RSRS/SSRR/RSSR,budget=24"),
+    ("twilight", "budget=32"),
+    ("blasst", "lambda=0.5,tile=8,prefill_tile=8,q_block=8"),
+]
+
+
+def test_sparse_methods_equal():
+    prompt = "Once upon a time, there was a little girl named Lily. She"
+    for method, opts in METHODS:
+        flags = ("--sparse", method, "--sparse-opt", opts, "--ignore-eos")
+        one = greedy(STORIES, prompt, 48, 1, *flags)
+        two = greedy(STORIES, prompt, 48, 2, *flags)
+        check(one.returncode == 0 and two.returncode == 0 and one.stdout == two.stdout
+              and len(one.stdout) > 20,
+              f"--tp 2 --sparse {method} prints --tp 1's text: {two.stdout.strip()[-40:]!r} "
+              f"({one.stderr.strip()[-200:]} {two.stderr.strip()[-200:]})")
+
+
 def test_errors():
     cases = [((STORIES, "--tp", "0"), "--tp must be in [1, 64], got 0"),
              ((STORIES, "--tp", "2", "--tp-rank", "1"), "--tp-rank needs --dist-init"),
              ((STORIES, "--tp-rank", "1"), "--tp-rank needs --tp N with N > 1"),
-             ((STORIES, "--tp", "2", "--sparse", "quest"), "sparse method 'quest' does not run under tensor parallelism")]
+             ((STORIES, "--tp", "2", "--sparse", "quest", "--recall"),
+              "measures the attention mass over every head, and each rank holds only its own heads")]
     if os.path.exists(SMOLLM):
         cases.append(((SMOLLM, "--tp", "2"), "--tp 2: 3 KV heads are not divisible by 2"))
     for (model, *flags), want in cases:
@@ -144,8 +176,16 @@ def test_serve():
     want = greedy(STORIES, "Once upon a time", 30, 1, "--ignore-eos").stdout.rstrip("\n")
     got = body["choices"][0]["text"] if status == 200 else body
     check(status == 200 and got == want, f"serve --tp 2 completes as generate --tp 1: {got!r}")
-    status, body = post(port, {"prompt": "x", "max_tokens": 2, "sparse": {"method": "quest"}})
-    check(status == 400 and "'quest'" in json.dumps(body), f"a per-request sparse method is refused: {body}")
+    status, body = post(port, {"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0,
+                               "sparse": "lessismore:budget=16"})
+    want = greedy(STORIES, "Once upon a time", 30, 1, "--ignore-eos", "--sparse", "lessismore",
+                  "--sparse-opt", "budget=16").stdout.rstrip("\n")
+    got = body["choices"][0]["text"] if status == 200 else body
+    check(status == 200 and got == want, f"a per-request lessismore under --tp 2 completes as generate --tp 1: {got!r}")
+    status, body = post(port, {"prompt": "x", "max_tokens": 2,
+                               "sparse": {"method": "quest", "recall": True}})
+    check(status == 400 and "each rank holds only its own heads" in json.dumps(body),
+          f"a per-request recall is refused: {body}")
     kids = children(p.pid)
     check(len(kids) == 1, f"one follower process ({kids})")
     for k in kids:
@@ -187,6 +227,7 @@ def main():
     ap.add_argument("--spade", required=True)
     SPADE = ap.parse_args().spade
     test_generate_equal()
+    test_sparse_methods_equal()
     test_errors()
     test_serve()
     test_follower_killed_mid_run()

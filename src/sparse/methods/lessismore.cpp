@@ -46,13 +46,32 @@ void LessIsMoreMethod::on_scores(StepContext& c, const Selection&, const float* 
     k = top_k_range(scores + int64_t(hq) * L, sinks_, int32_t(hi), n_uni, c.scratch.i0);
     std::copy_n(c.scratch.i0.begin(), k, lists + int64_t(hq) * n_uni);
   }
+  // Tensor parallelism: the merge spans every query head of the model, so each rank's lists
+  // travel to all ranks (each rank writes its heads' rows of a zeroed [Hq_all][n_uni] table,
+  // the all-reduce sums one value and zeros per entry: exact), and every rank merges the same
+  // lists in the same order, the one-rank set.
+  int Hq = c.Hq;
+  if (c.shard.split()) {
+    SPADE_CHECK(L < (int64_t(1) << 24), "lessismore: a context of ", L, " tokens is too long to "
+                "gather over tensor-parallel ranks (positions travel as floats, exact below 2^24)");
+    Hq = c.shard.Hq_all;
+    const size_t n = size_t(std::max<int64_t>(1, int64_t(Hq) * n_uni));
+    float* g = SelectScratch::ensure(c.scratch.f1, n);
+    std::fill_n(g, n, 0.f);
+    for (int hq = 0; hq < c.Hq; ++hq)
+      for (int64_t r = 0; r < k; ++r)
+        g[int64_t(c.shard.q0 + hq) * n_uni + r] = float(lists[int64_t(hq) * n_uni + r]);
+    c.shard.all_reduce_sum(g, int64_t(Hq) * n_uni);
+    lists = SelectScratch::ensure(c.scratch.i1, n);
+    for (size_t i = 0; i < n; ++i) lists[i] = int32_t(g[i]);
+  }
   // 2. merge by (rank within head, head index), dropping duplicates.
   uint8_t* mark = SelectScratch::ensure(c.scratch.mark, size_t(L));
   std::fill_n(mark, L, uint8_t(0));
   int32_t* uni = SelectScratch::ensure(c.scratch.i2, size_t(std::max<int64_t>(1, n_uni)));
   int64_t count = 0;
   for (int64_t r = 0; r < k && count < n_uni; ++r)
-    for (int hq = 0; hq < c.Hq && count < n_uni; ++hq) {
+    for (int hq = 0; hq < Hq && count < n_uni; ++hq) {
       const int32_t p = lists[int64_t(hq) * n_uni + r];
       if (!mark[p]) {
         mark[p] = 1;

@@ -167,14 +167,21 @@ std::unique_ptr<MethodState> LycheeDecodeMethod::new_state() const {
 void LycheeDecodeMethod::select(StepContext& c, Selection& out) const {
   auto& st = static_cast<LdState&>(*c.state);
   const int l = c.layer, Hkv = c.Hkv;
-  SPADE_CHECK(Hkv == roles_.n_kv_heads && c.n_layers == roles_.n_layers,
+  SPADE_CHECK((c.shard.Hkv_all ? c.shard.Hkv_all : Hkv) == roles_.n_kv_heads && c.n_layers == roles_.n_layers,
               "lycheedecode: roles do not match the model");
+  // Tensor parallelism: the rank's KV heads are the model's [kv0, kv0 + Hkv); roles and token
+  // sets are indexed by the model's heads. A set flows to the same original head of the next
+  // layer, so it stays on its rank unless the heads were reordered (appendix F).
+  const int kv0 = c.shard.kv0;
+  SPADE_CHECK(!c.shard.split() || roles_.identity_order(), "lycheedecode: reordered head roles "
+              "move token sets between KV heads of different tensor-parallel ranks (use --tp 1 "
+              "or roles in the model's head order)");
   const std::vector<int>& col = roles_.origin[size_t(l)];
   // This layer's selection: retrieval heads read everything, sparse heads their inherited set.
   bool dense = true;
   for (int i = 0; i < Hkv; ++i) {
-    if (roles_.is_retrieval(l, i)) continue;
-    const size_t h = size_t(col[size_t(i)]);
+    if (roles_.is_retrieval(l, kv0 + i)) continue;
+    const size_t h = size_t(col[size_t(kv0 + i)]);
     SPADE_CHECK(st.step[h] == c.step && st.length[h] == c.L, "lycheedecode: layer ", l,
                 " head ", i, " has no token set from this step");
     dense = dense && st.all[h];
@@ -184,8 +191,8 @@ void LycheeDecodeMethod::select(StepContext& c, Selection& out) const {
   } else {
     out.begin_per_head(Hkv, c.L);
     for (int i = 0; i < Hkv; ++i) {
-      const size_t h = size_t(col[size_t(i)]);
-      if (roles_.is_retrieval(l, i) || st.all[h]) {
+      const size_t h = size_t(col[size_t(kv0 + i)]);
+      if (roles_.is_retrieval(l, kv0 + i) || st.all[h]) {
         for (int64_t j = 0; j < c.L; ++j) out.push(int32_t(j));
       } else {
         for (int32_t p : st.set[h]) out.push(p);
@@ -196,8 +203,8 @@ void LycheeDecodeMethod::select(StepContext& c, Selection& out) const {
   // Retrieval heads select the sets of the same heads in the next layer.
   if (l + 1 >= c.n_layers) return;
   for (int i = 0; i < Hkv; ++i) {
-    if (!roles_.is_retrieval(l, i)) continue;
-    const size_t h = size_t(col[size_t(i)]);
+    if (!roles_.is_retrieval(l, kv0 + i)) continue;
+    const size_t h = size_t(col[size_t(kv0 + i)]);
     float* w = SelectScratch::ensure(c.scratch.f0, size_t(c.L));
     ld_group_weights(c, i, w);
     const int64_t n = ld_select(w, c.L, rule_, c.scratch, st.set[h]);
