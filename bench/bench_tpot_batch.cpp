@@ -16,6 +16,10 @@
 // random codes, scales 1) KV cache, "kv" in its line; fp8 runs full attention only so far (the
 // other methods are refused: reported on stderr and skipped). At the same --lengths the fp8
 // pool takes half the KV bytes (dense_kv_bytes counts them).
+// --max-batch-at L: first, per --kv-dtype, the largest batch of L-token requests whose model
+// (weights, the KV pool of B x (L + steps) tokens, workspaces) the GPU can hold: a bisection
+// over constructions of the model, each allocation failure a spade::Error (issue 40: the fp8
+// cache should double it). Records {"probe":"max_batch",...} in the same results array.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -56,6 +60,7 @@ int main(int argc, char** argv) {
     std::string model = "llama3-8b", lengths = "32768:8", methods = "full", commit = "unknown",
                 kv_dtypes = "bf16";
     int steps = 136, warm = 8;
+    int64_t max_batch_at = 0;
     for (int i = 2; i + 1 < argc; i += 2) {
       const std::string k = argv[i], v = argv[i + 1];
       if (k == "--model") model = v;
@@ -65,6 +70,7 @@ int main(int argc, char** argv) {
       else if (k == "--warm") warm = std::stoi(v);
       else if (k == "--commit") commit = v;
       else if (k == "--kv-dtype") kv_dtypes = v;
+      else if (k == "--max-batch-at") max_batch_at = std::stoll(v);
       else throw std::runtime_error("unknown option " + k);
     }
     const double bw = copy_bandwidth();
@@ -95,6 +101,39 @@ int main(int argc, char** argv) {
     const double H = c.hidden, F = c.ffn, D = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads;
     const double layer_w = ((Hq + 2 * Hkv) * D * H + H * Hq * D + 3 * F * H) * 2;
     const double wbytes = c.n_layers * layer_w + double(c.vocab) * H * 2;
+    if (max_batch_at > 0) {
+      SPADE_CHECK(max_batch_at + warm + steps + 16 <= c.max_context, "--max-batch-at ", max_batch_at,
+                  " + steps > ", c.max_context);
+      for (const std::string& kvd : split(kv_dtypes, ',')) {
+        const KvDtype kv_dtype = parse_kv_dtype(kvd);
+        auto fits = [&](int B) {
+          CudaModelOptions opt;
+          opt.kv_dtype = kv_dtype;
+          opt.max_tokens = int64_t(B) * (max_batch_at + warm + steps + 16);
+          opt.max_batch = B;
+          opt.max_step_tokens = std::max(16, B);
+          opt.max_logit_rows = B;
+          try {
+            CudaModel m(c, opt, 1234);
+            return true;
+          } catch (const Error&) {
+            (void)cudaGetLastError();  // the failed allocation's (not sticky) error
+            return false;
+          }
+        };
+        int lo = 0, hi = 1;  // fits(lo) (0: none), !fits(hi) once found
+        while (hi <= 1024 && fits(hi)) lo = hi, hi *= 2;
+        while (hi - lo > 1) {
+          const int mid = (lo + hi) / 2;
+          (fits(mid) ? lo : hi) = mid;
+        }
+        std::fprintf(out, "%s{\"probe\":\"max_batch\",\"kv\":\"%s\",\"context\":%lld,\"max_batch\":%d}\n",
+                     first ? "" : ",", kvd.c_str(), (long long)max_batch_at, lo);
+        first = false;
+        std::fprintf(stderr, "largest batch at context %lld, kv %s: %d\n", (long long)max_batch_at,
+                     kvd.c_str(), lo);
+      }
+    }
     for (const std::string& lb : split(lengths, ',')) {
       const auto p = split(lb, ':');
       SPADE_CHECK(p.size() == 2, "--lengths wants context:batch pairs, got ", lb);
