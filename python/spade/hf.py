@@ -1,20 +1,39 @@
-"""spade.hf: a Hugging Face transformers model decoding with spade's kernels (spade.ops).
+"""spade.hf: a Hugging Face transformers model decoding with spade's kernels and sparse methods
+(spade.ops).
 
     import spade.hf
     model = AutoModelForCausalLM.from_pretrained(...)
-    spade.hf.apply(model, method="quest", budget=1024)   # or method="full"
-    model.generate(...)                                   # decode steps run spade's ops
-    spade.hf.remove(model)                                # back to transformers' attention
+    spade.hf.apply(model, "tidal:budget=256")              # spade's method spec, as --sparse
+    spade.hf.apply(model, method="quest", budget=1024)     # or the method and its options
+    model.generate(...)                                    # decode steps run spade's ops
+    spade.hf.remove(model)                                 # back to transformers' attention
 
 What it does: every attention layer keeps a paged copy of its keys and values
 ([pages, Hkv, page_size, D], the spade.ops layout) that grows with the sequence. A decode
-step (one new token per sequence) appends the token's K/V and attends with
-spade.ops.decode_attention (method "full") or with Quest's page selection
-(quest_update_meta on the touched page, quest_select, sparse_attention over the pages; the
-first `dense_layers` layers attend fully; a sequence of at most budget tokens gets all its
-pages). Prefill (several new tokens) runs transformers' eager math over the model's own
-cache, and fills the paged copy. On CUDA one DecodeAttention / SparseAttention plan per
-decode step serves every layer (their page tables are the same).
+step (one new token per sequence) appends the token's K/V, asks the method for the layer's
+selection and attends with spade.ops.decode_attention (a dense layer) or
+spade.ops.sparse_attention over the selected tokens. The methods are spade's C++ ones
+(src/sparse/methods/*.cpp), option for option, built from spade.ops' selectors:
+
+    full          every token
+    streaming     sinks [0, sinks) + the last budget - sinks tokens, one set for every head
+    quest         quest_update_meta / quest_select: budget // page_size pages per KV head
+    tidal         selection layers attend fully and tidal_select the top-budget tokens per
+                  KV head (group-mean score); later layers reuse that set in the same step
+    lessismore    as tidal, one cross-head set from lessismore_select (sinks, merged
+                  per-head top lists, the recency window)
+    oracle-topk   the top-budget tokens per KV head by the group's summed true weights
+    oracle-topp   per query head the smallest true top set reaching mass p (union or mean)
+    twilight      a base method's selection pruned by twilight_prune (INT4 key estimate,
+                  top-p per query head, union); base=quest and budget=auto by default
+
+Defaults and option names are spade's (`spade generate --help`); tidal and lessismore take
+their dense / selection layers from the per-model table of src/sparse/model_defaults.cpp.
+lycheecluster, lycheedecode and blasst are not hooked (apply() says why). Prefill (several
+new tokens) runs transformers' eager math over the model's own cache, and fills the paged
+copy; prefill is dense for every method in spade too. On CUDA one DecodeAttention plan per
+decode step serves the dense layers (and quest's SparseAttention plan its sparse ones); the
+other methods' lists go through spade.ops.sparse_attention (a plan per call).
 
 Hooks, by transformers version: where transformers has an attention-function registry
 (ALL_ATTENTION_FUNCTIONS, 4.48+), apply() registers "spade" there and sets the model's
@@ -34,23 +53,627 @@ from typing import Optional
 from . import ops
 from ._core import Error
 
-__all__ = ["apply", "remove", "stats", "METHODS"]
+__all__ = ["apply", "remove", "stats", "parse_spec", "METHODS"]
 
-METHODS = ("full", "quest")
+METHODS = ("full", "streaming", "quest", "tidal", "lessismore", "oracle-topk", "oracle-topp",
+           "twilight")
+# spade methods the hook does not run, and why.
+_NOT_HOOKED = {
+    "lycheecluster": "its structure-aware chunks need each token's text and its lazy index "
+                     "updates have no op (spade.ops.ClusterIndex builds and searches one index)",
+    "lycheedecode": "its head roles come from trained tables that only the engine reads",
+    "blasst": "it skips key tiles inside the attention kernel, which spade.ops does not expose",
+}
+_MAX_TOKENS = 2147483647  # sparse/options.h kMaxTokenCount
+_MAX_TILE = 65536         # kMaxTile
+
+
+# ---------------------------------------------------------------------------------------------
+# Method specs and options: the names, defaults and valid ranges of src/sparse/methods/*.cpp
+# (their *_options()), checked as sparse::MethodOptions checks them.
+
+class _Opt:
+    def __init__(self, kind, default, lo=-math.inf, hi=math.inf, lo_open=False, bound=None,
+                 choices=()):
+        self.kind, self.default, self.lo, self.hi = kind, default, lo, hi
+        self.lo_open, self.bound, self.choices = lo_open, bound, tuple(choices)
+
+    def valid_text(self, n_layers):
+        if self.kind == "str":
+            return "one of " + ", ".join(self.choices)
+        hi = self.hi
+        if self.bound == "layers":
+            hi = min(hi, n_layers)
+        elif self.bound == "index":
+            hi = min(hi, n_layers - 1)
+        txt = lambda x: str(int(x)) if x == int(x) else repr(x)  # noqa: E731
+        s = f"{'(' if self.lo_open else '['}{txt(self.lo)}, {txt(hi)}]"
+        if self.bound:
+            s += f" (the model has {n_layers} layers)"
+        return s
+
+
+def _budget(default="2048"):
+    return _Opt("int", default, 1, _MAX_TOKENS)
+
+
+def _dense_count(default):
+    return _Opt("int", default, 0, _MAX_TOKENS, bound="layers")
+
+
+def _scheduled():
+    return {"dense_layers": _dense_count("auto"),
+            "selection_layers": _Opt("intlist", "auto", 0, _MAX_TOKENS, bound="index")}
+
+
+_SPECS = {
+    "full": {},
+    "streaming": {"budget": _budget(), "sinks": _Opt("int", "4", 0, _MAX_TOKENS - 1),
+                  "dense_layers": _dense_count("0")},
+    "quest": {"budget": _budget(), "page_size": _Opt("int", "16", 1, _MAX_TILE),
+              "dense_layers": _dense_count("2"), "group": _Opt("str", "max", choices=("max", "sum"))},
+    "tidal": dict(budget=_budget(), **_scheduled(), correction=_Opt("int", "0", 0, 1),
+                  correction_every=_Opt("int", "32", 1, _MAX_TILE)),
+    "lessismore": dict(budget=_budget(), recent_ratio=_Opt("float", "0.25", 0, 1),
+                       sinks=_Opt("int", "4", 0, _MAX_TOKENS), **_scheduled()),
+    "oracle-topk": {"budget": _budget(), "dense_layers": _dense_count("0")},
+    "oracle-topp": {"p": _Opt("float", "0.95", 0, 1, lo_open=True),
+                    "group": _Opt("str", "union", choices=("union", "mean")),
+                    "dense_layers": _dense_count("0")},
+    "twilight": {"base": _Opt("str", "quest"), "budget": _budget("auto"),
+                 "p": _Opt("float", "0.95", 0, 1, lo_open=True),
+                 "eps": _Opt("float", "1e-6", 0, 1, lo_open=True),
+                 "head_combine": _Opt("str", "union", choices=("union", "mean")),
+                 "keys": _Opt("str", "int4", choices=("int4", "exact")),
+                 "dense_layers": _dense_count("2")},
+}
+
+
+def _text(v):
+    """A Python option value as spade's option text (JSON's conversions: bools 1 / 0, lists
+    comma-joined)."""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(int(x)) for x in v) if v else "none"
+    return str(v).strip()
+
+
+def _parse_int(s, what):
+    try:
+        if "_" in s:  # Python's int() takes 1_000, spade's options do not
+            raise ValueError
+        return int(s.strip(), 10)
+    except ValueError:
+        raise Error(f"{what} expects an integer, got '{s}'") from None
+
+
+def _parse_float(s, what):
+    try:
+        x = float(s.strip())
+    except ValueError:
+        raise Error(f"{what} expects a number, got '{s}'") from None
+    if not math.isfinite(x):
+        raise Error(f"{what} expects a finite number, got '{s}'")
+    return x
+
+
+def _parse_list(s, what):
+    t = s.strip()
+    if t in ("", "none"):
+        return []
+    if t.endswith(","):
+        raise Error(f"{what} has an empty element in '{s}'")
+    return [_parse_int(x, what) for x in t.split(",")]
+
+
+def parse_spec(spec: str):
+    """spade's method spec "name" or "name:k=v,k=v" (SparseConfig::parse_spec) -> (name,
+    {key: text}); a fragment without '=' continues the previous value ("selection_layers=2,4")."""
+    s = str(spec).strip()
+    name, _, rest = s.partition(":")
+    name = name.strip()
+    if not name:
+        raise Error(f"empty sparse method spec '{spec}'")
+    opts, last = {}, None
+    for item in rest.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            if last is None:
+                raise Error(f"sparse option '{item}' is not key=value")
+            opts[last] += "," + item
+            continue
+        k, _, v = item.partition("=")
+        last = k.strip()
+        if not last:
+            raise Error(f"sparse option '{item}' has no key")
+        opts[last] = v.strip()
+    return name, opts
+
+
+class _Options:
+    """sparse::MethodOptions: every given key known, every value (given or default, "auto"
+    where it is the default aside) parsed and in range."""
+
+    def __init__(self, method, given, n_layers):
+        self.method, self.specs, self.given, self.n_layers = method, _SPECS[method], given, n_layers
+        for k in given:
+            if k not in self.specs:
+                raise Error(f"sparse method '{method}' has no option '{k}'; valid options: "
+                            f"{', '.join(self.specs) or 'none'}")
+        for k, s in self.specs.items():
+            v = self.str(k)
+            if v != "auto" or s.default != "auto":
+                self._check(k, s, v)
+
+    def _check(self, k, s, v):
+        what = f"{self.method} option '{k}'"
+        mh = {"layers": self.n_layers, "index": self.n_layers - 1}.get(s.bound, math.inf)
+        ok = lambda x: ((x > s.lo if s.lo_open else x >= s.lo) and x <= s.hi  # noqa: E731
+                        and x <= mh)
+        if s.kind == "int":
+            x = _parse_int(v, what)
+            if not ok(x):
+                raise Error(f"{what} = {x} outside {s.valid_text(self.n_layers)}")
+        elif s.kind == "float":
+            x = _parse_float(v, what)
+            if not ok(x):
+                raise Error(f"{what} = {v} outside {s.valid_text(self.n_layers)}")
+        elif s.kind == "intlist":
+            for x in _parse_list(v, what):
+                if not ok(x):
+                    raise Error(f"{what} element {x} outside {s.valid_text(self.n_layers)}")
+        elif s.choices and v not in s.choices:
+            raise Error(f"{what} = '{v}' is not {s.valid_text(self.n_layers)}")
+
+    def str(self, k):
+        return self.given.get(k, self.specs[k].default)
+
+    def is_auto(self, k):
+        return self.str(k) == "auto"
+
+    def int(self, k):
+        return _parse_int(self.str(k), f"{self.method} option '{k}'")
+
+    def float(self, k):
+        return _parse_float(self.str(k), f"{self.method} option '{k}'")
+
+    def list(self, k):
+        return _parse_list(self.str(k), f"{self.method} option '{k}'")
+
+
+def _unsupported(method, option, value, supported):
+    raise Error(f"spade.hf: {method} {option}={value} is not supported by the Hugging Face "
+                f"hook (spade.ops has no such selector); supported: {supported}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer schedule of tidal / lessismore (sparse/layer_schedule.cpp, sparse/model_defaults.cpp).
+
+# (arch, layers, hidden or 0, KV heads or 0, re-selection layer): model_defaults.cpp's table.
+_LAYER_TABLE = (("llama", 32, 4096, 32, 7), ("llama", 32, 4096, 8, 13), ("qwen3", 36, 4096, 0, 12),
+                ("qwen3", 36, 2560, 0, 20), ("qwen3", 40, 5120, 0, 12), ("llama", 30, 576, 3, 14))
+
+
+def _arch(config):
+    """spade's Arch of a transformers config (io/hf_config.cpp: by architecture)."""
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    for name, a in (("Mistral", "mistral"), ("Qwen3", "qwen3"), ("Qwen2", "qwen2"),
+                    ("Llama", "llama")):
+        if arch.startswith(name):
+            return a
+    return getattr(config, "model_type", "llama")
+
+
+def layer_defaults(arch, n_layers, hidden, n_kv_heads):
+    """(dense_layers, selection_layers) of spade's per-model table (layer_defaults())."""
+    for a, n, h, kv, re in _LAYER_TABLE:
+        if a == arch and n == n_layers and (not h or h == hidden) and (not kv or kv == n_kv_heads):
+            return 2, [2, re]
+    re = int(math.floor(13.0 * n_layers / 32.0 + 0.5))  # std::lround of a positive value
+    if n_layers <= 2:
+        return 0, [0]
+    if re <= 2 or re >= n_layers:
+        return 2, [2]
+    return 2, [2, re]
+
+
+class _Schedule:
+    DENSE, SELECT, REUSE = 0, 1, 2
+
+    def __init__(self, o, model):
+        dense, sel = layer_defaults(model.arch, model.n_layers, model.hidden, model.Hkv)
+        self.dense = dense if o.is_auto("dense_layers") else o.int("dense_layers")
+        self.selection = sorted(set(sel if o.is_auto("selection_layers")
+                                    else o.list("selection_layers")))
+        m, n = o.method, model.n_layers
+        if not 0 <= self.dense <= n:
+            raise Error(f"{m}: dense_layers={self.dense} outside [0, {n}]")
+        for layer in self.selection:
+            if not 0 <= layer < n:
+                raise Error(f"{m}: selection layer {layer} outside [0, {n})")
+        for layer in range(n):
+            if self.role(layer) != self.REUSE:
+                continue
+            if not any(x < layer and self.role(x) == self.SELECT for x in self.selection):
+                raise Error(f"{m}: layer {layer} would reuse a token set but no selection layer "
+                            f"at or above dense_layers={self.dense} comes before it (a selection "
+                            f"layer below dense_layers is dense and never selects)")
+            break
+
+    def role(self, layer):
+        if layer < self.dense:
+            return self.DENSE
+        return self.SELECT if layer in self.selection else self.REUSE
+
+    def describe(self):
+        d = f"dense 0-{self.dense - 1}" if self.dense else "dense none"
+        return f"{d}, select {','.join(map(str, self.selection)) or 'none'}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Selections. A method's select(c) returns DENSE (attend every token), SCORES (attend every
+# token and hand the layer's scores to on_scores: a selection layer) or a _Lists.
+
+DENSE, SCORES = "dense", "scores"
+
+
+class _Lists:
+    """Selection lists for sparse_attention: (off, idx) on the step's device, granularity
+    "token" or "page", lpr lists per request (1: shared by the KV heads, or Hkv); counts:
+    tokens read per (request, KV head), an int for all of them or a host tensor [B, Hkv]
+    (None: counted from the lists)."""
+
+    def __init__(self, off, idx, gran, lpr, counts=None, planned=False):
+        self.off, self.idx, self.gran, self.lpr = off, idx, gran, lpr
+        self.counts, self.planned = counts, planned
+
+
+class _Ctx:
+    """One decode layer: the queries, the paged copy and its tables, the step."""
+
+    def __init__(self, layer, step, q, kv, tables, tables_dev, scale):
+        import torch
+        self.torch = torch
+        self.layer, self.step, self.q, self.kv = layer, step, q, kv
+        self.B, self.Hq, self.D = q.shape
+        self.Hkv, self.P, self.L = kv.Hkv, kv.P, kv.length
+        self.G = self.Hq // self.Hkv
+        self.ip, self.ix, self.ln = tables          # host int32
+        self.dip, self.dix, self.dln = tables_dev   # on q's device
+        self.scale, self.dev = scale, q.device
+        self._scores = None
+
+    def scores(self):
+        """[B, Hq, L] fp32 scaled q . k of every cached token (the scores a selection layer's
+        full attention hands its method in spade)."""
+        if self._scores is None:
+            self._scores = ops.decode_scores(self.q, self.kv.k, self.dip, self.dix, self.dln,
+                                             scale=self.scale)
+        return self._scores
+
+    def lists(self, rows, lpr):
+        """_Lists from host position tensors, one per list (B * lpr of them)."""
+        torch = self.torch
+        n = torch.tensor([0] + [int(r.numel()) for r in rows], dtype=torch.int64).cumsum(0)
+        idx = torch.cat(rows).to(torch.int32) if rows else torch.zeros(0, dtype=torch.int32)
+        counts = (n[1:] - n[:-1]).view(self.B, lpr).expand(self.B, self.Hkv)
+        return _Lists(n.to(torch.int32).to(self.dev), idx.to(self.dev), "token", lpr,
+                      counts.contiguous())
+
+
+class _Method:
+    name = "full"
+    needs_meta = False
+
+    def select(self, c):
+        return DENSE
+
+    def on_scores(self, c):
+        pass
+
+
+class _Streaming(_Method):
+    name = "streaming"
+
+    def __init__(self, o):
+        self.budget, self.sinks, self.dense = o.int("budget"), o.int("sinks"), o.int("dense_layers")
+        if not (self.sinks >= 0 and self.budget > self.sinks):
+            raise Error(f"streaming: budget ({self.budget}) must exceed sinks ({self.sinks})")
+
+    def describe(self):
+        return f"streaming budget={self.budget} sinks={self.sinks} dense_layers={self.dense}"
+
+    def select(self, c):
+        if c.layer < self.dense or self.budget >= c.L:
+            return DENSE
+        torch = c.torch
+        row = torch.cat([torch.arange(self.sinks), torch.arange(c.L - (self.budget - self.sinks), c.L)])
+        return c.lists([row] * c.B, 1)
+
+
+class _Quest(_Method):
+    name = "quest"
+    needs_meta = True
+
+    def __init__(self, o):
+        self.budget, self.page, self.dense = o.int("budget"), o.int("page_size"), o.int("dense_layers")
+        if o.str("group") != "max":
+            _unsupported("quest", "group", o.str("group"), "group=max (spade.ops.quest_select)")
+        if self.budget < self.page:
+            raise Error(f"quest: budget ({self.budget}) must be at least one page ({self.page} "
+                        f"tokens)")
+
+    def describe(self):
+        return (f"quest budget={self.budget} page_size={self.page} pages={self.budget // self.page}"
+                f" dense_layers={self.dense} group=max")
+
+    def select(self, c):
+        n_pages = (c.L + c.P - 1) // c.P
+        k_pages = self.budget // c.P
+        if c.layer < self.dense or k_pages >= n_pages:
+            return DENSE
+        off, idx = ops.quest_select(c.q, c.kv.meta, c.dip, c.dix, c.dln, k_pages, page_size=c.P,
+                                    max_pages=n_pages)
+        return _Lists(off, idx, "page", c.Hkv, (k_pages - 1) * c.P + c.L - (n_pages - 1) * c.P,
+                      planned=True)
+
+
+class _OracleTopK(_Method):
+    name = "oracle-topk"
+
+    def __init__(self, o):
+        self.budget, self.dense = o.int("budget"), o.int("dense_layers")
+
+    def describe(self):
+        return f"oracle-topk budget={self.budget} dense_layers={self.dense}"
+
+    def select(self, c):
+        if c.layer < self.dense or self.budget >= c.L:
+            return DENSE
+        w = c.torch.softmax(c.scores(), dim=-1).view(c.B, c.Hkv, c.G, c.L)
+        acc = w[:, :, 0].clone()  # the group's summed true weights, in head order
+        for g in range(1, c.G):
+            acc += w[:, :, g]
+        off, idx = ops.topk_select(acc.contiguous(), c.dln, self.budget)
+        return _Lists(off, idx, "token", c.Hkv, self.budget)
+
+
+class _OracleTopP(_Method):
+    name = "oracle-topp"
+
+    def __init__(self, o):
+        self.p, self.union, self.dense = o.float("p"), o.str("group") == "union", o.int("dense_layers")
+
+    def describe(self):
+        return (f"oracle-topp p={self.p} group={'union' if self.union else 'mean'} "
+                f"dense_layers={self.dense}")
+
+    def select(self, c):
+        if c.layer < self.dense:
+            return DENSE
+        torch = c.torch
+        w = torch.softmax(c.scores(), dim=-1)  # [B, Hq, L]
+        if self.union:
+            rows, target = w, self.p
+        else:
+            v = w.view(c.B, c.Hkv, c.G, c.L)
+            rows = v[:, :, 0].clone()
+            for g in range(1, c.G):
+                rows += v[:, :, g]
+            target = self.p * c.G
+        # The smallest best-first prefix (ties: the lower position) whose mass, summed in
+        # double in that order, reaches the target (oracle.cpp's take()).
+        srt, order = torch.sort(rows, dim=-1, descending=True, stable=True)
+        mass = srt.double().cumsum(-1)
+        keep = ((mass < target).sum(-1, keepdim=True) + 1).clamp(max=c.L)
+        rank = torch.arange(c.L, device=rows.device).expand_as(order)
+        mark = torch.zeros_like(rows, dtype=torch.bool).scatter_(-1, order, rank < keep)
+        if self.union:
+            mark = mark.view(c.B, c.Hkv, c.G, c.L).any(2)
+        mark = mark.reshape(c.B * c.Hkv, c.L).cpu()
+        return c.lists([r.nonzero().flatten() for r in mark], c.Hkv)
+
+
+class _Scheduled(_Method):
+    """tidal / lessismore: dense layers, selection layers (full attention, then the set from
+    their scores), reuse layers (the step's set)."""
+
+    def __init__(self, o, model):
+        self.budget = o.int("budget")
+        self.sched = _Schedule(o, model)
+        self.set, self.set_step = None, -1
+
+    def select(self, c):
+        role = self.sched.role(c.layer)
+        if role == _Schedule.DENSE:
+            return DENSE
+        if role == _Schedule.SELECT:
+            if self.budget >= c.L:
+                self.set, self.set_step = DENSE, c.step
+                return DENSE
+            return SCORES
+        if self.set_step != c.step:
+            raise Error(f"{self.name}: layer {c.layer} has no token set from this step")
+        return self.set
+
+    def on_scores(self, c):
+        self.set, self.set_step = self.choose(c), c.step
+
+
+class _Tidal(_Scheduled):
+    name = "tidal"
+
+    def __init__(self, o, model):
+        super().__init__(o, model)
+        if o.int("correction"):
+            _unsupported("tidal", "correction", o.str("correction"),
+                         "correction=0 (cache correction re-runs decoded tokens densely inside "
+                         "spade's decode loop)")
+
+    def describe(self):
+        return f"tidal budget={self.budget} ({self.sched.describe()})"
+
+    def choose(self, c):
+        off, idx = ops.tidal_select(c.scores(), c.dln, self.budget, num_kv_heads=c.Hkv)
+        return _Lists(off, idx, "token", c.Hkv, self.budget)
+
+
+class _LessIsMore(_Scheduled):
+    name = "lessismore"
+
+    def __init__(self, o, model):
+        super().__init__(o, model)
+        self.ratio, self.sinks = o.float("recent_ratio"), o.int("sinks")
+        self.n_recent = int(math.floor(self.budget * self.ratio + 0.5))  # std::llround
+        if not (self.budget > 0 and self.budget - self.n_recent >= self.sinks):
+            raise Error(f"lessismore: budget {self.budget} leaves {self.budget - self.n_recent} "
+                        f"tokens after the recency window, fewer than the {self.sinks} sinks")
+
+    def describe(self):
+        return (f"lessismore budget={self.budget} recent_ratio={self.ratio} ({self.n_recent} "
+                f"recent) sinks={self.sinks} ({self.sched.describe()})")
+
+    def choose(self, c):
+        if self.budget - self.n_recent - self.sinks < 1:  # no merged tokens: sinks + recent
+            torch = c.torch
+            row = torch.cat([torch.arange(self.sinks), torch.arange(c.L - self.n_recent, c.L)])
+            return c.lists([row] * c.B, 1)
+        off, idx = ops.lessismore_select(c.scores(), c.dln, self.budget, sinks=self.sinks,
+                                         n_recent=self.n_recent)
+        return _Lists(off, idx, "token", 1, self.budget)
+
+
+class _Twilight(_Method):
+    """A base method's selection pruned by spade.ops.twilight_prune (keys=int4,
+    head_combine=union); dense_layers and the base's selection layers are not pruned."""
+    name = "twilight"
+
+    def __init__(self, o, base_name, base_given, model):
+        self.p, self.eps, self.dense = o.float("p"), o.float("eps"), o.int("dense_layers")
+        for k, want in (("head_combine", "union"), ("keys", "int4")):
+            if o.str(k) != want:
+                _unsupported("twilight", k, o.str(k), "head_combine=union, keys=int4 "
+                             "(spade.ops.twilight_prune)")
+        self.base_name, self.base_given, self.model = base_name, dict(base_given), model
+        self.auto = o.is_auto("budget") and "budget" in _SPECS[base_name]
+        if self.auto:
+            self.base_given["budget"] = "8192"
+        self.base = _make(base_name, self.base_given, model)
+        self.needs_meta = self.base.needs_meta
+        self.by_budget = {}
+
+    def describe(self):
+        auto = " budget=auto(max(8192, L/4))" if self.auto else ""
+        return (f"twilight p={self.p} eps={self.eps} head_combine=union keys=int4 dense_layers="
+                f"{self.dense}{auto} over [{self.base.describe()}]")
+
+    def base_for(self, L):
+        """budget=auto: the base at budget max(8192, ceil(L/4 / 1024) * 1024)."""
+        want = (L // 4 + 1023) // 1024 * 1024
+        if not self.auto or want <= 8192:
+            return self.base
+        if want not in self.by_budget:
+            self.by_budget[want] = _make(self.base_name, dict(self.base_given, budget=str(want)),
+                                         self.model)
+        return self.by_budget[want]
+
+    def on_scores(self, c):
+        self.base_for(c.L).on_scores(c)
+
+    def select(self, c):
+        sel = self.base_for(c.L).select(c)
+        if sel is SCORES or c.layer < self.dense:
+            return sel
+        torch = c.torch
+        if sel is DENSE:  # every page of every (request, KV head), in order
+            n = (c.L + c.P - 1) // c.P
+            off = torch.arange(0, (c.B * c.Hkv + 1) * n, n, dtype=torch.int32)
+            idx = torch.arange(n, dtype=torch.int32).repeat(c.B * c.Hkv)
+            off, idx, gran = off.to(c.dev), idx.to(c.dev), "page"
+        elif sel.lpr == 1:  # a shared list: one copy per KV head
+            o = sel.off.cpu().tolist()
+            ix = sel.idx.cpu()
+            rows = [ix[o[b]:o[b + 1]] for b in range(c.B) for _ in range(c.Hkv)]
+            lst = c.lists(rows, c.Hkv)
+            off, idx, gran = lst.off, lst.idx, sel.gran
+        else:
+            off, idx, gran = sel.off, sel.idx, sel.gran
+        kept_off, kept_idx = ops.twilight_prune(c.q, c.kv.k, c.dip, c.dix, c.dln, off, idx,
+                                                granularity=gran, p=self.p, eps=self.eps,
+                                                scale=c.scale)
+        return _Lists(kept_off, kept_idx, "token", c.Hkv)
+
+
+class _Model:
+    """What a method needs of the model: arch, layers, hidden size, KV heads."""
+
+    def __init__(self, config, n_layers):
+        self.arch, self.n_layers = _arch(config), n_layers
+        self.hidden = getattr(config, "hidden_size", 0)
+        self.Hkv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+_CLASSES = {"full": None, "streaming": _Streaming, "quest": _Quest, "tidal": _Tidal,
+            "lessismore": _LessIsMore, "oracle-topk": _OracleTopK, "oracle-topp": _OracleTopP}
+
+
+def _check_name(name):
+    if name in _NOT_HOOKED:
+        raise Error(f"spade.hf: method '{name}' is not supported by the Hugging Face hook "
+                    f"({_NOT_HOOKED[name]}); supported: {', '.join(METHODS)}")
+    if name not in _SPECS:
+        raise Error(f"spade.hf: unknown method '{name}' (one of {', '.join(METHODS)})")
+
+
+def _make(name, given, model):
+    """The method `name` (or a stack "base+twilight") with its given options (text)."""
+    if "+" in name:
+        stages = [s.strip() for s in name.split("+")]
+        if any(not s for s in stages):
+            raise Error(f"empty stage in sparse method stack '{name}'")
+        for s in stages:
+            _check_name(s)
+        if stages[-1] != "twilight":
+            raise Error(f"sparse stack '{name}': '{stages[-1]}' cannot stack on a base (the hook "
+                        f"stacks twilight only: 'base+twilight')")
+        if "base" in given:
+            raise Error(f"sparse stack '{name}' and option base={given['base']} both name a base")
+        return _make("twilight", dict(given, base="+".join(stages[:-1])), model)
+    _check_name(name)
+    if name == "twilight":
+        own = _SPECS["twilight"]
+        base = given.get("base", own["base"].default).strip()
+        if "+" in base:
+            raise Error(f"spade.hf: twilight's base must be one method, not the stack '{base}'")
+        _check_name(base)
+        if base == "twilight":
+            raise Error("twilight: the base cannot be twilight")
+        theirs = _SPECS[base]
+        for k in given:
+            if k != "base" and k not in own and k not in theirs:
+                raise Error(f"twilight: option '{k}' belongs neither to twilight nor to its base "
+                            f"'{base}'")
+        o = _Options("twilight", {k: v for k, v in given.items() if k in own}, model.n_layers)
+        return _Twilight(o, base, {k: v for k, v in given.items() if k in theirs}, model)
+    o = _Options(name, given, model.n_layers)
+    cls = _CLASSES[name]
+    if cls is None:
+        return _Method()
+    return cls(o, model) if cls in (_Tidal, _LessIsMore) else cls(o)
+
+
+_Method.describe = lambda self: "full"
 
 
 class _Config:
-    def __init__(self, method, budget, page_size, dense_layers):
-        if method not in METHODS:
-            raise Error(f"spade.hf: unknown method {method!r} (one of {', '.join(METHODS)})")
-        if method == "quest":
-            if budget is None or budget < page_size:
-                raise Error(f"spade.hf: quest needs budget >= page_size ({page_size} tokens), "
-                            f"got {budget}")
-        if page_size < 1:
-            raise Error(f"spade.hf: page_size must be positive, got {page_size}")
-        self.method, self.budget, self.P, self.dense_layers = method, budget, page_size, dense_layers
+    def __init__(self, method, page_size, n_layers):
+        self.method, self.name = method, method.name
+        self.P, self.n_layers, self.Hkv = page_size, n_layers, None
         self.stats = {"decode_steps": 0, "rows_read": 0, "rows_total": 0}
+        self.step_rows = []  # per decode step: tokens read per request, summed over (layer, KV head)
 
 
 class _PagedKV:
@@ -118,18 +741,26 @@ class _State:
     def __init__(self, cfg):
         self.cfg = cfg
         self.kv = {}  # layer index -> _PagedKV
-        # CUDA: one plan per decode step for every layer (their page tables are the same).
+        self.step = -1  # decode steps seen (a step starts at layer 0)
+        # One set of tables (and on CUDA plans) per decode step for every layer (their page
+        # tables are the same).
         self.plan_key = None
         self.dec = self.sp = None
-        self.tables_dev = None
+        self.tables = self.tables_dev = None
 
-    def cuda_plans(self, kv, Hq):
-        """DecodeAttention (and, for quest, SparseAttention) planned for this step's batch."""
+    def plan(self, kv, Hq):
+        """The step's tables (host and device) and, on CUDA, the DecodeAttention (and for quest
+        the SparseAttention) plans for this step's batch."""
         cfg, dev = self.cfg, kv.device
         key = (kv.B, kv.length, Hq, kv.Hkv, kv.D, str(dev))
         if self.plan_key == key:
             return
         ip, ix, ln = kv.tables()
+        self.tables = (ip, ix, ln)
+        self.tables_dev = (ip.to(dev), ix.to(dev), ln.to(dev))
+        self.plan_key = key
+        if dev.type != "cuda":
+            return
         pages = ix.numel()
         grow = lambda w: (w is None or w.max_batch < kv.B or w.max_pages < pages  # noqa: E731
                           or (w.Hq, w.Hkv, w.D, w.P) != (Hq, kv.Hkv, kv.D, kv.P))
@@ -137,13 +768,11 @@ class _State:
             self.dec = ops.DecodeAttention(max(8, kv.B), Hq, kv.Hkv, kv.D, kv.P, device=dev,
                                            max_pages=max(4096, 2 * pages))
         self.dec.plan(ip, ix, ln)
-        if cfg.method == "quest":
+        if cfg.name == "quest":
             if grow(self.sp):
                 self.sp = ops.SparseAttention(max(8, kv.B), Hq, kv.Hkv, kv.D, kv.P, device=dev,
                                               max_pages=max(4096, 2 * pages))
-            self.sp.plan(ip, ix, ln, max_entries=cfg.budget // cfg.P, granularity="page")
-        self.tables_dev = (ip.to(dev), ix.to(dev), ln.to(dev))
-        self.plan_key = key
+            self.sp.plan(ip, ix, ln, max_entries=cfg.method.budget // cfg.P, granularity="page")
 
 
 def _eager(query, key, value, mask, scale):
@@ -169,6 +798,25 @@ def _torch_bool():
     return torch.bool
 
 
+def _counts(sel, c):
+    """Tokens read per (request, KV head) of a selection: a host tensor [B, Hkv]."""
+    torch = c.torch
+    if sel is DENSE or sel is SCORES:
+        return torch.full((c.B, c.Hkv), c.L, dtype=torch.int64)
+    if isinstance(sel.counts, int):
+        return torch.full((c.B, c.Hkv), sel.counts, dtype=torch.int64)
+    if sel.counts is not None:
+        return sel.counts.to(torch.int64)
+    off = sel.off.cpu().to(torch.int64)
+    if sel.gran == "token":
+        n = off[1:] - off[:-1]
+    else:  # pages: each names up to P tokens, the last page of the sequence fewer
+        idx = sel.idx[:int(off[-1])].cpu().to(torch.int64)
+        rows = (c.L - idx * c.P).clamp(max=c.P)
+        n = torch.stack([rows[off[i]:off[i + 1]].sum() for i in range(off.numel() - 1)])
+    return n.view(c.B, sel.lpr).expand(c.B, c.Hkv)
+
+
 def _attend(state, layer, query, key, value, mask, scale):
     """The attention of one layer. query [B, Hq, T, D]; key, value [B, Hkv, S, D] (the whole
     cache after this step's append); returns [B, Hq, T, D]."""
@@ -178,7 +826,7 @@ def _attend(state, layer, query, key, value, mask, scale):
     kv = state.kv.get(layer)
     if kv is None or kv.B != B or kv.length + T != S or kv.dtype != key.dtype:
         # A new sequence (or one this store has not followed): rebuild from the model's cache.
-        kv = _PagedKV(B, Hkv, D, cfg.P, key.dtype, key.device, cfg.method == "quest")
+        kv = _PagedKV(B, Hkv, D, cfg.P, key.dtype, key.device, cfg.method.needs_meta)
         state.kv[layer] = kv
         if S > T:
             kv.append(key[:, :, :S - T], value[:, :, :S - T])
@@ -191,31 +839,34 @@ def _attend(state, layer, query, key, value, mask, scale):
                     "must have the same length); use one prompt per batch")
     q = query[:, :, 0, :].contiguous()
     cuda = q.device.type == "cuda"
-    if cuda:  # planned once per step; the device copies of the tables for the selectors
-        state.cuda_plans(kv, Hq)
-        ip, ix, ln = state.tables_dev
-    else:
-        ip, ix, ln = kv.tables()
-    cfg.stats["decode_steps"] += 1
-    cfg.stats["rows_total"] += B * Hkv * S
-    n_pages = (S + cfg.P - 1) // cfg.P
-    if cfg.method == "quest" and layer >= cfg.dense_layers:
-        k_pages = cfg.budget // cfg.P  # n_pages <= k_pages: quest_select takes every page
-        off, idx = ops.quest_select(q, kv.meta, ip, ix, ln, k_pages, page_size=cfg.P,
-                                    max_pages=n_pages)
-        if cuda:
-            out = state.sp.run(q, kv.k, kv.v, off, idx, scale=scale)
-        else:
-            out = ops.sparse_attention(q, kv.k, kv.v, ip, ix, ln, off, idx, granularity="page",
-                                       scale=scale)
-        cfg.stats["rows_read"] += B * Hkv * (S if n_pages <= k_pages else
-                                             (k_pages - 1) * cfg.P + S - (n_pages - 1) * cfg.P)
-    else:
+    state.plan(kv, Hq)
+    if layer == 0:  # a new decode step
+        state.step += 1
+        cfg.step_rows.append([0] * B)
+    c = _Ctx(layer, state.step, q, kv, state.tables, state.tables_dev, scale)
+    sel = cfg.method.select(c)
+    if sel is DENSE or sel is SCORES:
         if cuda:
             out = state.dec.run(q, kv.k, kv.v, scale=scale)
         else:
-            out = ops.decode_attention(q, kv.k, kv.v, ip, ix, ln, scale=scale)
-        cfg.stats["rows_read"] += B * Hkv * S
+            out = ops.decode_attention(q, kv.k, kv.v, c.ip, c.ix, c.ln, scale=scale)
+        if sel is SCORES:
+            cfg.method.on_scores(c)
+    elif cuda and sel.planned and state.sp is not None:
+        out = state.sp.run(q, kv.k, kv.v, sel.off, sel.idx, scale=scale)
+    else:
+        ip, ix, ln = (c.dip, c.dix, c.dln) if cuda else (c.ip, c.ix, c.ln)
+        out = ops.sparse_attention(q, kv.k, kv.v, ip, ix, ln, sel.off, sel.idx,
+                                   granularity=sel.gran, scale=scale)
+    n = _counts(sel, c)
+    cfg.Hkv = Hkv
+    cfg.stats["decode_steps"] += 1
+    cfg.stats["rows_total"] += B * Hkv * S
+    cfg.stats["rows_read"] += int(n.sum())
+    if cfg.step_rows:
+        row = cfg.step_rows[-1]
+        for b, x in enumerate(n.sum(1).tolist()):
+            row[b] += x
     return out[:, :, None, :]
 
 
@@ -282,23 +933,50 @@ def _register(reg, fn):
         reg["spade"] = fn
 
 
-def apply(model, method: str = "full", budget: Optional[int] = None, page_size: int = 16,
-          dense_layers: int = 2):
-    """Makes `model` (a transformers causal LM) decode with spade's kernels.
+def _uses_quest(name, given):
+    stages = [s.strip() for s in name.split("+")]
+    if stages[-1] == "twilight" and len(stages) == 1:
+        stages = [given.get("base", _SPECS["twilight"]["base"].default).strip()]
+    return "quest" in stages
 
-    method: "full" (spade.ops.decode_attention) or "quest" (Quest's page selection with
-    `budget` tokens per KV head: budget // page_size pages, the last page included; layers
-    below dense_layers attend fully, as spade's quest method). page_size: tokens per page of
-    the paged copy (16: spade's GPU page, and Quest's page on CUDA). Returns the model; call
-    spade.hf.stats(model) for the decode steps' rows read, spade.hf.remove(model) to undo."""
+
+def apply(model, method: str = "full", budget: Optional[int] = None,
+          page_size: Optional[int] = None, dense_layers: Optional[int] = None, **options):
+    """Makes `model` (a transformers causal LM) decode with spade's kernels and a sparse method.
+
+    method: one of METHODS, or spade's method spec as `spade generate --sparse` takes it
+    ("tidal:budget=256,selection_layers=2,4", "quest+twilight:budget=64"). budget,
+    dense_layers and **options (any other option of the method, e.g. sinks=8,
+    selection_layers=[2, 4], p=0.9) override the spec's; option names, defaults and ranges are
+    spade's (src/sparse/methods). page_size: tokens per page of the paged copy (default 16:
+    spade's GPU page), and Quest's page_size option where the method runs quest. A bad name or
+    value, or a method / option value the hook does not run, raises spade.Error. Returns the
+    model; spade.hf.stats(model) gives the decode steps' rows read, spade.hf.remove(model)
+    undoes this."""
     if getattr(model, "_spade_hf", None) is not None:
         remove(model)
-    state = _State(_Config(method, budget, page_size, dense_layers))
+    if not isinstance(method, str):
+        raise Error(f"spade.hf: method must be a string, not {type(method).__name__}")
+    name, given = parse_spec(method)
+    for k, v in [("budget", budget), ("dense_layers", dense_layers)] + list(options.items()):
+        if v is not None:
+            given[k] = _text(v)
+    quest = _uses_quest(name, given)
+    if page_size is not None:
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise Error(f"spade.hf: page_size must be a positive int, got {page_size!r}")
+        if quest:
+            given["page_size"] = str(page_size)
     mods = _attention_modules(model)
+    n_layers = getattr(model.config, "num_hidden_layers", None) or len(mods)
+    m = _make(name, given, _Model(model.config, n_layers))
+    if quest:
+        page_size = (m if m.name == "quest" else m.base).page
+    state = _State(_Config(m, page_size or 16, n_layers))
     reg = _registry()
     saved = {"impl": getattr(model.config, "_attn_implementation", None), "forwards": []}
-    for m in mods:
-        m._spade_state = state
+    for mod in mods:
+        mod._spade_state = state
     if reg is not None:
         _register(reg, _attention_function)
         try:  # transformers with a mask registry (4.53+): spade takes eager's mask
@@ -306,13 +984,13 @@ def apply(model, method: str = "full", budget: Optional[int] = None, page_size: 
             _register(masks, masks["eager"])
         except (ImportError, KeyError, TypeError):
             pass
-        for cfg in {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in mods]
+        for cfg in {id(c): c for c in [model.config] + [getattr(x, "config", None) for x in mods]
                     if c is not None}.values():
             cfg._attn_implementation = "spade"
     else:
-        for m in mods:
-            saved["forwards"].append((m, m.__dict__.get("forward")))
-            m.forward = types.MethodType(_forward_llama, m)
+        for mod in mods:
+            saved["forwards"].append((mod, mod.__dict__.get("forward")))
+            mod.forward = types.MethodType(_forward_llama, mod)
     model._spade_hf = (state, saved)
     return model
 
@@ -340,11 +1018,18 @@ def remove(model):
 
 
 def stats(model):
-    """{"decode_steps", "rows_read", "rows_total", "density"} of the layers' decode steps since
-    apply() (rows: cached K/V rows per KV head)."""
+    """The decode steps since apply(): "method" (the method and its effective options, as
+    spade's describe()), "decode_steps" (layer calls), "rows_read" / "rows_total" (cached K/V
+    rows per KV head read / held), "density", and "tokens_per_head": per decode step, per
+    sequence, the tokens read per (layer, KV head), averaged (spade generate --stats-jsonl's
+    tokens_per_head)."""
     st = getattr(model, "_spade_hf", None)
     if st is None:
         raise Error("spade.hf.stats: spade.hf.apply was not called on this model")
-    s = dict(st[0].cfg.stats)
+    cfg = st[0].cfg
+    s = dict(cfg.stats)
+    s["method"] = cfg.method.describe()
     s["density"] = s["rows_read"] / s["rows_total"] if s["rows_total"] else None
+    per = cfg.n_layers * (cfg.Hkv or 1)
+    s["tokens_per_head"] = [[x / per for x in row] for row in cfg.step_rows]
     return s
