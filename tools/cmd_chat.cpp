@@ -24,6 +24,7 @@
 #include "sampling_args.h"
 #include "sparse_args.h"
 #include "tokenizer_args.h"
+#include "tp_args.h"
 #include "core/thread_pool.h"
 #include "engine/generator.h"
 #include "engine/runner.h"
@@ -69,6 +70,8 @@ exits.
                         `spade generate --help` lists them); --budget N, --sparse-opt k=v,...
                         and --sparse-config FILE as in generate
   --deterministic       with --device cuda: bit-identical reruns
+  --tp N                tensor parallelism over N processes of this host, as in generate
+                        (default 1; --device cuda: a GPU per rank)
   --no-cache-reuse      prefill the whole conversation every turn (for testing)
   --stats               per turn on stderr: conversation and prefilled tokens, prefill tok/s,
                         generated tokens, decode tok/s, stop reason (eos, max-tokens, context,
@@ -121,7 +124,7 @@ int run(int argc, char** argv) {
          {"--model", "--system", "--thinking", "-n", "--max-tokens", "--temperature", "--top-k",
           "--top-p", "--min-p", "--repeat-penalty", "--seed", "--threads", "--device", "--cpu-weights", "--sparse",
           "--budget", "--sparse-opt", "--sparse-config", "--ctx-size", "--tokenizer",
-          "--progress-after", "--kv-dtype", "--kv-scale"},
+          "--progress-after", "--kv-dtype", "--kv-scale", "--tp", "--tp-rank", "--dist-init"},
          {"--help", "--no-cache-reuse", "--stats", "--deterministic", "--ignore-eos"});
   if (a.has("--help")) {
     std::fputs(help_text().c_str(), stdout);
@@ -145,9 +148,11 @@ int run(int argc, char** argv) {
   }
   if (a.has("--threads")) ThreadPool::set_global_threads(a.integer("--threads", 0));
   SPADE_CHECK(device == "cpu" || !a.has("--cpu-weights"), "--cpu-weights is for --device cpu");
+  TpLaunch tp(a, argc, argv);  // tensor parallelism: checked now, ranks started once the model loads
   auto weights = load_model(a.str("--model"), device == "cpu"
                                                   ? parse_cpu_weights(a.str("--cpu-weights", "auto"))
                                                   : CpuWeights::F32);
+  if (tp.follower()) return tp.follow(*weights);  // ranks 1..N-1 read no stdin
   auto tok = tokenizer_from_args(a);
   const ChatTemplate* tmpl = tok->chat_template();
   SPADE_CHECK(tmpl, a.has("--tokenizer") ? "the tokenizer '" + a.str("--tokenizer") + "'"
@@ -168,6 +173,7 @@ int run(int argc, char** argv) {
   ro.deterministic = a.has("--deterministic");
   ro.sparse = scfg;
   ro.per_request_methods = false;
+  tp.start(*weights, ro);
   Runner runner = make_runner(*weights, ro);
   StepModel& model = *runner.model;
   auto method = sparse::make_method(scfg, cfg);

@@ -1,4 +1,4 @@
-// --tp N, and the hidden --tp-rank R / --dist-init HOST:PORT, shared by generate and serve
+// --tp N, and the hidden --tp-rank R / --dist-init HOST:PORT, shared by generate, chat and serve
 // (issue 39; docs/cli.md "Tensor parallelism"). Each command declares the three options, then:
 //   TpLaunch tp(a, argc, argv);                         // values checked before the model loads
 //   auto weights = load_model(...);

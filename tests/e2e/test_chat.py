@@ -5,6 +5,7 @@
 - Multi-turn answers with the KV prefix reused equal answers with the whole conversation
   prefilled every turn (--no-cache-reuse), and the reuse really happened (stats).
 - /reset starts a new conversation: the same question gets the first answer again.
+- --tp 3 (three ranks on this host) gives the same answers; --tp 2 is refused clearly.
 - Bad input: a model without a chat template and a bad --thinking value give a clear
   error and a non-zero exit, not a crash.
 Exits 77 (skipped) when models/SmolLM2-135M-Instruct.Q4_1.gguf is absent.
@@ -59,6 +60,15 @@ def main():
     after_reset, _ = chat(args.spade, [q1, "/reset", q1])
     check(len(after_reset) == 2 and after_reset[0] == after_reset[1] == reused[0],
           "/reset starts over: %s" % after_reset)
+
+    # Tensor parallelism: SmolLM2's 3 KV heads over 3 ranks (processes of this host) give the
+    # same multi-turn answers; 2 ranks do not divide them: a clear error before any rank starts.
+    tp3, _ = chat(args.spade, [q1, q2, q3], "--tp", "3")
+    check(tp3 == reused, "--tp 3 answers equal --tp 1's: %s vs %s" % (tp3, reused))
+    tp2 = subprocess.run([args.spade, "chat", "--model", SMOLLM, "--tp", "2"], input="hi\n",
+                         capture_output=True, text=True, timeout=120)
+    check(tp2.returncode != 0 and "not divisible by 2" in tp2.stderr,
+          "--tp 2 on 3 KV heads: clear error (%r)" % tp2.stderr.strip()[-200:])
 
     bad = subprocess.run([args.spade, "chat", "--model", SMOLLM, "--thinking", "maybe"],
                          input="hi\n", capture_output=True, text=True, timeout=120)
