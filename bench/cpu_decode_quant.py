@@ -6,6 +6,12 @@ alike; medians and the issue's bars go to a JSON in bench/results/.
 
     python3 bench/cpu_decode_quant.py --llama-bench ../peer/llama.cpp/build-cpu/bin/llama-bench \\
         [--spade build-cpu/spade] [--threads 1,2] [--pairs 3] [--long-pairs 2] [--lock F] [--out X.json]
+        [--model M.gguf] [--spade-base OLD/spade] [--spade-args "--cpu-weights native"]
+
+--spade-base: a spade binary built from an earlier commit, run natively in every pair after the
+current one (its ratios to the current one go to the JSON: a before / after of a change);
+--spade-args: more options for the native runs of both (f16 / bf16 GGUFs load as fp32 unless
+given --cpu-weights native). The model's tensor types (spade inspect) go to the JSON.
 
 spade: `spade generate --prompt-file P --ignore-eos -n N --threads T --stats`, natively (the
 default for a quantized GGUF) and, on the short prompt, with --cpu-weights f32 (the reference);
@@ -41,8 +47,8 @@ def run_timed(cmd):
     return out, lines, rss / 1024.0
 
 
-def run_spade(a, prompt_file, n, threads, extra):
-    _, lines, rss = run_timed([a.spade, "generate", "--model", a.model, "--prompt-file", prompt_file,
+def run_spade(a, prompt_file, n, threads, extra, binary=None):
+    _, lines, rss = run_timed([binary or a.spade, "generate", "--model", a.model, "--prompt-file", prompt_file,
                                "--ignore-eos", "-n", str(n), "--threads", str(threads), "--stats"] + extra)
     err = "".join(l for _, l in lines)
     m = re.search(r"prompt (\d+) tokens, ([\d.]+) tok/s prefill \| generated (\d+) tokens, ([\d.]+) tok/s "
@@ -86,8 +92,12 @@ def main():
     ap.add_argument("--lock", action="append", default=[],
                     help="a lock file each run holds (flock; repeatable), e.g. the ones builds on this "
                          "machine take, so no build of those runs beside a timed run")
+    ap.add_argument("--spade-base", help="a spade binary of an earlier commit, run natively in every pair")
+    ap.add_argument("--spade-args", default="", help="more options for the native spade runs (both binaries)")
+    ap.add_argument("--what", help="the JSON's 'what' (default: the issue 43 comparison)")
     ap.add_argument("--out")
     a = ap.parse_args()
+    native_args = a.spade_args.split()
     for lk in a.lock:
         LOCK.extend(["flock", lk])
     words = open(os.path.join(ROOT, "tests/fixtures/sparse/genesis_1_3.txt")).read().split()
@@ -108,14 +118,20 @@ def main():
                 if pairs <= 0:
                     continue
                 runs = {"spade_native": [], "llama_cpp": []}
+                if a.spade_base:
+                    runs["spade_base_native"] = []
                 if length == "short":
                     runs["spade_f32"] = []
                 depth = None
                 for _ in range(pairs):
-                    r = run_spade(a, prompts[length], n, t, [])
+                    r = run_spade(a, prompts[length], n, t, native_args)
                     runs["spade_native"].append(r)
                     depth = r["prompt_tokens"]
                     print("t=%d %s spade_native" % (t, length), r, flush=True)
+                    if a.spade_base:
+                        r = run_spade(a, prompts[length], n, t, native_args, a.spade_base)
+                        runs["spade_base_native"].append(r)
+                        print("t=%d %s spade_base_native" % (t, length), r, flush=True)
                     r = run_llama(a, depth, n, t)
                     runs["llama_cpp"].append(r)
                     print("t=%d %s llama_cpp" % (t, length), r, flush=True)
@@ -134,6 +150,10 @@ def main():
                           "rss": round(sn["peak_rss_mib"] / lc["peak_rss_mib"], 3),
                           "rss_vs_llama_less_state_copy": round(
                               sn["peak_rss_mib"] / (lc["peak_rss_mib"] - state_mib), 3)}
+                if a.spade_base:
+                    sb = m["spade_base_native"]
+                    ratios["decode_over_base"] = round(sn["decode_tok_s"] / sb["decode_tok_s"], 3)
+                    ratios["prefill_over_base"] = round(sn["prefill_tok_s"] / sb["prefill_tok_s"], 3)
                 bar_decode = BARS["decode_short" if length == "short" else "decode_long"]
                 cases["%s_t%d" % (length, t)] = {
                     "threads": t, "context_tokens": depth, "decoded_tokens": n, "pairs": pairs,
@@ -160,14 +180,19 @@ def main():
     spade_commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                                   text=True).stdout.strip()
     src_sha = hashlib.sha256(open(a.llama_src, "rb").read()).hexdigest() if os.path.exists(a.llama_src) else None
+    inspect = subprocess.run([a.spade, "inspect", a.model], capture_output=True, text=True).stdout
+    types = next((l.split(":", 1)[1].strip() for l in inspect.splitlines() if l.startswith("tensor types:")), None)
     res = {
-        "what": "CPU decode and prefill tok/s and peak RSS, spade vs llama.cpp, 1 and 2 threads, short and "
-                "~6,800-token contexts (issue 43)",
+        "what": a.what or "CPU decode and prefill tok/s and peak RSS, spade vs llama.cpp, 1 and 2 threads, "
+                          "short and ~6,800-token contexts (issue 43)",
         "date": datetime.date.today().isoformat(),
         "machine": {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform()},
         "model": os.path.relpath(a.model, ROOT),
+        "model_tensor_types": types,
         "spade_commit": spade_commit,
         "spade_binary": os.path.relpath(a.spade, ROOT) + " (SPADE_CUDA=OFF build)",
+        "spade_native_args": a.spade_args,
+        "spade_base_binary": a.spade_base,
         "llama_cpp": {"source": "llama-cpp-python 0.3.36 sdist (../shared/tools/llamacpp_src.sh); "
                                 "its build reports commit 'unknown' (no git in the sdist); PEERS.md: 0c1e57098",
                       "tarball_sha256": src_sha,
@@ -179,9 +204,12 @@ def main():
                          "(DEPTH = spade's prompt tokens; prefill timed between its 'depth run' and "
                          "'generation run' progress lines)",
             "rss": "/usr/bin/time -f %M",
-            "reproduce": "python3 bench/cpu_decode_quant.py --llama-bench PATH --threads %s --pairs %d "
-                         "--long-pairs %d%s" % (a.threads, a.pairs, a.long_pairs,
-                                                "".join(" --lock " + lk for lk in a.lock))},
+            "reproduce": "python3 bench/cpu_decode_quant.py --llama-bench PATH --model %s --threads %s "
+                         "--pairs %d --long-pairs %d --n %d%s%s%s" % (
+                             os.path.relpath(a.model, ROOT), a.threads, a.pairs, a.long_pairs, a.n,
+                             " --spade-base BASE/spade" if a.spade_base else "",
+                             " --spade-args '%s'" % a.spade_args if a.spade_args else "",
+                             "".join(" --lock " + lk for lk in a.lock))},
         "bars": BARS,
         "cases": cases,
     }
