@@ -323,8 +323,8 @@ DENSE, SCORES = "dense", "scores"
 class _Lists:
     """Selection lists for sparse_attention: (off, idx) on the step's device, granularity
     "token" or "page", lpr lists per request (1: shared by the KV heads, or Hkv); counts:
-    tokens read per (request, KV head), an int for all of them or a host tensor [B, Hkv]
-    (None: counted from the lists)."""
+    tokens read per (request, KV head), a host tensor [B, Hkv], or an int for all of them
+    (used on CUDA only), or None (counted from the lists)."""
 
     def __init__(self, off, idx, gran, lpr, counts=None, planned=False):
         self.off, self.idx, self.gran, self.lpr = off, idx, gran, lpr
@@ -438,7 +438,7 @@ class _OracleTopK(_Method):
         for g in range(1, c.G):
             acc += w[:, :, g]
         off, idx = ops.topk_select(acc.contiguous(), c.dln, self.budget)
-        return _Lists(off, idx, "token", c.Hkv, self.budget)
+        return _Lists(off, idx, "token", c.Hkv)
 
 
 class _OracleTopP(_Method):
@@ -518,7 +518,7 @@ class _Tidal(_Scheduled):
 
     def choose(self, c):
         off, idx = ops.tidal_select(c.scores(), c.dln, self.budget, num_kv_heads=c.Hkv)
-        return _Lists(off, idx, "token", c.Hkv, self.budget)
+        return _Lists(off, idx, "token", c.Hkv)
 
 
 class _LessIsMore(_Scheduled):
@@ -543,7 +543,7 @@ class _LessIsMore(_Scheduled):
             return c.lists([row] * c.B, 1)
         off, idx = ops.lessismore_select(c.scores(), c.dln, self.budget, sinks=self.sinks,
                                          n_recent=self.n_recent)
-        return _Lists(off, idx, "token", 1, self.budget)
+        return _Lists(off, idx, "token", 1)
 
 
 class _Twilight(_Method):
@@ -799,13 +799,14 @@ def _torch_bool():
 
 
 def _counts(sel, c):
-    """Tokens read per (request, KV head) of a selection: a host tensor [B, Hkv]."""
+    """Tokens read per (request, KV head) of a selection: a host tensor [B, Hkv], counted from
+    the lists (on CUDA quest's planned lists give their count without a sync)."""
     torch = c.torch
     if sel is DENSE or sel is SCORES:
         return torch.full((c.B, c.Hkv), c.L, dtype=torch.int64)
-    if isinstance(sel.counts, int):
+    if isinstance(sel.counts, int) and c.dev.type == "cuda":  # no sync for quest's plan
         return torch.full((c.B, c.Hkv), sel.counts, dtype=torch.int64)
-    if sel.counts is not None:
+    if sel.counts is not None and not isinstance(sel.counts, int):
         return sel.counts.to(torch.int64)
     off = sel.off.cpu().to(torch.int64)
     if sel.gran == "token":

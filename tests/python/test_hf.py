@@ -6,11 +6,29 @@ decoding with spade's kernels.
     spade.ops.decode_attention);
   - method quest with a budget past the context reads every row and equals full; with a
     small budget it reads fewer rows (density < 1) and still gives finite logits;
-  - greedy tokens equal transformers' and remove() restores transformers' attention.
+  - greedy tokens equal transformers' and remove() restores transformers' attention;
+  - every method the hook runs equals spade's C++ path on stories260k (the fixture loaded by
+    transformers, fp32; spade with --kv-dtype f32): for each method spec (defaults and
+    non-default options, twilight over several bases) the greedy tokens equal spade.LLM's
+    (spade's engine in process) and `spade generate --sparse SPEC`'s (the CLI next to the
+    package, build-*/spade, or $SPADE_BIN; skipped when absent), the density equals
+    spade.LLM's within 1e-9, every decode step's tokens_per_head equals the CLI's
+    --stats-jsonl within 1e-9 (the same number of tokens read per layer and KV head: the
+    same selection sizes) and stats()' "method" equals the CLI's describe() line. Every spec
+    of the list changes the greedy tokens of full attention within 100 tokens, so the
+    selections matter;
+  - each method on a batch of two sequences equals each sequence alone (logits within 1e-5,
+    tokens_per_head exactly);
+  - spec strings and keyword options, spade's option checks and the methods / option values
+    the hook does not run (spade.Error naming what is supported).
 Runs with pytest or as a script (ctest python_hf, via scripts/python_test.sh); exits 77
 (skipped) without torch, transformers or the built package.
 """
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import unittest
 
 try:
@@ -21,6 +39,76 @@ try:
     ENABLED, WHY = True, ""
 except ImportError as e:
     ENABLED, WHY = False, f"torch, transformers or the spade package unavailable ({e})"
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = os.path.join(ROOT, "tests", "fixtures", "models", "stories260k-hf")
+PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
+          "the park with her friends.")
+N_TOKENS = 100
+# Each changes the greedy tokens of full attention within N_TOKENS (36 prompt tokens).
+SPECS = [
+    "full",
+    "streaming:budget=32",
+    "streaming:budget=48,sinks=8,dense_layers=1",
+    "quest:budget=32",
+    "quest:budget=64,page_size=32,dense_layers=1",
+    "tidal:budget=32",
+    "tidal:budget=40,dense_layers=1,selection_layers=1,3",
+    "lessismore:budget=32",
+    "lessismore:budget=40,recent_ratio=0.5,sinks=2",
+    "oracle-topk:budget=16",
+    "oracle-topp:p=0.8",
+    "oracle-topp:p=0.7,group=mean,dense_layers=1",
+    "twilight",
+    "twilight:p=0.8",
+    "quest+twilight:budget=32",
+    "twilight:base=tidal,budget=32",
+    "twilight:base=lessismore,budget=32,p=0.9",
+    "twilight:base=oracle-topk,budget=24",
+    "twilight:base=full,dense_layers=1",
+]
+
+
+def find_cli():
+    """The spade CLI of the build that holds this package (build-*/python/spade ->
+    build-*/spade), or $SPADE_BIN; None when there is none."""
+    path = os.environ.get("SPADE_BIN")
+    if not path:
+        pkg = os.path.dirname(os.path.abspath(spade.__file__))
+        path = os.path.join(os.path.dirname(os.path.dirname(pkg)), "spade")
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+def cli_run(cli, ids_prompt, spec, n):
+    """`spade generate --sparse SPEC` (fp32 KV, greedy): tokens, the decode steps'
+    tokens_per_head, the describe() line."""
+    with tempfile.TemporaryDirectory() as tmp:
+        js = os.path.join(tmp, "steps.jsonl")
+        p = subprocess.run([cli, "generate", "-m", MODEL, "-p", ids_prompt, "-n", str(n),
+                            "--ignore-eos", "--kv-dtype", "f32", "-t", "1", "--stats",
+                            "--stats-jsonl", js, "--sparse", spec],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        with open(js) as f:
+            rec = [json.loads(line) for line in f if line.strip()]
+    desc = [line.split("attention: ", 1)[1] for line in p.stderr.splitlines()
+            if line.startswith("[spade] attention: ")]
+    return [r["id"] for r in rec], [r.get("tokens_per_head") for r in rec[1:]], desc[0]
+
+
+def greedy(model, ids, n):
+    """n greedy tokens of a [B, T] prompt with the model's own cache (the prefill's token,
+    then n - 1 decode steps), and the logits of each."""
+    from transformers import DynamicCache
+    toks, logits = [], []
+    with torch.no_grad():
+        r = model(ids, past_key_values=DynamicCache(), use_cache=True)
+        for i in range(n):
+            logits.append(r.logits[:, -1])
+            toks.append(r.logits[:, -1].argmax(-1, keepdim=True))
+            if i + 1 < n:
+                r = model(toks[-1], past_key_values=r.past_key_values, use_cache=True)
+    return torch.cat(toks, 1), torch.stack(logits, 1)
 
 
 def tiny_llama(seed=0, layers=3, hidden=64, heads=4, kv_heads=2, vocab=96):
@@ -104,6 +192,145 @@ class HfTest(unittest.TestCase):
             spade.hf.apply(self.model, method="nope")
         with self.assertRaisesRegex(spade.Error, "budget"):
             spade.hf.apply(self.model, method="quest", budget=4)
+
+
+
+@unittest.skipUnless(ENABLED, WHY)
+class HfMatchesCppTest(unittest.TestCase):
+    """stories260k through transformers with spade.hf against spade's C++ methods."""
+
+    @classmethod
+    def setUpClass(cls):
+        from transformers import LlamaForCausalLM
+        cls.llm = spade.LLM(MODEL, kv_dtype="f32")
+        cls.ids = cls.llm.encode(PROMPT)
+        cls.model = LlamaForCausalLM.from_pretrained(MODEL, torch_dtype=torch.float32).eval()
+        cls.cli = find_cli()
+
+    def hf(self, spec, **kw):
+        spade.hf.apply(self.model, spec, **kw)
+        try:
+            toks, _ = greedy(self.model, torch.tensor([self.ids]), N_TOKENS)
+            return toks[0].tolist(), spade.hf.stats(self.model)
+        finally:
+            spade.hf.remove(self.model)
+
+    def test_every_method_equals_cpp(self):
+        greedy_params = spade.SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
+        full = None
+        for spec in SPECS:
+            with self.subTest(spec=spec):
+                want = self.llm.generate([self.ids], greedy_params, sparse=spec)[0]
+                got, st = self.hf(spec)
+                self.assertEqual(got, want.token_ids)
+                if spec == "full":
+                    full = got
+                    self.assertEqual(st["density"], 1.0)
+                else:
+                    self.assertNotEqual(got, full)  # the selections matter
+                    self.assertLess(st["density"], 0.9)
+                    self.assertAlmostEqual(st["density"], want.density, delta=1e-9)
+                self.assertEqual(len(st["tokens_per_head"]), N_TOKENS - 1)
+                if self.cli is None:
+                    continue
+                toks, tph, desc = cli_run(self.cli, PROMPT, spec, N_TOKENS)
+                self.assertEqual(got, toks)
+                self.assertEqual(st["method"], desc)
+                hf_tph = [row[0] for row in st["tokens_per_head"]]
+                self.assertEqual(len(hf_tph), len(tph))
+                for i, (a, b) in enumerate(zip(hf_tph, tph)):
+                    self.assertAlmostEqual(a, b, delta=1e-9, msg=f"decode step {i + 1}")
+        if self.cli is None:
+            self.skipTest("no spade CLI beside the package (set SPADE_BIN): compared with "
+                          "spade.LLM only")
+
+    def test_spec_and_keywords(self):
+        m = self.model
+        spade.hf.apply(m, "tidal:budget=32,selection_layers=2,3")
+        a = spade.hf.stats(m)["method"]
+        spade.hf.apply(m, "tidal", budget=32, selection_layers=[2, 3])
+        self.assertEqual(spade.hf.stats(m)["method"], a)
+        self.assertEqual(a, "tidal budget=32 (dense 0-1, select 2,3)")
+        spade.hf.apply(m, "quest:budget=64,dense_layers=1", budget=32)  # keywords win
+        self.assertIn("quest budget=32 page_size=16 pages=2 dense_layers=1",
+                      spade.hf.stats(m)["method"])
+        spade.hf.apply(m, method="quest", budget=64, page_size=32)  # Quest's page
+        self.assertIn("page_size=32 pages=2", spade.hf.stats(m)["method"])
+        spade.hf.apply(m, "lessismore", budget=40, recent_ratio=0.5)
+        self.assertEqual(spade.hf.stats(m)["method"], "lessismore budget=40 recent_ratio=0.5 "
+                         "(20 recent) sinks=4 (dense 0-1, select 2)")
+        spade.hf.remove(m)
+
+    def test_errors(self):
+        m = self.model
+        cases = [
+            (("lycheecluster",), {}, "not supported by the Hugging Face hook.*supported: full, "
+             "streaming, quest, tidal, lessismore, oracle-topk, oracle-topp, twilight"),
+            (("lycheedecode",), {}, "lycheedecode.*not supported"),
+            (("quest+blasst",), {}, "blasst.*not supported"),
+            (("nope",), {}, "unknown method 'nope'"),
+            (("quest:group=sum",), {}, "group=sum is not supported.*supported: group=max"),
+            (("twilight:keys=exact",), {}, "keys=exact is not supported"),
+            (("twilight:head_combine=mean",), {}, "head_combine=mean is not supported"),
+            (("tidal:correction=1",), {}, "correction=1 is not supported"),
+            (("quest:window=3",), {}, "sparse method 'quest' has no option 'window'; valid "
+             "options: budget, page_size, dense_layers, group"),
+            (("streaming",), {"budget": 0}, r"streaming option 'budget' = 0 outside \[1, "),
+            (("streaming",), {"sinks": 48, "budget": 48}, r"budget \(48\) must exceed sinks"),
+            (("quest",), {"budget": 8}, r"budget \(8\) must be at least one page"),
+            (("tidal",), {"selection_layers": [2, 5]}, r"element 5 outside \[0, 4\] \(the "
+             "model has 5 layers\)"),
+            (("tidal",), {"dense_layers": 3, "selection_layers": [2]}, "layer 3 would reuse"),
+            (("lessismore:budget=8,sinks=7",), {}, "fewer than the 7 sinks"),
+            (("oracle-topp:p=0",), {}, r"p' = 0 outside \(0, 1\]"),
+            (("twilight:sinks=4",), {}, "option 'sinks' belongs neither to twilight nor to "
+             "its base 'quest'"),
+            (("twilight:base=twilight",), {}, "cannot be twilight"),
+            (("quest:budget=1.5",), {}, "expects an integer, got '1.5'"),
+        ]
+        for args, kw, pattern in cases:
+            with self.subTest(args=args, kw=kw):
+                with self.assertRaisesRegex(spade.Error, pattern):
+                    spade.hf.apply(m, *args, **kw)
+                self.assertIsNone(getattr(m, "_spade_hf", None))
+
+    def test_layer_defaults(self):
+        # src/sparse/model_defaults.cpp: the table, then 13/32 of the depth.
+        d = spade.hf.layer_defaults
+        self.assertEqual(d("llama", 30, 576, 3), (2, [2, 14]))     # SmolLM2-135M
+        self.assertEqual(d("llama", 32, 4096, 8), (2, [2, 13]))    # Llama-3-8B
+        self.assertEqual(d("llama", 32, 4096, 32), (2, [2, 7]))    # LongChat-7B
+        self.assertEqual(d("qwen3", 36, 2560, 8), (2, [2, 20]))    # Qwen3-4B
+        self.assertEqual(d("qwen2", 28, 1536, 2), (2, [2, 11]))    # not in the table
+        self.assertEqual(d("llama", 5, 64, 4), (2, [2]))           # stories260k
+        self.assertEqual(d("llama", 2, 64, 4), (0, [0]))
+
+
+@unittest.skipUnless(ENABLED, WHY)
+class HfBatchTest(unittest.TestCase):
+    """Two sequences of one batch decode as each alone, for every method (the lists are built
+    per request)."""
+
+    SPECS = ["streaming:budget=24", "quest:budget=32,dense_layers=1", "tidal:budget=24",
+             "lessismore:budget=24", "oracle-topk:budget=16", "oracle-topp:p=0.8",
+             "twilight:budget=32,dense_layers=1", "twilight:base=lessismore,budget=24"]
+
+    def test_batch_equals_alone(self):
+        model = tiny_llama(layers=4)
+        prompt = torch.randint(0, 96, (2, 45), generator=torch.Generator().manual_seed(3))
+        for spec in self.SPECS:
+            with self.subTest(spec=spec):
+                spade.hf.apply(model, spec)
+                _, both = greedy(model, prompt, 10)
+                tph = spade.hf.stats(model)["tokens_per_head"]
+                self.assertLess(spade.hf.stats(model)["density"], 0.95)
+                for b in range(2):
+                    spade.hf.apply(model, spec)
+                    _, alone = greedy(model, prompt[b:b + 1], 10)
+                    close(self, both[b:b + 1], alone)
+                    self.assertEqual([row[b] for row in tph],
+                                     [row[0] for row in spade.hf.stats(model)["tokens_per_head"]])
+                spade.hf.remove(model)
 
 
 if __name__ == "__main__":
