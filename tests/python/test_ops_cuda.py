@@ -13,6 +13,8 @@
     LycheeCluster index's lists against the CPU ClusterIndex's (keys without k-means
     near-ties);
   - spade.hf on a tiny bf16 Llama: method full within bf16 tolerance of eager attention;
+    every method of the hook decodes (finite logits, density below 1; a budget past the
+    context gives full's logits);
   - --bench: decode_attention's run() timed with CUDA events at bench/bench_attention.cu's
     shapes (Llama-3-8B: Hq 32, Hkv 8, D 128, page 16, shuffled pages, caches rotated past
     L2, 30 batches of calls, the median per call; "us": the calls captured in a CUDA graph,
@@ -280,6 +282,43 @@ class CudaHfTest(unittest.TestCase):
         q, _ = step_logits(model, prompt, 8)
         spade.hf.remove(model)
         self.assertTrue(bool(torch.isfinite(q.float()).all()))
+
+    def test_every_method(self):
+        """Each method of the hook decodes on the GPU (its CUDA selectors and sparse_attention):
+        finite logits, fewer rows read than full, one tokens_per_head row per decode step, and
+        a budget past the context reads every row (the dense path: full's logits, to the last
+        bits that DecodeAttention's split schedule may vary).
+        The selections against spade's C++ path are test_hf.py's (CPU)."""
+        try:
+            import spade.hf
+            from test_hf import step_logits, tiny_llama
+        except ImportError as e:
+            self.skipTest(f"transformers unavailable ({e})")
+        model = tiny_llama(hidden=512, heads=8, kv_heads=2, layers=4).to(DEV, torch.bfloat16)
+        prompt = torch.randint(0, 96, (2, 300), generator=torch.Generator().manual_seed(1)).to(DEV)
+        spade.hf.apply(model, method="full")
+        full, _ = step_logits(model, prompt, 6)
+        for spec in ("streaming:budget=128", "quest:budget=128,dense_layers=1",
+                     "tidal:budget=128", "lessismore:budget=128", "oracle-topk:budget=128",
+                     "oracle-topp:p=0.8", "twilight:budget=128,dense_layers=1",
+                     "twilight:base=tidal,budget=128"):
+            with self.subTest(spec=spec):
+                spade.hf.apply(model, spec)
+                got, _ = step_logits(model, prompt, 6)
+                st = spade.hf.stats(model)
+                self.assertTrue(bool(torch.isfinite(got.float()).all()))
+                self.assertLess(st["density"], 0.95)
+                self.assertEqual(len(st["tokens_per_head"]), 6)
+                self.assertEqual(len(st["tokens_per_head"][0]), 2)
+        for spec in ("streaming:budget=4096", "tidal:budget=4096", "oracle-topk:budget=4096"):
+            with self.subTest(spec=spec):
+                spade.hf.apply(model, spec)
+                wide, _ = step_logits(model, prompt, 6)
+                self.assertEqual(spade.hf.stats(model)["density"], 1.0)
+                # full's path; DecodeAttention's split schedule may vary the last bits
+                scale = float(full.float().abs().max())
+                self.assertLess(float((wide.float() - full.float()).abs().max()), 0.02 * scale)
+        spade.hf.remove(model)
 
 
 def bench(cxx_file=None):
