@@ -92,6 +92,7 @@ int run_agree(const Args& a, const std::string& cmd) {
   meta["tasks"] = tasks;
   meta["reference"] = ref_dtype ? cat("each method over a ", kv_dtype_name(*ref_dtype), " KV cache")
                                 : std::string("full attention on each run's backend");
+  if (ref_dtype) meta["reference_kv_dtype"] = kv_dtype_name(*ref_dtype);
   ResultFile file = open_results(out, "agree", meta, cmd);
   s.ro.max_prompt = *std::max_element(s.lengths.begin(), s.lengths.end());
   s.ro.max_new = 128;

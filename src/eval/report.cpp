@@ -297,15 +297,30 @@ std::string agree_report(const json& doc) {
   const json& rs = doc.at("results");
   std::string s = header(doc, "spade eval agree");
   s += backend_section(rs);
-  s += "Greedy generation with each method vs full attention from the same prompt (task "
-       "prompts). Tokens until the first divergence; KL(full || method) per step along full "
-       "attention's tokens (teacher forced); top-1 agreement on those steps; output identical "
-       "to full attention's; task score.\n\n";
+  // --ref-kv-dtype T: each method's reference is the same method over a KV cache of type T.
+  const json* meta = doc.contains("meta") ? &doc.at("meta") : nullptr;
+  std::string ref_kv;
+  if (meta && meta->contains("reference_kv_dtype") && meta->at("reference_kv_dtype").is_string()) {
+    ref_kv = meta->at("reference_kv_dtype").get<std::string>();
+  } else if (meta && meta->contains("reference") && meta->at("reference").is_string()) {
+    // Files written before the field: "each method over a T KV cache".
+    const std::string r = meta->at("reference").get<std::string>(), pre = "each method over a ";
+    if (r.rfind(pre, 0) == 0 && r.size() > pre.size() + 9 && r.compare(r.size() - 9, 9, " KV cache") == 0)
+      ref_kv = r.substr(pre.size(), r.size() - pre.size() - 9);
+  }
+  const std::string ref = ref_kv.empty() ? "full attention" : "the same method over a " + ref_kv + " KV cache";
+  const std::string ref_short = ref_kv.empty() ? "full" : "method@" + ref_kv;
+  s += "Greedy generation with each method vs " + ref + " from the same prompt (task prompts). "
+       "Tokens until the first divergence; KL(" + ref_short + " || method) per step along the "
+       "reference's tokens (teacher forced); top-1 agreement on those steps; output identical "
+       "to the reference's; the method's task score.\n\n";
   const char* corner = "method \\ length";
   s += field_section(rs, "Tokens until first divergence", "first_divergence", 1, corner);
-  s += field_section(rs, "Mean per-step KL(full || method), nats", "kl_mean", 4, corner);
+  s += field_section(rs, "Mean per-step KL(" + ref_short + " || method), nats", "kl_mean", 4, corner);
   s += field_section(rs, "Top-1 agreement (teacher forced)", "top1_agreement", 3, corner);
-  s += field_section(rs, "Output identical to full attention's", "same_output", 2, corner);
+  s += field_section(rs, ref_kv.empty() ? "Output identical to full attention's"
+                                        : "Output identical to the " + ref_kv + " reference's",
+                     "same_output", 2, corner);
   s += field_section(rs, "Task score", "score", 3, corner);
   s += field_section(rs, "Density (attended / context, mean over layers, KV heads and steps)",
                      "density", 3, corner);

@@ -48,6 +48,11 @@ def main():
         _, f32 = agree("f32", "--kv-dtype", "f32")
         _, bf16 = agree("bf16", "--kv-dtype", "bf16")
         assert ref["meta"]["reference"] == "each method over a f32 KV cache", ref["meta"]
+        assert ref["meta"]["reference_kv_dtype"] == "f32", ref["meta"]
+        # The Markdown report names the reference in its headings, not full attention.
+        md = open(os.path.join(tmp, "ref.md")).read()
+        assert "## Output identical to the f32 reference's" in md and "KL(method@f32 || method)" in md, md[:1500]
+        assert "## Output identical to full attention's" in open(os.path.join(tmp, "f32.md")).read()
         out_f32 = {(r["method"], r["sample"]): r["output"] for r in f32["results"]}
         out_bf16 = {(r["method"], r["sample"]): r["output"] for r in bf16["results"]}
         recs = ref["results"]
