@@ -60,8 +60,8 @@ int cuda_device_of_rank(int rank) {
 #endif
 }
 
-TpRankModel make_cuda_rank(const ModelWeights& shard, Communicator& bootstrap, const TpInit& init,
-                           int device) {
+TpRankModel make_cuda_rank(const ModelWeights& shard, const ModelConfig& full,
+                           Communicator& bootstrap, const TpInit& init, int device) {
 #if defined(SPADE_HAVE_CUDA) && defined(SPADE_HAVE_NCCL)
   // Before this thread's first CUDA work: the rank's own GPU (a follower process has done no
   // CUDA work before; rank 0 runs on device 0, the default).
@@ -88,6 +88,10 @@ TpRankModel make_cuda_rank(const ModelWeights& shard, Communicator& bootstrap, c
   copt.kv_scale = fp8 ? init.kv_scale : 0.f;
   copt.tp = o->nccl.get();
   copt.logits = bootstrap.rank() == 0;
+  // Sparse methods: parsed for the whole model, run on this rank's heads (method_spec).
+  copt.tp_model = full;
+  copt.tp_kv0 = bootstrap.rank() * shard.config.n_kv_heads;
+  copt.any_method = init.any_method != 0;
   o->model = std::make_unique<CudaModel>(shard, copt);
   const ModelConfig& c = shard.config;
   TpRankModel r;
@@ -101,7 +105,7 @@ TpRankModel make_cuda_rank(const ModelWeights& shard, Communicator& bootstrap, c
   r.owned = std::move(o);
   return r;
 #else
-  (void)shard, (void)init, (void)device;
+  (void)shard, (void)full, (void)init, (void)device;
   check_cuda_tp(int(bootstrap.size()), false);  // names what this build lacks
   fail("tensor parallelism on the GPU is not available in this build");
 #endif

@@ -11,6 +11,9 @@
 #include "model/cpu_model.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
+#if defined(SPADE_HAVE_CUDA)
+#include "sparse/gpu/method.h"
+#endif
 
 namespace spade::dist {
 
@@ -90,6 +93,10 @@ void send_message(Communicator& c, uint32_t kind, std::vector<uint8_t> payload) 
   if (h.bytes) c.broadcast(payload.data(), h.bytes, 0);
 }
 
+bool is_dense_method(const sparse::SparseConfig& m) {
+  return m.method == "full" && m.options.empty() && !m.measure_recall;
+}
+
 TpInit make_init(const ModelConfig& c, int tp, const RunnerOptions& opt) {
   TpInit i;
   i.magic = kInitMagic;
@@ -110,6 +117,7 @@ TpInit make_init(const ModelConfig& c, int tp, const RunnerOptions& opt) {
   i.deterministic = opt.deterministic ? 1 : 0;
   i.max_step_tokens = opt.max_step_tokens;
   i.max_logit_rows = opt.max_logit_rows;
+  i.any_method = opt.per_request_methods || !is_dense_method(opt.sparse) ? 1 : 0;
   return i;
 }
 
@@ -160,17 +168,10 @@ TpRankModel make_cpu_rank(const ModelWeights& shard, Communicator& comm, const T
 
 TpSelectTrace g_select_trace;  // tests (set_tp_select_trace)
 
-bool is_dense_method(const sparse::SparseConfig& m) {
-  return m.method == "full" && m.options.empty() && !m.measure_recall;
-}
-
 // What a method needs to run under tensor parallelism, or a spade::Error saying why it cannot.
-void check_tp_method(const sparse::SparseConfig& m, int tp, bool cuda) {
+void check_tp_method(const sparse::SparseConfig& m, int tp) {
   SPADE_CHECK(!m.measure_recall, "--tp ", tp, ": sparse option 'recall' measures the attention "
               "mass over every head, and each rank holds only its own heads (use --tp 1)");
-  SPADE_CHECK(!cuda || is_dense_method(m), "--tp ", tp, " --device cuda: sparse method '",
-              m.method, "' does not run on tensor-parallel GPU ranks yet (use --device cpu or "
-              "--tp 1)");
 }
 
 }  // namespace
@@ -226,28 +227,40 @@ namespace {
 
 // Rank 0's state of a request with a sparse method: its session, and what the followers are
 // told with its next step (the method on the first, the token text given since).
+// CPU ranks: rank 0's session; GPU ranks: rank 0's CudaModel request state (its CudaModel runs
+// the method on the rank's heads).
 class TpMethodState : public sparse::MethodState {
  public:
   TpMethodState(sparse::SparseConfig cfg, std::unique_ptr<sparse::SparseSession> s,
                 int64_t rows_per_token)
       : cfg_(std::move(cfg)), session_(std::move(s)), rows_per_token_(rows_per_token) {}
+  TpMethodState(sparse::SparseConfig cfg, std::unique_ptr<sparse::MethodState> device, int ranks)
+      : cfg_(std::move(cfg)), device_(std::move(device)), rows_per_token_(ranks) {}
   void append_token_text(std::string_view piece) override {
-    if (!session_->wants_token_text()) return;
-    session_->append_token_text(piece);
+    if (!wants_token_text()) return;
+    if (session_) session_->append_token_text(piece);
+    if (device_) device_->append_token_text(piece);
     text_.emplace_back(piece);
   }
-  bool wants_token_text() const override { return session_->wants_token_text(); }
-  // Rank 0's mean per KV head, over every KV head of the model.
-  int64_t attended_rows() const override {
-    return int64_t(session_->totals().tokens_sum * double(rows_per_token_) + 0.5);
+  bool wants_token_text() const override {
+    return session_ ? session_->wants_token_text() : device_ && device_->wants_token_text();
   }
-  sparse::SparseSession& session() { return *session_; }
+  // CPU: rank 0's mean per KV head times every KV head of the model; GPU: rank 0's rows times
+  // the ranks.
+  int64_t attended_rows() const override {
+    if (session_) return int64_t(session_->totals().tokens_sum * double(rows_per_token_) + 0.5);
+    const int64_t r = device_ ? device_->attended_rows() : -1;
+    return r < 0 ? r : r * rows_per_token_;
+  }
+  sparse::SparseSession* session() { return session_.get(); }
+  sparse::MethodState* device() { return device_.get(); }
   const sparse::SparseConfig& config() const { return cfg_; }
   std::vector<std::string> take_text() { return std::exchange(text_, {}); }
 
  private:
   sparse::SparseConfig cfg_;
   std::unique_ptr<sparse::SparseSession> session_;
+  std::unique_ptr<sparse::MethodState> device_;
   int64_t rows_per_token_;
   std::vector<std::string> text_;
 };
@@ -330,7 +343,7 @@ TpStepModel::TpStepModel(std::unique_ptr<Communicator> comm, const ModelWeights&
   own_method_ = opt.sparse;
   cuda_ = init.cuda != 0;
   if (init.cuda) {
-    rank_ = make_cuda_rank(shard_, *comm_, init, cuda_device_of_rank(0));
+    rank_ = make_cuda_rank(shard_, full_config_, *comm_, init, cuda_device_of_rank(0));
     shard_ = ModelWeights{};  // uploaded
     comm_->barrier();  // every rank built its model (one that failed has closed its connection)
   } else {
@@ -342,8 +355,10 @@ TpStepModel::TpStepModel(std::unique_ptr<Communicator> comm, const ModelWeights&
 std::unique_ptr<sparse::MethodState> TpStepModel::new_request_state(
     const sparse::SparseConfig* method) {
   const sparse::SparseConfig& m = method ? *method : own_method_;
-  check_tp_method(m, comm_->size(), cuda_);
+  check_tp_method(m, comm_->size());
   if (is_dense_method(m)) return nullptr;
+  if (cuda_)  // the rank's CudaModel runs it (its request state); the followers' alike
+    return std::make_unique<TpMethodState>(m, rank_.step->new_request_state(&m), comm_->size());
   SPADE_CHECK(sessions_, "tensor parallelism: no sparse sessions on this rank");
   return std::make_unique<TpMethodState>(
       m, sessions_->make(m), int64_t(full_config_.n_layers) * full_config_.n_kv_heads);
@@ -473,15 +488,20 @@ const std::vector<SeqInput>& TpStepModel::begin_step(const std::vector<SeqInput>
     q.tokens.assign(s.tokens, s.tokens + s.n_tokens);
     q.pages = s.pages->pages;
     if (auto* st = static_cast<TpMethodState*>(s.device_state)) {
-      // The request's method: rank 0's session attends here, the followers' in their loop.
+      // The request's method: rank 0's session (or GPU state) here, the followers' in their
+      // loop.
       if (fresh) {
         q.has_method = true;
         q.method = st->config();
-        sessions_->trace(st->session(), q.id);
+        if (st->session()) sessions_->trace(*st->session(), q.id);
       }
       q.text = st->take_text();
-      s.attention = s.dense ? nullptr : &st->session().attention();
-      s.device_state = nullptr;
+      if (st->session()) {
+        s.attention = s.dense ? nullptr : &st->session()->attention();
+        s.device_state = nullptr;
+      } else {
+        s.device_state = st->device();
+      }
     }
     plan.seqs.push_back(std::move(q));
     it->second.length = s.pages->length + s.n_tokens;
@@ -498,7 +518,7 @@ const std::vector<SeqInput>& TpStepModel::begin_step(const std::vector<SeqInput>
 Runner make_tp_runner(const ModelWeights& w, const RunnerOptions& opt) {
   SPADE_CHECK(opt.device == "cpu" || opt.device == "cuda", "--device must be cpu or cuda, got '",
               opt.device, "'");
-  check_tp_method(opt.sparse, opt.tp, opt.device == "cuda");
+  check_tp_method(opt.sparse, opt.tp);
   check_shardable(w.config, opt.tp);
   if (opt.device == "cuda") check_cuda_tp(opt.tp, opt.dist_listener != nullptr);
   std::unique_ptr<Communicator> comm;
@@ -512,8 +532,15 @@ Runner make_tp_runner(const ModelWeights& w, const RunnerOptions& opt) {
   r.max_step_tokens = std::max(opt.max_step_tokens, model->rank_model().max_step_tokens);
   r.max_logit_rows = model->rank_model().max_logit_rows;
   const int tp = opt.tp;
-  const bool cuda = opt.device == "cuda";
-  r.check_method = [tp, cuda](const sparse::SparseConfig& m) { check_tp_method(m, tp, cuda); };
+  r.check_method = [tp](const sparse::SparseConfig& m) { check_tp_method(m, tp); };
+#if defined(SPADE_HAVE_CUDA)
+  if (opt.device == "cuda")  // what the GPU cannot run, before the request reaches any rank
+    r.check_method = [tp, c = w.config, P = opt.page_size,
+                      fp8 = opt.kv_dtype == KvDtype::FP8](const sparse::SparseConfig& m) {
+      check_tp_method(m, tp);
+      check_gpu_kv_dtype(fp8, cuda_sparse_config(m, c, P));
+    };
+#endif
   r.model = std::move(model);
   return r;
 }
@@ -525,7 +552,8 @@ void run_follower(StepModel& model, Communicator& comm) { run_follower(model, co
 void run_follower(StepModel& model, Communicator& comm, RankSessions* sessions) {
   struct Seq {
     PageTable pt;
-    std::unique_ptr<sparse::SparseSession> session;  // its method on this rank's heads
+    std::unique_ptr<sparse::SparseSession> session;  // its method on this rank's heads (CPU)
+    std::unique_ptr<sparse::MethodState> state;      // ... or the model's request state (GPU)
   };
   std::unordered_map<uint64_t, Seq> seqs;
   std::vector<uint8_t> payload;
@@ -562,18 +590,22 @@ void run_follower(StepModel& model, Communicator& comm, RankSessions* sessions) 
         SPADE_CHECK(s.cached == 0, "tensor parallelism: sequence ", s.id, " of ", s.cached,
                     " cached tokens is unknown to rank ", comm.rank());
         it = seqs.emplace(s.id, Seq{}).first;
-        if (s.has_method) {
-          SPADE_CHECK(sessions, "tensor parallelism: rank ", comm.rank(), " runs no sparse "
-                      "sessions (sequence ", s.id, " has method '", s.method.method, "')");
+        if (s.has_method && sessions) {
           it->second.session = sessions->make(s.method);
           sessions->trace(*it->second.session, s.id);
+        } else if (s.has_method) {
+          SPADE_CHECK(model.runs_methods(), "tensor parallelism: rank ", comm.rank(), " runs no "
+                      "sparse methods (sequence ", s.id, " has method '", s.method.method, "')");
+          it->second.state = model.new_request_state(&s.method);
         }
       }
       Seq& q = it->second;
       SPADE_CHECK(q.pt.length == s.cached, "tensor parallelism: rank ", comm.rank(),
                   " holds ", q.pt.length, " tokens of sequence ", s.id, ", rank 0 ", s.cached);
-      if (q.session)
-        for (const std::string& t : s.text) q.session->append_token_text(t);
+      for (const std::string& t : s.text) {
+        if (q.session) q.session->append_token_text(t);
+        if (q.state) q.state->append_token_text(t);
+      }
       SeqInput in;
       in.pages = &q.pt;
       in.tokens = s.tokens.data();
@@ -581,6 +613,7 @@ void run_follower(StepModel& model, Communicator& comm, RankSessions* sessions) 
       in.all_logits = s.all_logits;
       in.dense = s.dense;
       if (q.session && !s.dense) in.attention = &q.session->attention();
+      in.device_state = q.state.get();
       batch.push_back(in);
     }
     model.forward(batch, row_of);
@@ -608,7 +641,7 @@ void run_follower_rank(const ModelWeights& w, const std::string& address, int ra
   ModelWeights shard = shard_weights(w, rank, size);
   TpRankModel m;
   if (init.cuda) {
-    m = make_cuda_rank(shard, comm, init, cuda_device_of_rank(rank));
+    m = make_cuda_rank(shard, w.config, comm, init, cuda_device_of_rank(rank));
     shard = ModelWeights{};  // uploaded
     comm.barrier();          // every rank built its model
     run_follower(*m.step, comm);

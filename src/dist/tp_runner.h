@@ -33,6 +33,15 @@
 // (it measures the attention mass over every head; a rank holds only its own), LycheeDecode
 // roles in a reordered head order (sets would cross ranks).
 //
+// Sparse methods (GPU ranks): each rank's CudaModel adds the request's method itself
+// (CudaStepModel::new_request_state; rank 0's state travels in a TpMethodState, the followers
+// add theirs when the plan names the method), parsed for the whole model and run on the
+// rank's heads (CudaModelOptions::tp_model / tp_kv0: LycheeDecode's roles sliced). Every
+// method attends on the model's stream under TP (NCCL collectives of one communicator must
+// not overlap); LessIsMore gathers its merge keys with an all-reduce on that stream, inside
+// the captured decode graph too. Compiled here, untested until a multi-GPU run
+// (tests/gpu/test_cuda_tp.cpp CudaTp.SparseMethods*).
+//
 // GPU ranks (TpInit::cuda; tp_cuda.cpp, CUDA builds with NCCL): each rank is one process on
 // its own GPU (rank r takes device r mod the visible GPUs), a CudaModel of its shard whose
 // all-reduces go over NCCL (the communicator made after the TCP rendezvous, its unique id
@@ -85,6 +94,9 @@ struct TpInit {
   // The GPU ranks (cuda != 0): what CudaModelOptions every rank needs alike.
   int32_t cuda = 0, max_batch = 0, deterministic = 0;
   int64_t max_step_tokens = 0, max_logit_rows = 0;
+  // The GPU ranks keep every method's per-page data (CudaModelOptions::any_method): requests
+  // may name methods, or the runner's own method is not full attention.
+  int32_t any_method = 0;
 };
 
 class RankSessions;  // tp_runner.cpp: a rank's sparse sessions
@@ -117,9 +129,10 @@ int cuda_device_of_rank(int rank);
 // Binds this thread to `device`, joins the NCCL communicator of bootstrap's ranks (collective:
 // every rank calls it at the same point) and builds the CudaModel of `shard` (its config: the
 // rank's heads / ffn) with init's options on it; logits on rank 0 only. Untested until a
-// multi-GPU run.
-TpRankModel make_cuda_rank(const ModelWeights& shard, Communicator& bootstrap, const TpInit& init,
-                           int device);
+// multi-GPU run. `full`: the whole model's config (sparse methods are parsed for it and run
+// on the rank's heads: CudaModelOptions::tp_model).
+TpRankModel make_cuda_rank(const ModelWeights& shard, const ModelConfig& full,
+                           Communicator& bootstrap, const TpInit& init, int device);
 
 // Rank 0's model: its shard (CpuModel over a pool of its KV heads, or a CudaModel on GPU 0)
 // driven through the step protocol. Destroying it tells the followers to shut down (when the

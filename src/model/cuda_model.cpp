@@ -147,11 +147,19 @@ GpuMethodContext CudaModel::method_context() const {
   x.kv_scales = kv_scales_dev_;
   x.k_wide = k_wide_;
   x.v_wide = v_wide_;
+  if (opt_.tp && opt_.tp->size() > 1) {
+    x.tp = opt_.tp;
+    x.tp_hq0 = opt_.tp_kv0 * (cfg_.n_heads / cfg_.n_kv_heads);
+    x.tp_Hq_all = opt_.tp_model.n_layers > 0 ? opt_.tp_model.n_heads : cfg_.n_heads;
+  }
   return x;
 }
 
 void CudaModel::init(const ModelWeights* w, uint64_t seed) {
   const ModelConfig& c = cfg_;
+  // Tensor parallelism: the own method was parsed for the whole model; its per-head tables
+  // are the rank's slice from here on.
+  if (opt_.tp_model.n_layers > 0) opt_.sparse = shard_spec(opt_.sparse, opt_.tp_kv0, c.n_kv_heads);
   SPADE_CHECK(cuda::device_available(), "--device cuda: no CUDA device is available");
   cuda::check_device_supported();
   SPADE_CHECK(opt_.max_graphs >= 1, "CudaModelOptions::max_graphs must be >= 1, got ", opt_.max_graphs);
@@ -637,6 +645,11 @@ void CudaModel::enqueue(bool sample, const cuda::GpuSampling* sp, uint64_t step)
     // own stream (parallel branches of a captured graph), joined before the o-projection.
     if (groups_.size() == 1) {
       groups_[0].m->attend(int(l), q, kc, vc, att, scale);
+    } else if (tp) {
+      // Tensor parallelism: one stream (a method's collective must not run beside another).
+      for (const Group& g : groups_)
+        g.m->attend(int(l), q + size_t(g.t0) * row_elems, kc, vc, att + size_t(g.t0) * row_elems,
+                    scale);
     } else {
       SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_lanes_), st));
       for (const Group& g : groups_)

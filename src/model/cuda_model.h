@@ -106,6 +106,15 @@ struct CudaModelOptions {
   // errors (a dead rank throws instead of hanging). Null (or one rank): no change at all.
   // Untested until a multi-GPU run (tests/gpu/test_cuda_tp.cpp).
   dist::DeviceCollectives* tp = nullptr;
+  // With tp: the whole model's config and this rank's first KV head (its KV heads are
+  // [tp_kv0, tp_kv0 + the shard's n_kv_heads)). Methods are parsed for the whole model (their
+  // defaults, LycheeDecode's roles: method_spec) and run on the rank's heads; LessIsMore
+  // gathers its per-head top lists over `tp` on the model's stream (sparse/gpu/lessismore.cpp).
+  // Under tp every method attends on the model's stream (no lanes or side streams: NCCL's
+  // collectives of one communicator must not run concurrently). `sparse` is then parsed for
+  // the whole model too (the model slices it: shard_spec). n_layers 0: the shard's own.
+  ModelConfig tp_model;
+  int tp_kv0 = 0;
   // false: no final norm, LM head nor sampling (tensor-parallel followers: rank 0 alone
   // samples); forward() returns no rows, forward_sample*() throw.
   bool logits = true;
@@ -148,6 +157,13 @@ class CudaModel {
   // max_methods are kept (a clear error when none can be). Throws for a method this model
   // cannot run (e.g. Quest without its page metadata: CudaModelOptions::any_method).
   int add_method(const std::string& key, const CudaSparse& sp);
+  // The GPU form of `cfg` for this model (cuda_sparse_config): under tensor parallelism parsed
+  // for the whole model (CudaModelOptions::tp_model) and LycheeDecode's roles sliced to this
+  // rank's KV heads.
+  CudaSparse method_spec(const sparse::SparseConfig& cfg) const;
+  // `sp` (parsed for the whole model) on KV heads [kv0, kv0 + n_kv): LycheeDecode's roles
+  // sliced to them; every other field is per KV head already.
+  static CudaSparse shard_spec(CudaSparse sp, int kv0, int n_kv);
   // The state of a request of method `method`: pass it as SeqInput::device_state on every
   // forward of that request and destroy it once the request is released. It also counts the
   // request's decode rows (MethodState::attended_rows).

@@ -50,6 +50,22 @@ int CudaModel::add_method(const std::string& key, const CudaSparse& sp) {
   return id;
 }
 
+CudaSparse CudaModel::shard_spec(CudaSparse sp, int kv0, int n_kv) {
+  // The rank's KV heads' columns of the model's roles.
+  for (std::vector<uint8_t>& layer : sp.retrieval) {
+    SPADE_CHECK(kv0 >= 0 && int64_t(layer.size()) >= int64_t(kv0) + n_kv, "lycheedecode: roles "
+                "for ", layer.size(), " KV heads, the rank holds [", kv0, ", ", kv0 + n_kv, ")");
+    layer = std::vector<uint8_t>(layer.begin() + kv0, layer.begin() + kv0 + n_kv);
+  }
+  return sp;
+}
+
+CudaSparse CudaModel::method_spec(const sparse::SparseConfig& cfg) const {
+  if (opt_.tp_model.n_layers == 0) return cuda_sparse_config(cfg, cfg_, opt_.page_size);
+  return shard_spec(cuda_sparse_config(cfg, opt_.tp_model, opt_.page_size), opt_.tp_kv0,
+                    cfg_.n_kv_heads);
+}
+
 std::unique_ptr<sparse::MethodState> CudaModel::new_request_state(int method) {
   SPADE_CHECK(method >= 0 && size_t(method) < methods_.size() && methods_[size_t(method)],
               "CudaModel: no method ", method);

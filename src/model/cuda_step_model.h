@@ -28,7 +28,7 @@ class CudaStepModel final : public StepModel {
   std::unique_ptr<sparse::MethodState> new_request_state(
       const sparse::SparseConfig* method) override {
     if (!method) return m_.new_request_state(0);
-    const CudaSparse gs = cuda_sparse_config(*method, m_.config(), m_.page_size());
+    const CudaSparse gs = m_.method_spec(*method);
     return m_.new_request_state(m_.add_method(method->to_string(), gs));
   }
   bool runs_methods() const override { return true; }

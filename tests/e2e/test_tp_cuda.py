@@ -11,10 +11,13 @@ ffn 172 zero-padded to 256. Then:
 - generate --device cuda --tp 2 prints the greedy text of --device cuda --tp 1 (and SmolLM2
   at --tp 3 when 3 GPUs are visible and models/SmolLM2-135M-Instruct.Q4_1.gguf is present);
   no rank is left behind;
+- every GPU sparse method: generate --device cuda --tp 2 --sparse M prints --tp 1 --sparse M's
+  greedy text (each rank runs the method on its KV heads; LessIsMore gathers its merge keys);
 - clear errors before any rank starts: more ranks than visible GPUs ("--tp N needs N GPUs,
-  M visible"), a sparse method under --tp.
+  M visible"), --recall under --tp.
 
-Skipped (exit 77) when `nvidia-smi -L` lists fewer than 2 GPUs. Untested until a multi-GPU run.
+Skipped (exit 77) when `nvidia-smi -L` lists fewer than 2 GPUs. The sparse methods' part is
+untested until a multi-GPU run.
 """
 import argparse
 import array
@@ -183,9 +186,37 @@ def test_errors(model, n_gpus):
         r = greedy(model, "x", 2, 4)
         check(r.returncode != 0 and f"--tp 4 needs 4 GPUs, {n_gpus} visible" in r.stderr,
               f"more ranks than GPUs: {r.stderr.strip()!r}")
-    r = greedy(model, "x", 2, 2, "--sparse", "quest")
-    check(r.returncode != 0 and "does not run under tensor parallelism" in r.stderr,
-          f"--sparse quest --tp 2: {r.stderr.strip()!r}")
+    r = greedy(model, "x", 2, 2, "--sparse", "quest", "--recall")
+    check(r.returncode != 0 and "sparse option 'recall'" in r.stderr,
+          f"--sparse quest --recall --tp 2: {r.stderr.strip()!r}")
+
+
+# One spec per GPU method for the widened stories260k (5 layers, 4 KV heads, ~60 tokens).
+GPU_METHODS = [
+    ("streaming", "budget=32,sinks=4"),
+    ("quest", "budget=32"),
+    ("tidal", "budget=32"),
+    ("lessismore", "budget=32"),
+    ("oracle-topk", "budget=32"),
+    ("oracle-topp", "p=0.9"),
+    ("lycheecluster", "budget=32,chunking=fixed"),
+    ("lycheedecode", "roles=RRRR/SRSR/RSRS/SSRR/RSSR,budget=32"),
+    ("twilight", "base=quest,budget=32"),
+    ("blasst", "lambda=0.5"),
+]
+
+
+def test_sparse_methods_equal(model):
+    prompt = "Once upon a time, there was a little girl named Lily. She"
+    for method, opts in GPU_METHODS:
+        flags = ("--sparse", method, "--sparse-opt", opts, "--ignore-eos")
+        one = greedy(model, prompt, 48, 1, *flags)
+        two = greedy(model, prompt, 48, 2, *flags)
+        check(one.returncode == 0 and two.returncode == 0 and one.stdout == two.stdout
+              and len(one.stdout) > 20,
+              f"--device cuda --tp 2 --sparse {method} prints --tp 1's text: "
+              f"{two.stdout.strip()[-40:]!r} vs {one.stdout.strip()[-40:]!r} "
+              f"({one.stderr.strip()[-300:]} {two.stderr.strip()[-300:]})")
 
 
 def main():
@@ -201,6 +232,7 @@ def main():
     try:
         model = widen_stories(os.path.join(tmp, "stories260k-d64"))
         test_generate_equal(model, n)
+        test_sparse_methods_equal(model)
         test_errors(model, n)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

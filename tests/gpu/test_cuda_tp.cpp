@@ -7,6 +7,11 @@
 //   CudaTp.RunnerProtocolTp2        TpStepModel on rank 0 (make_tp_runner, device cuda) and
 //                                   run_follower_rank on rank 1: logits and device sampling
 //   CudaTp.SmolLM2Tp3MatchesTp1     the real model (Q4_1 file, dequantized) at TP=3
+//   CudaTp.SparseMethodsTp2MatchTp1 every GPU method (and the stacks) as the ranks' own method:
+//                                   selections per (step, layer, request, KV head) against
+//                                   TP=1's (traced, eager), logits graphs off and on
+//   CudaTp.SparseMethodsPerRequestTp2  TpStepModel with per-request methods (the plan names
+//                                   each request's method; followers add it) vs TP=1
 // (The TPOT probe at TP = 1, 2, ... is in test_cuda_tp_speed.cpp.)
 // Each test skips with a message when fewer GPUs are visible than it needs, or when the build
 // has no NCCL. All passed on two H200s (2026-11-29, bench/run_gpu_tp.sh).
@@ -19,7 +24,9 @@
 #include <exception>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +40,8 @@
 #include "gpu_model_util.h"
 #include "model/cuda_model.h"
 #include "model/loader.h"
+#include "sparse/gpu/cuda_sparse.h"
+#include "sparse/options.h"
 #if defined(SPADE_HAVE_NCCL)
 #include "dist/nccl_communicator.h"
 #endif
@@ -174,6 +183,104 @@ double compare_steps(const std::vector<std::vector<float>>& got,
 }
 
 constexpr double kTolLogits = 3e-2;  // test_cuda_model.cpp's GPU-vs-CPU bar (rel_err)
+
+// ---- sparse methods
+
+// One spec per GPU method and stack (budgets below the script's 300 / 200-token prompts).
+// tiny_config's 2 KV heads: one per rank at TP=2 (LycheeDecode's roles RR/SR/RS slice to
+// R/S/R and R/R/S).
+std::vector<std::string> gpu_tp_specs() {
+  return {"streaming:budget=64,sinks=4",
+          "quest:budget=64,dense_layers=1",
+          "tidal:budget=64",
+          "lessismore:budget=64",
+          "lycheedecode:roles=RR/SR/RS,budget=64",
+          "lycheedecode:roles=RR/SR/RS,mode=topp,p=0.9,block=16",
+          "oracle-topk:budget=64",
+          "oracle-topp:p=0.9",
+          "oracle-topp:p=0.9,group=mean",
+          "blasst",
+          "twilight:base=quest,budget=128",
+          "lycheecluster:budget=64,dense_layers=1,chunking=fixed",
+          "quest+blasst:budget=64",
+          "tidal+twilight:budget=64,dense_layers=1,selection_layers=1",
+          "twilight:base=lessismore,budget=64,dense_layers=1,selection_layers=1"};
+}
+
+// Per decode step, layer, list: the positions (GpuSelectionTrace::sel of each step).
+using GpuSel = std::vector<std::vector<std::vector<std::vector<int32_t>>>>;
+
+// The script with the model's own method: each sequence with its request state (LycheeCluster
+// keeps one); with `sel`, every decode step's selections (traced: eager steps).
+std::vector<std::vector<float>> run_sparse_script(CudaModel& m, const Script& s, GpuSel* sel) {
+  CudaModel::QuestTrace tr;
+  if (sel) m.quest_trace = &tr;
+  auto sa = m.new_request_state(), sb = m.new_request_state();
+  PageTable pa, pb;
+  std::vector<std::vector<float>> out;
+  std::vector<int64_t> row_of;
+  auto step = [&](const int32_t* ta, int64_t na, const int32_t* tb, int64_t nb) {
+    std::vector<SeqInput> batch(2);
+    batch[0].pages = &pa, batch[0].tokens = ta, batch[0].n_tokens = na;
+    batch[1].pages = &pb, batch[1].tokens = tb, batch[1].n_tokens = nb;
+    batch[0].device_state = sa.get(), batch[1].device_state = sb.get();
+    tr.sel.clear(), tr.scores.clear(), tr.kept.clear(), tr.logits.clear();
+    out.push_back(m.forward(batch, row_of));
+  };
+  step(s.a.data(), int64_t(s.a.size()), s.b.data(), int64_t(s.b.size()));
+  for (const auto& d : s.dec) {
+    step(&d[0], 1, &d[1], 1);
+    if (sel) sel->push_back(tr.sel);
+  }
+  m.quest_trace = nullptr;
+  m.release(pa);
+  m.release(pb);
+  return out;
+}
+
+// Rank r's selections against TP=1's: per-KV-head lists (B * Hkv at TP=1) are rank r's heads
+// [r * Hkv / n, ...); one list per request (LessIsMore, streaming: B lists) is every rank's.
+// Returns the lists compared and counts in `differ` those not identical; each differing list
+// may differ in at most `max_frac` of its positions (near-ties of scores that the ranks'
+// all-reduce order moved by an ulp).
+int64_t compare_sel(const GpuSel& one, const GpuSel& mine, int r, int n, int B, int Hkv,
+                    int64_t* differ, const std::string& what) {
+  int64_t compared = 0;
+  EXPECT_EQ(mine.size(), one.size()) << what << ": rank " << r << " decode steps";
+  for (size_t st = 0; st < std::min(one.size(), mine.size()); ++st) {
+    EXPECT_EQ(mine[st].size(), one[st].size()) << what << ": step " << st << " layers";
+    for (size_t l = 0; l < std::min(one[st].size(), mine[st].size()); ++l) {
+      const auto& a = one[st][l];
+      const auto& b = mine[st][l];
+      if (a.empty() && b.empty()) continue;  // a dense layer
+      const bool shared = int64_t(a.size()) == B;
+      const int hl = Hkv / n;
+      EXPECT_EQ(int64_t(b.size()), shared ? B : int64_t(B) * hl) << what << ": step " << st
+                                                                  << " layer " << l;
+      if (int64_t(b.size()) != (shared ? B : int64_t(B) * hl)) continue;
+      for (size_t i = 0; i < b.size(); ++i) {
+        const size_t j = shared ? i : size_t(i / hl) * size_t(Hkv) + size_t(r * hl) + i % hl;
+        ++compared;
+        if (b[i] == a[j]) continue;
+        ++*differ;
+        std::vector<int32_t> x = a[j], y = b[i], d;
+        std::sort(x.begin(), x.end()), std::sort(y.begin(), y.end());
+        std::set_symmetric_difference(x.begin(), x.end(), y.begin(), y.end(), std::back_inserter(d));
+        EXPECT_LE(double(d.size()), 2.0 * 0.1 * double(std::max<size_t>(1, a[j].size())) + 2)
+            << what << ": rank " << r << " step " << st << " layer " << l << " list " << i
+            << ": " << y.size() << " positions vs " << x.size() << " at TP=1";
+      }
+    }
+  }
+  return compared;
+}
+
+CudaModelOptions sparse_rank_options(bool graphs, const sparse::SparseConfig& sc,
+                                     const ModelConfig& full) {
+  CudaModelOptions o = small_options(graphs);
+  o.sparse = cuda_sparse_config(sc, full, o.page_size);
+  return o;
+}
 #endif  // SPADE_HAVE_NCCL
 
 }  // namespace
@@ -300,3 +407,141 @@ TEST(CudaTp, SmolLM2Tp3MatchesTp1) {
 #endif
 }
 
+
+// Every GPU method as the ranks' own method (parsed for the whole model, its per-head tables
+// sliced: CudaModelOptions::tp_model / tp_kv0), TP=2 vs TP=1: traced eager steps give each
+// decode step's selections (per KV head: the rank's heads; one list per request: every
+// rank's), then logits with graphs off and on (the LessIsMore gather inside the graph).
+TEST(CudaTp, SparseMethodsTp2MatchTp1) {
+  SKIP_UNLESS_GPUS(2);
+#if defined(SPADE_HAVE_NCCL)
+  ModelConfig c = tiny_config(Arch::Llama, 128, 3, 4096);  // Hq 8, Hkv 2, D 128
+  ModelWeights w = random_model(c, 93);
+  round_weights_bf16(w);
+  const Script s = make_script(c.vocab, 300, 200, 10, 7);
+  const int n = 2;
+  int64_t all_compared = 0, all_differ = 0;
+  for (const std::string& spec : gpu_tp_specs()) {
+    SCOPED_TRACE(spec);
+    const auto sc = sparse::SparseConfig::parse_spec(spec);
+    for (bool graphs : {false, true}) {
+      GpuSel one_sel;
+      std::vector<std::vector<float>> want;
+      {
+        SPADE_CUDA(cudaSetDevice(0));
+        CudaModel m(w, sparse_rank_options(graphs, sc, c));
+        want = run_sparse_script(m, s, graphs ? nullptr : &one_sel);
+      }
+      std::vector<GpuSel> sel(static_cast<size_t>(n));
+      std::vector<std::vector<float>> got;
+      auto err = run_gpu_ranks(n, [&](Communicator& tcp) {
+        const int r = tcp.rank();
+        SPADE_CUDA(cudaSetDevice(r));
+        ModelWeights shard = shard_weights(w, r, n);
+        NcclCommunicator nccl(tcp, r);
+        CudaModelOptions o = sparse_rank_options(graphs, sc, c);
+        o.tp = &nccl;
+        o.logits = r == 0;
+        o.tp_model = c;
+        o.tp_kv0 = r * shard.config.n_kv_heads;
+        CudaModel m(shard, o);
+        auto lg = run_sparse_script(m, s, graphs ? nullptr : &sel[size_t(r)]);
+        if (r == 0) got = std::move(lg);
+        nccl.barrier();
+      });
+      expect_ok(err);
+      const double worst = compare_steps(got, want, kTolLogits, graphs ? "graphs on" : "graphs off");
+      int64_t compared = 0, differ = 0;
+      if (!graphs)
+        for (int r = 0; r < n; ++r)
+          compared += compare_sel(one_sel, sel[size_t(r)], r, n, 2, c.n_kv_heads, &differ, spec);
+      all_compared += compared, all_differ += differ;
+      std::printf("[cuda tp] %s TP=2 vs TP=1 (graphs %s): worst rel err %.3g; selections: %lld "
+                  "lists compared, %lld differ\n", spec.c_str(), graphs ? "on" : "off", worst,
+                  (long long)compared, (long long)differ);
+    }
+  }
+  // Near-tie swaps only: almost every list is TP=1's exactly.
+  EXPECT_LE(double(all_differ), 0.02 * double(all_compared))
+      << all_differ << " of " << all_compared << " selection lists differ from TP=1's";
+  EXPECT_GT(all_compared, 0);
+#endif
+}
+
+// The runner: TpStepModel on GPU 0 (make_tp_runner, device cuda) and run_follower_rank on GPU 1;
+// the two requests run different methods (new_request_state per request: the plan names each
+// request's method on its first step, the follower adds it to its CudaModel), against one
+// CudaModel running the same methods per request.
+TEST(CudaTp, SparseMethodsPerRequestTp2) {
+  SKIP_UNLESS_GPUS(2);
+#if defined(SPADE_HAVE_NCCL)
+  ModelConfig c = tiny_config(Arch::Llama, 128, 3, 4096);
+  ModelWeights w = random_model(c, 94);
+  round_weights_bf16(w);
+  const Script s = make_script(c.vocab, 300, 200, 8, 9);
+  const std::vector<std::pair<std::string, std::string>> pairs = {
+      {"lessismore:budget=64", "quest:budget=64,dense_layers=1"},
+      {"lycheedecode:roles=RR/SR/RS,budget=64", "tidal:budget=64"},
+      {"oracle-topk:budget=64", "twilight:base=quest,budget=128"}};
+  for (const auto& [ma, mb] : pairs) {
+    SCOPED_TRACE(ma + " | " + mb);
+    const auto ca = sparse::SparseConfig::parse_spec(ma), cb = sparse::SparseConfig::parse_spec(mb);
+    // Both runs feed the same steps through a StepModel with per-request methods.
+    auto drive = [&](StepModel& m) {
+      auto sa = m.new_request_state(&ca), sb = m.new_request_state(&cb);
+      PageTable pa, pb;
+      std::vector<std::vector<float>> out;
+      std::vector<int64_t> row_of;
+      auto step = [&](const int32_t* ta, int64_t na, const int32_t* tb, int64_t nb) {
+        std::vector<SeqInput> b(2);
+        b[0].pages = &pa, b[0].tokens = ta, b[0].n_tokens = na, b[0].device_state = sa.get();
+        b[1].pages = &pb, b[1].tokens = tb, b[1].n_tokens = nb, b[1].device_state = sb.get();
+        out.push_back(m.forward(b, row_of));
+      };
+      step(s.a.data(), int64_t(s.a.size()), s.b.data(), int64_t(s.b.size()));
+      for (const auto& d : s.dec) step(&d[0], 1, &d[1], 1);
+      m.release(pa);
+      m.release(pb);
+      return out;
+    };
+    RunnerOptions ro;
+    ro.device = "cuda";
+    ro.kv_pages = 64;
+    ro.max_batch = 4;
+    ro.max_step_tokens = 512;
+    std::vector<std::vector<float>> want;
+    {
+      SPADE_CUDA(cudaSetDevice(0));
+      Runner one = make_runner(w, ro);  // per_request_methods: any method per request
+      want = drive(*one.model);
+    }
+    ro.tp = 2;
+    auto listener = std::make_shared<TcpListener>("127.0.0.1:0");
+    const std::string addr = "127.0.0.1:" + std::to_string(listener->port());
+    ro.dist_init = addr;
+    ro.dist_listener = listener;
+    std::exception_ptr follower_err;
+    std::thread follower([&] {
+      try {
+        run_follower_rank(w, addr, 1, 2);
+      } catch (...) {
+        follower_err = std::current_exception();
+      }
+    });
+    std::vector<std::vector<float>> got;
+    try {
+      SPADE_CUDA(cudaSetDevice(0));
+      Runner run = make_tp_runner(w, ro);
+      EXPECT_TRUE(run.model->runs_methods());
+      got = drive(*run.model);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank 0: " << e.what();
+    }
+    follower.join();
+    if (follower_err) expect_ok({nullptr, follower_err});
+    const double worst = compare_steps(got, want, kTolLogits, "per-request methods");
+    std::printf("[cuda tp] per request %s | %s TP=2 vs TP=1: worst rel err %.3g\n", ma.c_str(),
+                mb.c_str(), worst);
+  }
+#endif
+}

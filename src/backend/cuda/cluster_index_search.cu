@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cluster_index_common.cuh"
+#include "backend/cuda/per_device.h"
 #include "backend/cuda/pdl.cuh"
 
 namespace spade::cuda {
@@ -714,11 +715,8 @@ void LcIndexGpu::search(const LcSearchArgs& a, cudaStream_t s) const {
   const size_t smem = search_smem_layout(k, G, cfg_.spill_smem);
   // The opt-in covers dynamic + static shared memory above 48 KB: raise it whenever the
   // dynamic part grows (a threshold on the dynamic part alone misses the ~4.5 KB static).
-  static size_t set_bytes = 0;
-  if (smem > set_bytes) {
-    set_max_dynamic_smem(lc_search_kernel, int(smem));
-    set_bytes = smem;
-  }
+  static PerDeviceMax set_bytes;  // per device: tensor-parallel ranks as threads
+  if (set_bytes.raise(smem)) set_max_dynamic_smem(lc_search_kernel, int(smem));
   launch_pdl(lc_search_kernel, dim3(cfg_.Hkv, a.B), kSearchThreads, smem, s, k);
   SPADE_CUDA_LAUNCH();
 }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/per_device.h"
 #include "backend/cuda/cluster_index_common.cuh"
 
 namespace spade::cuda {
@@ -329,10 +330,13 @@ size_t ins_dyn_max() {
     cudaFuncAttributes fa{};
     SPADE_CUDA(cudaFuncGetAttributes(&fa, lc_insert_kernel));
     const size_t lim = smem_optin_bytes() > fa.sharedSizeBytes ? smem_optin_bytes() - fa.sharedSizeBytes : 0;
-    const size_t dyn = std::min(size_t(kInsStageRows) * 256 * sizeof(bf16), lim / 16 * 16);
-    set_max_dynamic_smem(lc_insert_kernel, dyn);
-    return dyn;
+    return std::min(size_t(kInsStageRows) * 256 * sizeof(bf16), lim / 16 * 16);
   }();
+  static PerDeviceOnce attr;  // per device: tensor-parallel ranks as threads (per_device.h)
+  if (attr.pending()) {
+    set_max_dynamic_smem(lc_insert_kernel, v);
+    attr.mark();
+  }
   return v;
 }
 

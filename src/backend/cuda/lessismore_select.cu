@@ -21,6 +21,7 @@
 
 #include "backend/cuda/sparse_attention.h"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/per_device.h"
 
 namespace spade::cuda {
 
@@ -88,7 +89,34 @@ __global__ void __launch_bounds__(kRankThreads) lim_rank_kernel(const LessIsMore
       __syncthreads();
     }
   int* keys = reinterpret_cast<int*>(a.keys) + int64_t(b) * a.ld;
-  for (int r = threadIdx.x; r < n; r += kRankThreads) atomicMin(&keys[s_pos[r]], r * a.Hq + hq);
+  const int hq_key = a.Hq_key > 0 ? a.Hq_key : a.Hq;
+  for (int r = threadIdx.x; r < n; r += kRankThreads)
+    atomicMin(&keys[s_pos[r]], r * hq_key + a.hq0 + hq);
+}
+
+// gather[r][b][j] = this rank's key (slot r == rank; INT_MAX and j >= L: +inf) or 0.
+__global__ void lim_scatter_kernel(const LessIsMoreArgs a, float* gather, int rank, int ranks) {
+  pdl_begin();  // pdl.cuh: first, before any global access
+  const int b = blockIdx.y, r = blockIdx.z, L = a.kv_len[b];
+  const int* ki = reinterpret_cast<const int*>(a.keys) + int64_t(b) * a.ld;
+  float* g = gather + (int64_t(r) * a.B + b) * a.ld;
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < a.ld; j += gridDim.x * blockDim.x) {
+    float v = 0.f;
+    if (r == rank) v = j < L && ki[j] != INT_MAX ? float(ki[j]) : INFINITY;
+    g[j] = v;
+  }
+}
+
+// keys[b][j] = the smallest of the ranks' keys (+inf: INT_MAX), j < L.
+__global__ void lim_min_kernel(const LessIsMoreArgs a, const float* gather, int ranks) {
+  pdl_begin();  // pdl.cuh: first, before any global access
+  const int b = blockIdx.y, L = a.kv_len[b];
+  int* ki = reinterpret_cast<int*>(a.keys) + int64_t(b) * a.ld;
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < L; j += gridDim.x * blockDim.x) {
+    float m = INFINITY;
+    for (int r = 0; r < ranks; ++r) m = fminf(m, gather[(int64_t(r) * a.B + b) * a.ld + j]);
+    ki[j] = m == INFINITY ? INT_MAX : int(m);
+  }
 }
 
 // keys -> -key as fp32 over the candidates (untouched positions: -inf), in place.
@@ -138,36 +166,67 @@ int pow2_at_least(int n) {
   return p;
 }
 
+void lim_topk(const LessIsMoreArgs& a, const float* sc, const int32_t* n, int rows, int32_t* out,
+              cudaStream_t s) {
+  if (a.topk_scratch && topk_long_applies(a.ld, a.n_uni))
+    topk_rows_long(sc, a.ld, n, rows, a.n_uni, out, a.topk_scratch, s);
+  else
+    topk_rows(sc, a.ld, n, rows, a.n_uni, out, s);
+}
+
+int lim_blocks_x(const LessIsMoreArgs& a) { return int(std::min<int64_t>(64, (a.ld + 255) / 256)); }
+
 }  // namespace
 
 void lessismore_select(const LessIsMoreArgs& a, cudaStream_t s) {
+  lessismore_keys(a, s);
+  lessismore_lists(a, s);
+}
+
+void lessismore_keys(const LessIsMoreArgs& a, cudaStream_t s) {
   SPADE_CHECK(a.n_uni >= 1 && a.n_uni <= kLessIsMoreMaxUnified, "lessismore_select: ", a.n_uni,
               " merged tokens per request, outside [1, ", kLessIsMoreMaxUnified, "]");
   SPADE_CHECK(a.n_uni == a.budget - a.n_recent - a.sinks && a.ld > 0 && a.B > 0,
               "lessismore_select: inconsistent arguments");
-  const int blocks_x = int(std::min<int64_t>(64, (a.ld + 255) / 256));
+  const int hq_key = a.Hq_key > 0 ? a.Hq_key : a.Hq;
+  SPADE_CHECK(a.hq0 >= 0 && a.hq0 + a.Hq <= hq_key &&
+                  int64_t(a.n_uni) * hq_key < (int64_t(1) << 24),
+              "lessismore_select: heads [", a.hq0, ", ", a.hq0 + a.Hq, ") of ", hq_key,
+              " (merge keys must stay below 2^24)");
+  const int blocks_x = lim_blocks_x(a);
   launch_pdl(lim_init_kernel, dim3(blocks_x, a.B), 256, 0, s, a);
   SPADE_CUDA_LAUNCH();
-  auto topk = [&](const float* sc, const int32_t* n, int rows, int32_t* out) {
-    if (a.topk_scratch && topk_long_applies(a.ld, a.n_uni))
-      topk_rows_long(sc, a.ld, n, rows, a.n_uni, out, a.topk_scratch, s);
-    else
-      topk_rows(sc, a.ld, n, rows, a.n_uni, out, s);
-  };
-  topk(a.scores + a.sinks, a.row_n, a.B * a.Hq, a.head_top);
+  lim_topk(a, a.scores + a.sinks, a.row_n, a.B * a.Hq, a.head_top, s);
   const int np2 = pow2_at_least(a.n_uni);
   const size_t smem = size_t(np2) * 8;
-  static bool attr_done = false;
-  if (!attr_done) {
+  static PerDeviceOnce attr;  // per device: tensor-parallel ranks as threads (per_device.h)
+  if (attr.pending()) {
     set_max_dynamic_smem(lim_rank_kernel, kLessIsMoreMaxUnified * 8);
-    attr_done = true;
+    attr.mark();
   }
   launch_pdl(lim_rank_kernel, a.B * a.Hq, kRankThreads, smem, s, a, np2);
   SPADE_CUDA_LAUNCH();
-  launch_pdl(lim_key_float_kernel, dim3(blocks_x, a.B), 256, 0, s, a);
+}
+
+void lessismore_lists(const LessIsMoreArgs& a, cudaStream_t s) {
+  launch_pdl(lim_key_float_kernel, dim3(lim_blocks_x(a), a.B), 256, 0, s, a);
   SPADE_CUDA_LAUNCH();
-  topk(a.keys + a.sinks, a.row_n + a.B * a.Hq, a.B, a.merged_top);
+  lim_topk(a, a.keys + a.sinks, a.row_n + a.B * a.Hq, a.B, a.merged_top, s);
   launch_pdl(lim_lists_kernel, a.B, 256, 0, s, a);
+  SPADE_CUDA_LAUNCH();
+}
+
+void lessismore_keys_scatter(const LessIsMoreArgs& a, float* gather, int rank, int ranks,
+                             cudaStream_t s) {
+  SPADE_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "lessismore_keys_scatter: rank ", rank,
+              " of ", ranks);
+  launch_pdl(lim_scatter_kernel, dim3(lim_blocks_x(a), a.B, ranks), 256, 0, s, a, gather, rank,
+             ranks);
+  SPADE_CUDA_LAUNCH();
+}
+
+void lessismore_keys_min(const LessIsMoreArgs& a, const float* gather, int ranks, cudaStream_t s) {
+  launch_pdl(lim_min_kernel, dim3(lim_blocks_x(a), a.B), 256, 0, s, a, gather, ranks);
   SPADE_CUDA_LAUNCH();
 }
 

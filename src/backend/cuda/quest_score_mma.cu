@@ -22,6 +22,7 @@
 #include <cmath>
 
 #include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/per_device.h"
 #include "backend/cuda/sparse_attention.h"
 #include "backend/cuda/pdl.cuh"
 
@@ -164,10 +165,10 @@ __global__ void __launch_bounds__(kMW * 32) quest_score_mma_kernel(const QuestAr
 template <int D, int kMS>
 void launch_mma(const QuestArgs& a, cudaStream_t s) {
   using C = MCfg<D, kMS>;
-  static bool done = false;
-  if (!done) {
+  static PerDeviceOnce done;  // per device: tensor-parallel ranks as threads (per_device.h)
+  if (done.pending()) {
     set_max_dynamic_smem(quest_score_mma_kernel<D, kMS>, int(C::kSmem));
-    done = true;
+    done.mark();
   }
   // Chunks per CTA: about one wave of 2 CTAs per SM, 4..64 chunks each.
   const int n_ch = ((a.max_pages - 1) + 15) / 16;

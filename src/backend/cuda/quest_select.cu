@@ -34,6 +34,7 @@
 #include <cmath>
 
 #include "backend/cuda/block_scan.cuh"
+#include "backend/cuda/per_device.h"
 #include "backend/cuda/sparse_attention.h"
 #include "backend/cuda/pdl.cuh"
 
@@ -503,12 +504,12 @@ void quest_score(const QuestArgs& a, cudaStream_t s) {
   const size_t smem = size_t(kQPB) * (a.D + 1) * 4 + size_t(16) * a.D * 4 + 3 * kQPB * 4;
   dim3 grid((a.max_pages + kQPB - 1) / kQPB, a.Hkv, a.B);
   const int GH = (a.Hq / a.Hkv + 1) / 2;
-  static bool attr_done[2][9] = {};
+  static PerDeviceOnce attr_done[2][9];  // per device: tensor-parallel ranks as threads
   auto go = [&](auto kernel) {
-    bool& done = attr_done[a.D == 128][GH];
-    if (!done) {
+    PerDeviceOnce& done = attr_done[a.D == 128][GH];
+    if (done.pending()) {
       set_max_dynamic_smem(kernel, 96 << 10);
-      done = true;
+      done.mark();
     }
     launch_pdl(kernel, grid, kQThreads, smem, s, a);
   };
@@ -535,10 +536,10 @@ void quest_score(const QuestArgs& a, cudaStream_t s) {
 
 template <typename K>
 int topk_cache_attr(K kernel, int64_t max_n) {
-  static bool done = false;
-  if (!done) {
+  static PerDeviceOnce done;  // per device: tensor-parallel ranks as threads (per_device.h)
+  if (done.pending()) {
     set_max_dynamic_smem(kernel, topk_smem_bytes(topk_cache_max()));
-    done = true;
+    done.mark();
   }
   return int(std::min<int64_t>(max_n, topk_cache_max()));
 }

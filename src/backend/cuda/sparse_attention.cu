@@ -32,6 +32,7 @@
 #include <cmath>
 
 #include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/per_device.h"
 #include "backend/cuda/sparse_attention.h"
 #include "backend/cuda/pdl.cuh"
 
@@ -457,10 +458,10 @@ bool two_stage(int D) { return D == 128 && SpCfg<128, kW, kS>::kSmem > smem_opti
 // different summation order: not bit-identical).
 template <int D, int S, bool TOKEN, bool SKIP>
 void prepare_one() {
-  static bool done = false;
-  if (!done) {
+  static PerDeviceOnce done;  // per device: tensor-parallel ranks as threads (per_device.h)
+  if (done.pending()) {
     set_max_dynamic_smem(sparse_decode_kernel<D, kW, S, TOKEN, SKIP>, SpCfg<D, kW, S>::kSmem);
-    done = true;
+    done.mark();
   }
 }
 

@@ -234,7 +234,23 @@ struct LessIsMoreArgs {
   // optional: topk_long_scratch_bytes(B * Hq, ld, n_uni) bytes; with it, rows beyond
   // topk_rows' cache (128K contexts) take topk_rows_long.
   void* topk_scratch = nullptr;
+  // Tensor parallelism: the Hq heads are the model's [hq0, hq0 + Hq) of Hq_key (0: Hq), so
+  // that the merge keys rank * Hq_key + (hq0 + hq) are the one-rank keys.
+  int hq0 = 0, Hq_key = 0;
 };
 void lessismore_select(const LessIsMoreArgs& a, cudaStream_t s);
+// lessismore_select in two halves, for a gather of the merge keys between them (tensor
+// parallelism): keys = init, the per-head top-k and the rank keys (int, keys[b][0, L): the
+// smallest key of each position over this rank's heads, INT_MAX where none); lists = the
+// merged top-k over the keys and the lists.
+void lessismore_keys(const LessIsMoreArgs& a, cudaStream_t s);
+void lessismore_lists(const LessIsMoreArgs& a, cudaStream_t s);
+// The gather of the keys over `ranks` ranks through a sum all-reduce of
+// gather[ranks][B][ld] (fp32): scatter writes this rank's keys into its slot (INT_MAX as
+// +inf; positions >= L too) and zeros into the others, so the sum holds every rank's keys
+// exactly; min then sets keys[b][j] to the smallest over the slots (the one-rank key).
+void lessismore_keys_scatter(const LessIsMoreArgs& a, float* gather, int rank, int ranks,
+                             cudaStream_t s);
+void lessismore_keys_min(const LessIsMoreArgs& a, const float* gather, int ranks, cudaStream_t s);
 
 }  // namespace spade::cuda

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "backend/cuda/block_scan.cuh"
+#include "backend/cuda/per_device.h"
 #include "backend/cuda/int4_keys.cuh"
 #include "backend/cuda/topp_tree_search.cuh"
 #include "backend/cuda/twilight.h"
@@ -546,10 +547,10 @@ void TwilightPruner::topp(const TwilightStep& st, cudaStream_t s) {
     const size_t smem = size_t(max_slots_) * 4;
     a.use_smem = smem <= tp_smem_max() ? 1 : 0;
     SPADE_CHECK(a.use_smem || wglob_, "twilight: no weight buffer");
-    static bool attr_done = false;
-    if (!attr_done) {
+    static PerDeviceOnce attr_done;  // per device: tensor-parallel ranks as threads
+    if (attr_done.pending()) {
       set_max_dynamic_smem(twl_topp_kernel<kTpMemThreads, 0>, int(tp_smem_max()));
-      attr_done = true;
+      attr_done.mark();
     }
     launch_pdl(twl_topp_kernel<kTpMemThreads, 0>, st.B * Hkv_ * G, kTpMemThreads, a.use_smem ? smem : 0, s, a);
   }

@@ -23,6 +23,7 @@
 #include <cmath>
 
 #include "backend/cuda/cuda_common.h"
+#include "backend/cuda/per_device.h"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/topp_tree_search.cuh"
 #include "backend/cuda/twilight_topp_warp.h"
@@ -212,11 +213,8 @@ int warp_epl(int max_slots) {
 template <int EPL>
 void launch_epl(const ToppWarpArgs& a, int n_lists, cudaStream_t s) {
   const size_t smem = warp_smem<EPL>(a.G);
-  static size_t attr = 0;  // the largest dynamic shared memory granted so far
-  if (smem > (48u << 10) && smem > attr) {
-    set_max_dynamic_smem(twl_topp_warp_kernel<EPL>, smem);
-    attr = smem;
-  }
+  static PerDeviceMax attr;  // the largest dynamic shared memory granted so far, per device
+  if (smem > (48u << 10) && attr.raise(smem)) set_max_dynamic_smem(twl_topp_warp_kernel<EPL>, smem);
   launch_pdl(twl_topp_warp_kernel<EPL>, n_lists, a.G * 32, smem, s, a);
 }
 

@@ -17,6 +17,7 @@
 
 #include "backend/cuda/attention.h"
 #include "core/error.h"
+#include "dist/device_collectives.h"
 #include "sparse/gpu/registry.h"
 #include "sparse/gpu/selecting.h"
 
@@ -41,10 +42,16 @@ class GpuLessIsMore final : public TokenTopKMethod {
     const int64_t nu = sp.lim_unified();
     const size_t own = size_t(mb * Hq) * size_t(c * P) * 4 + size_t(mb * Hq + mb) * 4 +
                        size_t(mb * Hq * nu) * 4 + size_t(mb) * size_t(c * P) * 4 +
-                       size_t(mb * nu) * 4 + 5 * 256;
+                       size_t(mb * nu) * 4 + 5 * 256 + gather_bytes(ctx);
     return base_bytes(ctx, sp) + lists_bytes(ctx, cap(ctx, sp), 1) + own +
            topk_bytes(ctx, k_of(sp), ctx.cfg.n_heads) +
            twilight_bytes(ctx, sp, cap(ctx, sp), 1, cuda::SelGran::Token);
+  }
+  // Tensor parallelism: the merge keys of every rank, f32 [ranks][max_batch][ld] (+ 256 B).
+  static size_t gather_bytes(const GpuMethodContext& ctx) {
+    if (!ctx.tp) return 0;
+    return size_t(ctx.tp->size()) * size_t(ctx.max_batch) * size_t(ctx.seq_pages_cap * ctx.page_size) *
+               4 + 256;
   }
   static std::string describe_spec(const CudaSparse& sp) {
     return cat("lessismore budget=", sp.budget, " recent=", sp.recent, " sinks=", sp.sinks, " ",
@@ -77,6 +84,9 @@ class GpuLessIsMore final : public TokenTopKMethod {
     lim_head_top_ = A.alloc_n<int32_t>(size_t(mb * Hq * nu), "lessismore head top-k");
     lim_keys_ = A.alloc_n<float>(size_t(mb) * size_t(ld), "lessismore merge keys");
     lim_merged_ = A.alloc_n<int32_t>(size_t(mb * nu), "lessismore merged top-k");
+    if (ctx_.tp)
+      lim_gather_ = A.alloc_n<float>(size_t(ctx_.tp->size()) * size_t(mb) * size_t(ld),
+                                     "lessismore rank keys");
   }
 
   // Full attention that also emits every query head's scores; their merged ranking, the
@@ -101,7 +111,22 @@ class GpuLessIsMore final : public TokenTopKMethod {
     la.row_n = lim_row_n_, la.head_top = lim_head_top_, la.keys = lim_keys_;
     la.merged_top = lim_merged_, la.sel_off = sel_off_, la.sel_idx = sel_idx_;
     la.topk_scratch = topk_long_;
-    cuda::lessismore_select(la, S_(fork_selection()));
+    if (ctx_.tp) {
+      // Tensor parallelism: this rank's heads are the model's [tp_hq0, tp_hq0 + Hq); the merge
+      // keys of every rank are gathered (an exact sum all-reduce of a zero-padded table, on
+      // the model's stream, in the captured graph too) and their minimum is the one-rank key,
+      // so every rank builds the one-rank list.
+      la.hq0 = ctx_.tp_hq0, la.Hq_key = ctx_.tp_Hq_all;
+      cudaStream_t ss = S_(fork_selection());  // the model's stream under tp
+      const int R = ctx_.tp->size();
+      cuda::lessismore_keys(la, ss);
+      cuda::lessismore_keys_scatter(la, lim_gather_, ctx_.tp->rank(), R, ss);
+      ctx_.tp->all_reduce_sum_on(lim_gather_, int64_t(R) * step_B_ * ld, ss);
+      cuda::lessismore_keys_min(la, lim_gather_, R, ss);
+      cuda::lessismore_lists(la, ss);
+    } else {
+      cuda::lessismore_select(la, S_(fork_selection()));
+    }
     if (trace) trace_lists(l), trace_scores(l);
   }
 
@@ -110,6 +135,7 @@ class GpuLessIsMore final : public TokenTopKMethod {
   int32_t* lim_head_top_ = nullptr;
   float* lim_keys_ = nullptr;
   int32_t* lim_merged_ = nullptr;
+  float* lim_gather_ = nullptr;  // tensor parallelism: [ranks][max_batch][ld]
 };
 
 }  // namespace

@@ -288,7 +288,9 @@ void GpuMethod::join_lane() {
 }
 
 void* GpuMethod::fork_selection() {
-  if (!side_ || trace) return run_;  // traced steps stay in order on one stream
+  // Traced steps stay in order on one stream; under tensor parallelism every collective stays
+  // on the model's stream, in the same order on every rank.
+  if (!side_ || trace || ctx_.tp) return run_;
   SPADE_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev_fork_), S_(run_)));
   SPADE_CUDA(cudaStreamWaitEvent(S_(side_), static_cast<cudaEvent_t>(ev_fork_), 0));
   sel_pending_ = true;

@@ -38,6 +38,10 @@
 
 namespace spade {
 
+namespace dist {
+class DeviceCollectives;
+}  // namespace dist
+
 namespace cuda {
 class AttentionWorkspace;
 struct SelSkip;
@@ -94,6 +98,11 @@ struct GpuMethodContext {
   const float* kv_scales = nullptr;
   void* k_wide = nullptr;
   void* v_wide = nullptr;
+  // Tensor parallelism (CudaModelOptions::tp): cfg is the rank's shard, its query heads the
+  // model's [tp_hq0, tp_hq0 + cfg.n_heads) of tp_Hq_all; methods whose selection spans heads
+  // (LessIsMore) gather over `tp` on the model's stream; no method forks a side stream.
+  dist::DeviceCollectives* tp = nullptr;
+  int tp_hq0 = 0, tp_Hq_all = 0;
 };
 
 // Throws spade::Error naming the method when `sp` cannot run over an fp8 KV cache on the GPU
