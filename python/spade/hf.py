@@ -22,6 +22,9 @@ spade.ops.sparse_attention over the selected tokens. The methods are spade's C++
                   KV head (group-mean score); later layers reuse that set in the same step
     lessismore    as tidal, one cross-head set from lessismore_select (sinks, merged
                   per-head top lists, the recency window)
+    lycheecluster chunking=fixed only: a ClusterIndex (CPU) per (layer, request, KV head) over
+                  the closed chunks, built at the first sparse step, updated every `buffer`
+                  tokens; sinks + the searched chunks + the tokens not yet indexed
     oracle-topk   the top-budget tokens per KV head by the group's summed true weights
     oracle-topp   per query head the smallest true top set reaching mass p (union or mean)
     twilight      a base method's selection pruned by twilight_prune (INT4 key estimate,
@@ -29,9 +32,11 @@ spade.ops.sparse_attention over the selected tokens. The methods are spade's C++
 
 Defaults and option names are spade's (`spade generate --help`); tidal and lessismore take
 their dense / selection layers from the per-model table of src/sparse/model_defaults.cpp.
-lycheecluster, lycheedecode and blasst are not hooked (apply() says why). Prefill (several
-new tokens) runs transformers' eager math over the model's own cache, and fills the paged
-copy; prefill is dense for every method in spade too. On CUDA one DecodeAttention plan per
+lycheedecode, blasst and lycheecluster's structure-aware chunks (they read each token's text)
+are not hooked (apply() says why). A new sequence (a prefill from an empty cache) starts the
+method's state afresh. Prefill (several new tokens) runs transformers' eager math over the
+model's own cache, and fills the paged copy; prefill is dense for every method in spade too.
+On CUDA one DecodeAttention plan per
 decode step serves the dense layers (and quest's SparseAttention plan its sparse ones); the
 other methods' lists go through spade.ops.sparse_attention (a plan per call).
 
@@ -55,12 +60,10 @@ from ._core import Error
 
 __all__ = ["apply", "remove", "stats", "parse_spec", "METHODS"]
 
-METHODS = ("full", "streaming", "quest", "tidal", "lessismore", "oracle-topk", "oracle-topp",
-           "twilight")
+METHODS = ("full", "streaming", "quest", "tidal", "lessismore", "lycheecluster", "oracle-topk",
+           "oracle-topp", "twilight")
 # spade methods the hook does not run, and why.
 _NOT_HOOKED = {
-    "lycheecluster": "its structure-aware chunks need each token's text and its lazy index "
-                     "updates have no op (spade.ops.ClusterIndex builds and searches one index)",
     "lycheedecode": "its head roles come from trained tables that only the engine reads",
     "blasst": "it skips key tiles inside the attention kernel, which spade.ops does not expose",
 }
@@ -120,6 +123,28 @@ _SPECS = {
     "oracle-topp": {"p": _Opt("float", "0.95", 0, 1, lo_open=True),
                     "group": _Opt("str", "union", choices=("union", "mean")),
                     "dense_layers": _dense_count("0")},
+    "lycheecluster": {
+        "budget": _budget("1024"),
+        "budget_mode": _Opt("str", "clusters", choices=("clusters", "total")),
+        "sink": _Opt("int", "16", 0, _MAX_TOKENS), "buffer": _Opt("int", "128", 1, _MAX_TOKENS),
+        "dense_layers": _dense_count("2"),
+        "chunking": _Opt("str", "structure", choices=("structure", "fixed")),
+        "min_chunk": _Opt("int", "8", 1, _MAX_TILE), "max_chunk": _Opt("int", "16", 1, _MAX_TILE),
+        "fixed_chunk": _Opt("int", "16", 1, _MAX_TILE),
+        "tie": _Opt("str", "last", choices=("last", "first")),
+        "pooling": _Opt("str", "mean", choices=("mean", "max")),
+        "bound": _Opt("str", "token", choices=("token", "chunk")),
+        "chunks_per_fine": _Opt("float", "2", 1, _MAX_TILE),
+        "max_coarse": _Opt("int", "64", 1, _MAX_TILE), "coarse_units": _Opt("int", "0", 0, _MAX_TILE),
+        "kmeans_iters": _Opt("int", "10", 0, 1000),
+        "seeding": _Opt("str", "stride", choices=("stride", "kmeans++")),
+        "seed": _Opt("int", "24301", -2**63, 2**63 - 1),
+        "center_dtype": _Opt("str", "f16", choices=("f16", "f32")),
+        "coarse_topk": _Opt("int", "0", 0, _MAX_TILE),
+        "coarse_cover": _Opt("float", "4", 0, _MAX_TOKENS, lo_open=True),
+        "group": _Opt("str", "max", choices=("max", "sum")),
+        "rank": _Opt("str", "bound", choices=("bound", "center")),
+        "stability": _Opt("int", "0", 0, 1), "stability_window": _Opt("int", "32", 1, _MAX_TOKENS)},
     "twilight": {"base": _Opt("str", "quest"), "budget": _budget("auto"),
                  "p": _Opt("float", "0.95", 0, 1, lo_open=True),
                  "eps": _Opt("float", "1e-6", 0, 1, lo_open=True),
@@ -368,6 +393,9 @@ class _Method:
     name = "full"
     needs_meta = False
 
+    def reset(self):
+        """A new sequence (batch): forget per-sequence state."""
+
     def select(self, c):
         return DENSE
 
@@ -448,7 +476,7 @@ class _OracleTopP(_Method):
         self.p, self.union, self.dense = o.float("p"), o.str("group") == "union", o.int("dense_layers")
 
     def describe(self):
-        return (f"oracle-topp p={self.p} group={'union' if self.union else 'mean'} "
+        return (f"oracle-topp p={self.p:g} group={'union' if self.union else 'mean'} "
                 f"dense_layers={self.dense}")
 
     def select(self, c):
@@ -533,7 +561,7 @@ class _LessIsMore(_Scheduled):
                         f"tokens after the recency window, fewer than the {self.sinks} sinks")
 
     def describe(self):
-        return (f"lessismore budget={self.budget} recent_ratio={self.ratio} ({self.n_recent} "
+        return (f"lessismore budget={self.budget} recent_ratio={self.ratio:g} ({self.n_recent} "
                 f"recent) sinks={self.sinks} ({self.sched.describe()})")
 
     def choose(self, c):
@@ -567,7 +595,7 @@ class _Twilight(_Method):
 
     def describe(self):
         auto = " budget=auto(max(8192, L/4))" if self.auto else ""
-        return (f"twilight p={self.p} eps={self.eps} head_combine=union keys=int4 dense_layers="
+        return (f"twilight p={self.p:g} eps={self.eps:g} head_combine=union keys=int4 dense_layers="
                 f"{self.dense}{auto} over [{self.base.describe()}]")
 
     def base_for(self, L):
@@ -582,6 +610,10 @@ class _Twilight(_Method):
 
     def on_scores(self, c):
         self.base_for(c.L).on_scores(c)
+
+    def reset(self):
+        for m in [self.base] + list(self.by_budget.values()):
+            m.reset()
 
     def select(self, c):
         sel = self.base_for(c.L).select(c)
@@ -607,6 +639,119 @@ class _Twilight(_Method):
         return _Lists(kept_off, kept_idx, "token", c.Hkv)
 
 
+class _LycheeCluster(_Method):
+    """LycheeCluster (src/sparse/methods/lycheecluster.cpp) with fixed chunks (chunking=fixed):
+    the chunks of fixed_chunk tokens after the sinks close as the sequence grows; per (layer
+    >= dense_layers, request, KV head) a spade.ops.ClusterIndex (CPU) is built over the closed
+    chunks at the first sparse step and takes the chunks closed since once `buffer` tokens
+    wait behind it; a head reads the sinks, the chunks its index search picks and every token
+    not yet indexed."""
+    name = "lycheecluster"
+
+    def __init__(self, o):
+        if o.str("chunking") != "fixed":
+            _unsupported("lycheecluster", "chunking", o.str("chunking"),
+                         "chunking=fixed (structure-aware chunks read each token's text, which "
+                         "the attention hook does not see)")
+        if o.str("seeding") != "stride":
+            _unsupported("lycheecluster", "seeding", o.str("seeding"),
+                         "seeding=stride (spade.ops.ClusterIndex)")
+        self.o = o
+        self.budget, self.total = o.int("budget"), o.str("budget_mode") == "total"
+        self.sink, self.buffer, self.dense = o.int("sink"), o.int("buffer"), o.int("dense_layers")
+        self.min_chunk, self.max_chunk = o.int("min_chunk"), o.int("max_chunk")
+        if not 1 <= self.min_chunk <= self.max_chunk:
+            raise Error(f"chunker: need 1 <= min_chunk ({self.min_chunk}) <= max_chunk "
+                        f"({self.max_chunk})")
+        self.fixed = o.int("fixed_chunk")
+        self.index_opts = dict(chunks_per_fine=o.float("chunks_per_fine"),
+                               max_coarse=o.int("max_coarse"), coarse_units=o.int("coarse_units"),
+                               kmeans_iterations=o.int("kmeans_iters"), pooling=o.str("pooling"),
+                               space=o.str("bound"), f16_centers=o.str("center_dtype") == "f16")
+        self.search_opts = dict(coarse_topk=o.int("coarse_topk"),
+                                coarse_cover=o.float("coarse_cover"), group=o.str("group"),
+                                rank=o.str("rank"))
+        self.reset()
+
+    def reset(self):
+        self.starts, self.chunked_for = [], -1  # StreamingChunks
+        self.have = {}   # layer -> chunks indexed
+        self.index = {}  # (layer, request, KV head) -> ops.ClusterIndex
+
+    def describe(self):
+        o = self.o
+        ct = o.int("coarse_topk")
+        cu = o.int("coarse_units")
+        return (f"lycheecluster budget={self.budget} budget_mode={o.str('budget_mode')} "
+                f"sink={self.sink} buffer={self.buffer} dense_layers={self.dense} chunking=fixed "
+                f"min_chunk={self.min_chunk} max_chunk={self.max_chunk} fixed_chunk={self.fixed} "
+                f"tie={o.str('tie')} pooling={o.str('pooling')} bound={o.str('bound')} "
+                f"chunks_per_fine={o.float('chunks_per_fine'):g} max_coarse={o.int('max_coarse')} "
+                f"coarse_units={cu if cu else 'auto'} kmeans_iters={o.int('kmeans_iters')} "
+                f"seeding=stride center_dtype={o.str('center_dtype')} "
+                f"coarse_topk={ct if ct else 'auto'} coarse_cover={o.float('coarse_cover'):g} "
+                f"group={o.str('group')} rank={o.str('rank')} stability={o.int('stability')}")
+
+    def extend(self, L):
+        """StreamingChunks::extend with fixed chunks: close every whole chunk of [start, L)."""
+        if L == self.chunked_for:
+            return
+        self.chunked_for = L
+        s = self.starts.pop() if self.starts else self.sink
+        while s < L and L - s >= self.fixed:
+            self.starts.append(s)
+            s += self.fixed
+        self.starts.append(s)
+
+    def keys(self, c, b, h, n):
+        """Keys [n, D] fp32 on the CPU of positions [0, n) of request b, KV head h."""
+        pages = (c.torch.arange((n + c.P - 1) // c.P) * c.B + b).to(c.dev)
+        return c.kv.k[pages, h].reshape(-1, c.D)[:n].float().cpu().contiguous()
+
+    def sync(self, c):
+        have = self.have.get(c.layer, 0)
+        indexed_end = self.starts[have] if have > 0 else self.sink
+        if have > 0 and c.L - indexed_end < self.buffer:
+            return
+        self.extend(c.L - 1)  # the current token is never indexed in its own step
+        avail = len(self.starts) - 1 if self.starts else 0
+        if avail <= have:
+            return
+        st = c.torch.tensor(self.starts[:avail + 1], dtype=c.torch.int32)
+        for b in range(c.B):
+            for h in range(c.Hkv):
+                k = self.keys(c, b, h, self.starts[avail])
+                if have == 0:
+                    self.index[c.layer, b, h] = ops.ClusterIndex(**self.index_opts).build(k, st)
+                else:
+                    for ch in range(have, avail):
+                        self.index[c.layer, b, h].insert(k, st[:ch + 2].contiguous())
+        self.have[c.layer] = avail
+
+    def select(self, c):
+        torch, L = c.torch, c.L
+        if c.layer < self.dense or (L <= self.budget if self.total else L <= self.sink + self.budget):
+            return DENSE
+        self.sync(c)
+        have = self.have.get(c.layer, 0)
+        sink = min(self.sink, L)
+        recent = self.starts[have] if have > 0 else sink
+        budget = max(0, self.budget - sink - (L - recent)) if self.total else self.budget
+        st = torch.tensor(self.starts[:have + 1], dtype=torch.int32)
+        q = c.q.float().cpu()
+        rows = []
+        for b in range(c.B):
+            for h in range(c.Hkv):
+                parts = [torch.arange(sink)]
+                if have > 0:
+                    qh = q[b, h * c.G:(h + 1) * c.G].contiguous()
+                    parts.append(self.index[c.layer, b, h].search(qh, budget, st,
+                                                                  **self.search_opts).long())
+                parts.append(torch.arange(max(recent, sink), L))
+                rows.append(torch.cat(parts))
+        return c.lists(rows, c.Hkv)
+
+
 class _Model:
     """What a method needs of the model: arch, layers, hidden size, KV heads."""
 
@@ -617,7 +762,8 @@ class _Model:
 
 
 _CLASSES = {"full": None, "streaming": _Streaming, "quest": _Quest, "tidal": _Tidal,
-            "lessismore": _LessIsMore, "oracle-topk": _OracleTopK, "oracle-topp": _OracleTopP}
+            "lessismore": _LessIsMore, "lycheecluster": _LycheeCluster,
+            "oracle-topk": _OracleTopK, "oracle-topp": _OracleTopP}
 
 
 def _check_name(name):
@@ -829,6 +975,8 @@ def _attend(state, layer, query, key, value, mask, scale):
         # A new sequence (or one this store has not followed): rebuild from the model's cache.
         kv = _PagedKV(B, Hkv, D, cfg.P, key.dtype, key.device, cfg.method.needs_meta)
         state.kv[layer] = kv
+        if layer == 0:
+            cfg.method.reset()
         if S > T:
             kv.append(key[:, :, :S - T], value[:, :, :S - T])
     kv.append(key[:, :, S - T:], value[:, :, S - T:])

@@ -56,6 +56,13 @@ SPECS = [
     "tidal:budget=40,dense_layers=1,selection_layers=1,3",
     "lessismore:budget=32",
     "lessismore:budget=40,recent_ratio=0.5,sinks=2",
+    "lycheecluster:chunking=fixed,budget=32,sink=4,buffer=16",
+    "lycheecluster:chunking=fixed,budget=48,fixed_chunk=8,buffer=24,budget_mode=total,"
+    "dense_layers=1",
+    "lycheecluster:chunking=fixed,budget=32,sink=4,buffer=16,group=sum,rank=center,pooling=max,"
+    "bound=chunk,center_dtype=f32",
+    "lycheecluster:chunking=fixed,budget=16,sink=4,buffer=8,fixed_chunk=4,kmeans_iters=3,"
+    "chunks_per_fine=3,coarse_topk=2",
     "oracle-topk:budget=16",
     "oracle-topp:p=0.8",
     "oracle-topp:p=0.7,group=mean,dense_layers=1",
@@ -65,6 +72,7 @@ SPECS = [
     "twilight:base=tidal,budget=32",
     "twilight:base=lessismore,budget=32,p=0.9",
     "twilight:base=oracle-topk,budget=24",
+    "twilight:base=lycheecluster,chunking=fixed,budget=32,sink=4,buffer=16",
     "twilight:base=full,dense_layers=1",
 ]
 
@@ -264,9 +272,15 @@ class HfMatchesCppTest(unittest.TestCase):
     def test_errors(self):
         m = self.model
         cases = [
-            (("lycheecluster",), {}, "not supported by the Hugging Face hook.*supported: full, "
-             "streaming, quest, tidal, lessismore, oracle-topk, oracle-topp, twilight"),
-            (("lycheedecode",), {}, "lycheedecode.*not supported"),
+            (("lycheedecode",), {}, "not supported by the Hugging Face hook.*supported: full, "
+             "streaming, quest, tidal, lessismore, lycheecluster, oracle-topk, oracle-topp, "
+             "twilight"),
+            (("lycheecluster",), {}, "chunking=structure is not supported.*supported: "
+             "chunking=fixed"),
+            (("lycheecluster:chunking=fixed,seeding=kmeans++",), {}, "seeding=kmeans\\+\\+ is "
+             "not supported"),
+            (("lycheecluster:chunking=fixed,min_chunk=9,max_chunk=8",), {},
+             r"need 1 <= min_chunk \(9\) <= max_chunk \(8\)"),
             (("quest+blasst",), {}, "blasst.*not supported"),
             (("nope",), {}, "unknown method 'nope'"),
             (("quest:group=sum",), {}, "group=sum is not supported.*supported: group=max"),
@@ -294,6 +308,19 @@ class HfMatchesCppTest(unittest.TestCase):
                     spade.hf.apply(m, *args, **kw)
                 self.assertIsNone(getattr(m, "_spade_hf", None))
 
+    def test_new_sequence_starts_afresh(self):
+        # One apply(), the same prompt twice: the second run rebuilds the method's state
+        # (LycheeCluster's chunks and indexes, Tidal's set) and repeats the first.
+        for spec in ("lycheecluster:chunking=fixed,budget=32,sink=4,buffer=16", "tidal:budget=32"):
+            with self.subTest(spec=spec):
+                spade.hf.apply(self.model, spec)
+                a, _ = greedy(self.model, torch.tensor([self.ids]), 30)
+                b, _ = greedy(self.model, torch.tensor([self.ids]), 30)
+                tph = spade.hf.stats(self.model)["tokens_per_head"]
+                spade.hf.remove(self.model)
+                self.assertTrue(torch.equal(a, b))
+                self.assertEqual(tph[:29], tph[29:])
+
     def test_layer_defaults(self):
         # src/sparse/model_defaults.cpp: the table, then 13/32 of the depth.
         d = spade.hf.layer_defaults
@@ -312,7 +339,8 @@ class HfBatchTest(unittest.TestCase):
     per request)."""
 
     SPECS = ["streaming:budget=24", "quest:budget=32,dense_layers=1", "tidal:budget=24",
-             "lessismore:budget=24", "oracle-topk:budget=16", "oracle-topp:p=0.8",
+             "lessismore:budget=24", "lycheecluster:chunking=fixed,budget=16,sink=4,buffer=8",
+             "oracle-topk:budget=16", "oracle-topp:p=0.8",
              "twilight:budget=32,dense_layers=1", "twilight:base=lessismore,budget=24"]
 
     def test_batch_equals_alone(self):

@@ -299,7 +299,9 @@ class CudaHfTest(unittest.TestCase):
         spade.hf.apply(model, method="full")
         full, _ = step_logits(model, prompt, 6)
         for spec in ("streaming:budget=128", "quest:budget=128,dense_layers=1",
-                     "tidal:budget=128", "lessismore:budget=128", "oracle-topk:budget=128",
+                     "tidal:budget=128", "lessismore:budget=128",
+                     "lycheecluster:chunking=fixed,budget=128,sink=4,buffer=32",
+                     "oracle-topk:budget=128",
                      "oracle-topp:p=0.8", "twilight:budget=128,dense_layers=1",
                      "twilight:base=tidal,budget=128"):
             with self.subTest(spec=spec):
