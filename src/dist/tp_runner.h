@@ -47,8 +47,8 @@
 // all-reduces go over NCCL (the communicator made after the TCP rendezvous, its unique id
 // broadcast over TCP). The CudaModels' page allocators are identical and see the same
 // reserve / release sequence, so every rank hands out rank 0's page ids (checked per step, as
-// on the CPU). Rank 0 samples on its GPU (TpStepModel::forward_sample*). Untested until a
-// multi-GPU run (tests/gpu/test_cuda_tp.cpp, tests/e2e/test_tp_cuda.py).
+// on the CPU). Rank 0 samples on its GPU (TpStepModel::forward_sample*). Full attention ran on
+// two H200s (tests/gpu/test_cuda_tp.cpp CudaTp.*, tests/e2e/test_tp_cuda.py).
 #pragma once
 #include <cstdint>
 #include <functional>
