@@ -7,7 +7,8 @@
 #   2. tests/e2e/test_tp_cuda.py (spade generate --device cuda --tp 2 equals --tp 1);
 #   3. the TPOT probe: CudaTp.SpeedProbe with SPADE_TP_SPEED=1 (tests/gpu/test_cuda_tp_speed.cpp):
 #      synthetic Llama-3.1-8B at 32K / 128K x batch 1 / 8, TP = 1..GPUs, then Llama-3.1-70B at
-#      128K x batch 1 / 8 and 32K x 8 (TP where it fits); records in $OUT/tp_speed.jsonl.
+#      128K x batch 1 / 8 and 32K x 8 (TP where it fits); records in $OUT/tp_speed.jsonl; then
+#      every GPU method on 70B at 128K x 1 over all GPUs ($OUT/tp_speed_methods.jsonl).
 #   device (kind nvidia-h200-x2):  bash bench/run_gpu_tp.sh   carry .deps-cuda
 #   Env: SPEED=0 skips 3; JOBS (default 16) build jobs.
 # Results: $OUT/build.log, $OUT/cuda_tp.log, $OUT/e2e_tp_cuda.log, $OUT/speed_tp.log, and a
@@ -51,10 +52,17 @@ if [ "${SPEED:-1}" = 1 ]; then
   SPADE_TP_SPEED=1 SPADE_TP_JSON=$OUT/tp_speed.jsonl SPADE_TP_MODEL=llama3-70b SPADE_TP_RANKS=$RANKS \
     SPADE_TP_SHAPES=${SHAPES_70B:-130900:1,32768:8,130900:8} timeout 300 ./$B/spade_gpu_tests \
     --gtest_filter='CudaTp.SpeedProbe' >>"$OUT/speed_tp.log" 2>&1 || rc3=$?
+  # Every GPU method at the 70B 128K x 1 shape on every rank count that fits (their speed-up
+  # over full attention there; METHODS_70B="" skips).
+  M70=${METHODS_70B-"full;streaming:budget=4096;quest:budget=4096;tidal:budget=4096;lessismore:budget=4096;lycheedecode:budget=4096;lycheecluster:budget=4096;twilight;blasst;oracle-topk:budget=4096"}
+  [ -n "$M70" ] && { SPADE_TP_SPEED=1 SPADE_TP_JSON=$OUT/tp_speed_methods.jsonl SPADE_TP_MODEL=llama3-70b \
+    SPADE_TP_RANKS=$NG SPADE_TP_SHAPES=130900:1 SPADE_TP_METHODS="$M70" timeout 400 ./$B/spade_gpu_tests \
+    --gtest_filter='CudaTp.SpeedProbe' >"$OUT/speed_tp_methods.log" 2>&1 || rc3=$?; }
   echo "speed probe rc=$rc3 after $(( $(date +%s) - t0 )) s"
 fi
 echo "==== summary"
 grep -E "^\[ *(OK|FAILED|SKIPPED) *\]|\[cuda tp\]|Failure|rank [0-9]:|error" "$OUT/cuda_tp.log" | head -40
 [ -f "$OUT/e2e_tp_cuda.log" ] && grep -E "^(ok|FAIL|skip|note|info|PASS)|FAILED" "$OUT/e2e_tp_cuda.log" | head -20
-[ -f "$OUT/speed_tp.log" ] && grep -E "\[cuda tp\]|FAILED|Failure|error" "$OUT/speed_tp.log" | head
+[ -f "$OUT/speed_tp.log" ] && grep -E "\[cuda tp\]|FAILED|Failure|error" "$OUT/speed_tp.log" | head -20
+[ -f "$OUT/speed_tp_methods.log" ] && grep -E "\[cuda tp\]|FAILED|Failure|error" "$OUT/speed_tp_methods.log" | head -20
 echo "rc: tests $rc1, e2e $rc2, speed $rc3"

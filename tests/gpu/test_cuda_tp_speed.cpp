@@ -10,6 +10,10 @@
 //   bar          1.3 x (byte floor + all-reduce), issue 39's
 // A rank count whose shard (weights + KV) does not fit the GPU's free memory is reported as
 // skipped (e.g. Llama-3.1-70B at TP = 1, or 128K x batch 8 at TP = 1), not run.
+// SPADE_TP_METHODS runs each shape and rank count per method (full's TPOT beside it gives the
+// method's speed-up at that shape): the method parsed for the whole model, each rank running it
+// on its KV heads (CudaModelOptions::tp_model / tp_kv0), its page data (Quest bounds, INT4 keys)
+// made by fill_kv_random as a prefill would, a request state per sequence where it keeps one.
 // Env: SPADE_TP_MODEL (a synthetic_config name: llama3-8b (default), llama3-70b, qwen3-8b),
 //      SPADE_TP_SHAPES ("context:batch,...", default 32768:1,32768:8; the context plus the
 //      timed steps must fit the model's, e.g. 130900 for 128K), SPADE_TP_RANKS
@@ -29,6 +33,8 @@
 #include "../tp_test_util.h"
 #include "gpu_util.h"
 #include "model/cuda_model.h"
+#include "sparse/gpu/cuda_sparse.h"
+#include "sparse/options.h"
 #if defined(SPADE_HAVE_NCCL)
 #include "dist/nccl_communicator.h"
 #endif
@@ -88,12 +94,15 @@ TEST(CudaTp, SpeedProbe) {
     ASSERT_EQ(cb.size(), 2u) << "SPADE_TP_SHAPES: context:batch, not '" << shape << "'";
     const int64_t ctx = std::stoll(cb[0]);
     const int batch = std::stoi(cb[1]);
+    for (const std::string& spec : split(env_or("SPADE_TP_METHODS", "full"), ';'))
     for (const std::string& ns : split(env_or("SPADE_TP_RANKS", "1,2"), ',')) {
       const int n = std::stoi(ns);
-      char head[256];
+      const sparse::SparseConfig sc = sparse::SparseConfig::parse_spec(spec);
+      char head[384];
       std::snprintf(head, sizeof head,
-                    "{\"model\":\"%s\",\"context\":%lld,\"batch\":%d,\"tp\":%d,\"copy_bw_gbs\":%.1f",
-                    model.c_str(), (long long)ctx, batch, n, bw / 1e9);
+                    "{\"model\":\"%s\",\"method\":\"%s\",\"context\":%lld,\"batch\":%d,\"tp\":%d,"
+                    "\"copy_bw_gbs\":%.1f",
+                    model.c_str(), spec.c_str(), (long long)ctx, batch, n, bw / 1e9);
       if (n > visible_gpus()) {
         emit(std::string(head) + ",\"skipped\":\"" + std::to_string(visible_gpus()) + " GPUs visible\"}");
         continue;
@@ -117,6 +126,7 @@ TEST(CudaTp, SpeedProbe) {
         continue;
       }
       double tpot = 0, ar_ms = 0, wbytes = 0;
+      std::string attention;
       auto err = test::run_ranks(
           n,
           [&](Communicator& tcp) {
@@ -130,15 +140,20 @@ TEST(CudaTp, SpeedProbe) {
             o.kv_pages = (tokens + 15) / 16 * batch + batch;
             o.tp = nccl.get();
             o.logits = r == 0;
+            o.sparse = cuda_sparse_config(sc, full, o.page_size);
+            if (n > 1) o.tp_model = full, o.tp_kv0 = r * c.n_kv_heads;
             CudaModel m(c, o, 1234);
-            if (r == 0) wbytes = double(m.weight_bytes());
+            if (r == 0) wbytes = double(m.weight_bytes()), attention = m.sparse().describe();
             std::vector<PageTable> pt(static_cast<size_t>(batch));
             for (int b = 0; b < batch; ++b) m.fill_kv_random(pt[size_t(b)], ctx, 7 + uint64_t(b));
             std::vector<int32_t> tok(static_cast<size_t>(batch), 1);
             std::vector<SeqInput> in(static_cast<size_t>(batch));
-            for (int b = 0; b < batch; ++b)
+            std::vector<std::unique_ptr<sparse::MethodState>> states(static_cast<size_t>(batch));
+            for (int b = 0; b < batch; ++b) {
+              states[size_t(b)] = m.new_request_state();
               in[size_t(b)].pages = &pt[size_t(b)], in[size_t(b)].tokens = &tok[size_t(b)],
-              in[size_t(b)].n_tokens = 1;
+              in[size_t(b)].n_tokens = 1, in[size_t(b)].device_state = states[size_t(b)].get();
+            }
             std::vector<cuda::GpuSamplingRow> rows(static_cast<size_t>(batch));
             std::vector<int64_t> row_of;
             auto one = [&] {
@@ -194,12 +209,12 @@ TEST(CudaTp, SpeedProbe) {
       const double kv_read = double(batch) * full.n_layers * ctx_mid * c.n_kv_heads * D * 2 * 2;
       const double floor_ms = (wbytes + kv_read) / bw * 1e3;
       const double bar_ms = 1.3 * (floor_ms + ar_ms);
-      char rec[512];
+      char rec[768];
       std::snprintf(rec, sizeof rec,
-                    ",\"tpot_ms\":%.4f,\"weight_bytes_rank0\":%.0f,\"kv_bytes_per_rank\":%.0f,"
+                    ",\"attention\":\"%s\",\"tpot_ms\":%.4f,\"weight_bytes_rank0\":%.0f,\"kv_bytes_per_rank\":%.0f,"
                     "\"byte_floor_ms\":%.4f,\"allreduce_ms\":%.4f,\"bar_ms\":%.4f,\"tpot_over_floor\":%.3f,"
                     "\"within_bar\":%s}",
-                    tpot, wbytes, kv_read, floor_ms, ar_ms, bar_ms, tpot / (floor_ms + ar_ms),
+                    attention.c_str(), tpot, wbytes, kv_read, floor_ms, ar_ms, bar_ms, tpot / (floor_ms + ar_ms),
                     tpot <= bar_ms ? "true" : "false");
       emit(std::string(head) + rec);
     }
