@@ -133,7 +133,7 @@ template <DType T>
 void rows_scalar(const RowJob& j, int64_t n0, int64_t n1) {
   using F = Fused<T>;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = j.w->row(n);
+    const uint8_t* w = j.row(n);
     for (int64_t m = 0; m < j.M; ++m) {
       const float* x = j.x + m * j.K;
       float acc = 0, macc = 0;
@@ -208,7 +208,7 @@ template <DType T, int MR>
 SPADE_AVX2 void rows_avx2(const RowJob& j, int64_t m0, int64_t n0, int64_t n1) {
   using F = Fused<T>;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = j.w->row(n);
+    const uint8_t* w = j.row(n);
     __m256 acc[MR], acc2[MR];
     float macc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = acc2[m] = _mm256_setzero_ps(), macc[m] = 0;
@@ -265,7 +265,7 @@ template <DType T, int MR>
 SPADE_AVX512 void rows_avx512(const RowJob& j, int64_t m0, int64_t n0, int64_t n1) {
   using F = Fused<T>;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = j.w->row(n);
+    const uint8_t* w = j.row(n);
     __m512 acc[MR], acc2[MR];
     float macc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = acc2[m] = _mm512_setzero_ps(), macc[m] = 0;
@@ -319,7 +319,7 @@ SPADE_AVX512 void rows1_avx512(const RowJob& j, int64_t n) {
   __m512 acc0[NR], acc1[NR];
   float macc0[NR], macc1[NR];
   for (int r = 0; r < NR; ++r) {
-    w[r] = j.w->row(n + r);
+    w[r] = j.row(n + r);
     acc0[r] = acc1[r] = _mm512_setzero_ps();
     macc0[r] = macc1[r] = 0.f;
   }
@@ -356,7 +356,7 @@ SPADE_AVX2 void rows1_avx2(const RowJob& j, int64_t n) {
   __m256 acc0[NR], acc1[NR];
   float macc0[NR], macc1[NR];
   for (int r = 0; r < NR; ++r) {
-    w[r] = j.w->row(n + r);
+    w[r] = j.row(n + r);
     acc0[r] = acc1[r] = _mm256_setzero_ps();
     macc0[r] = macc1[r] = 0.f;
   }
@@ -428,7 +428,7 @@ void rows_generic(const RowJob& j, int64_t n0, int64_t n1, SimdLevel level) {
   thread_local std::vector<float> row;
   if (int64_t(row.size()) < j.K) row.resize(size_t(j.K));
   for (int64_t n = n0; n < n1; ++n) {
-    dequantize_serial(j.w->dtype, j.w->row(n), row.data(), j.K);
+    dequantize_serial(j.w->dtype, j.row(n), row.data(), j.K);
     for (int64_t m = 0; m < j.M; ++m) {
 #if SPADE_QGEMV_X86
       if (level != SimdLevel::Scalar) {
@@ -526,7 +526,8 @@ void check_matrix(const QuantMatrix& w) {
 
 RowJob make_job(const float* x, int64_t M, const QuantMatrix& w, float* y, int64_t ldy,
                 std::vector<float>& xs) {
-  RowJob j{&w, x, M, w.cols, w.cols / 32, nullptr, y, ldy};
+  RowJob j{&w, x, M, w.cols, w.cols / 32, nullptr, y, ldy,
+           static_cast<const uint8_t*>(w.data), w.row_bytes()};
   if (w.dtype == DType::Q4_0 || w.dtype == DType::Q4_1 || w.dtype == DType::Q4_K ||
       w.dtype == DType::Q5_K) {
     if (int64_t(xs.size()) < M * j.nb) xs.resize(size_t(M * j.nb));

@@ -34,12 +34,13 @@ SPADE_AVX512 void rows_avx512(const RowJob& j, int64_t m0, int64_t n0, int64_t n
   const int64_t K = j.K;
   const float* x = j.x + m0 * K;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* w = reinterpret_cast<const uint16_t*>(j.w->row(n));
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(j.row(n));
     __m512 acc[MR][4];
     for (int m = 0; m < MR; ++m)
       for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 64 <= K; k += 64)
+#pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
         const __m512 wv = widen16<T>(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 16 * u)));
@@ -64,12 +65,13 @@ SPADE_AVX2 void rows_avx2(const RowJob& j, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t K = j.K;
   const float* x = j.x + m0 * K;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* w = reinterpret_cast<const uint16_t*>(j.w->row(n));
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(j.row(n));
     __m256 acc[MR][4];
     for (int m = 0; m < MR; ++m)
       for (int u = 0; u < 4; ++u) acc[m][u] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32)
+#pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
         const __m256 wv = widen8<T>(w + k + 8 * u);
         for (int m = 0; m < MR; ++m)

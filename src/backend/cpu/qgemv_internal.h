@@ -43,6 +43,9 @@ struct RowJob {
   const float* xs;  // sums of x per 32 values [M, nb] (Q4_0 / Q4_1 / Q4_K / Q5_K)
   float* y;
   int64_t ldy;
+  const uint8_t* wdata;  // w->data, and w->row_bytes() computed once (not per row)
+  int64_t wrow_bytes;
+  const uint8_t* row(int64_t n) const { return wdata + n * wrow_bytes; }
 };
 
 #if SPADE_QGEMV_X86

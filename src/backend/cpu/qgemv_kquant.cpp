@@ -135,7 +135,7 @@ SPADE_AVX512 void rows_avx512(const RowJob& j, int64_t m0, int64_t n0, int64_t n
   const int64_t nsb = j.K / 256;
   Super s;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = j.w->row(n);
+    const uint8_t* w = j.row(n);
     __m512 acc0[MR], acc1[MR];
     __m256 macc[MR];
     for (int m = 0; m < MR; ++m) {
@@ -189,7 +189,7 @@ SPADE_AVX2 void rows_avx2(const RowJob& j, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t nsb = j.K / 256;
   Super s;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = j.w->row(n);
+    const uint8_t* w = j.row(n);
     __m256 acc0[MR], acc1[MR], macc[MR];
     for (int m = 0; m < MR; ++m) acc0[m] = acc1[m] = macc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
