@@ -22,9 +22,10 @@ spade.ops.sparse_attention over the selected tokens. The methods are spade's C++
                   KV head (group-mean score); later layers reuse that set in the same step
     lessismore    as tidal, one cross-head set from lessismore_select (sinks, merged
                   per-head top lists, the recency window)
-    lycheecluster chunking=fixed only: a ClusterIndex (CPU) per (layer, request, KV head) over
-                  the closed chunks, built at the first sparse step, updated every `buffer`
-                  tokens; sinks + the searched chunks + the tokens not yet indexed
+    lycheecluster spade's chunks (structure-aware from each token's text: token_text=, or
+                  fixed), a ClusterIndex (CPU) per (layer, request, KV head) over the closed
+                  chunks, built at the first sparse step, updated every `buffer` tokens;
+                  sinks + the searched chunks + the tokens not yet indexed
     oracle-topk   the top-budget tokens per KV head by the group's summed true weights
     oracle-topp   per query head the smallest true top set reaching mass p (union or mean)
     twilight      a base method's selection pruned by twilight_prune (INT4 key estimate,
@@ -32,8 +33,7 @@ spade.ops.sparse_attention over the selected tokens. The methods are spade's C++
 
 Defaults and option names are spade's (`spade generate --help`); tidal and lessismore take
 their dense / selection layers from the per-model table of src/sparse/model_defaults.cpp.
-lycheedecode, blasst and lycheecluster's structure-aware chunks (they read each token's text)
-are not hooked (apply() says why). A new sequence (a prefill from an empty cache) starts the
+lycheedecode and blasst are not hooked (apply() says why). A new sequence (a prefill from an empty cache) starts the
 method's state afresh. Prefill (several new tokens) runs transformers' eager math over the
 model's own cache, and fills the paged copy; prefill is dense for every method in spade too.
 On CUDA one DecodeAttention plan per
@@ -58,7 +58,7 @@ from typing import Optional
 from . import ops
 from ._core import Error
 
-__all__ = ["apply", "remove", "stats", "parse_spec", "METHODS"]
+__all__ = ["apply", "remove", "stats", "parse_spec", "token_bytes", "layer_defaults", "METHODS"]
 
 METHODS = ("full", "streaming", "quest", "tidal", "lessismore", "lycheecluster", "oracle-topk",
            "oracle-topp", "twilight")
@@ -269,9 +269,9 @@ class _Options:
         return _parse_list(self.str(k), f"{self.method} option '{k}'")
 
 
-def _unsupported(method, option, value, supported):
+def _unsupported(method, option, value, supported, why="spade.ops has no such selector"):
     raise Error(f"spade.hf: {method} {option}={value} is not supported by the Hugging Face "
-                f"hook (spade.ops has no such selector); supported: {supported}")
+                f"hook ({why}); supported: {supported}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,6 +395,10 @@ class _Method:
 
     def reset(self):
         """A new sequence (batch): forget per-sequence state."""
+
+    def feed(self, ids, start):
+        """The token ids [B, T] of a forward pass at positions [start, start + T) (methods
+        that read token text)."""
 
     def select(self, c):
         return DENSE
@@ -537,9 +541,9 @@ class _Tidal(_Scheduled):
     def __init__(self, o, model):
         super().__init__(o, model)
         if o.int("correction"):
-            _unsupported("tidal", "correction", o.str("correction"),
-                         "correction=0 (cache correction re-runs decoded tokens densely inside "
-                         "spade's decode loop)")
+            _unsupported("tidal", "correction", o.str("correction"), "correction=0",
+                         why="cache correction re-runs decoded tokens densely inside spade's "
+                         "decode loop")
 
     def describe(self):
         return f"tidal budget={self.budget} ({self.sched.describe()})"
@@ -604,8 +608,10 @@ class _Twilight(_Method):
         if not self.auto or want <= 8192:
             return self.base
         if want not in self.by_budget:
-            self.by_budget[want] = _make(self.base_name, dict(self.base_given, budget=str(want)),
-                                         self.model)
+            m = _make(self.base_name, dict(self.base_given, budget=str(want)), self.model)
+            if hasattr(m, "share"):
+                m.share(self.base)
+            self.by_budget[want] = m
         return self.by_budget[want]
 
     def on_scores(self, c):
@@ -614,6 +620,10 @@ class _Twilight(_Method):
     def reset(self):
         for m in [self.base] + list(self.by_budget.values()):
             m.reset()
+
+    def feed(self, ids, start):
+        for m in [self.base] + list(self.by_budget.values()):
+            m.feed(ids, start)
 
     def select(self, c):
         sel = self.base_for(c.L).select(c)
@@ -639,31 +649,151 @@ class _Twilight(_Method):
         return _Lists(kept_off, kept_idx, "token", c.Hkv)
 
 
+_WS = b" \t\n\r\v\f"
+_CJK_SENTENCE = tuple(x.encode() for x in "\u3002\uff1f\uff01")       # 。？！
+_CJK_PHRASE = tuple(x.encode() for x in "\uff0c\uff1b\uff1a\u3001")   # ，；：、
+
+
+def _cut_level(text, n, i):
+    """sparse/chunker.cpp cut_level(): the delimiter level of the cut before token i of the
+    first n tokens of `text` (bytes per position; missing ones read as b""): 0 the end, 1
+    structural, 2 sentence, 3 phrase, 4 whitespace, 5 none."""
+    if i >= n:
+        return 0
+    if i <= 0:
+        return 5
+    at = lambda j: text[j] if 0 <= j < min(n, len(text)) else b""  # noqa: E731
+    w_nonempty, newlines, tail, in_w = False, 0, [], True  # tail: P's last bytes, last first
+    j = i - 1
+    while j >= 0 and j >= i - 64 and len(tail) < 4:
+        t = at(j)
+        for k in range(len(t) - 1, -1, -1):
+            if len(tail) >= 4:
+                break
+            c = t[k]
+            if in_w and c in _WS:
+                w_nonempty = True
+                newlines += c == 10
+                continue
+            in_w = False
+            tail.append(c)
+        j -= 1
+    p = bytes(reversed(tail))
+    r0, r_end = 0, True
+    for j in range(i, min(n, i + 64)):
+        t = at(j)
+        if t:
+            r0, r_end = t[0], False
+            break
+    r_ws = not r_end and r0 in _WS
+    last = p[-1] if p else 0
+    prev = p[-2] if len(p) >= 2 else 0
+    if newlines >= 2 or p.endswith((b"```", b"---", b"***")):
+        return 1
+    if p and (last in b"}]" or (last in b",;" and prev in b"}]")
+              or (last == ord(">") and prev not in b"-=")):
+        return 1
+    if p and last in b".?!" and (w_nonempty or r_ws or r_end):
+        return 2
+    if p.endswith(_CJK_SENTENCE) or newlines == 1:
+        return 2
+    if p and last in b",;:":
+        return 3
+    if p.endswith(_CJK_PHRASE):
+        return 3
+    return 4 if (w_nonempty or r_ws) else 5
+
+
+def _bytes_to_unicode():
+    """GPT-2's byte <-> printable character table (byte-level BPE)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_bytes(tokenizer):
+    """The bytes each token id decodes to, by spade's rules (Tokenizer::token_bytes, for a
+    tokenizer.json: added tokens their text, byte-level BPE pieces through GPT-2's byte table,
+    <0xXX> pieces of a byte-fallback model their byte, else "\u2581" as a space), from a
+    transformers fast tokenizer (its tokenizer.json). LycheeCluster's structure-aware chunks
+    read them (apply(..., token_text=tokenizer) calls this)."""
+    import json
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise Error("spade.hf.token_bytes needs a transformers fast tokenizer (its "
+                    "tokenizer.json); or give token_text as a list of bytes per token id")
+    j = json.loads(backend.to_str())
+    model = j.get("model") or {}
+
+    def has_byte_level(x):
+        if isinstance(x, dict):
+            return x.get("type") == "ByteLevel" or any(has_byte_level(v) for v in x.values())
+        return isinstance(x, list) and any(has_byte_level(v) for v in x)
+
+    byte_level = (has_byte_level(j.get("pre_tokenizer")) or
+                  (j.get("decoder") or {}).get("type") == "ByteLevel")
+    vocab = model.get("vocab") or {}
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        vocab = {v[0]: i for i, v in enumerate(vocab)}
+    n = max([i for i in vocab.values()] + [a["id"] for a in j.get("added_tokens") or []]) + 1
+    pieces = [""] * n
+    for piece, i in vocab.items():
+        pieces[i] = piece
+    added = set()
+    for a in j.get("added_tokens") or []:
+        if not pieces[a["id"]]:
+            pieces[a["id"]] = a["content"]
+        added.add(a["id"])
+    table = _bytes_to_unicode() if byte_level else None
+    fallback = bool(model.get("byte_fallback"))
+    out = []
+    for i, p in enumerate(pieces):
+        if i in added:
+            out.append(p.encode())
+        elif byte_level:
+            try:
+                out.append(bytes(table[ch] for ch in p))
+            except KeyError:
+                out.append(p.encode())
+        elif (fallback and len(p) == 6 and p.startswith("<0x") and p[5] == ">"
+              and all(ch in "0123456789abcdefABCDEF" for ch in p[3:5])):
+            out.append(bytes([int(p[3:5], 16)]))
+        else:
+            out.append(p.replace("\u2581", " ").encode())
+    return out
+
+
 class _LycheeCluster(_Method):
-    """LycheeCluster (src/sparse/methods/lycheecluster.cpp) with fixed chunks (chunking=fixed):
-    the chunks of fixed_chunk tokens after the sinks close as the sequence grows; per (layer
-    >= dense_layers, request, KV head) a spade.ops.ClusterIndex (CPU) is built over the closed
-    chunks at the first sparse step and takes the chunks closed since once `buffer` tokens
-    wait behind it; a head reads the sinks, the chunks its index search picks and every token
-    not yet indexed."""
+    """LycheeCluster (src/sparse/methods/lycheecluster.cpp): chunks after the sinks close as
+    the sequence grows (fixed_chunk tokens, or structure-aware from each token's text:
+    token_text); per (layer >= dense_layers, request, KV head) a spade.ops.ClusterIndex (CPU)
+    is built over the closed chunks at the first sparse step and takes the chunks closed
+    since once `buffer` tokens wait behind it; a head reads the sinks, the chunks its index
+    search picks and every token not yet indexed."""
     name = "lycheecluster"
 
-    def __init__(self, o):
-        if o.str("chunking") != "fixed":
-            _unsupported("lycheecluster", "chunking", o.str("chunking"),
-                         "chunking=fixed (structure-aware chunks read each token's text, which "
-                         "the attention hook does not see)")
+    def __init__(self, o, token_text=None):
+        self.structure = o.str("chunking") == "structure"
+        if self.structure and token_text is None:
+            _unsupported("lycheecluster", "chunking", "structure without token_text",
+                         "chunking=fixed, or chunking=structure with apply(..., token_text="
+                         "tokenizer)", why="structure-aware chunks read each token's text")
         if o.str("seeding") != "stride":
             _unsupported("lycheecluster", "seeding", o.str("seeding"),
                          "seeding=stride (spade.ops.ClusterIndex)")
-        self.o = o
+        self.o, self.token_text = o, token_text
         self.budget, self.total = o.int("budget"), o.str("budget_mode") == "total"
         self.sink, self.buffer, self.dense = o.int("sink"), o.int("buffer"), o.int("dense_layers")
         self.min_chunk, self.max_chunk = o.int("min_chunk"), o.int("max_chunk")
         if not 1 <= self.min_chunk <= self.max_chunk:
             raise Error(f"chunker: need 1 <= min_chunk ({self.min_chunk}) <= max_chunk "
                         f"({self.max_chunk})")
-        self.fixed = o.int("fixed_chunk")
+        self.fixed, self.tie_last = o.int("fixed_chunk"), o.str("tie") == "last"
         self.index_opts = dict(chunks_per_fine=o.float("chunks_per_fine"),
                                max_coarse=o.int("max_coarse"), coarse_units=o.int("coarse_units"),
                                kmeans_iterations=o.int("kmeans_iters"), pooling=o.str("pooling"),
@@ -671,19 +801,40 @@ class _LycheeCluster(_Method):
         self.search_opts = dict(coarse_topk=o.int("coarse_topk"),
                                 coarse_cover=o.float("coarse_cover"), group=o.str("group"),
                                 rank=o.str("rank"))
-        self.reset()
+        self.text = {}         # request -> bytes per position
+        self.starts = {}       # request -> StreamingChunks' starts
+        self.chunked_for = {}  # request -> L of its last extend
+        self.have = {}         # (layer, request) -> chunks indexed
+        self.index = {}        # (layer, request, KV head) -> ops.ClusterIndex
+
+    def share(self, other):
+        """Use the per-sequence state of `other` (twilight's budget=auto bases of one request
+        share it, as spade's request state)."""
+        for k in ("text", "starts", "chunked_for", "have", "index"):
+            setattr(self, k, getattr(other, k))
 
     def reset(self):
-        self.starts, self.chunked_for = [], -1  # StreamingChunks
-        self.have = {}   # layer -> chunks indexed
-        self.index = {}  # (layer, request, KV head) -> ops.ClusterIndex
+        for d in (self.text, self.starts, self.chunked_for, self.have, self.index):
+            d.clear()
+
+    def feed(self, ids, start):
+        """The token ids [B, T] of a forward pass at positions [start, start + T): their text
+        (positions without text read as b"", as in spade)."""
+        if not self.structure:
+            return
+        for b, row in enumerate(ids.tolist()):
+            t = self.text.setdefault(b, [])
+            del t[start:]
+            t.extend([b""] * (start - len(t)))
+            t.extend(self.token_text(i) for i in row)
 
     def describe(self):
         o = self.o
         ct = o.int("coarse_topk")
         cu = o.int("coarse_units")
         return (f"lycheecluster budget={self.budget} budget_mode={o.str('budget_mode')} "
-                f"sink={self.sink} buffer={self.buffer} dense_layers={self.dense} chunking=fixed "
+                f"sink={self.sink} buffer={self.buffer} dense_layers={self.dense} "
+                f"chunking={o.str('chunking')} "
                 f"min_chunk={self.min_chunk} max_chunk={self.max_chunk} fixed_chunk={self.fixed} "
                 f"tie={o.str('tie')} pooling={o.str('pooling')} bound={o.str('bound')} "
                 f"chunks_per_fine={o.float('chunks_per_fine'):g} max_coarse={o.int('max_coarse')} "
@@ -692,60 +843,84 @@ class _LycheeCluster(_Method):
                 f"coarse_topk={ct if ct else 'auto'} coarse_cover={o.float('coarse_cover'):g} "
                 f"group={o.str('group')} rank={o.str('rank')} stability={o.int('stability')}")
 
-    def extend(self, L):
-        """StreamingChunks::extend with fixed chunks: close every whole chunk of [start, L)."""
-        if L == self.chunked_for:
+    def chunk(self, text, s, end):
+        """chunk_tokens(final = false) over [s, end) of the first `end` tokens: the starts of
+        the chunks it closes, and where the open tail begins."""
+        starts = []
+        if not self.structure:
+            while s < end and end - s >= self.fixed:
+                starts.append(s)
+                s += self.fixed
+            return starts, s
+        while s < end and end - s > self.max_chunk:
+            best_level, best_n = 5, self.max_chunk
+            for n in range(self.min_chunk, self.max_chunk + 1):
+                lv = _cut_level(text, end, s + n)
+                if lv == 5:
+                    continue
+                if lv < best_level or (lv == best_level and self.tie_last):
+                    best_level, best_n = lv, n
+            starts.append(s)
+            s += best_n
+        return starts, s
+
+    def extend(self, b, L):
+        """StreamingChunks::extend: close the chunks that tokens [0, L) allow."""
+        if self.chunked_for.get(b) == L:
             return
-        self.chunked_for = L
-        s = self.starts.pop() if self.starts else self.sink
-        while s < L and L - s >= self.fixed:
-            self.starts.append(s)
-            s += self.fixed
-        self.starts.append(s)
+        self.chunked_for[b] = L
+        st = self.starts.setdefault(b, [])
+        s = st.pop() if st else self.sink
+        if s < L:
+            new, s = self.chunk(self.text.get(b, []), s, L)
+            st += new
+        st.append(s)
 
     def keys(self, c, b, h, n):
         """Keys [n, D] fp32 on the CPU of positions [0, n) of request b, KV head h."""
         pages = (c.torch.arange((n + c.P - 1) // c.P) * c.B + b).to(c.dev)
         return c.kv.k[pages, h].reshape(-1, c.D)[:n].float().cpu().contiguous()
 
-    def sync(self, c):
-        have = self.have.get(c.layer, 0)
-        indexed_end = self.starts[have] if have > 0 else self.sink
+    def sync(self, c, b):
+        have = self.have.get((c.layer, b), 0)
+        st = self.starts.get(b, [])
+        indexed_end = st[have] if have > 0 else self.sink
         if have > 0 and c.L - indexed_end < self.buffer:
             return
-        self.extend(c.L - 1)  # the current token is never indexed in its own step
-        avail = len(self.starts) - 1 if self.starts else 0
+        self.extend(b, c.L - 1)  # the current token is never indexed in its own step
+        st = self.starts[b]
+        avail = len(st) - 1
         if avail <= have:
             return
-        st = c.torch.tensor(self.starts[:avail + 1], dtype=c.torch.int32)
-        for b in range(c.B):
-            for h in range(c.Hkv):
-                k = self.keys(c, b, h, self.starts[avail])
-                if have == 0:
-                    self.index[c.layer, b, h] = ops.ClusterIndex(**self.index_opts).build(k, st)
-                else:
-                    for ch in range(have, avail):
-                        self.index[c.layer, b, h].insert(k, st[:ch + 2].contiguous())
-        self.have[c.layer] = avail
+        starts = c.torch.tensor(st[:avail + 1], dtype=c.torch.int32)
+        for h in range(c.Hkv):
+            k = self.keys(c, b, h, st[avail])
+            if have == 0:
+                self.index[c.layer, b, h] = ops.ClusterIndex(**self.index_opts).build(k, starts)
+            else:
+                for ch in range(have, avail):
+                    self.index[c.layer, b, h].insert(k, starts[:ch + 2].contiguous())
+        self.have[c.layer, b] = avail
 
     def select(self, c):
         torch, L = c.torch, c.L
         if c.layer < self.dense or (L <= self.budget if self.total else L <= self.sink + self.budget):
             return DENSE
-        self.sync(c)
-        have = self.have.get(c.layer, 0)
-        sink = min(self.sink, L)
-        recent = self.starts[have] if have > 0 else sink
-        budget = max(0, self.budget - sink - (L - recent)) if self.total else self.budget
-        st = torch.tensor(self.starts[:have + 1], dtype=torch.int32)
         q = c.q.float().cpu()
+        sink = min(self.sink, L)
         rows = []
         for b in range(c.B):
+            self.sync(c, b)
+            have = self.have.get((c.layer, b), 0)
+            st = self.starts.get(b, [])
+            recent = st[have] if have > 0 else sink
+            budget = max(0, self.budget - sink - (L - recent)) if self.total else self.budget
+            starts = torch.tensor(st[:have + 1], dtype=torch.int32)
             for h in range(c.Hkv):
                 parts = [torch.arange(sink)]
                 if have > 0:
                     qh = q[b, h * c.G:(h + 1) * c.G].contiguous()
-                    parts.append(self.index[c.layer, b, h].search(qh, budget, st,
+                    parts.append(self.index[c.layer, b, h].search(qh, budget, starts,
                                                                   **self.search_opts).long())
                 parts.append(torch.arange(max(recent, sink), L))
                 rows.append(torch.cat(parts))
@@ -755,8 +930,8 @@ class _LycheeCluster(_Method):
 class _Model:
     """What a method needs of the model: arch, layers, hidden size, KV heads."""
 
-    def __init__(self, config, n_layers):
-        self.arch, self.n_layers = _arch(config), n_layers
+    def __init__(self, config, n_layers, token_text=None):
+        self.arch, self.n_layers, self.token_text = _arch(config), n_layers, token_text
         self.hidden = getattr(config, "hidden_size", 0)
         self.Hkv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
@@ -808,6 +983,8 @@ def _make(name, given, model):
     cls = _CLASSES[name]
     if cls is None:
         return _Method()
+    if cls is _LycheeCluster:
+        return cls(o, model.token_text)
     return cls(o, model) if cls in (_Tidal, _LessIsMore) else cls(o)
 
 
@@ -888,6 +1065,7 @@ class _State:
         self.cfg = cfg
         self.kv = {}  # layer index -> _PagedKV
         self.step = -1  # decode steps seen (a step starts at layer 0)
+        self.pending_ids = []  # input ids of forwards whose layer 0 has not run yet
         # One set of tables (and on CUDA plans) per decode step for every layer (their page
         # tables are the same).
         self.plan_key = None
@@ -979,6 +1157,11 @@ def _attend(state, layer, query, key, value, mask, scale):
             cfg.method.reset()
         if S > T:
             kv.append(key[:, :, :S - T], value[:, :, :S - T])
+    if layer == 0 and state.pending_ids:  # the token ids of this forward (embedding hook)
+        ids = state.pending_ids[-1]
+        if ids.shape == (B, T):
+            cfg.method.feed(ids, S - T)
+        state.pending_ids.clear()
     kv.append(key[:, :, S - T:], value[:, :, S - T:])
     if T > 1:
         return _eager(query, key, value, mask, scale)
@@ -1089,8 +1272,23 @@ def _uses_quest(name, given):
     return "quest" in stages
 
 
+def _text_fn(token_text):
+    """token_text (a tokenizer, a list of bytes / str per id, or a callable id -> bytes) as a
+    function id -> bytes (b"" for an id a list does not hold)."""
+    if token_text is None:
+        return None
+    if hasattr(token_text, "backend_tokenizer") or hasattr(token_text, "convert_ids_to_tokens"):
+        token_text = token_bytes(token_text)
+    as_bytes = lambda t: t.encode() if isinstance(t, str) else bytes(t)  # noqa: E731
+    if callable(token_text):
+        return lambda i: as_bytes(token_text(i))
+    table = [as_bytes(t) for t in token_text]
+    return lambda i: table[i] if 0 <= i < len(table) else b""
+
+
 def apply(model, method: str = "full", budget: Optional[int] = None,
-          page_size: Optional[int] = None, dense_layers: Optional[int] = None, **options):
+          page_size: Optional[int] = None, dense_layers: Optional[int] = None,
+          token_text=None, **options):
     """Makes `model` (a transformers causal LM) decode with spade's kernels and a sparse method.
 
     method: one of METHODS, or spade's method spec as `spade generate --sparse` takes it
@@ -1098,8 +1296,12 @@ def apply(model, method: str = "full", budget: Optional[int] = None,
     dense_layers and **options (any other option of the method, e.g. sinks=8,
     selection_layers=[2, 4], p=0.9) override the spec's; option names, defaults and ranges are
     spade's (src/sparse/methods). page_size: tokens per page of the paged copy (default 16:
-    spade's GPU page), and Quest's page_size option where the method runs quest. A bad name or
-    value, or a method / option value the hook does not run, raises spade.Error. Returns the
+    spade's GPU page), and Quest's page_size option where the method runs quest.
+    token_text: each token's text for LycheeCluster's structure-aware chunks (chunking=
+    structure, its default): a transformers fast tokenizer (read by spade.hf.token_bytes with
+    spade's rules), a list of bytes per token id, or a callable id -> bytes; the input ids
+    reach the method through a hook on the model's input embeddings. A bad name or value, or
+    a method / option value the hook does not run, raises spade.Error. Returns the
     model; spade.hf.stats(model) gives the decode steps' rows read, spade.hf.remove(model)
     undoes this."""
     if getattr(model, "_spade_hf", None) is not None:
@@ -1118,7 +1320,7 @@ def apply(model, method: str = "full", budget: Optional[int] = None,
             given["page_size"] = str(page_size)
     mods = _attention_modules(model)
     n_layers = getattr(model.config, "num_hidden_layers", None) or len(mods)
-    m = _make(name, given, _Model(model.config, n_layers))
+    m = _make(name, given, _Model(model.config, n_layers, _text_fn(token_text)))
     if quest:
         page_size = (m if m.name == "quest" else m.base).page
     state = _State(_Config(m, page_size or 16, n_layers))
@@ -1126,6 +1328,11 @@ def apply(model, method: str = "full", budget: Optional[int] = None,
     saved = {"impl": getattr(model.config, "_attn_implementation", None), "forwards": []}
     for mod in mods:
         mod._spade_state = state
+    if token_text is not None:  # the ids of every forward, for the method's token text
+        def ids_hook(module, args):
+            if args and hasattr(args[0], "is_floating_point") and not args[0].is_floating_point():
+                state.pending_ids.append(args[0].detach().cpu())
+        saved["ids_hook"] = model.get_input_embeddings().register_forward_pre_hook(ids_hook)
     if reg is not None:
         _register(reg, _attention_function)
         try:  # transformers with a mask registry (4.53+): spade takes eager's mask
@@ -1150,6 +1357,8 @@ def remove(model):
     if st is None:
         return model
     state, saved = st
+    if "ids_hook" in saved:
+        saved["ids_hook"].remove()
     for m in _attention_modules(model):
         if hasattr(m, "_spade_state"):
             del m._spade_state

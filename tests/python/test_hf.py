@@ -16,7 +16,8 @@ decoding with spade's kernels.
     --stats-jsonl within 1e-9 (the same number of tokens read per layer and KV head: the
     same selection sizes) and stats()' "method" equals the CLI's describe() line. Every spec
     of the list changes the greedy tokens of full attention within 100 tokens, so the
-    selections matter;
+    selections matter. LycheeCluster's structure-aware chunks read the token text of the
+    fixture's tokenizer (spade.hf.token_bytes), also on a prompt with every cut level;
   - each method on a batch of two sequences equals each sequence alone (logits within 1e-5,
     tokens_per_head exactly);
   - spec strings and keyword options, spade's option checks and the methods / option values
@@ -56,6 +57,8 @@ SPECS = [
     "tidal:budget=40,dense_layers=1,selection_layers=1,3",
     "lessismore:budget=32",
     "lessismore:budget=40,recent_ratio=0.5,sinks=2",
+    "lycheecluster:budget=32,sink=4,buffer=16",
+    "lycheecluster:budget=24,sink=4,buffer=8,tie=first,min_chunk=4,max_chunk=10",
     "lycheecluster:chunking=fixed,budget=32,sink=4,buffer=16",
     "lycheecluster:chunking=fixed,budget=48,fixed_chunk=8,buffer=24,budget_mode=total,"
     "dense_layers=1",
@@ -73,6 +76,7 @@ SPECS = [
     "twilight:base=lessismore,budget=32,p=0.9",
     "twilight:base=oracle-topk,budget=24",
     "twilight:base=lycheecluster,chunking=fixed,budget=32,sink=4,buffer=16",
+    "twilight:base=lycheecluster,budget=32,sink=4,buffer=16",
     "twilight:base=full,dense_layers=1",
 ]
 
@@ -209,16 +213,17 @@ class HfMatchesCppTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        from transformers import LlamaForCausalLM
+        from transformers import AutoTokenizer, LlamaForCausalLM
         cls.llm = spade.LLM(MODEL, kv_dtype="f32")
         cls.ids = cls.llm.encode(PROMPT)
         cls.model = LlamaForCausalLM.from_pretrained(MODEL, torch_dtype=torch.float32).eval()
+        cls.tokenizer = AutoTokenizer.from_pretrained(MODEL)  # LycheeCluster's token text
         cls.cli = find_cli()
 
-    def hf(self, spec, **kw):
-        spade.hf.apply(self.model, spec, **kw)
+    def hf(self, spec, ids=None, **kw):
+        spade.hf.apply(self.model, spec, token_text=self.tokenizer, **kw)
         try:
-            toks, _ = greedy(self.model, torch.tensor([self.ids]), N_TOKENS)
+            toks, _ = greedy(self.model, torch.tensor([ids or self.ids]), N_TOKENS)
             return toks[0].tolist(), spade.hf.stats(self.model)
         finally:
             spade.hf.remove(self.model)
@@ -252,6 +257,35 @@ class HfMatchesCppTest(unittest.TestCase):
             self.skipTest("no spade CLI beside the package (set SPADE_BIN): compared with "
                           "spade.LLM only")
 
+    def test_structure_chunks(self):
+        # Structure-aware chunks over text with blank lines, a markdown rule, a fence and
+        # ':', ';', '!': LycheeCluster's cut levels 1-4, against the CLI.
+        if self.cli is None:
+            self.skipTest("no spade CLI beside the package (set SPADE_BIN)")
+        prompt = ("Once upon a time, there was a little girl named Lily.\n\nShe saw a big dog: "
+                  "it was brown; it barked! \"Hello,\" said Lily.\n---\nThe end. {yes}, [no];"
+                  " ok\n```\nTom -> Sue => Ben > Max\n")
+        ids = self.llm.encode(prompt)
+        for spec in ("lycheecluster:budget=32,sink=4,buffer=16",
+                     "lycheecluster:budget=24,sink=4,buffer=8,tie=first,min_chunk=4,max_chunk=10"):
+            with self.subTest(spec=spec):
+                got, st = self.hf(spec, ids=ids)
+                toks, tph, desc = cli_run(self.cli, prompt, spec, N_TOKENS)
+                self.assertEqual(got, toks)
+                self.assertEqual(st["method"], desc)
+                for i, (a, b) in enumerate(zip([row[0] for row in st["tokens_per_head"]], tph)):
+                    self.assertAlmostEqual(a, b, delta=1e-9, msg=f"decode step {i + 1}")
+
+    def test_token_bytes(self):
+        # spade's Tokenizer::token_bytes rules on the fixture's tokenizer.json: added tokens
+        # their text, byte-fallback pieces their byte, "\u2581" a space.
+        tb = spade.hf.token_bytes(self.tokenizer)
+        self.assertEqual(len(tb), 512)
+        self.assertEqual(tb[1], b"<s>")
+        self.assertEqual(tb[13], b"\n")  # <0x0A>
+        self.assertEqual(tb[403], b" Once")
+        self.assertEqual(b"".join(tb[i] for i in self.ids[1:]).decode(), " " + PROMPT)
+
     def test_spec_and_keywords(self):
         m = self.model
         spade.hf.apply(m, "tidal:budget=32,selection_layers=2,3")
@@ -275,8 +309,8 @@ class HfMatchesCppTest(unittest.TestCase):
             (("lycheedecode",), {}, "not supported by the Hugging Face hook.*supported: full, "
              "streaming, quest, tidal, lessismore, lycheecluster, oracle-topk, oracle-topp, "
              "twilight"),
-            (("lycheecluster",), {}, "chunking=structure is not supported.*supported: "
-             "chunking=fixed"),
+            (("lycheecluster",), {}, "chunking=structure without token_text is not supported.*"
+             "supported: chunking=fixed, or chunking=structure with apply"),
             (("lycheecluster:chunking=fixed,seeding=kmeans++",), {}, "seeding=kmeans\\+\\+ is "
              "not supported"),
             (("lycheecluster:chunking=fixed,min_chunk=9,max_chunk=8",), {},
