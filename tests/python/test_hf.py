@@ -123,6 +123,11 @@ def greedy(model, ids, n):
     return torch.cat(toks, 1), torch.stack(logits, 1)
 
 
+# Token text of tiny_llama's 96 ids for LycheeCluster's structure-aware chunks: ASCII 32..95
+# (spaces, '.', ',', ':', ';', '!', '?', ']', '>' among them), so two prompts chunk differently.
+TINY_TEXT = [bytes([32 + i % 64]) for i in range(96)]
+
+
 def tiny_llama(seed=0, layers=3, hidden=64, heads=4, kv_heads=2, vocab=96):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
@@ -374,6 +379,7 @@ class HfBatchTest(unittest.TestCase):
 
     SPECS = ["streaming:budget=24", "quest:budget=32,dense_layers=1", "tidal:budget=24",
              "lessismore:budget=24", "lycheecluster:chunking=fixed,budget=16,sink=4,buffer=8",
+             "lycheecluster:budget=16,sink=4,buffer=8,min_chunk=2,max_chunk=6",
              "oracle-topk:budget=16", "oracle-topp:p=0.8",
              "twilight:budget=32,dense_layers=1", "twilight:base=lessismore,budget=24"]
 
@@ -382,12 +388,12 @@ class HfBatchTest(unittest.TestCase):
         prompt = torch.randint(0, 96, (2, 45), generator=torch.Generator().manual_seed(3))
         for spec in self.SPECS:
             with self.subTest(spec=spec):
-                spade.hf.apply(model, spec)
+                spade.hf.apply(model, spec, token_text=TINY_TEXT)
                 _, both = greedy(model, prompt, 10)
                 tph = spade.hf.stats(model)["tokens_per_head"]
                 self.assertLess(spade.hf.stats(model)["density"], 0.95)
                 for b in range(2):
-                    spade.hf.apply(model, spec)
+                    spade.hf.apply(model, spec, token_text=TINY_TEXT)
                     _, alone = greedy(model, prompt[b:b + 1], 10)
                     close(self, both[b:b + 1], alone)
                     self.assertEqual([row[b] for row in tph],

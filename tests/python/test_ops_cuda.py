@@ -291,7 +291,7 @@ class CudaHfTest(unittest.TestCase):
         The selections against spade's C++ path are test_hf.py's (CPU)."""
         try:
             import spade.hf
-            from test_hf import step_logits, tiny_llama
+            from test_hf import TINY_TEXT, step_logits, tiny_llama
         except ImportError as e:
             self.skipTest(f"transformers unavailable ({e})")
         model = tiny_llama(hidden=512, heads=8, kv_heads=2, layers=4).to(DEV, torch.bfloat16)
@@ -301,11 +301,12 @@ class CudaHfTest(unittest.TestCase):
         for spec in ("streaming:budget=128", "quest:budget=128,dense_layers=1",
                      "tidal:budget=128", "lessismore:budget=128",
                      "lycheecluster:chunking=fixed,budget=128,sink=4,buffer=32",
+                     "lycheecluster:budget=128,sink=4,buffer=32",
                      "oracle-topk:budget=128",
                      "oracle-topp:p=0.8", "twilight:budget=128,dense_layers=1",
                      "twilight:base=tidal,budget=128"):
             with self.subTest(spec=spec):
-                spade.hf.apply(model, spec)
+                spade.hf.apply(model, spec, token_text=TINY_TEXT)
                 got, _ = step_logits(model, prompt, 6)
                 st = spade.hf.stats(model)
                 self.assertTrue(bool(torch.isfinite(got.float()).all()))
