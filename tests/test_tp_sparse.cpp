@@ -19,6 +19,8 @@
 #include "dist/tp_runner.h"
 #include "engine/runner.h"
 #include "model/cpu_model.h"
+#include "sparse/head_roles.h"
+#include "sparse/methods/lycheedecode.h"
 #include "sparse/registry.h"
 #include "sparse/session.h"
 #include "test_util.h"
@@ -320,4 +322,30 @@ TEST(TpSparse, WhatCannotRunIsRefusedWithTheReason) {
     e = x.what();
   }
   EXPECT_NE(e.find("each rank holds only its own heads"), std::string::npos) << e;
+}
+
+// LycheeDecode's token sets flow to the same original head of the next layer: with roles in a
+// reordered head order (appendix F) a set could cross ranks, so a split session refuses them.
+TEST(TpSparse, LycheeDecodeRefusesReorderedRolesOnASplitShard) {
+  sparse::HeadRoles roles = sparse::HeadRoles::parse_pattern("RRRRRR/SRSSRS/RSRSSR/SSRRSS");
+  for (size_t l = 1; l < roles.origin.size(); ++l) std::swap(roles.origin[l][0], roles.origin[l][5]);
+  sparse::LdRule rule;
+  rule.budget = 48;
+  const sparse::LycheeDecodeMethod m(roles, rule, false, 32);
+  auto st = m.new_state();
+  sparse::StepContext c;
+  c.n_layers = 4;
+  c.Hq = 6, c.Hkv = 3, c.G = 2, c.D = 16;
+  c.L = 40;
+  c.state = st.get();
+  c.shard.Hq_all = 12, c.shard.Hkv_all = 6;
+  c.shard.all_reduce_sum = [](float*, int64_t) {};
+  sparse::Selection sel;
+  std::string e;
+  try {
+    m.select(c, sel);
+  } catch (const std::exception& x) {
+    e = x.what();
+  }
+  EXPECT_NE(e.find("reordered head roles"), std::string::npos) << e;
 }

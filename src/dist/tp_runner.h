@@ -161,6 +161,7 @@ class TpStepModel : public StepModel {
                              const std::vector<RowSampling>& rows) override;
   const std::vector<int32_t>& forward_sample_wait() override;
   StepCounters step_counters() const override { return rank_.step->step_counters(); }
+  std::string stats_text() const override { return rank_.step->stats_text(); }  // rank 0's
   // Sparse methods (CPU ranks): each request's method runs as a SparseSession on every rank
   // over the rank's KV heads; the state returned here holds rank 0's, and the request's first
   // step tells the followers to make theirs. nullptr for full attention.
