@@ -33,12 +33,13 @@ spade.ops.sparse_attention over the selected tokens. The methods are spade's C++
 
 Defaults and option names are spade's (`spade generate --help`); tidal and lessismore take
 their dense / selection layers from the per-model table of src/sparse/model_defaults.cpp.
-lycheedecode and blasst are not hooked (apply() says why). A new sequence (a prefill from an empty cache) starts the
-method's state afresh. Prefill (several new tokens) runs transformers' eager math over the
-model's own cache, and fills the paged copy; prefill is dense for every method in spade too.
-On CUDA one DecodeAttention plan per
-decode step serves the dense layers (and quest's SparseAttention plan its sparse ones); the
-other methods' lists go through spade.ops.sparse_attention (a plan per call).
+lycheedecode and blasst are not hooked (apply() says why). A new sequence (a prefill from an
+empty cache) starts the method's state afresh. Prefill (several new tokens) runs
+transformers' eager math over the model's own cache, and fills the paged copy; prefill is
+dense for every method in spade too. On CUDA one DecodeAttention plan per decode step serves
+the dense layers (and quest's SparseAttention plan its sparse ones); the other methods' lists
+go through spade.ops.sparse_attention (a plan per call), LycheeCluster's index is the CPU one
+(the keys go to the host at each build and update).
 
 Hooks, by transformers version: where transformers has an attention-function registry
 (ALL_ATTENTION_FUNCTIONS, 4.48+), apply() registers "spade" there and sets the model's
@@ -114,7 +115,8 @@ _SPECS = {
     "streaming": {"budget": _budget(), "sinks": _Opt("int", "4", 0, _MAX_TOKENS - 1),
                   "dense_layers": _dense_count("0")},
     "quest": {"budget": _budget(), "page_size": _Opt("int", "16", 1, _MAX_TILE),
-              "dense_layers": _dense_count("2"), "group": _Opt("str", "max", choices=("max", "sum"))},
+              "dense_layers": _dense_count("2"),
+              "group": _Opt("str", "max", choices=("max", "sum"))},
     "tidal": dict(budget=_budget(), **_scheduled(), correction=_Opt("int", "0", 0, 1),
                   correction_every=_Opt("int", "32", 1, _MAX_TILE)),
     "lessismore": dict(budget=_budget(), recent_ratio=_Opt("float", "0.25", 0, 1),
@@ -135,7 +137,8 @@ _SPECS = {
         "pooling": _Opt("str", "mean", choices=("mean", "max")),
         "bound": _Opt("str", "token", choices=("token", "chunk")),
         "chunks_per_fine": _Opt("float", "2", 1, _MAX_TILE),
-        "max_coarse": _Opt("int", "64", 1, _MAX_TILE), "coarse_units": _Opt("int", "0", 0, _MAX_TILE),
+        "max_coarse": _Opt("int", "64", 1, _MAX_TILE),
+        "coarse_units": _Opt("int", "0", 0, _MAX_TILE),
         "kmeans_iters": _Opt("int", "10", 0, 1000),
         "seeding": _Opt("str", "stride", choices=("stride", "kmeans++")),
         "seed": _Opt("int", "24301", -2**63, 2**63 - 1),
@@ -390,8 +393,13 @@ class _Ctx:
 
 
 class _Method:
+    """A method's interface; by itself, full attention."""
     name = "full"
     needs_meta = False
+
+    def describe(self):
+        """spade's describe() line of the method and its effective options."""
+        return "full"
 
     def reset(self):
         """A new sequence (batch): forget per-sequence state."""
@@ -422,7 +430,8 @@ class _Streaming(_Method):
         if c.layer < self.dense or self.budget >= c.L:
             return DENSE
         torch = c.torch
-        row = torch.cat([torch.arange(self.sinks), torch.arange(c.L - (self.budget - self.sinks), c.L)])
+        recent = torch.arange(c.L - (self.budget - self.sinks), c.L)
+        row = torch.cat([torch.arange(self.sinks), recent])
         return c.lists([row] * c.B, 1)
 
 
@@ -431,7 +440,8 @@ class _Quest(_Method):
     needs_meta = True
 
     def __init__(self, o):
-        self.budget, self.page, self.dense = o.int("budget"), o.int("page_size"), o.int("dense_layers")
+        self.budget, self.page = o.int("budget"), o.int("page_size")
+        self.dense = o.int("dense_layers")
         if o.str("group") != "max":
             _unsupported("quest", "group", o.str("group"), "group=max (spade.ops.quest_select)")
         if self.budget < self.page:
@@ -477,7 +487,8 @@ class _OracleTopP(_Method):
     name = "oracle-topp"
 
     def __init__(self, o):
-        self.p, self.union, self.dense = o.float("p"), o.str("group") == "union", o.int("dense_layers")
+        self.p, self.union = o.float("p"), o.str("group") == "union"
+        self.dense = o.int("dense_layers")
 
     def describe(self):
         return (f"oracle-topp p={self.p:g} group={'union' if self.union else 'mean'} "
@@ -904,7 +915,8 @@ class _LycheeCluster(_Method):
 
     def select(self, c):
         torch, L = c.torch, c.L
-        if c.layer < self.dense or (L <= self.budget if self.total else L <= self.sink + self.budget):
+        fits = L <= self.budget if self.total else L <= self.sink + self.budget
+        if c.layer < self.dense or fits:
             return DENSE
         q = c.q.float().cpu()
         sink = min(self.sink, L)
@@ -988,15 +1000,12 @@ def _make(name, given, model):
     return cls(o, model) if cls in (_Tidal, _LessIsMore) else cls(o)
 
 
-_Method.describe = lambda self: "full"
-
-
 class _Config:
     def __init__(self, method, page_size, n_layers):
         self.method, self.name = method, method.name
         self.P, self.n_layers, self.Hkv = page_size, n_layers, None
         self.stats = {"decode_steps": 0, "rows_read": 0, "rows_total": 0}
-        self.step_rows = []  # per decode step: tokens read per request, summed over (layer, KV head)
+        self.step_rows = []  # per decode step, per request: tokens read over (layer, KV head)
 
 
 class _PagedKV:
