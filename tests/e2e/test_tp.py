@@ -6,7 +6,8 @@
   present); no rank is left behind.
 - every CPU sparse method: generate --tp 2 --sparse M on stories260k (4 KV heads, budgets below
   its 60-token context) prints exactly --tp 1 --sparse M's greedy text (LessIsMore's one set
-  gathered across the ranks, LycheeDecode's roles sliced to each rank's heads).
+  gathered across the ranks, LycheeDecode's roles sliced to each rank's heads); SmolLM2 at
+  --tp 3 with lessismore and lycheedecode (its trained roles) when the model is present.
 - clear errors before any rank starts: --tp 2 on SmolLM2 (3 KV heads), --tp 0, --tp-rank
   without --dist-init, --recall under --tp.
 - serve --tp 2: a completion equals generate's text, and one with a per-request sparse method
@@ -132,6 +133,21 @@ def test_sparse_methods_equal():
               and len(one.stdout) > 20,
               f"--tp 2 --sparse {method} prints --tp 1's text: {two.stdout.strip()[-40:]!r} "
               f"({one.stderr.strip()[-200:]} {two.stderr.strip()[-200:]})")
+    # SmolLM2 at --tp 3 (one KV head per rank): LessIsMore's set gathered over 3 ranks, and
+    # LycheeDecode's trained roles (roles=auto) sliced to each rank's head.
+    if not os.path.exists(SMOLLM):
+        print("skip SmolLM2 --tp 3 sparse (no models/SmolLM2-135M-Instruct.Q4_1.gguf)")
+        return
+    with open(os.path.join(ROOT, "README.md")) as f:
+        long_prompt = f.read(1500)
+    for method in ("lessismore", "lycheedecode"):
+        flags = ("--sparse", method, "--sparse-opt", "budget=64", "--ignore-eos")
+        one = greedy(SMOLLM, long_prompt, 24, 1, *flags)
+        three = greedy(SMOLLM, long_prompt, 24, 3, *flags)
+        check(one.returncode == 0 and three.returncode == 0 and one.stdout == three.stdout
+              and len(one.stdout) > 20,
+              f"SmolLM2 --tp 3 --sparse {method} prints --tp 1's text: {three.stdout.strip()[-40:]!r} "
+              f"({three.stderr.strip()[-200:]})")
 
 
 def test_errors():
