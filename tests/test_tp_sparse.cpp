@@ -288,9 +288,11 @@ TEST_P(TpSparseRanks, SelectionsAndLogitsEqualOneRank) {
     int64_t sparse_heads = 0;
     for (const auto& [k, heads] : ref.trace)
       for (const auto& h : heads) sparse_heads += int64_t(h.size()) < kPrompt + 1 + std::get<1>(k);
-    if (spec == "full") EXPECT_TRUE(ref.trace.empty());
-    else if (spec.rfind("blasst:", 0) != 0 || spec.find("base=") != std::string::npos)
+    if (spec == "full") {
+      EXPECT_TRUE(ref.trace.empty());
+    } else if (spec.rfind("blasst:", 0) != 0 || spec.find("base=") != std::string::npos) {
       EXPECT_GT(sparse_heads, 0) << "the reference never selected sparsely";
+    }
     const RankRun got = tp_ranks(w, seqs, tp);
     expect_same(ref, got, spec + " --tp " + std::to_string(tp));
   }
