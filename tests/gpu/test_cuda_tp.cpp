@@ -187,16 +187,16 @@ constexpr double kTolLogits = 3e-2;  // test_cuda_model.cpp's GPU-vs-CPU bar (re
 
 // ---- sparse methods
 
-// One spec per GPU method and stack (budgets below the script's 300 / 200-token prompts).
-// tiny_config's 2 KV heads: one per rank at TP=2 (LycheeDecode's roles RR/SR/RS slice to
-// R/S/R and R/R/S).
+// One spec per GPU method and stack (budgets below the script's 300 / 200-token prompts), for
+// sparse_tp_config's 4 KV heads: two per rank at TP=2 (LycheeDecode's roles RRRR/SRRS/RSSR
+// slice to RR/SR/RS and RR/RS/SR).
 std::vector<std::string> gpu_tp_specs() {
   return {"streaming:budget=64,sinks=4",
           "quest:budget=64,dense_layers=1",
           "tidal:budget=64",
           "lessismore:budget=64",
-          "lycheedecode:roles=RR/SR/RS,budget=64",
-          "lycheedecode:roles=RR/SR/RS,mode=topp,p=0.9,block=16",
+          "lycheedecode:roles=RRRR/SRRS/RSSR,budget=64",
+          "lycheedecode:roles=RRRR/SRRS/RSSR,mode=topp,p=0.9,block=16",
           "oracle-topk:budget=64",
           "oracle-topp:p=0.9",
           "oracle-topp:p=0.9,group=mean",
@@ -274,6 +274,13 @@ int64_t compare_sel(const GpuSel& one, const GpuSel& mine, int r, int n, int B, 
     }
   }
   return compared;
+}
+
+// tiny_config with 4 KV heads (G = 2): two KV heads per rank at TP=2.
+ModelConfig sparse_tp_config() {
+  ModelConfig c = tiny_config(Arch::Llama, 128, 3, 4096);  // Hq 8, D 128, ffn 512
+  c.n_kv_heads = 4;
+  return c;
 }
 
 CudaModelOptions sparse_rank_options(bool graphs, const sparse::SparseConfig& sc,
@@ -416,7 +423,7 @@ TEST(CudaTp, SmolLM2Tp3MatchesTp1) {
 TEST(CudaTp, SparseMethodsTp2MatchTp1) {
   SKIP_UNLESS_GPUS(2);
 #if defined(SPADE_HAVE_NCCL)
-  ModelConfig c = tiny_config(Arch::Llama, 128, 3, 4096);  // Hq 8, Hkv 2, D 128
+  const ModelConfig c = sparse_tp_config();  // Hq 8, Hkv 4, D 128
   ModelWeights w = random_model(c, 93);
   round_weights_bf16(w);
   const Script s = make_script(c.vocab, 300, 200, 10, 7);
@@ -480,13 +487,13 @@ TEST(CudaTp, SparseMethodsTp2MatchTp1) {
 TEST(CudaTp, SparseMethodsPerRequestTp2) {
   SKIP_UNLESS_GPUS(2);
 #if defined(SPADE_HAVE_NCCL)
-  ModelConfig c = tiny_config(Arch::Llama, 128, 3, 4096);
+  const ModelConfig c = sparse_tp_config();
   ModelWeights w = random_model(c, 94);
   round_weights_bf16(w);
   const Script s = make_script(c.vocab, 300, 200, 8, 9);
   const std::vector<std::pair<std::string, std::string>> pairs = {
       {"lessismore:budget=64", "quest:budget=64,dense_layers=1"},
-      {"lycheedecode:roles=RR/SR/RS,budget=64", "tidal:budget=64"},
+      {"lycheedecode:roles=RRRR/SRRS/RSSR,budget=64", "tidal:budget=64"},
       {"oracle-topk:budget=64", "twilight:base=quest,budget=128"}};
   for (const auto& [ma, mb] : pairs) {
     SCOPED_TRACE(ma + " | " + mb);
