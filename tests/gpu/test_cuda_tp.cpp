@@ -428,46 +428,53 @@ TEST(CudaTp, SparseMethodsTp2MatchTp1) {
   round_weights_bf16(w);
   const Script s = make_script(c.vocab, 300, 200, 10, 7);
   const int n = 2;
-  int64_t all_compared = 0, all_differ = 0;
-  for (const std::string& spec : gpu_tp_specs()) {
-    SCOPED_TRACE(spec);
-    const auto sc = sparse::SparseConfig::parse_spec(spec);
-    for (bool graphs : {false, true}) {
-      GpuSel one_sel;
-      std::vector<std::vector<float>> want;
-      {
-        SPADE_CUDA(cudaSetDevice(0));
-        CudaModel m(w, sparse_rank_options(graphs, sc, c));
-        want = run_sparse_script(m, s, graphs ? nullptr : &one_sel);
-      }
-      std::vector<GpuSel> sel(static_cast<size_t>(n));
-      std::vector<std::vector<float>> got;
-      auto err = run_gpu_ranks(n, [&](Communicator& tcp) {
-        const int r = tcp.rank();
-        SPADE_CUDA(cudaSetDevice(r));
-        ModelWeights shard = shard_weights(w, r, n);
-        NcclCommunicator nccl(tcp, r);
-        CudaModelOptions o = sparse_rank_options(graphs, sc, c);
-        o.tp = &nccl;
-        o.logits = r == 0;
-        o.tp_model = c;
-        o.tp_kv0 = r * shard.config.n_kv_heads;
-        CudaModel m(shard, o);
-        auto lg = run_sparse_script(m, s, graphs ? nullptr : &sel[size_t(r)]);
-        if (r == 0) got = std::move(lg);
-        nccl.barrier();
-      });
-      expect_ok(err);
-      const double worst = compare_steps(got, want, kTolLogits, graphs ? "graphs on" : "graphs off");
-      int64_t compared = 0, differ = 0;
-      if (!graphs)
-        for (int r = 0; r < n; ++r)
-          compared += compare_sel(one_sel, sel[size_t(r)], r, n, 2, c.n_kv_heads, &differ, spec);
-      all_compared += compared, all_differ += differ;
-      std::printf("[cuda tp] %s TP=2 vs TP=1 (graphs %s): worst rel err %.3g; selections: %lld "
-                  "lists compared, %lld differ\n", spec.c_str(), graphs ? "on" : "off", worst,
-                  (long long)compared, (long long)differ);
+  const std::vector<std::string> specs = gpu_tp_specs();
+  // Runs k = 2 * spec + graphs: TP=1 first (GPU 0), then every run on the ranks, which join
+  // NCCL once.
+  const size_t runs = specs.size() * 2;
+  std::vector<std::vector<std::vector<float>>> want(runs), got(runs);
+  std::vector<GpuSel> one_sel(runs);
+  std::vector<std::vector<GpuSel>> sel(runs, std::vector<GpuSel>(static_cast<size_t>(n)));
+  for (size_t k = 0; k < runs; ++k) {
+    const bool graphs = k % 2 == 1;
+    SPADE_CUDA(cudaSetDevice(0));
+    CudaModel m(w, sparse_rank_options(graphs, sparse::SparseConfig::parse_spec(specs[k / 2]), c));
+    want[k] = run_sparse_script(m, s, graphs ? nullptr : &one_sel[k]);
+  }
+  auto err = run_gpu_ranks(n, [&](Communicator& tcp) {
+    const int r = tcp.rank();
+    SPADE_CUDA(cudaSetDevice(r));
+    ModelWeights shard = shard_weights(w, r, n);
+    NcclCommunicator nccl(tcp, r);
+    for (size_t k = 0; k < runs; ++k) {
+      const bool graphs = k % 2 == 1;
+      CudaModelOptions o =
+          sparse_rank_options(graphs, sparse::SparseConfig::parse_spec(specs[k / 2]), c);
+      o.tp = &nccl;
+      o.logits = r == 0;
+      o.tp_model = c;
+      o.tp_kv0 = r * shard.config.n_kv_heads;
+      CudaModel m(shard, o);
+      auto lg = run_sparse_script(m, s, graphs ? nullptr : &sel[k][size_t(r)]);
+      if (r == 0) got[k] = std::move(lg);
+      nccl.barrier();
     }
+  });
+  expect_ok(err);
+  int64_t all_compared = 0, all_differ = 0;
+  for (size_t k = 0; k < runs; ++k) {
+    const std::string& spec = specs[k / 2];
+    const bool graphs = k % 2 == 1;
+    SCOPED_TRACE(spec);
+    const double worst = compare_steps(got[k], want[k], kTolLogits, graphs ? "graphs on" : "graphs off");
+    int64_t compared = 0, differ = 0;
+    if (!graphs)
+      for (int r = 0; r < n; ++r)
+        compared += compare_sel(one_sel[k], sel[k][size_t(r)], r, n, 2, c.n_kv_heads, &differ, spec);
+    all_compared += compared, all_differ += differ;
+    std::printf("[cuda tp] %s TP=2 vs TP=1 (graphs %s): worst rel err %.3g; selections: %lld "
+                "lists compared, %lld differ\n", spec.c_str(), graphs ? "on" : "off", worst,
+                (long long)compared, (long long)differ);
   }
   // Near-tie swaps only: almost every list is TP=1's exactly (the ranks' residual is TP=1's up
   // to the all-reduce's fp32 summation order, so a bf16 query element may round the other way).
