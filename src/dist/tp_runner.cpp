@@ -225,10 +225,11 @@ class RankSessions {
 
 namespace {
 
-// Rank 0's state of a request with a sparse method: its session, and what the followers are
-// told with its next step (the method on the first, the token text given since).
-// CPU ranks: rank 0's session; GPU ranks: rank 0's CudaModel request state (its CudaModel runs
-// the method on the rank's heads).
+// Rank 0's state of a request with a sparse method: rank 0's part of it (CPU ranks: its
+// session; GPU ranks: its CudaModel's request state, the model running the method on the
+// rank's heads) and what the followers are told with the request's next step (the method on
+// the first, the token text given since). One state serves one sequence from its first step
+// to its release.
 class TpMethodState : public sparse::MethodState {
  public:
   TpMethodState(sparse::SparseConfig cfg, std::unique_ptr<sparse::SparseSession> s,
@@ -256,6 +257,7 @@ class TpMethodState : public sparse::MethodState {
   sparse::MethodState* device() { return device_.get(); }
   const sparse::SparseConfig& config() const { return cfg_; }
   std::vector<std::string> take_text() { return std::exchange(text_, {}); }
+  uint64_t seq = 0;  // the plan id of its sequence, once it has run
 
  private:
   sparse::SparseConfig cfg_;
@@ -459,6 +461,9 @@ const std::vector<SeqInput>& TpStepModel::begin_step(const std::vector<SeqInput>
       SPADE_CHECK(s.tokens[t] >= 0 && s.tokens[t] < c.vocab, "token id ", s.tokens[t],
                   " outside the vocabulary (", c.vocab, " tokens)");
     auto it = seqs_.find(s.pages);
+    if (const auto* st = static_cast<const TpMethodState*>(s.device_state))
+      SPADE_CHECK(st->seq == (it == seqs_.end() ? 0 : it->second.id), "--tp: a request state "
+                  "serves one sequence (make a new one with new_request_state)");
     if (it == seqs_.end())
       SPADE_CHECK(s.pages->length == 0 && s.pages->pages.empty(),
                   "tensor parallelism: a sequence of ", s.pages->length,
@@ -491,6 +496,7 @@ const std::vector<SeqInput>& TpStepModel::begin_step(const std::vector<SeqInput>
       // The request's method: rank 0's session (or GPU state) here, the followers' in their
       // loop.
       if (fresh) {
+        st->seq = q.id;
         q.has_method = true;
         q.method = st->config();
         if (st->session()) sessions_->trace(*st->session(), q.id);
