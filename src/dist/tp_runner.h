@@ -39,8 +39,9 @@
 // rank's heads (CudaModelOptions::tp_model / tp_kv0: LycheeDecode's roles sliced). Every
 // method attends on the model's stream under TP (NCCL collectives of one communicator must
 // not overlap); LessIsMore gathers its merge keys with an all-reduce on that stream, inside
-// the captured decode graph too. Compiled here, untested until a multi-GPU run
-// (tests/gpu/test_cuda_tp.cpp CudaTp.SparseMethods*).
+// the captured decode graph too. On two H200s the runner with per-request methods and
+// `generate --device cuda --tp 2 --sparse M` matched TP=1; selections can differ from TP=1's
+// at near-ties (tests/gpu/test_cuda_tp.cpp CudaTp.SparseMethods*).
 //
 // GPU ranks (TpInit::cuda; tp_cuda.cpp, CUDA builds with NCCL): each rank is one process on
 // its own GPU (rank r takes device r mod the visible GPUs), a CudaModel of its shard whose
