@@ -54,9 +54,10 @@ if [ "${SPEED:-1}" = 1 ]; then
     --gtest_filter='CudaTp.SpeedProbe' >>"$OUT/speed_tp.log" 2>&1 || rc3=$?
   # Every GPU method at the 70B 128K x 1 shape on every rank count that fits (their speed-up
   # over full attention there; METHODS_70B="" skips).
-  # LycheeDecode on random weights has no trained roles: a synthetic pattern, one retrieval KV
-  # head of 8 per layer (its first); Twilight on the GPU takes an explicit base budget.
-  LD70=$(python3 -c "print('/'.join(['RSSSSSSS'] * 80))")
+  # LycheeDecode on random weights has no trained roles: a synthetic pattern, layer 0 all
+  # retrieval (the method requires it: the first token sets come from it), then one retrieval
+  # KV head of 8 per layer; Twilight on the GPU takes an explicit base budget.
+  LD70=$(python3 -c "print('/'.join(['RRRRRRRR'] + ['RSSSSSSS'] * 79))")
   M70=${METHODS_70B-"full;streaming:budget=4096;quest:budget=4096;tidal:budget=4096;lessismore:budget=4096;lycheedecode:budget=4096,roles=$LD70;lycheecluster:budget=4096;twilight:budget=4096;blasst;oracle-topk:budget=4096"}
   [ -n "$M70" ] && { SPADE_TP_SPEED=1 SPADE_TP_JSON=$OUT/tp_speed_methods.jsonl SPADE_TP_MODEL=llama3-70b \
     SPADE_TP_RANKS=$NG SPADE_TP_SHAPES=130900:1 SPADE_TP_METHODS="$M70" timeout 400 ./$B/spade_gpu_tests \
