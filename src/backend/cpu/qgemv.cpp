@@ -22,6 +22,7 @@ const char* simd_level_name(SimdLevel l) {
     case SimdLevel::Scalar: return "scalar";
     case SimdLevel::Avx2: return "avx2";
     case SimdLevel::Avx512: return "avx512";
+    case SimdLevel::Neon: return "neon";
   }
   return "?";
 }
@@ -39,22 +40,31 @@ SimdLevel detected_simd_level() {
     return avx512 ? SimdLevel::Avx512 : avx2 ? SimdLevel::Avx2 : SimdLevel::Scalar;
   }();
   return level;
+#elif SPADE_QGEMV_NEON
+  return SimdLevel::Neon;  // Advanced SIMD is part of every aarch64 CPU
 #else
   return SimdLevel::Scalar;
 #endif
 }
 
+bool simd_level_supported(SimdLevel l) {
+  const SimdLevel d = detected_simd_level();
+  if (l == SimdLevel::Scalar || l == d) return true;
+  return d != SimdLevel::Neon && l != SimdLevel::Neon && int(l) <= int(d);
+}
+
 namespace {
-std::atomic<int> g_forced{-1};
+constexpr int kNotForced = -100;
+std::atomic<int> g_forced{kNotForced};
 }
 
 SimdLevel simd_level() {
   int f = g_forced.load(std::memory_order_relaxed);
-  return f < 0 ? detected_simd_level() : SimdLevel(f);
+  return f == kNotForced ? detected_simd_level() : SimdLevel(f);
 }
 
 SimdLevel set_simd_level(SimdLevel l) {
-  SPADE_CHECK(int(l) <= int(detected_simd_level()), "SIMD level ", simd_level_name(l),
+  SPADE_CHECK(simd_level_supported(l), "SIMD level ", simd_level_name(l),
               " is not supported by this CPU (best: ", simd_level_name(detected_simd_level()), ")");
   SimdLevel prev = simd_level();
   g_forced.store(int(l), std::memory_order_relaxed);
@@ -435,6 +445,11 @@ void rows_generic(const RowJob& j, int64_t n0, int64_t n1, SimdLevel level) {
         j.y[m * j.ldy + n] = dot_avx2(row.data(), j.x + m * j.K, j.K);
         continue;
       }
+#elif SPADE_QGEMV_NEON
+      if (level == SimdLevel::Neon) {
+        j.y[m * j.ldy + n] = dot_neon(row.data(), j.x + m * j.K, j.K);
+        continue;
+      }
 #endif
       j.y[m * j.ldy + n] = dot_scalar(row.data(), j.x + m * j.K, j.K);
     }
@@ -509,6 +524,8 @@ void rows_dispatch(const RowJob& j, int64_t n0, int64_t n1, SimdLevel level) {
       default: return rows_generic(j, n0, n1, level);
     }
   }
+#elif SPADE_QGEMV_NEON
+  if (level == SimdLevel::Neon && rows_neon(j, n0, n1)) return;
 #endif
   switch (j.w->dtype) {
     case DType::Q8_0: return rows_scalar<DType::Q8_0>(j, n0, n1);
@@ -542,7 +559,7 @@ RowJob make_job(const float* x, int64_t M, const QuantMatrix& w, float* y, int64
 void qgemv_rows(const float* x, int64_t M, const QuantMatrix& w, int64_t n0, int64_t n1,
                 float* y, int64_t ldy, SimdLevel level) {
   check_matrix(w);
-  SPADE_CHECK(int(level) <= int(detected_simd_level()), "qgemv_rows: SIMD level ",
+  SPADE_CHECK(simd_level_supported(level), "qgemv_rows: SIMD level ",
               simd_level_name(level), " is not supported here");
   std::vector<float> xs;
   rows_dispatch(make_job(x, M, w, y, ldy, xs), n0, n1, level);

@@ -4,7 +4,8 @@
 // activations (x is never quantized); larger M (prefill) dequantizes a tile of weight rows at a
 // time and runs BLAS sgemm on it. The SIMD level (scalar, AVX2+FMA+F16C, AVX-512) is chosen at
 // run time from the CPU's features, so one binary runs on every x86-64; tests force lower levels
-// through set_simd_level. Tested against dequantize-then-dot in tests/test_qgemv.cpp.
+// through set_simd_level. On aarch64 the level is NEON (qgemv_neon.cpp). Tested against
+// dequantize-then-dot in tests/test_qgemv.cpp (NEON: under qemu, scripts/check_neon.sh).
 #pragma once
 #include <cstdint>
 
@@ -24,17 +25,22 @@ struct QuantMatrix {
   }
 };
 
-enum class SimdLevel : int { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+// x86 levels are ordered (a CPU with one runs those below it). Neon (aarch64, qgemv_neon.cpp)
+// stands apart: negative, so code comparing x86 levels by number never takes it for one; a CPU
+// with it runs Neon and Scalar.
+enum class SimdLevel : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Neon = -1 };
 const char* simd_level_name(SimdLevel l);
 SimdLevel detected_simd_level();  // the best this CPU (and compiler) supports
 SimdLevel simd_level();           // the one in use: detected unless forced
-// Forces a level (tests, benchmarks); throws spade::Error above detected_simd_level().
+// Whether this CPU runs l: Scalar, the detected level, and (x86) the levels below it.
+bool simd_level_supported(SimdLevel l);
+// Forces a level (tests, benchmarks); throws spade::Error where !simd_level_supported(l).
 // Returns the previous one. Not thread-safe against running products.
 SimdLevel set_simd_level(SimdLevel l);
 
 // Types with a fused kernel at AVX2 / AVX-512: Q8_0, Q4_0, Q4_1 (qgemv.cpp), Q4_K, Q5_K, Q6_K
-// (qgemv_kquant.cpp), f16, bf16 (qgemv_half.cpp). The others, and every type at the scalar
-// level, decode a row, then dot it.
+// (qgemv_kquant.cpp), f16, bf16 (qgemv_half.cpp); the same at NEON (qgemv_neon.cpp). The
+// others, and every type at the scalar level, decode a row, then dot it.
 bool qgemv_fused(DType t);
 
 // y[M,N] = x[M,K] * W[N,K]^T (+ bias[N]); any stored type dequantize() reads. M <= kGemvMaxM

@@ -1,6 +1,6 @@
 // Internals the qgemv files share (not a public header): the x86 SIMD setup, the row job every
 // GEMV kernel gets, horizontal sums, and the entry points of the per-type kernel files
-// (qgemv_kquant.cpp: Q4_K / Q5_K / Q6_K; qgemv_half.cpp: f16 / bf16).
+// (qgemv_kquant.cpp: Q4_K / Q5_K / Q6_K; qgemv_half.cpp: f16 / bf16; qgemv_neon.cpp: aarch64).
 #pragma once
 #include <cstdint>
 
@@ -31,6 +31,9 @@
 #else
 #define SPADE_NO_CONTRACT __attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off")))
 #endif
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define SPADE_QGEMV_NEON 1
 #endif
 
 namespace spade::cpu::qgemv_detail {
@@ -70,6 +73,13 @@ void rows_half(const RowJob& j, int64_t n0, int64_t n1, SimdLevel level);    // 
 // n elements (whole blocks) -> fp32 with AVX2, the values dequantize_serial gives (bit for bit).
 void dequant_tile_kquant(DType t, const uint8_t* src, float* dst, int64_t n);
 void dequant_tile_half(DType t, const uint8_t* src, float* dst, int64_t n);
+#endif
+
+#if SPADE_QGEMV_NEON
+// qgemv_neon.cpp: output rows [n0, n1) of j at the NEON level; false (nothing written) for a
+// type without a fused kernel. dot_neon: the dot of n floats (the unfused types' rows).
+bool rows_neon(const RowJob& j, int64_t n0, int64_t n1);
+float dot_neon(const float* a, const float* b, int64_t n);
 #endif
 
 }  // namespace spade::cpu::qgemv_detail
