@@ -17,6 +17,8 @@ PKGS=(
   bible-kjv                          # the `bible` reader of that text (scripts/main_job.sh)
   python3-torch python3-venv         # CPU torch 1.13 for tests/python/test_hardkuma.py (below)
   python3-matplotlib                 # scripts/eval_plot.py (and its test)
+  g++-aarch64-linux-gnu qemu-user    # the NEON GEMV built for aarch64, run under emulation
+                                     # (scripts/check_neon.sh; ~70 MB)
 )
 missing=()
 for p in "${PKGS[@]}"; do
