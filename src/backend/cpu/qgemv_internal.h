@@ -2,7 +2,9 @@
 // GEMV kernel gets, horizontal sums, and the entry points of the per-type kernel files
 // (qgemv_kquant.cpp: Q4_K / Q5_K / Q6_K; qgemv_half.cpp: f16 / bf16; qgemv_neon.cpp: aarch64).
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cpu/qgemv.h"
 
@@ -81,5 +83,20 @@ void dequant_tile_half(DType t, const uint8_t* src, float* dst, int64_t n);
 bool rows_neon(const RowJob& j, int64_t n0, int64_t n1);
 float dot_neon(const float* a, const float* b, int64_t n);
 #endif
+
+// The x rows of a GEMV in blocks of up to four (each weight block decoded once for a block):
+// f(m0, std::integral_constant<int, R>{}) for the block of R rows from row m0, R in 1..4 (the
+// kernels' row count is a template argument).
+template <class F>
+inline void for_x_blocks(int64_t M, F&& f) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: f(m0, std::integral_constant<int, 1>{}); break;
+      case 2: f(m0, std::integral_constant<int, 2>{}); break;
+      case 3: f(m0, std::integral_constant<int, 3>{}); break;
+      default: f(m0, std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
 
 }  // namespace spade::cpu::qgemv_detail

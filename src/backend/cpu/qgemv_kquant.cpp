@@ -239,24 +239,12 @@ SPADE_AVX2 void rows_avx2(const RowJob& j, int64_t m0, int64_t n0, int64_t n1) {
 
 template <DType T>
 void rows_t(const RowJob& j, int64_t n0, int64_t n1, SimdLevel level) {
-  for (int64_t m0 = 0; m0 < j.M; m0 += 4) {
-    const int64_t mr = std::min<int64_t>(4, j.M - m0);
-    if (level == SimdLevel::Avx512) {
-      switch (mr) {
-        case 1: rows_avx512<T, 1>(j, m0, n0, n1); break;
-        case 2: rows_avx512<T, 2>(j, m0, n0, n1); break;
-        case 3: rows_avx512<T, 3>(j, m0, n0, n1); break;
-        default: rows_avx512<T, 4>(j, m0, n0, n1); break;
-      }
-    } else {
-      switch (mr) {
-        case 1: rows_avx2<T, 1>(j, m0, n0, n1); break;
-        case 2: rows_avx2<T, 2>(j, m0, n0, n1); break;
-        case 3: rows_avx2<T, 3>(j, m0, n0, n1); break;
-        default: rows_avx2<T, 4>(j, m0, n0, n1); break;
-      }
-    }
-  }
+  for_x_blocks(j.M, [&](int64_t m0, auto rows) {
+    if (level == SimdLevel::Avx512)
+      rows_avx512<T, decltype(rows)::value>(j, m0, n0, n1);
+    else
+      rows_avx2<T, decltype(rows)::value>(j, m0, n0, n1);
+  });
 }
 
 // The scalar dequantizer's values: Q4_K / Q5_K ds * code - dm (a product, then a difference:

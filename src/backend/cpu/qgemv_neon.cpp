@@ -337,14 +337,7 @@ void rows_mr(const RowJob& j, int64_t m0, int64_t n0, int64_t n1) {
 // x rows four at a time (each weight block decoded once for them), the tail 1-3.
 template <DType T>
 bool rows_t(const RowJob& j, int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < j.M; m0 += 4) {
-    switch (std::min<int64_t>(4, j.M - m0)) {
-      case 1: rows_mr<T, 1>(j, m0, n0, n1); break;
-      case 2: rows_mr<T, 2>(j, m0, n0, n1); break;
-      case 3: rows_mr<T, 3>(j, m0, n0, n1); break;
-      default: rows_mr<T, 4>(j, m0, n0, n1); break;
-    }
-  }
+  for_x_blocks(j.M, [&](int64_t m0, auto rows) { rows_mr<T, decltype(rows)::value>(j, m0, n0, n1); });
   return true;
 }
 
